@@ -1,0 +1,62 @@
+"""Memory accounting: bytes per decoder linear layer and in total, by format.
+
+bits_per_weight counts every byte a linear layer stores (packed codes, group scales, global
+scales) over its number of weights: nvfp4 4.5 (+32 bits per tensor), mxfp4 4.25, nf4 4.5
+(4.127 with double quantisation), bf16 16.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from qerl.nn.quant_linear import QuantLinear
+
+
+def _linear_bytes_and_weights(mod: nn.Module) -> tuple[int, int]:
+    if isinstance(mod, QuantLinear):
+        nbytes = sum(b.numel() * b.element_size() for b in mod.quant_tensors().values())
+        return nbytes, mod.in_features * mod.out_features
+    w = mod.weight
+    return w.numel() * w.element_size(), w.numel()
+
+
+def memory_report(model: nn.Module) -> dict:
+    """{'per_layer': {name: {'bytes', 'weights', 'bits_per_weight', 'format'}}, 'linear_bytes',
+    'linear_weights', 'bits_per_weight', 'total_bytes'} for the decoder linear layers
+    (QuantLinear or nn.Linear under `.layers.`); total_bytes counts every parameter and buffer
+    once (tied embeddings counted once)."""
+    from qerl.quantize import decoder_linears
+
+    layers = dict(decoder_linears(model))
+    layers.update({n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)})
+    per_layer = {}
+    for name, mod in layers.items():
+        nbytes, nweights = _linear_bytes_and_weights(mod)
+        per_layer[name] = {
+            "bytes": nbytes,
+            "weights": nweights,
+            "bits_per_weight": 8 * nbytes / nweights,
+            "format": mod.fmt if isinstance(mod, QuantLinear) else str(mod.weight.dtype).replace("torch.", ""),
+        }
+    linear_bytes = sum(v["bytes"] for v in per_layer.values())
+    linear_weights = sum(v["weights"] for v in per_layer.values())
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return {
+        "per_layer": per_layer,
+        "linear_bytes": linear_bytes,
+        "linear_weights": linear_weights,
+        "bits_per_weight": 8 * linear_bytes / max(linear_weights, 1),
+        "total_bytes": total,
+    }
+
+
+def checkpoint_bytes(path: str | Path) -> int:
+    """Size of the weight files (*.safetensors) of a saved checkpoint."""
+    return sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))

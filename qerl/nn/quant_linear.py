@@ -1,0 +1,148 @@
+"""QuantLinear: a linear layer whose weight is frozen in a 4-bit format (nvfp4, mxfp4, nf4).
+
+The packed tensors are buffers named as in the checkpoint (weight_packed, weight_scale, ...),
+so a model's state_dict is the compressed-tensors layout. They never receive gradients;
+inputs do, so LoRA adapters and anything before the layer train normally.
+
+Forward, by backend (`auto` | `torch` | `triton`):
+- torch (always on CPU): F.linear with the dequantised weight. On CPU the dequantised weight
+  is cached (weights are frozen, CPU runs are small); on a GPU the torch path dequantises
+  each call on purpose: for nf4 that is the honest QLoRA baseline.
+- triton (CUDA, nvfp4/mxfp4): the fused 4-bit x bf16 kernels of qerl.kernels, which read the
+  packed weight and never build a bf16 copy, in forward or backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qerl.formats import QUANTIZED_FORMATS, FormatError, dequantize_weight, quantize_weight
+
+# Shapes of each format's tensors for a weight [out, in]; used to allocate buffers so that
+# load_state_dict can fill a freshly built model.
+_BUFFER_SPECS = {
+    "nvfp4": lambda n, k: {
+        "weight_packed": ((n, k // 2), torch.uint8),
+        "weight_scale": ((n, k // 16), torch.float8_e4m3fn),
+        "weight_global_scale": ((1,), torch.float32),
+    },
+    "mxfp4": lambda n, k: {
+        "weight_packed": ((n, k // 2), torch.uint8),
+        "weight_scale": ((n, k // 32), torch.uint8),
+    },
+    "nf4": lambda n, k: {
+        "weight_packed": ((n, k // 2), torch.uint8),
+        "weight_absmax": ((n, k // 64), torch.float32),
+    },
+    "nf4-dq": lambda n, k: {
+        "weight_packed": ((n, k // 2), torch.uint8),
+        "weight_absmax_q": ((n, k // 64), torch.int8),
+        "weight_absmax_scale": ((-(-(n * k // 64) // 256),), torch.float32),
+        "weight_absmax_offset": ((1,), torch.float32),
+    },
+}
+
+
+class QuantLinear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        fmt: str,
+        bias: bool = False,
+        *,
+        double_quant: bool = False,
+        backend: str = "auto",
+        device=None,
+        compute_dtype: torch.dtype = torch.bfloat16,
+    ):
+        super().__init__()
+        if fmt not in QUANTIZED_FORMATS:
+            raise FormatError(f"QuantLinear format must be one of {', '.join(QUANTIZED_FORMATS)}, got {fmt!r}")
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        self.backend = backend
+        self.compute_dtype = compute_dtype
+        spec = _BUFFER_SPECS["nf4-dq" if fmt == "nf4" and double_quant else fmt](out_features, in_features)
+        for name, (shape, dtype) in spec.items():
+            self.register_buffer(name, torch.empty(shape, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device), requires_grad=False) if bias else None
+        self._cache: dict = {}
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: str, backend: str = "auto", **options) -> "QuantLinear":
+        tensors = quantize_weight(linear.weight.detach(), fmt, **options)
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            fmt,
+            bias=linear.bias is not None,
+            double_quant=bool(options.get("double_quant")),
+            backend=backend,
+            device=linear.weight.device,
+            compute_dtype=linear.weight.dtype if linear.weight.dtype.is_floating_point else torch.bfloat16,
+        )
+        layer.load_tensors(tensors)
+        if linear.bias is not None:
+            layer.bias.data.copy_(linear.bias.detach())
+        return layer
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, buf in self.quant_tensors().items():
+            src = tensors[name]
+            if src.shape != buf.shape or src.dtype != buf.dtype:
+                raise FormatError(
+                    f"{self.fmt} tensor {name}: expected {tuple(buf.shape)} {buf.dtype}, got {tuple(src.shape)} {src.dtype}"
+                )
+            buf.copy_(src)
+        self._cache.clear()
+
+    def quant_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.named_buffers(recurse=False))
+
+    # ---- compute ------------------------------------------------------------------------
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize_weight(self.quant_tensors(), self.fmt, dtype or self.compute_dtype)
+
+    def _resolved_backend(self, x: torch.Tensor) -> str:
+        if x.device.type != "cuda" or self.backend == "torch":
+            return "torch"
+        from qerl import kernels  # imported lazily: keeps `import qerl` free of triton
+
+        return kernels.resolve_backend(self.backend, x.device, self.fmt)
+
+    def kernel_state(self) -> dict:
+        key = ("kernel", self.weight_packed.device)
+        if key not in self._cache:
+            from qerl import kernels
+
+            self._cache[key] = kernels.prepare(self.fmt, self.quant_tensors())
+        return self._cache[key]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._resolved_backend(x) == "triton":
+            from qerl import kernels
+
+            return kernels.linear(x, self.kernel_state(), self.fmt, self.bias, backend="triton")
+        if x.device.type == "cpu":
+            key = ("dense", x.dtype)
+            if key not in self._cache:
+                self._cache[key] = self.dequantized_weight(x.dtype)
+            w = self._cache[key]
+        else:
+            w = self.dequantized_weight(x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+    # ---- housekeeping -------------------------------------------------------------------
+    def _apply(self, fn, recurse=True):
+        self._cache.clear()  # moved or cast: cached dense / kernel layouts are stale
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._cache.clear()
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, bias={self.bias is not None}"

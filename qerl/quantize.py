@@ -1,0 +1,113 @@
+"""quantize_: convert a Hugging Face causal LM's decoder linear layers to QuantLinear in place.
+
+lm_head, embeddings and norms stay in their dtype (bf16). For nvfp4, the tensors that a
+serving engine fuses share one global scale: q/k/v of each attention block and gate/up of each
+MLP (the smallest g of the group, i.e. from the group's largest amax), as vLLM expects.
+
+    summary = quantize_(model, "nvfp4")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from qerl.formats import GROUP_SIZE, NOMINAL_BITS, FormatError, check_format, nvfp4
+from qerl.nn.quant_linear import QuantLinear
+
+# Children of one module whose weights vLLM fuses into one matrix.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+NOT_QUANTISED = ("lm_head",)
+
+__all__ = ["FormatError", "QuantSummary", "check_format", "decoder_linears", "quantize_"]
+
+
+@dataclass
+class QuantSummary:
+    format: str
+    layers_quantized: list[str] = field(default_factory=list)
+    layers_skipped: list[str] = field(default_factory=list)  # left bf16 (allowed fallback)
+    bits_per_weight: float = 16.0
+
+
+def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """Every nn.Linear of the decoder blocks, by qualified name (lm_head and others excluded)."""
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and ".layers." in f".{name}" and name.split(".")[-1] not in NOT_QUANTISED:
+            out[name] = mod
+    return out
+
+
+def _set_child(model: nn.Module, qualified: str, new: nn.Module) -> None:
+    parent_name, _, child = qualified.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def _fused_global_scales(linears: dict[str, nn.Linear]) -> dict[str, object]:
+    scales = {}
+    parents: dict[str, dict[str, str]] = {}
+    for name in linears:
+        parent, _, child = name.rpartition(".")
+        parents.setdefault(parent, {})[child] = name
+    for parent, children in parents.items():
+        for group in FUSED_GROUPS:
+            names = [children[c] for c in group if c in children]
+            if len(names) > 1:
+                g = nvfp4.shared_global_scale([linears[n].weight for n in names])
+                scales.update({n: g for n in names})
+    return scales
+
+
+def quantize_(
+    model: nn.Module,
+    fmt: str,
+    *,
+    allow_bf16_fallback: bool = False,
+    mxfp4_scale_rule: str = "ct",
+    nf4_double_quant: bool = False,
+    backend: str = "auto",
+    progress: bool = True,
+) -> QuantSummary:
+    check_format(fmt)
+    summary = QuantSummary(format=fmt)
+    linears = decoder_linears(model)
+    if fmt == "bf16":
+        summary.layers_skipped = []
+        return summary
+    group = GROUP_SIZE[fmt]
+    bad = {n: m for n, m in linears.items() if m.in_features % group}
+    if bad and not allow_bf16_fallback:
+        name, mod = next(iter(bad.items()))
+        raise FormatError(
+            f"layer {name} has input dimension {mod.in_features}, not divisible by the {fmt} group size {group} "
+            f"({len(bad)} such layers); set allow_bf16_fallback to keep them bf16"
+        )
+    gscales = _fused_global_scales(linears) if fmt == "nvfp4" else {}
+    items = list(linears.items())
+    if progress:
+        from tqdm.auto import tqdm
+
+        items = tqdm(items, desc=f"quantize {fmt}", unit="layer", leave=False)
+    for name, lin in items:
+        if name in bad:
+            summary.layers_skipped.append(name)
+            continue
+        options = {}
+        if fmt == "nvfp4" and name in gscales:
+            options["weight_global_scale"] = gscales[name]
+        elif fmt == "mxfp4":
+            options["scale_rule"] = mxfp4_scale_rule
+        elif fmt == "nf4":
+            options["double_quant"] = nf4_double_quant
+        try:
+            q = QuantLinear.from_linear(lin, fmt, backend=backend, **options)
+        except FormatError as e:
+            raise FormatError(f"layer {name}: {e}") from None
+        _set_child(model, name, q)
+        summary.layers_quantized.append(name)
+    from qerl.memory import memory_report
+
+    summary.bits_per_weight = memory_report(model)["bits_per_weight"] if summary.layers_quantized else NOMINAL_BITS["bf16"]
+    return summary
