@@ -191,3 +191,17 @@ def _load_pretrained(spec: ModelSpec):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"cannot load model {spec.name!r}: {first}") from None
     return model, tok
+
+
+def inference_dtype(device) -> torch.dtype:
+    """bf16 on GPUs; float32 on CPUs, most of which have no bf16 units: measured here
+    (2 cores, SmolLM2-135M, batch 8) a bf16 prefill took 26 s against 3.8 s in float32, and a
+    decode step 0.29 s against 0.12 s. Upcasting bf16 (or dequantised 4-bit) weights to float32
+    is exact, so results are those of the stored weights."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def to_inference(model, device="cpu"):
+    """Move a (possibly quantised) model to `device` in its inference dtype, eval mode.
+    QuantLinear keeps its packed tensors; only the compute dtype changes."""
+    return model.to(device=device, dtype=inference_dtype(device)).eval()

@@ -157,3 +157,19 @@ def test_llm_compressor_oneshot_matches_our_quantizer(tmp_path):
             assert torch.equal(q.weight_packed, b.weight_packed), name
             assert torch.equal(q.weight_scale.view(torch.uint8), b.weight_scale.view(torch.uint8)), name
             assert torch.equal(q.weight_global_scale, b.weight_global_scale), name
+
+
+def test_casting_a_quantised_model_keeps_packed_dtypes(tiny):
+    from qerl.model import to_inference
+
+    quantize_(tiny, "nvfp4", progress=False)
+    x = torch.randint(0, 49152, (1, 6))
+    ref = tiny(x).logits.float()
+    to_inference(tiny, "cpu")
+    q = tiny.model.layers[0].self_attn.q_proj
+    assert q.weight_scale.dtype == torch.float8_e4m3fn and q.weight_packed.dtype == torch.uint8
+    assert q.weight_global_scale.dtype == torch.float32 and q.compute_dtype == torch.float32
+    out = tiny(x).logits
+    assert out.dtype == torch.float32
+    # same stored weights, float32 arithmetic instead of bf16: close, not equal
+    assert ((out - ref).norm() / ref.norm()).item() < 2e-2

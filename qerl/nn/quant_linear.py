@@ -137,8 +137,21 @@ class QuantLinear(nn.Module):
 
     # ---- housekeeping -------------------------------------------------------------------
     def _apply(self, fn, recurse=True):
+        """Moves follow the module; casts (model.float(), .half()) do not touch the packed
+        tensors, whose dtypes are the format. They change the compute dtype instead."""
         self._cache.clear()  # moved or cast: cached dense / kernel layouts are stale
-        return super()._apply(fn, recurse)
+        packed = {name: buf.dtype for name, buf in self.quant_tensors().items()}
+        out = super()._apply(fn, recurse)
+        for name, dtype in packed.items():
+            buf = getattr(self, name)
+            if buf.dtype != dtype:
+                setattr(self, name, buf.to(dtype))
+        if self.bias is not None:
+            self.compute_dtype = self.bias.dtype
+        else:
+            probe = fn(torch.empty(0, dtype=self.compute_dtype))
+            self.compute_dtype = probe.dtype
+        return out
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._cache.clear()
