@@ -1,0 +1,432 @@
+"""Benchmark the fused 4-bit x bf16 GEMMs against torch bf16 matmul and the NF4 baseline.
+
+Run on a CUDA GPU (one call, about 4-5 minutes on an H100; stops itself at --time-budget-s):
+
+    python benchmarks/bench_w4a16.py --out benchmarks/results/w4a16.json [--quick] [--variants]
+
+For every linear layer of Qwen2.5-3B/7B/14B/32B-Instruct (q/k/v fused, o, gate/up fused,
+down) and M in 1..4096, in one process: bf16 `x @ W^T` (cuBLAS), nvfp4 and mxfp4 through the
+fused kernels, and the QLoRA baseline nf4 = one-pass NF4 -> bf16 dequantisation kernel (as
+bitsandbytes does) + cuBLAS; forward, plus backward (grad_x = grad_y @ W) at M in 256/1024/4096.
+
+Timing (benchmarks/NOTES_w4a16.md has the details): fresh random data (never zeros); each
+format gets enough copies of its weight (and of x) that one sweep over them moves >= 192 MB,
+about 4x the 50 MB L2, and calls cycle through the copies, so no call finds its weight in L2
+(rotation, not a flush: a flush kernel leaves 50 MB of dirty lines for the timed kernel to
+write back). The calls are captured in a CUDA graph (no launch gaps from Python) and each
+graph replay is timed with CUDA events; the reported time per call is the median over replays
+after a warm-up. A device-to-device copy of 1 GiB measures the copy bandwidth first.
+
+Output: one line per (shape, M) as it goes, an optional variant sweep, then a markdown summary
+(median speedup per M per format) at the very end; the full rows go to --out as JSON:
+{"gpu", "torch", "triton", "date", "command", "copy_gbps", "rows": [{"model", "layer", "n", "k",
+"m", "format", "op", "us", "bf16_us", "speedup", "gbps"}]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from qerl.formats import quantize_weight  # noqa: E402
+from qerl.kernels import prepare  # noqa: E402
+from qerl.kernels.shapes import M_SWEEP, QWEN25, linear_shapes  # noqa: E402
+
+try:  # the threshold where the default dispatch switches to bf16 weight + cuBLAS
+    from qerl.kernels.w4a16_triton import DEQUANT_MIN_M  # noqa: E402
+except Exception:  # no triton
+    DEQUANT_MIN_M = 512
+
+ROTATE_BYTES = 192 << 20
+MAX_COPIES = 96
+BWD_MS = (256, 1024, 4096)
+KEY_MS = (1, 16, 64, 256, 1024, 4096)
+# (N, K, M) for --variants: 7B gate/up and o
+VARIANT_CASES = [(37888, 3584, m) for m in (1, 16, 64, 1024, 4096)] + [(3584, 3584, m) for m in (1, 16)]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# --------------------------------------------------------------------------- timing
+
+
+_GRAPH_WARNED: list = []
+
+
+def time_per_call(fn, n_calls: int, target_ms: float = 25.0) -> float:
+    """Median microseconds per call of fn(i), i = 0..n_calls-1, replayed from a CUDA graph."""
+    fn(0)  # compile / warm up outside the capture
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(n_calls):
+        fn(i)
+    end.record()
+    torch.cuda.synchronize()
+    est_ms = max(start.elapsed_time(end), 1e-3)
+    reps = int(min(30, max(5, target_ms / est_ms)))
+    graph = None
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(n_calls):
+                fn(i)
+        run = graph.replay
+        run()
+    except Exception as e:  # fall back to eager launches
+        if not _GRAPH_WARNED:
+            log(f"    (graph capture failed: {type(e).__name__}: {str(e)[:160]}; timing eager launches from here on)")
+            _GRAPH_WARNED.append(True)
+        graph = None
+        torch.cuda.synchronize()
+
+        def run():
+            for i in range(n_calls):
+                fn(i)
+
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / n_calls)
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbps() -> float:
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1000.0)
+    del src, dst
+    return 2 * n / statistics.median(ts) / 1e9
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def weight_bytes(fmt: str, n: int, k: int) -> int:
+    fmt = fmt.replace("-fused", "")
+    return {"bf16": 2 * n * k, "nvfp4": n * k // 2 + n * k // 16 + 4, "mxfp4": n * k // 2 + n * k // 32,
+            "nf4": n * k // 2 + n * k // 64 * 4}[fmt]
+
+
+def copies(nbytes: int) -> int:
+    return max(1, min(MAX_COPIES, math.ceil(ROTATE_BYTES / max(nbytes, 1))))
+
+
+def clone_state(st: dict) -> dict:
+    out = {}
+    for key, v in st.items():
+        if key in ("locks", "locks_bwd"):
+            out[key] = torch.zeros_like(v)
+        elif isinstance(v, torch.Tensor) and key in ("words", "scale"):
+            out[key] = v.clone()
+        else:
+            out[key] = v
+    return out
+
+
+class Layer:
+    """All formats of one random weight [N, K], each replicated for L2 rotation."""
+
+    def __init__(self, n: int, k: int, formats, seed: int):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+        self.n, self.k = n, k
+        self.bf16 = [w] + [w.clone() for _ in range(copies(weight_bytes("bf16", n, k)) - 1)]
+        self.states, self.nf4 = {}, []
+        for fmt in formats:
+            if fmt in ("nvfp4", "mxfp4"):
+                st = prepare(fmt, quantize_weight(w, fmt))
+                self.states[fmt] = [st] + [clone_state(st) for _ in range(copies(weight_bytes(fmt, n, k)) - 1)]
+            elif fmt == "nf4":
+                t = quantize_weight(w, "nf4")
+                self.nf4 = [t] + [{a: b.clone() for a, b in t.items()} for _ in range(copies(weight_bytes("nf4", n, k)) - 1)]
+        del w
+
+
+def activations(m: int, dim: int, n_copies: int) -> list[torch.Tensor]:
+    nbytes = m * dim * 2
+    count = max(1, min(n_copies, math.ceil((64 << 20) / nbytes)))
+    return [torch.randn(m, dim, device="cuda").to(torch.bfloat16) for _ in range(count)]
+
+
+# --------------------------------------------------------------------------- one measurement
+
+
+def measure(layer: Layer, m: int, fmt: str, op: str, config: dict | None = None) -> float:
+    from qerl.kernels import nf4_triton
+    from qerl.kernels import w4a16_triton as W
+
+    n, k = layer.n, layer.k
+    if fmt.endswith("-fused"):  # the fused kernel where the default dispatch takes the bf16 path
+        fmt = fmt[: -len("-fused")]
+        config = dict(config or {}, PATH="fused")
+    if fmt == "bf16":
+        ws = layer.bf16
+    elif fmt == "nf4":
+        ws = layer.nf4
+    else:
+        ws = layer.states[fmt]
+    xs = activations(m, k if op == "forward" else n, len(ws))
+    calls = max(len(ws), len(xs), 3)
+    if op == "forward":
+        if fmt == "bf16":
+            fn = lambda i: torch.matmul(xs[i % len(xs)], ws[i % len(ws)].T)  # noqa: E731
+        elif fmt == "nf4":
+            fn = lambda i: nf4_triton.dequant_matmul(xs[i % len(xs)], ws[i % len(ws)])  # noqa: E731
+        else:
+            fn = lambda i: W.forward(xs[i % len(xs)], ws[i % len(ws)], config=config)  # noqa: E731
+    else:
+        if fmt == "bf16":
+            fn = lambda i: torch.matmul(xs[i % len(xs)], ws[i % len(ws)])  # noqa: E731
+        else:
+            fn = lambda i: W.backward(xs[i % len(xs)], ws[i % len(ws)], config=config)  # noqa: E731
+    return time_per_call(fn, calls)
+
+
+def moved_bytes(fmt: str, n: int, k: int, m: int) -> int:
+    return weight_bytes(fmt, n, k) + 2 * m * k + 2 * m * n
+
+
+# --------------------------------------------------------------------------- main
+
+
+def summarize(rows: list[dict], copy_gbps: float) -> str:
+    fwd = [r for r in rows if r["op"] == "forward" and r["format"] != "bf16" and r["us"] > 0]
+    fmts = [f for f in ("nvfp4", "mxfp4", "nf4", "nvfp4-fused", "mxfp4-fused") if any(r["format"] == f for r in fwd)]
+    ms = sorted({r["m"] for r in fwd})
+    if not fwd:
+        return "\n## w4a16 summary: no forward rows were measured"
+    out = ["", "## w4a16 summary: median over shapes of speedup = bf16_us / us (forward)", ""]
+    out.append("| M | " + " | ".join(fmts) + " | nvfp4 vs nf4 | mxfp4 vs nf4 | nvfp4 GB/s (med) | shapes |")
+    out.append("|---|" + "---|" * (len(fmts) + 4))
+    by = {(r["model"], r["layer"], r["m"], r["format"]): r for r in fwd}
+    for m in ms:
+        cells, n_shapes = [], 0
+        for f in fmts:
+            v = [r["speedup"] for r in fwd if r["m"] == m and r["format"] == f]
+            n_shapes = max(n_shapes, len(v))
+            cells.append(f"{statistics.median(v):.2f}" if v else "-")
+        for f in ("nvfp4", "mxfp4"):
+            v = [by[(a, b, m, "nf4")]["us"] / r["us"] for (a, b, mm, ff), r in by.items()
+                 if mm == m and ff == f and (a, b, m, "nf4") in by]
+            cells.append(f"{statistics.median(v):.2f}" if v else "-")
+        g = [r["gbps"] for r in fwd if r["m"] == m and r["format"] == "nvfp4"]
+        cells.append(f"{statistics.median(g):.0f}" if g else "-")
+        out.append(f"| {m} | " + " | ".join(cells) + f" | {n_shapes} |")
+    bwd = [r for r in rows if r["op"] == "backward" and r["format"] != "bf16" and r["us"] > 0]
+    if bwd:
+        bf = [f for f in ("nvfp4", "mxfp4", "nvfp4-fused", "mxfp4-fused") if any(r["format"] == f for r in bwd)]
+        out += ["", "| backward M | " + " | ".join(bf) + " |", "|---|" + "---|" * len(bf)]
+        for m in sorted({r["m"] for r in bwd}):
+            cells = []
+            for f in bf:
+                v = [r["speedup"] for r in bwd if r["m"] == m and r["format"] == f]
+                cells.append(f"{statistics.median(v):.2f}" if v else "-")
+            out.append(f"| {m} | " + " | ".join(cells) + " |")
+
+    def med(fmt, pred, key="speedup", src=fwd):
+        v = [r[key] for r in src if r["format"] == fmt and pred(r["m"])]
+        return statistics.median(v) if v else float("nan")
+
+    big = [r for r in fwd if r["n"] * r["k"] >= 50_000_000 and r["m"] == 1]
+    out += ["", f"(nvfp4/mxfp4 = default dispatch: fused kernel below M={DEQUANT_MIN_M}, bf16 weight + cuBLAS from there;"
+            " the -fused columns time the fused kernel at those M.)",
+            f"copy bandwidth {copy_gbps:.0f} GB/s (read+write, 1 GiB D2D)."]
+    for f in ("nvfp4", "mxfp4"):
+        v = [r["gbps"] for r in big if r["format"] == f]
+        if v:
+            out.append(f"{f} M=1 on N*K >= 50M: median {statistics.median(v):.0f} GB/s = {statistics.median(v) / copy_gbps:.0%} of copy bandwidth")
+    out += ["", "goals (H100): M<=16 nvfp4 >= 3.0, mxfp4 >= 3.1; M=64 >= 2.0; M=256 >= 1.0; M>=1024 >= 0.85; bwd M=4096 >= 0.85; vs nf4 at M<=16 >= 3"]
+    for f in ("nvfp4", "mxfp4"):
+        vs_nf4 = [by[(a, b, mm, "nf4")]["us"] / r["us"] for (a, b, mm, ff), r in by.items()
+                  if ff == f and mm <= 16 and (a, b, mm, "nf4") in by]
+        out.append(
+            f"{f}: M<=16 {med(f, lambda m: m <= 16):.2f} | M=64 {med(f, lambda m: m == 64):.2f} | M=256 {med(f, lambda m: m == 256):.2f}"
+            f" | M>=1024 {med(f, lambda m: m >= 1024):.2f} | bwd M=4096 {med(f, lambda m: m == 4096, src=bwd):.2f}"
+            f" | vs nf4 M<=16 {statistics.median(vs_nf4) if vs_nf4 else float('nan'):.2f}")
+    return "\n".join(out)
+
+
+def variant_sweep(deadline: float):
+    """Alternative tile configs on a few representative shapes, for the next tuning round."""
+    log("\n## variant sweep (us per call; default = the heuristic)")
+    cases = VARIANT_CASES
+    decode = [dict(BM=16, BO=64, BR=256, num_warps=4, num_stages=4, PER_SM=4),
+              dict(BM=16, BO=128, BR=128, num_warps=4, num_stages=4, PER_SM=3),
+              dict(BM=16, BO=64, BR=128, num_warps=4, num_stages=6, PER_SM=4),
+              dict(BM=16, BO=32, BR=256, num_warps=4, num_stages=4, PER_SM=6),
+              dict(BM=16, BO=64, BR=256, num_warps=4, num_stages=4, PER_SM=4, PROGRAMS=132 * 8)]
+    mid = [dict(BM=64, BO=128, BR=64, num_warps=4, num_stages=4, PER_SM=2),
+           dict(BM=64, BO=64, BR=128, num_warps=4, num_stages=4, PER_SM=3),
+           dict(BM=64, BO=64, BR=64, num_warps=4, num_stages=4, PER_SM=3)]
+    big = [dict(BM=128, BO=128, BR=64, num_warps=4, num_stages=4, PER_SM=2, PATH="fused"),
+           dict(BM=256, BO=128, BR=64, num_warps=8, num_stages=3, PER_SM=1, PATH="fused"),
+           dict(BM=256, BO=128, BR=64, num_warps=8, num_stages=4, PER_SM=1, PATH="fused"),
+           dict(BM=128, BO=256, BR=64, num_warps=8, num_stages=3, PER_SM=1, PATH="fused"),
+           {"PATH": "dequant"}]
+    layers = {}
+    for n, k, m in cases:
+        if time.time() > deadline:
+            log("  (time budget reached)")
+            return
+        if (n, k) not in layers:
+            layers.clear()
+            torch.cuda.empty_cache()
+            layers[(n, k)] = Layer(n, k, ("nvfp4",), seed=1)
+        layer = layers[(n, k)]
+        cands = decode if m <= 16 else (mid if m <= 64 else big)
+        parts = [f"N={n} K={k} M={m}: default {measure(layer, m, 'nvfp4', 'forward'):.1f}"]
+        for cfg in cands:
+            if time.time() > deadline:
+                break
+            if "BM" not in cfg:
+                name = cfg["PATH"]
+            else:
+                name = "x".join(str(cfg[a]) for a in ("BM", "BO", "BR")) + f"/w{cfg['num_warps']}s{cfg['num_stages']}" + (
+                    f"/P{cfg['PROGRAMS']}" if "PROGRAMS" in cfg else "")
+            try:
+                parts.append(f"{name} {measure(layer, m, 'nvfp4', 'forward', config=cfg):.1f}")
+            except Exception as e:
+                parts.append(f"{name} ERR {type(e).__name__}")
+        log("  " + " | ".join(parts))
+    layers.clear()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default=",".join(QWEN25), help="comma list of " + ",".join(QWEN25))
+    ap.add_argument("--ms", default=",".join(map(str, M_SWEEP)))
+    ap.add_argument("--formats", default="nvfp4,mxfp4,nf4")
+    ap.add_argument("--bwd-ms", default=",".join(map(str, BWD_MS)))
+    ap.add_argument("--quick", action="store_true", help="7B only, M in 1,16,64,256,4096")
+    ap.add_argument("--variants", action="store_true", help="also time alternative tile configs (if time is left)")
+    ap.add_argument("--time-budget-s", type=float, default=330.0, help="stop starting new work after this")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "w4a16.json"))
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    deadline = t0 + args.time_budget_s
+    models = [m for m in args.models.split(",") if m]
+    ms = [int(v) for v in args.ms.split(",") if v]
+    bwd_ms = [int(v) for v in args.bwd_ms.split(",") if v]
+    formats = [f for f in args.formats.split(",") if f]
+    if args.quick:
+        models, ms, bwd_ms = ["7B"], [1, 16, 64, 256, 4096], [4096]
+
+    import triton
+
+    result = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+              "torch": torch.__version__, "triton": triton.__version__,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "copy_gbps": None, "rows": []}
+    rows = result["rows"]
+
+    def write():
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    if not torch.cuda.is_available():
+        log("no CUDA GPU: nothing to benchmark")
+        write()
+        return 0
+    torch.cuda.set_device(0)
+    log(f"{result['gpu']} torch {result['torch']} triton {result['triton']}  SMs {torch.cuda.get_device_properties(0).multi_processor_count}")
+    result["copy_gbps"] = copy_gbps = copy_bandwidth_gbps()
+    log(f"copy bandwidth: {copy_gbps:.0f} GB/s")
+
+    shapes = [s for s in linear_shapes(models)]
+    unique = {}
+    for model, layer, n, k in shapes:
+        unique.setdefault((n, k), []).append((model, layer))
+    # Key M values first over all shapes, then the rest, so a cut-short run still covers the goals.
+    passes = [[m for m in ms if m in KEY_MS], [m for m in ms if m not in KEY_MS]]
+    stopped = False
+    for pass_ms in passes:
+        for (n, k), names in unique.items():
+            if stopped or not pass_ms:
+                break
+            todo = [m for m in pass_ms] + [("bwd", m) for m in bwd_ms if pass_ms is passes[0]]
+            try:
+                layer = Layer(n, k, formats, seed=n + 7 * k)
+            except Exception as e:
+                log(f"N={n} K={k}: weight setup failed: {type(e).__name__}: {str(e)[:200]}")
+                torch.cuda.empty_cache()
+                continue
+            for item in todo:
+                if time.time() > deadline:
+                    log(f"time budget of {args.time_budget_s:.0f} s reached; stopping")
+                    stopped = True
+                    break
+                op, m = ("backward", item[1]) if isinstance(item, tuple) else ("forward", item)
+                fmts = ["bf16"] + [f for f in formats if op == "forward" or f != "nf4"]
+                if m >= DEQUANT_MIN_M:  # default dispatch = bf16 weight + cuBLAS; also time the fused kernel
+                    fmts += [f + "-fused" for f in formats if f in ("nvfp4", "mxfp4")]
+                res = {}
+                for f in fmts:
+                    try:
+                        res[f] = measure(layer, m, f, op)
+                    except Exception as e:
+                        res[f] = -1.0
+                        log(f"  ERROR {f} {op} N={n} K={k} M={m}: {type(e).__name__}: {str(e)[:300]}")
+                        if os.environ.get("BENCH_TRACEBACK"):
+                            traceback.print_exc()
+                        torch.cuda.synchronize()
+                bf = res["bf16"]
+                flops = 2.0 * m * n * k
+                line = [f"{'fwd' if op == 'forward' else 'bwd'} N={n:5d} K={k:5d} M={m:4d} bf16 {bf:8.1f}us {flops / bf / 1e6 if bf > 0 else 0:6.0f}TF/s"]
+                for f in fmts:
+                    us = res[f]
+                    gbps = moved_bytes(f, n, k, m) / (us * 1e-6) / 1e9 if us > 0 else 0.0
+                    sp = bf / us if us > 0 and bf > 0 else 0.0
+                    if f != "bf16":
+                        line.append(f"{f} {us:8.1f}us x{sp:4.2f} {gbps:5.0f}GB/s")
+                    for model, lname in names:
+                        rows.append({"model": model, "layer": lname, "n": n, "k": k, "m": m, "format": f, "op": op,
+                                     "us": round(us, 3), "bf16_us": round(bf, 3), "speedup": round(sp, 4), "gbps": round(gbps, 1)})
+                log(" | ".join(line) + f"  [{time.time() - t0:.0f}s]")
+                write()
+            del layer
+            torch.cuda.empty_cache()
+
+    if args.variants:
+        try:
+            variant_sweep(deadline + 45)
+        except Exception as e:
+            log(f"variant sweep failed: {type(e).__name__}: {str(e)[:300]}")
+    write()
+    log(summarize(rows, copy_gbps))
+    log(f"\nwrote {len(rows)} rows to {args.out} in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""4-bit weight x bf16 matmuls behind one dispatch: backend = auto | torch | triton.
+
+    state = prepare("nvfp4", tensors)          # once per layer: checkpoint tensors -> kernel layout
+    y = linear(x, state, "nvfp4", bias=None)    # x [..., K] -> y [..., N]; autograd gives dx only
+
+`triton` runs the fused kernels of `w4a16_triton.py` (CUDA GPU + triton; nvfp4 and mxfp4).
+`torch` dequantises and multiplies with plain torch (`reference.py`); it runs anywhere and is what
+a CPU always gets. `auto` picks triton when it is available and the format has a fused kernel.
+
+Importing this package does not import triton and does not initialise CUDA; `available()`
+checks both lazily and caches the answer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from qerl.kernels import layout
+
+BACKENDS = ("auto", "torch", "triton")
+FUSED_FORMATS = ("nvfp4", "mxfp4")
+
+
+class KernelUnavailable(RuntimeError):
+    """The triton backend was asked for but cannot run here."""
+
+    def __init__(self, msg: str = "the triton backend needs a CUDA GPU and triton"):
+        super().__init__(msg)
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """True when a CUDA GPU is visible and triton imports (cached)."""
+    try:
+        if not torch.cuda.is_available():
+            return False
+        import triton  # noqa: F401  (importable is all we ask)
+    except Exception:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, device, fmt: str | None = None) -> str:
+    """'auto' | 'torch' | 'triton' -> the backend that will run ('torch' or 'triton').
+
+    CPU tensors always take torch under auto; asking for triton where it cannot run raises
+    KernelUnavailable. `fmt` None means a format with a fused kernel."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    device = torch.device(device)
+    fused = fmt is None or fmt in FUSED_FORMATS
+    if backend == "torch":
+        return "torch"
+    if backend == "triton":
+        if not fused:
+            raise KernelUnavailable(f"no fused triton kernel for {fmt!r}; use backend='torch' (dequantise, then matmul)")
+        if device.type != "cuda" or not available():
+            raise KernelUnavailable()
+        return "triton"
+    return "triton" if (fused and device.type == "cuda" and available()) else "torch"
+
+
+# --------------------------------------------------------------------------- kernel layout
+
+
+def prepare(fmt: str, tensors: dict[str, torch.Tensor], locks: int | None = None) -> dict:
+    """Convert checkpoint tensors ONCE into the state `linear` consumes (on their device).
+
+    nvfp4 / mxfp4: `words` int32 and `scale` uint8 (the FP8-E4M3 bits or the E8M0 exponents),
+    both tiled [N/64, K/256, 64, .] as layout.py describes; `kb` = K/256 blocks; `alpha`
+    float32 [1] on the device (the per-tensor factor applied to the fp32 accumulator: 2^8 / g
+    for nvfp4, 2^J for mxfp4); `exp_bias`
+    (python int, mxfp4 only), and two int32 counter arrays for the split-reduction path.
+    nf4 and bf16: the checkpoint tensors themselves (torch backend only).
+
+    This costs one host sync (mxfp4 exponent range); do it before CUDA-graph capture.
+    """
+    if fmt == "bf16":
+        return {"fmt": fmt, "weight": tensors["weight"], "n": tensors["weight"].shape[0], "k": tensors["weight"].shape[1]}
+    if fmt == "nf4":
+        n, k2 = tensors["weight_packed"].shape
+        return {"fmt": fmt, "tensors": dict(tensors), "n": n, "k": 2 * k2}
+    if fmt not in FUSED_FORMATS:
+        raise ValueError(f"unknown format {fmt!r}")
+    packed = tensors["weight_packed"]
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if k % 32:
+        raise ValueError(f"the fused kernels need K % 32 == 0, got K={k}")
+    device = packed.device
+    group = 16 if fmt == "nvfp4" else 32
+    words = layout.packed_to_words(packed)
+    state = {"fmt": fmt, "n": n, "k": k, "kb": layout.tile_shape(n, k)[1],
+             "words": layout.to_tiles(words, layout.TILE_K // 8)}
+    scale_u8 = tensors["weight_scale"].contiguous().view(torch.uint8)
+    state["scale"] = layout.to_tiles(scale_u8, layout.TILE_K // group)
+    if fmt == "nvfp4":
+        g = tensors["weight_global_scale"].to(device=device, dtype=torch.float32).reshape(1)
+        state["global_scale"] = g
+        state["alpha"] = (2.0 ** layout.NVFP4_EXP_OFFSET) / g
+        state["exp_bias"] = 0
+    else:
+        # W' = q_sub * 2^(e + 126 - J - 127) must stay a normal bf16 and the multiplier
+        # 2^(e - 1 - J) must not overflow: J = max(8, e_max - 128) covers any exponent spread
+        # up to ~240 binades (groups below 2^(J+2-127) are ~0 anyway).
+        e_max = int(scale_u8.max().item()) if scale_u8.numel() else 127
+        j = max(8, e_max - 128)
+        state["alpha"] = torch.full((1,), 2.0**j, dtype=torch.float32, device=device)
+        state["exp_bias"] = 126 - j
+    count = locks if locks is not None else 2048
+    state["locks"] = torch.zeros(count, dtype=torch.int32, device=device)
+    state["locks_bwd"] = torch.zeros(count, dtype=torch.int32, device=device)
+    return state
+
+
+def state_tensors(state: dict) -> dict[str, torch.Tensor]:
+    """Back from a prepared state to checkpoint tensors (exact), for the torch path and tests."""
+    fmt = state["fmt"]
+    if fmt == "bf16":
+        return {"weight": state["weight"]}
+    if fmt == "nf4":
+        return state["tensors"]
+    n, k = state["n"], state["k"]
+    group = 16 if fmt == "nvfp4" else 32
+    packed = layout.words_to_packed(layout.from_tiles(state["words"], n, k // 8))
+    scale = layout.from_tiles(state["scale"], n, k // group)
+    if fmt == "nvfp4":
+        return {"weight_packed": packed, "weight_scale": scale.view(torch.float8_e4m3fn),
+                "weight_global_scale": state["global_scale"]}
+    return {"weight_packed": packed, "weight_scale": scale}
+
+
+# --------------------------------------------------------------------------- matmuls
+
+
+def _torch_weight(state: dict, dtype: torch.dtype) -> torch.Tensor:
+    from qerl.kernels.reference import dequant
+
+    if state["fmt"] == "bf16":
+        return state["weight"].to(dtype)
+    return dequant(state["fmt"], state_tensors(state), dtype)
+
+
+def _mm_forward(x2: torch.Tensor, state: dict, bias, backend: str) -> torch.Tensor:
+    if backend == "triton":
+        from qerl.kernels import w4a16_triton
+
+        y = w4a16_triton.forward(x2.to(torch.bfloat16), state, bias=bias)
+        return y if x2.dtype == torch.bfloat16 else y.to(x2.dtype)
+    y = x2 @ _torch_weight(state, x2.dtype).T
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def _mm_backward(dy2: torch.Tensor, state: dict, backend: str, dtype: torch.dtype) -> torch.Tensor:
+    if backend == "triton":
+        from qerl.kernels import w4a16_triton
+
+        dx = w4a16_triton.backward(dy2.to(torch.bfloat16), state)
+        return dx if dtype == torch.bfloat16 else dx.to(dtype)
+    return dy2.to(dtype) @ _torch_weight(state, dtype)
+
+
+class _W4Linear(torch.autograd.Function):
+    """y = x @ W^T (+ b) with a frozen quantised W: backward gives grad_x (and grad_b) only."""
+
+    @staticmethod
+    def forward(ctx, x, bias, state, backend):
+        k = state["k"]
+        x2 = x.reshape(-1, k)
+        y = _mm_forward(x2, state, bias, backend)
+        ctx.state, ctx.backend, ctx.x_shape, ctx.x_dtype = state, backend, x.shape, x.dtype
+        ctx.has_bias = bias is not None
+        return y.reshape(*x.shape[:-1], state["n"])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        state = ctx.state
+        dy2 = grad_y.reshape(-1, state["n"])
+        grad_x = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _mm_backward(dy2, state, ctx.backend, ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.has_bias and ctx.needs_input_grad[1]:
+            grad_b = dy2.sum(0)
+        return grad_x, grad_b, None, None
+
+
+def linear(x: torch.Tensor, state: dict, fmt: str | None = None, bias: torch.Tensor | None = None,
+           backend: str = "auto") -> torch.Tensor:
+    """y = x @ dequant(W)^T (+ bias) for x [..., K]; differentiable in x (and bias), never in W.
+
+    No host sync on the triton path, so it can be captured in a CUDA graph (prepare first)."""
+    fmt = state["fmt"] if fmt is None else fmt
+    if fmt != state["fmt"]:
+        raise ValueError(f"state was prepared for {state['fmt']!r}, not {fmt!r}")
+    if x.shape[-1] != state["k"]:
+        raise ValueError(f"x has {x.shape[-1]} input features, the weight {state['k']}")
+    resolved = resolve_backend(backend, x.device, fmt)
+    return _W4Linear.apply(x, bias, state, resolved)
+
+
+__all__ = [
+    "BACKENDS",
+    "FUSED_FORMATS",
+    "KernelUnavailable",
+    "available",
+    "linear",
+    "prepare",
+    "resolve_backend",
+    "state_tensors",
+]

@@ -1,0 +1,517 @@
+"""Fused 4-bit weight x bf16 activation GEMMs in Triton: nvfp4 and mxfp4, forward and input-grad.
+
+    y[M, N]  = x[M, K]  @ dequant(W)[N, K]^T      (forward, `forward`)
+    dx[M, K] = dy[M, N] @ dequant(W)[N, K]        (input gradient, `backward`; no weight grad)
+
+bf16 activations in, fp32 accumulation on the tensor cores, bf16 out. The weight is read in
+the tiled kernel layout of `qerl.kernels.layout` (one int32 word = 8 codes, 64 x 256 tiles)
+and decoded in registers each reduction step. This module imports triton at import time: only
+`qerl.kernels` imports it, and only when the triton backend is used.
+
+One persistent kernel (`_w4a16_kernel`) for both directions; tile shape by M bucket
+(`_fwd_config` / `_bwd_config`):
+- decode (M <= 64): 16/32/64-row tiles, the weight streamed once with 16-byte loads; small
+  layers split each tile's reduction over several programs, large ones use stream-K (equal
+  work per SM). Shared tiles are finished through an fp32 workspace and a per-tile counter:
+  the last program sums the partials in a fixed order and writes bf16 - one launch,
+  deterministic, no host sync, CUDA-graph capturable.
+- 64 < M < DEQUANT_MIN_M: 128 x 128 wgmma tiles, same schedule.
+- M >= DEQUANT_MIN_M (512): `dequant_bf16` writes the layer's bf16 weight once (transient) and
+  cuBLAS multiplies; faster than the fused kernel there (benchmarks/NOTES_w4a16.md, section 3).
+
+Run the interpreter checks on CPU with tests/test_kernels.py; GPU numbers with
+benchmarks/bench_w4a16.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from qerl.kernels import layout
+
+
+def _patch_interpreter() -> None:
+    """TRITON_INTERPRET=1 with numpy >= 2.4: triton 3.6's interpreter turns loop bounds into
+    int() of a 1-element array, which numpy now refuses; index the element instead."""
+    import triton.runtime.interpreter as interp
+
+    if getattr(interp, "_qerl_patched", False):
+        return
+    original = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patched
+    interp._qerl_patched = True
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Fallback decode: build the tile in fp32 (FMUL) instead of packed bf16 (HMUL2), then cast.
+# Slower; only for a GPU whose bf16 multiply would flush the subnormal patterns of codes 0/0.5
+# (tests/test_kernels_gpu.py::test_decode_is_exact_per_element checks both paths).
+DECODE_F32 = os.environ.get("QERL_W4A16_DECODE_F32") == "1"
+# Large M (compute bound): the fused kernel overlaps its in-loop decode with the tensor cores
+# poorly in Triton (~350 TFLOP/s on H100, 0.45x of cuBLAS, benchmarks/NOTES_w4a16.md), while
+# decoding the weight once to a transient bf16 buffer (one memory-bound pass, ~0.1 ms for 7B
+# gate/up) and running cuBLAS reaches 0.76x at M=1024 and 0.93x at M=4096. So for
+# M >= DEQUANT_MIN_M both directions take that path unless QERL_W4A16_PREFILL=fused (or a
+# config with PATH="fused"); the transient buffer is one layer's bf16 weight.
+PREFILL = os.environ.get("QERL_W4A16_PREFILL", "auto")
+DEQUANT_MIN_M = int(os.environ.get("QERL_W4A16_DEQUANT_MIN_M", "512"))
+if INTERPRETED:
+    _patch_interpreter()
+
+FMT_ID = {"nvfp4": 0, "mxfp4": 1}
+GROUP = {"nvfp4": 16, "mxfp4": 32}
+
+# Bit layout (see layout.py); constexpr globals so the jit functions can read them.
+_R1 = tl.constexpr(layout.ROT_MAG[1])
+_R2 = tl.constexpr(layout.ROT_MAG[2])
+_R3 = tl.constexpr(layout.ROT_MAG[3])
+_S0 = tl.constexpr(layout.ROT_SIGN[0])
+_S3 = tl.constexpr(layout.ROT_SIGN[3])
+_KM = tl.constexpr(layout.MAG_MASK)
+_KS = tl.constexpr(layout.SIGN_MASK)
+_KA = tl.constexpr(layout.MAG_MASK | layout.SIGN_MASK)
+assert layout.ROT_MAG[0] == 0 and layout.ROT_MAG[1] == layout.ROT_SIGN[1] and layout.ROT_MAG[2] == layout.ROT_SIGN[2]
+
+
+# --------------------------------------------------------------------------- decode helpers
+
+
+@triton.jit
+def _rotr(w, r: tl.constexpr):
+    return (w >> r) | (w << (32 - r))
+
+
+@triton.jit
+def _hi(p, F32: tl.constexpr):
+    """High 16 bits of p as a bf16; with F32, widened to the same value in fp32 by shifting the
+    bits (the interpreter's bf16 -> fp32 conversion flushes subnormals; see DECODE_F32)."""
+    if F32:
+        return (p & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        return (p >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _lo(p, F32: tl.constexpr):
+    if F32:
+        return (p << 16).to(tl.float32, bitcast=True)
+    else:
+        return p.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _decode_tile(words, sc, G: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """words uint32 [R, BK/8] + bf16 group scales [R, BK/G] (pre-multiplied by 2^(126-J))
+    -> tile [R, BK] = q * s * 2^-J, exact: bf16 (one packed bf16x2 multiply per pair), or fp32
+    with F32 (the interpreter, whose bf16 arithmetic works on raw uint16 bits, or DECODE_F32)."""
+    p0 = (words & _KM) | (_rotr(words, _S0) & _KS)
+    p1 = _rotr(words, _R1) & _KA
+    p2 = _rotr(words, _R2) & _KA
+    p3 = (_rotr(words, _R3) & _KM) | (_rotr(words, _S3) & _KS)
+    # Flat order inside a word: t = 4*(j%2) + 2*(j//2) + (0 for the high half, 1 for the low).
+    v = tl.join(
+        tl.join(tl.join(_hi(p0, F32), _hi(p1, F32)), tl.join(_hi(p2, F32), _hi(p3, F32))),
+        tl.join(tl.join(_lo(p0, F32), _lo(p1, F32)), tl.join(_lo(p2, F32), _lo(p3, F32))),
+    )
+    if F32:
+        sc = sc.to(tl.float32)
+    v = v.reshape(R, BK // G, G) * sc[:, :, None]
+    return v.reshape(R, BK)
+
+
+@triton.jit
+def _scales(sraw, exp_bias, FMT: tl.constexpr):
+    """Raw group scales (uint8) -> bf16 multipliers s * 2^(126-J).
+
+    nvfp4: FP8-E4M3 bits, J = 8 (s * 2^118 stays inside bf16 for every E4M3 value).
+    mxfp4: E8M0 biased exponent e, scale 2^(e-127); exp_bias = 126 - J chosen per tensor.
+    2^(e + exp_bias - 127) is computed as exp2 of an exact integer-valued float and rounded to
+    bf16, which makes it exact even if exp2 were off by ulps. (Building the bits with integer
+    shifts is exact too, but then Triton stages the decoded tile through shared memory.)"""
+    if FMT == 0:
+        return (sraw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 3.3230699894622897e35).to(tl.bfloat16)
+    else:
+        return tl.exp2(sraw.to(tl.float32) + (exp_bias - 127)).to(tl.bfloat16)
+
+
+@triton.jit
+def _load_w_tile(w_ptrs, s_ptrs, row_mask, exp_bias, FMT: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
+                 MASKED: tl.constexpr, F32: tl.constexpr):
+    """Weight tile [R, BK] from `words` [R, BK/8] and one scale per 16 weights [R, BK/16] (for
+    mxfp4 the pointers read each E8M0 byte twice: both formats then share the same tile shapes,
+    and Triton keeps the mxfp4 tile in registers too instead of a shared-memory round trip)."""
+    if MASKED:
+        words = tl.load(w_ptrs, mask=row_mask[:, None], other=0)
+        sraw = tl.load(s_ptrs, mask=row_mask[:, None], other=0)
+    else:
+        words = tl.load(w_ptrs)
+        sraw = tl.load(s_ptrs)
+    sc = _scales(sraw, exp_bias, FMT)
+    return _decode_tile(words.to(tl.uint32, bitcast=True), sc, 16, R, BK, F32)
+
+
+@triton.jit
+def _tile_ids(tile, M, NOUT, BM: tl.constexpr, BO: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped (L2-friendly) order of output tiles: GROUP_M row-tiles share each column sweep."""
+    tiles_m = tl.cdiv(M, BM)
+    tiles_o = tl.cdiv(NOUT, BO)
+    per_group = GROUP_M * tiles_o
+    group = tile // per_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % size_m
+    pid_o = (tile % per_group) // size_m
+    return pid_m, pid_o
+
+
+@triton.jit
+def _start(p, P, T):
+    """First flat iteration of program p: p*T//P (in int64: p*T can pass 2^31)."""
+    return (tl.cast(p, tl.int64) * T // P).to(tl.int32)
+
+
+@triton.jit
+def _owner(i, P, T):
+    """The program whose iteration range [_start(p), _start(p+1)) holds flat iteration i."""
+    return (((tl.cast(i, tl.int64) + 1) * P - 1) // T).to(tl.int32)
+
+
+@triton.jit
+def _row_base(n, KB, PER_ROW: tl.constexpr):
+    """Offset (in units) of row n, K block 0, in the tiled layout (layout.py): PER_ROW units
+    per row of a 64 x 256 tile (32 words, or 256/G scales)."""
+    return (n // 64) * (KB * 64 * PER_ROW) + (n % 64) * PER_ROW
+
+
+@triton.jit
+def _k_off(j, PER_ROW: tl.constexpr):
+    """Offset of unit j along K (word j = K // 8, or scale j) from its row's K block 0."""
+    return (j // PER_ROW) * (64 * PER_ROW) + (j % PER_ROW)
+
+
+@triton.jit
+def _w_tile_at(w_ptr, s_ptr, rows, row_mask, kw0, KB, exp_bias, FMT: tl.constexpr, R: tl.constexpr,
+               BK: tl.constexpr, MASKED: tl.constexpr, F32: tl.constexpr):
+    """Decoded weight tile [R, BK] for `rows` (1-D, length R) and K = 8*kw0 .. 8*kw0 + BK."""
+    SPT: tl.constexpr = 16 if FMT == 0 else 8
+    kw = kw0 + tl.arange(0, BK // 8)
+    g16 = kw0 // 2 + tl.arange(0, BK // 16)  # one scale per 16 weights (mxfp4: each read twice)
+    if FMT == 0:
+        g = g16
+    else:
+        g = g16 // 2
+    w_ptrs = w_ptr + _row_base(rows, KB, 32)[:, None] + _k_off(kw, 32)[None, :]
+    s_ptrs = s_ptr + _row_base(rows, KB, SPT)[:, None] + _k_off(g, SPT)[None, :]
+    return _load_w_tile(w_ptrs, s_ptrs, row_mask, exp_bias, FMT, R, BK, MASKED, F32)
+
+
+@triton.jit
+def _mainloop(a_ptr, w_ptr, s_ptr, pid_m, pid_o, k0, k1, M, NOUT, RED, stride_am, KB, exp_bias,
+              BWD: tl.constexpr, FMT: tl.constexpr, EVEN_O: tl.constexpr, EVEN_R: tl.constexpr,
+              BM: tl.constexpr, BO: tl.constexpr, BR: tl.constexpr, INTERPRETED: tl.constexpr,
+              DECODE_F32: tl.constexpr):
+    """acc[BM, BO] = sum over reduction steps k0 .. k1-1 of (A tile) @ (weight tile, decoded here).
+
+    forward:  A = x  [M, K]; weight tile = BO rows of W (outputs) x BR of K  -> dot(A, W^T)
+    backward: A = dy [M, N]; weight tile = BR rows of W (reduction) x BO of K -> dot(A, W)"""
+    F32: tl.constexpr = DECODE_F32 or INTERPRETED
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    m_mask = offs_m < M
+    offs_r = k0 * BR + tl.arange(0, BR)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_r[None, :]
+    offs_o = pid_o * BO + tl.arange(0, BO)
+    o_mask = offs_o < NOUT
+    acc = tl.zeros([BM, BO], dtype=tl.float32)
+    for kk in range(k0, k1):
+        if BWD:
+            r_mask = offs_r < RED
+            w = _w_tile_at(w_ptr, s_ptr, offs_r, r_mask, pid_o * (BO // 8), KB, exp_bias, FMT, BR, BO,
+                           not EVEN_R, F32)
+            if EVEN_R:
+                a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        else:
+            w = _w_tile_at(w_ptr, s_ptr, offs_o, o_mask, kk * (BR // 8), KB, exp_bias, FMT, BO, BR,
+                           not EVEN_O, F32)
+            a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+        if DECODE_F32 and not INTERPRETED:
+            w = w.to(tl.bfloat16)
+        if INTERPRETED:
+            a = a.to(tl.float32)
+        if BWD:
+            acc = tl.dot(a, w, acc)
+        else:
+            acc = tl.dot(a, w.T, acc)
+        offs_r += BR
+        a_ptrs += BR
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile for every M in a bucket (M=1 included)
+def _w4a16_kernel(
+    a_ptr, w_ptr, s_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr,
+    M, NOUT, RED, stride_am, stride_cm, KB, exp_bias,
+    BWD: tl.constexpr, FMT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_O: tl.constexpr, EVEN_R: tl.constexpr,
+    BM: tl.constexpr, BO: tl.constexpr, BR: tl.constexpr, GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr,
+    DECODE_F32: tl.constexpr,
+):
+    """C[M, NOUT] = A[M, RED] @ (weight as [RED, NOUT]) * alpha (+ bias), bf16 out.
+
+    Persistent stream-K schedule: the flat iteration space (output tile, reduction step) is
+    cut into P equal contiguous ranges, one per program, so every SM gets the same work
+    whatever the tile count (no wave-quantisation tail). A tile covered by one program is
+    stored directly. A tile shared by several programs: each writes its fp32 partial to its
+    own workspace slot, bumps the tile's counter, and the last one sums all partials in
+    program order (deterministic), writes bf16 and resets the counter for the next launch.
+    No host sync; CUDA-graph capturable."""
+    P = tl.num_programs(0)
+    p = tl.program_id(0)
+    KI = tl.cdiv(RED, BR)  # reduction steps per tile
+    T = tl.cdiv(M, BM) * tl.cdiv(NOUT, BO) * KI
+    start = _start(p, P, T)
+    end = _start(p + 1, P, T)
+    alpha = tl.load(alpha_ptr)
+    it = start
+    while it < end:
+        tile = it // KI
+        k0 = it - tile * KI
+        k1 = tl.minimum(KI, k0 + (end - it))
+        pid_m, pid_o = _tile_ids(tile, M, NOUT, BM, BO, GROUP_M)
+        acc = _mainloop(a_ptr, w_ptr, s_ptr, pid_m, pid_o, k0, k1, M, NOUT, RED, stride_am, KB,
+                        exp_bias, BWD, FMT, EVEN_O, EVEN_R, BM, BO, BR, INTERPRETED, DECODE_F32)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_o = pid_o * BO + tl.arange(0, BO)
+        mask = (offs_m < M)[:, None] & (offs_o < NOUT)[None, :]
+        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_o[None, :]
+        ws_tile = tl.arange(0, BM)[:, None] * BO + tl.arange(0, BO)[None, :]
+        done = k1 > k0  # always true: the tile is written unless another program will finish it
+        if (k0 != 0) | (k1 != KI):  # shared tile: publish the partial, the last arrival reduces
+            slot = tl.where(it == start, 0, 1)  # a program shares at most its first and last tile
+            tl.store(ws_ptr + (p * 2 + slot) * (BM * BO) + ws_tile, acc)
+            tl.debug_barrier()  # all threads' partials are written before the counter moves
+            p_lo = _owner(tile * KI, P, T)
+            p_hi = _owner(tile * KI + KI - 1, P, T)
+            count = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            done = count == p_hi - p_lo
+            if done:
+                acc = tl.zeros([BM, BO], dtype=tl.float32)
+                for q in range(p_lo, p_hi + 1):
+                    q_slot = tl.where(_start(q, P, T) // KI == tile, 0, 1)
+                    acc += tl.load(ws_ptr + (q * 2 + q_slot) * (BM * BO) + ws_tile, cache_modifier=".cg")
+                tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch
+        if done:
+            out = acc * alpha
+            if HAS_BIAS:
+                out += tl.load(bias_ptr + offs_o, mask=offs_o < NOUT, other=0.0).to(tl.float32)[None, :]
+            tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask)
+        it += k1 - k0
+
+
+@triton.jit
+def _w4_to_bf16_kernel(w_ptr, s_ptr, alpha_ptr, o_ptr, N, K, KB, exp_bias,
+                       FMT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """Dense bf16 W[N, K] = q * s / g (one rounding) from the kernel layout: the weight
+    operand of the cuBLAS path for large M. Reads 4.5 (4.25) bits and writes 16 per weight."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    w = _w_tile_at(w_ptr, s_ptr, rows, rows < N, tl.program_id(1) * (BK // 8), KB, exp_bias, FMT, BR, BK, True, F32)
+    w = w.to(tl.float32) * tl.load(alpha_ptr)
+    cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    tl.store(o_ptr + rows[:, None] * K + cols[None, :], w.to(tl.bfloat16), mask=(rows < N)[:, None])
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return 3  # interpreter: a small persistent grid, so tiles get shared and the fixup runs
+
+
+def _largest_divisor(k: int, candidates) -> int:
+    for c in candidates:
+        if k % c == 0:
+            return c
+    raise ValueError(f"K={k} must be a multiple of 32 for the fused kernels")
+
+
+# PER_SM: programs per SM each config keeps resident (registers, shared memory), from an
+# offline sm_90a compile (benchmarks/NOTES_w4a16.md); after the first launch the value measured
+# from the compiled kernel replaces it. The persistent grid is PER_SM x SM count.
+def _fwd_config(m: int, n: int, k: int, fmt: str = "nvfp4") -> dict:
+    """Tile shape by M bucket (benchmarks/NOTES_w4a16.md: SASS counts and the H100 sweep).
+
+    M <= 16: 16-row mma.sync tiles, 64 weight rows x 256 K per step; ~110-130 registers and
+    ~50 KB of shared memory, so 4 programs share an SM and ~100 KB of weight loads are in
+    flight per SM. M <= 32: 32-row tiles. M <= 64: wgmma 64 x 64 x 128 tiles (fastest of the
+    H100 sweep at M=64). Larger M (the fused path, below DEQUANT_MIN_M): wgmma 128 x 128 x 64
+    tiles with one warpgroup, two programs per SM."""
+    if m <= 16:
+        cfg = dict(BM=16, BO=64, BR=256, num_warps=4, num_stages=4, PER_SM=4)
+    elif m <= 32:
+        cfg = dict(BM=32, BO=128, BR=128, num_warps=4, num_stages=3, PER_SM=2)
+    elif m <= 64:
+        cfg = dict(BM=64, BO=64, BR=128, num_warps=4, num_stages=4, PER_SM=2)
+    else:
+        cfg = dict(BM=128, BO=128, BR=64, num_warps=4, num_stages=4, PER_SM=2)
+    cfg["BR"] = _largest_divisor(k, [c for c in (256, 128, 64, 32) if c <= cfg["BR"]])
+    return cfg
+
+
+def _bwd_config(m: int, n: int, k: int, fmt: str = "nvfp4") -> dict:
+    """dx tiles: BM rows x BO input features, reducing over BR weight rows per step."""
+    if m <= 64:
+        cfg = dict(BM=max(16, triton.next_power_of_2(m)), BO=128, BR=64, num_warps=4, num_stages=4, PER_SM=2)
+    else:
+        cfg = dict(BM=128, BO=128, BR=64, num_warps=4, num_stages=4, PER_SM=2)
+    cfg["BO"] = _largest_divisor(k, [c for c in (256, 128, 64, 32) if c <= cfg["BO"]])
+    return cfg
+
+
+_RESIDENT: dict = {}  # launch key -> programs per SM measured from the compiled kernel
+
+
+def _resident_per_sm(kernel) -> int | None:
+    """Programs of `kernel` one SM can hold (registers, shared memory, threads); None if unknown."""
+    try:
+        regs, smem, warps = kernel.n_regs, kernel.metadata.shared, kernel.metadata.num_warps
+    except AttributeError:
+        return None
+    warp_regs = -(-max(regs, 1) // 8) * 8 * 32
+    by_regs = 65536 // (warp_regs * warps)
+    by_smem = 233472 // (smem + 1024)
+    return max(1, min(by_regs, by_smem, 2048 // (32 * warps), 32))
+
+
+def _grid(m: int, tiles: int, steps_per_tile: int, per_sm: int, device, programs: int | None) -> int:
+    """Persistent grid size.
+
+    Decode (m <= 64) with fewer output tiles than resident slots (per_sm x SMs): tiles x s
+    programs, s the largest divisor of the steps per tile that fits the slots, so every
+    program covers one aligned slice of one tile (one pipeline fill, at most one fixup; a
+    program spanning two tiles pays the memory latency twice, which dominated small layers).
+    Otherwise one program per slot (stream-K: equal work per SM, no wave tail)."""
+    total = tiles * steps_per_tile
+    if programs is not None:
+        return max(1, min(programs, total))
+    slots = per_sm * _num_sms(device.index if device.index is not None else 0)
+    if m <= 64 and tiles < slots:
+        split = max(d for d in range(1, steps_per_tile + 1) if steps_per_tile % d == 0 and tiles * d <= slots)
+        return tiles * split
+    return max(1, min(slots, total))
+
+
+# Workspace counters per layer and direction; one per output tile (2048 x 128x128 tiles =
+# M 16384 x N 16384; larger problems fall back to a bigger counter array allocated on the fly).
+LOCKS = 2048
+
+
+# --------------------------------------------------------------------------- host side
+
+
+def _check(x: torch.Tensor, state: dict, dim: int, name: str):
+    if x.dim() != 2 or x.shape[1] != dim:
+        raise ValueError(f"{name} must be [M, {dim}], got {tuple(x.shape)}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"{name} must be bfloat16, got {x.dtype}")
+    if x.device != state["words"].device:
+        raise ValueError(f"{name} on {x.device} but the weight is on {state['words'].device}")
+
+
+def _launch(a: torch.Tensor, state: dict, bwd: bool, bias, cfg: dict, out):
+    n, k = state["n"], state["k"]
+    m = a.shape[0]
+    n_out, red = (k, n) if bwd else (n, k)
+    cfg = dict(cfg)
+    bm, bo, br, per_sm = cfg.pop("BM"), cfg.pop("BO"), cfg.pop("BR"), cfg.pop("PER_SM")
+    programs = cfg.pop("PROGRAMS", None)
+    decode_f32 = bool(cfg.pop("DECODE_F32", DECODE_F32))
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n_out, bo)
+    locks = state["locks_bwd" if bwd else "locks"]
+    if tiles > locks.numel():  # huge problem: counters for every tile (allocation, no sync)
+        locks = torch.zeros(tiles, dtype=torch.int32, device=a.device)
+    c = torch.empty(m, n_out, device=a.device, dtype=torch.bfloat16) if out is None else out
+    flags = dict(BWD=bwd, FMT=FMT_ID[state["fmt"]], HAS_BIAS=bias is not None, EVEN_O=n_out % bo == 0,
+                 EVEN_R=red % br == 0, BM=bm, BO=bo, BR=br, GROUP_M=8, INTERPRETED=INTERPRETED,
+                 DECODE_F32=decode_f32, **cfg)
+    key = tuple(sorted(flags.items()))
+    grid = _grid(m, tiles, triton.cdiv(red, br), _RESIDENT.get(key, per_sm), a.device, programs)
+    ws = torch.empty(grid * 2 * bm * bo, device=a.device, dtype=torch.float32)
+    kernel = _w4a16_kernel[(grid,)](
+        a, state["words"], state["scale"], state["alpha"], bias if bias is not None else c, c, ws, locks,
+        m, n_out, red, a.stride(0), c.stride(0), state["kb"], state["exp_bias"],
+        **flags,
+    )
+    if key not in _RESIDENT:
+        _RESIDENT[key] = _resident_per_sm(kernel) or per_sm
+    return c
+
+
+def dequant_bf16(state: dict, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense bf16 [N, K] weight from a prepared nvfp4/mxfp4 state (one kernel pass)."""
+    n, k = state["n"], state["k"]
+    words = state["words"]
+    o = torch.empty(n, k, device=words.device, dtype=torch.bfloat16) if out is None else out
+    bk = _largest_divisor(k, (256, 128, 64, 32))
+    br = 32
+    _w4_to_bf16_kernel[(triton.cdiv(n, br), k // bk)](
+        words, state["scale"], state["alpha"], o, n, k, state["kb"], state["exp_bias"],
+        FMT=FMT_ID[state["fmt"]], BR=br, BK=bk, F32=INTERPRETED or DECODE_F32, num_warps=4,
+    )
+    return o
+
+
+def _path(m: int, config: dict | None) -> str:
+    """'fused' (the kernel above) or 'dequant' (bf16 weight buffer + cuBLAS) for this call."""
+    if config is not None and "PATH" in config:
+        return config["PATH"]
+    if PREFILL in ("fused", "dequant"):
+        return PREFILL
+    return "dequant" if m >= DEQUANT_MIN_M else "fused"
+
+
+def _kernel_config(config: dict | None, default: dict) -> dict:
+    cfg = dict(default if config is None or set(config) <= {"PATH"} else config)
+    cfg.pop("PATH", None)
+    return cfg
+
+
+def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, config: dict | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ dequant(W)^T (+ bias) for x [M, K] bf16; `state` from qerl.kernels.prepare.
+    `config` overrides the heuristics: tile keys of _fwd_config, PROGRAMS (grid size), PATH."""
+    _check(x, state, state["k"], "x")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    if _path(m, config) == "dequant":
+        w = dequant_bf16(state)
+        if bias is None:
+            return torch.mm(x, w.T, out=out)
+        return torch.addmm(bias.to(torch.bfloat16), x, w.T, out=out)
+    cfg = _kernel_config(config, _fwd_config(m, state["n"], state["k"], state["fmt"]))
+    return _launch(x, state, False, bias, cfg, out)
+
+
+def backward(dy: torch.Tensor, state: dict, config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """dx = dy @ dequant(W) for dy [M, N] bf16 (the input gradient of forward)."""
+    _check(dy, state, state["n"], "grad_output")
+    if dy.stride(1) != 1:
+        dy = dy.contiguous()
+    m = dy.shape[0]
+    if _path(m, config) == "dequant":
+        return torch.mm(dy, dequant_bf16(state), out=out)
+    cfg = _kernel_config(config, _bwd_config(m, state["n"], state["k"], state["fmt"]))
+    return _launch(dy, state, True, None, cfg, out)

@@ -1,0 +1,236 @@
+"""CPU tests for qerl.kernels: kernel layout, torch references, backend dispatch, and the Triton
+kernels run by Triton's interpreter (TRITON_INTERPRET=1) on tiny shapes.
+
+Run: python -m pytest tests/test_kernels.py -q        (about a minute on 2 cores)
+
+The interpreter runs in a subprocess so its environment variable cannot leak into other test
+modules that import triton. Under the interpreter the kernels take their fp32 emulation path for
+bf16 arithmetic (the interpreter computes bf16 on raw uint16 bits, flushes bf16 subnormals and
+truncates fp32 -> bf16), so these tests check indexing, the bit layout, masking, the persistent
+schedule and the split-tile fixup; tests/test_kernels_gpu.py checks the real bf16 path.
+Tolerance 1e-2 relative (Frobenius): the kernels' only rounding is the final bf16 store (~4e-3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from qerl.formats import dequantize_weight, quantize_weight
+from qerl.formats.fp4 import pack_nibbles
+from qerl.kernels import (
+    KernelUnavailable,
+    available,
+    layout,
+    linear,
+    prepare,
+    resolve_backend,
+    state_tensors,
+)
+from qerl.kernels import reference
+
+FORMATS = ("nvfp4", "mxfp4")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _weight(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def test_layout_round_trip_and_bit_tiling():
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (37, 96), generator=g, dtype=torch.uint8)
+    words = layout.codes_to_words(codes)
+    assert words.dtype == torch.int32 and words.shape == (37, 12)
+    assert torch.equal(layout.words_to_codes(words), codes)
+    packed = pack_nibbles(codes)
+    assert torch.equal(layout.packed_to_words(packed), words)
+    assert torch.equal(layout.words_to_packed(words), packed)
+    # every (element, code bit) has its own bit of the word
+    assert sorted(layout._POS.flatten().tolist()) == list(range(32))
+
+
+def test_layout_decode_rule_in_torch():
+    """Apply the kernel's shift/mask decode in torch and check every code value exactly."""
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 16, (8, 64), generator=g, dtype=torch.uint8)
+    u = layout.codes_to_words(codes).to(torch.int64) & 0xFFFFFFFF
+
+    def rotr(w, r):
+        return ((w >> r) | (w << (32 - r))) & 0xFFFFFFFF if r else w
+
+    pairs = [(rotr(u, layout.ROT_MAG[j]) & layout.MAG_MASK) | (rotr(u, layout.ROT_SIGN[j]) & layout.SIGN_MASK) for j in range(4)]
+    table = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    for t, (j, half) in enumerate(layout._T_TO_SLOT):
+        bits = (pairs[j] >> (16 * half)) & 0xFFFF
+        f32 = (bits << 16).to(torch.int32).view(torch.float32)  # the bf16 pattern, widened exactly
+        assert torch.equal(f32 * 2.0**126, table[codes[:, t::8].long()])
+
+
+# --------------------------------------------------------------------------- references
+
+
+@pytest.mark.parametrize("fmt", ("nvfp4", "mxfp4", "nf4"))
+def test_reference_matches_formats(fmt):
+    w = _weight(48, 128, 2)
+    t = quantize_weight(w, fmt)
+    dense = dequantize_weight(t, fmt)
+    assert torch.equal(reference.dequant(fmt, t), dense)
+    x = torch.randn(5, 128).to(torch.bfloat16)
+    assert torch.allclose(reference.matmul_ref(x, t, fmt), x.float() @ dense.T, rtol=1e-5, atol=1e-6)
+    dy = torch.randn(5, 48).to(torch.bfloat16)
+    assert torch.allclose(reference.matmul_grad_ref(dy, t, fmt), dy.float() @ dense, rtol=1e-5, atol=1e-6)
+    if fmt == "nf4":
+        y = reference.nf4_dequant_matmul(x, t)
+        assert y.dtype == torch.bfloat16
+        assert _rel(y, reference.matmul_ref(x, t, fmt)) < 1e-2
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prepare_round_trips_to_checkpoint_tensors(fmt):
+    t = quantize_weight(_weight(64, 256, 3), fmt)
+    st = prepare(fmt, t)
+    back = state_tensors(st)
+    for name, value in t.items():
+        assert torch.equal(back[name].view(torch.uint8) if value.dtype == torch.float8_e4m3fn else back[name],
+                           value.view(torch.uint8) if value.dtype == torch.float8_e4m3fn else value), name
+    assert st["words"].shape == (1, 1, 64, 32) and st["kb"] == 1 and st["locks"].abs().sum() == 0
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def test_backend_resolution_on_cpu():
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu, "nvfp4") == "torch"
+    assert resolve_backend("auto", "cpu") == "torch"
+    assert resolve_backend("torch", cpu, "mxfp4") == "torch"
+    assert resolve_backend("auto", cpu, "nf4") == "torch"
+    with pytest.raises(KernelUnavailable, match="needs a CUDA GPU and triton"):
+        resolve_backend("triton", cpu, "nvfp4")
+    with pytest.raises(KernelUnavailable):
+        resolve_backend("triton", cpu, "nf4")
+    with pytest.raises(ValueError):
+        resolve_backend("cutlass", cpu)
+    if not torch.cuda.is_available():
+        assert available() is False
+
+
+@pytest.mark.parametrize("fmt", ("nvfp4", "mxfp4", "nf4"))
+def test_linear_torch_backend_forward_backward(fmt):
+    t = quantize_weight(_weight(40, 128, 4), fmt)
+    st = prepare(fmt, t)
+    x = torch.randn(2, 3, 128).to(torch.bfloat16).requires_grad_(True)
+    bias = torch.randn(40).to(torch.bfloat16).requires_grad_(True)
+    y = linear(x, st, fmt, bias=bias)
+    assert y.shape == (2, 3, 40) and y.dtype == torch.bfloat16
+    ref = reference.matmul_ref(x.detach(), t, fmt) + bias.detach().float()
+    assert _rel(y.detach(), ref) < 1e-2
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert _rel(x.grad, reference.matmul_grad_ref(dy, t, fmt)) < 1e-2
+    assert torch.allclose(bias.grad.float(), dy.float().sum((0, 1)), rtol=2e-2, atol=2e-2)
+    assert all(not v.requires_grad for v in st.values() if isinstance(v, torch.Tensor))
+
+
+def test_import_is_light():
+    code = "import sys, qerl, qerl.kernels; import torch; print(int('triton' in sys.modules), int(torch.cuda.is_initialized()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["0", "0"]
+
+
+# --------------------------------------------------------------------------- Triton interpreter
+
+_INTERPRETER_SCRIPT = textwrap.dedent(
+    """
+    import json, os
+    import torch
+    from qerl.formats import quantize_weight
+    from qerl.kernels import prepare, reference
+    from qerl.kernels import w4a16_triton as W, nf4_triton
+
+    torch.manual_seed(0)
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    results = []
+    cases = [(m, n, k) for m in (1, 5, 33) for (n, k) in ((64, 128), (96, 256))]
+    for fmt in ("nvfp4", "mxfp4"):
+        for m, n, k in cases:
+            w = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
+            t = quantize_weight(w, fmt)
+            st = prepare(fmt, t)
+            x = (torch.randn(m, k) * 2).to(torch.bfloat16)
+            dy = torch.randn(m, n).to(torch.bfloat16)
+            bias = torch.randn(n).to(torch.bfloat16) if m == 5 else None
+            y = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+            W.forward(x, st, bias=bias, out=y)
+            dx = torch.full((m, k), float("nan"), dtype=torch.bfloat16)
+            W.backward(dy, st, out=dx)
+            ref = reference.matmul_ref(x, t, fmt) + (bias.float() if bias is not None else 0)
+            results.append(dict(fmt=fmt, m=m, n=n, k=k, op="forward", rel=rel(y, ref), nan=bool(y.isnan().any())))
+            results.append(dict(fmt=fmt, m=m, n=n, k=k, op="backward", rel=rel(dx, reference.matmul_grad_ref(dy, t, fmt)),
+                                nan=bool(dx.isnan().any())))
+            results.append(dict(fmt=fmt, m=m, n=n, k=k, op="locks", rel=float(st["locks"].abs().sum() + st["locks_bwd"].abs().sum()), nan=False))
+        # the persistent schedule: 1 program, a few (tiles shared by several programs), many
+        m, n, k = 17, 160, 512
+        t = quantize_weight((torch.randn(n, k) * 0.02).to(torch.bfloat16), fmt)
+        st = prepare(fmt, t)
+        x = torch.randn(m, k).to(torch.bfloat16)
+        dy = torch.randn(m, n).to(torch.bfloat16)
+        for progs in (1, 3, 7, 1000):
+            fc = dict(W._fwd_config(m, n, k, fmt), PROGRAMS=progs)
+            bc = dict(W._bwd_config(m, n, k, fmt), PROGRAMS=progs)
+            y = W.forward(x, st, config=fc)
+            dx = W.backward(dy, st, config=bc)
+            results.append(dict(fmt=fmt, m=m, n=n, k=k, op=f"forward/programs={progs}", rel=rel(y, reference.matmul_ref(x, t, fmt)), nan=bool(y.isnan().any())))
+            results.append(dict(fmt=fmt, m=m, n=n, k=k, op=f"backward/programs={progs}", rel=rel(dx, reference.matmul_grad_ref(dy, t, fmt)), nan=bool(dx.isnan().any())))
+        # prefill-sized tiles (BM=128) on a small problem, and the large-M bf16 + matmul path
+        m, n, k = 130, 96, 256
+        x = torch.randn(m, k).to(torch.bfloat16)
+        t = quantize_weight((torch.randn(n, k) * 0.02).to(torch.bfloat16), fmt)
+        st = prepare(fmt, t)
+        ref = reference.matmul_ref(x, t, fmt)
+        for path in ("fused", "dequant"):
+            y = W.forward(x, st, config={"PATH": path})
+            results.append(dict(fmt=fmt, m=m, n=n, k=k, op=f"forward/{path}", rel=rel(y, ref), nan=bool(y.isnan().any())))
+        dy = torch.randn(m, n).to(torch.bfloat16)
+        dx = W.backward(dy, st, config={"PATH": "dequant"})
+        results.append(dict(fmt=fmt, m=m, n=n, k=k, op="backward/dequant", rel=rel(dx, reference.matmul_grad_ref(dy, t, fmt)), nan=bool(dx.isnan().any())))
+        o = torch.empty(n, k)
+        W.dequant_bf16(st, out=o)
+        results.append(dict(fmt=fmt, m=0, n=n, k=k, op="dequant_bf16", rel=rel(o, reference.dequant(fmt, t)), nan=bool(o.isnan().any())))
+    # the NF4 baseline's dequant kernel (fp32 output: the interpreter's bf16 cast truncates)
+    t = quantize_weight(torch.randn(64, 256) * 0.02, "nf4", double_quant=True)
+    o = torch.empty(64, 256)
+    nf4_triton.dequant_bf16(t, out=o)
+    exact = torch.equal(o, reference.dequant("nf4", t))
+    results.append(dict(fmt="nf4", m=0, n=64, k=256, op="dequant", rel=0.0 if exact else 1.0, nan=False))
+    print("RESULTS" + json.dumps(results))
+    """
+)
+
+
+def test_triton_kernels_under_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULTS")][-1]
+    results = json.loads(line[len("RESULTS"):])
+    bad = [r for r in results if r["nan"] or (r["op"] == "locks" and r["rel"] != 0) or r["rel"] > 1e-2]
+    assert not bad, bad
+    assert len(results) > 40
