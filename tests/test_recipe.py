@@ -1,0 +1,236 @@
+"""Recipe schema and bad-input handling: one-line errors naming the key and the valid choices,
+exit code 2 from the CLI before any MLflow run exists, and every shipped recipe validates.
+
+    python -m pytest tests/test_recipe.py -q
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qerl import FORMATS
+from qerl.data import BENCHMARKS
+from qerl.recipe import (
+    Recipe,
+    RecipeError,
+    flatten,
+    load_recipe,
+    parse_overrides,
+    recipe_from_dict,
+    resolve_recipe_path,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((ROOT / "recipes").glob("*.yaml"))
+
+
+def write(tmp_path: Path, data: dict, name: str = "r.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return p
+
+
+def error_of(tmp_path: Path, data: dict, overrides: dict | None = None) -> str:
+    with pytest.raises(RecipeError) as info:
+        load_recipe(write(tmp_path, data), overrides)
+    msg = str(info.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+# ----------------------------------------------------------------------------- schema errors
+
+
+def test_unknown_top_level_key_lists_valid_keys(tmp_path):
+    msg = error_of(tmp_path, {"name": "x", "modle": {"name": "embedded"}})
+    assert "unknown key 'modle'" in msg
+    for key in ("model", "formats", "benchmarks", "generation", "seed", "data_dir", "mlflow"):
+        assert key in msg
+
+
+@pytest.mark.parametrize(
+    "data, key, valid",
+    [
+        ({"model": {"nme": "embedded"}}, "model.nme", ["name", "revision", "trust_remote_code", "dtype"]),
+        ({"generation": {"max_tokens": 8}}, "generation.max_tokens", ["max_new_tokens", "temperature", "batch_size"]),
+        ({"mlflow": {"uri": "sqlite:///x.db"}}, "mlflow.uri", ["tracking_uri", "experiment"]),
+        ({"benchmarks": [{"name": "gsm8k", "lmit": 3}]}, "benchmarks[0].lmit", ["name", "limit"]),
+    ],
+)
+def test_unknown_nested_key_lists_valid_keys_of_its_section(tmp_path, data, key, valid):
+    msg = error_of(tmp_path, {"name": "x", **data})
+    assert f"unknown key '{key}'" in msg
+    for v in valid:
+        assert v in msg
+
+
+def test_bad_format_lists_valid_formats(tmp_path):
+    msg = error_of(tmp_path, {"name": "x", "formats": ["bf16", "fp8"]})
+    assert "'fp8'" in msg
+    assert all(f in msg for f in FORMATS)
+
+
+def test_bad_benchmark_lists_valid_benchmarks(tmp_path):
+    msg = error_of(tmp_path, {"name": "x", "benchmarks": [{"name": "mmlu"}]})
+    assert "'mmlu'" in msg and "benchmarks[0].name" in msg
+    assert all(b in msg for b in BENCHMARKS)
+
+
+def test_bad_values_name_the_key(tmp_path):
+    assert "model.dtype" in error_of(tmp_path, {"name": "x", "model": {"dtype": "fp16"}})
+    assert "benchmarks[0].limit" in error_of(tmp_path, {"name": "x", "benchmarks": [{"name": "gsm8k", "limit": 0}]})
+    assert "generation.max_new_tokens" in error_of(tmp_path, {"name": "x", "generation": {"max_new_tokens": 0}})
+    assert "listed twice" in error_of(tmp_path, {"name": "x", "formats": ["nf4", "nf4"]})
+
+
+def test_overrides_are_validated_too(tmp_path):
+    path = write(tmp_path, {"name": "x"})
+    assert load_recipe(path, {"generation.max_new_tokens": 7}).generation.max_new_tokens == 7
+    assert load_recipe(path, {"formats": "bf16,nvfp4"}).formats == ["bf16", "nvfp4"]
+    assert load_recipe(path, {"benchmarks.0.limit": 3}).benchmarks[0].limit == 3
+    with pytest.raises(RecipeError, match="unknown key 'generation.max_tokens'"):
+        load_recipe(path, {"generation.max_tokens": 7})
+    with pytest.raises(RecipeError, match="unknown format 'int4'"):
+        load_recipe(path, parse_overrides(["formats=[bf16,int4]"]))
+
+
+def test_unreadable_recipes(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(RecipeError, match="invalid YAML"):
+        load_recipe(bad)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- a\n- b\n")
+    with pytest.raises(RecipeError, match="mapping"):
+        load_recipe(lst)
+    with pytest.raises(RecipeError, match="not found"):
+        resolve_recipe_path("no-such-recipe")
+
+
+# ----------------------------------------------------------------------------- defaults, env, flattening
+
+
+def test_defaults_and_name_from_file(tmp_path):
+    r = load_recipe(write(tmp_path, {}, "my-run.yaml"))
+    assert r.name == "my-run"
+    assert r.report_dir == str(Path("reports") / "my-run")
+    assert r.formats == list(FORMATS)
+    assert r.mlflow.tracking_uri == "sqlite:///mlflow.db"
+    assert r.output_dir == ".qerl"
+    # one seed for everything unless generation names its own
+    assert load_recipe(write(tmp_path, {"seed": 5})).generation.seed == 5
+    assert load_recipe(write(tmp_path, {"seed": 5, "generation": {"seed": 1}})).generation.seed == 1
+
+
+def test_env_expansion(tmp_path, monkeypatch):
+    path = write(tmp_path, {"name": "x", "data_dir": "${QERL_TEST_DIR:-../shared/data}"})
+    monkeypatch.delenv("QERL_TEST_DIR", raising=False)
+    assert load_recipe(path).data_dir == "../shared/data"
+    monkeypatch.setenv("QERL_TEST_DIR", "/somewhere/data")
+    assert load_recipe(path).data_dir == "/somewhere/data"
+    with pytest.raises(RecipeError, match="QERL_UNSET_VAR"):
+        load_recipe(write(tmp_path, {"name": "x", "data_dir": "${QERL_UNSET_VAR}"}))
+
+
+def test_flatten_gives_dotted_params():
+    flat = flatten(recipe_from_dict({"name": "x", "benchmarks": [{"name": "gsm8k", "limit": 4}]}))
+    assert flat["model.name"] == "embedded"
+    assert flat["formats"] == "bf16,nf4,mxfp4,nvfp4"
+    assert flat["benchmarks.0.name"] == "gsm8k" and flat["benchmarks.0.limit"] == "4"
+    assert flat["generation.max_new_tokens"] == "256"
+    assert flat["mlflow.tracking_uri"] == "sqlite:///mlflow.db"
+    assert len(flat) < 100  # one MLflow log_batch
+
+
+# ----------------------------------------------------------------------------- shipped recipes
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_shipped_recipes_validate(path):
+    r = load_recipe(path)
+    assert isinstance(r, Recipe) and r.name == path.stem
+
+
+def test_shipped_recipe_contents(monkeypatch):
+    monkeypatch.delenv("QERL_DATA_DIR", raising=False)
+    names = {p.stem for p in SHIPPED}
+    assert {"embedded", "smoke", "qwen2.5-3b", "qwen2.5-7b"} <= names
+    emb = load_recipe("embedded")
+    assert emb.model.name == "embedded" and emb.formats == list(FORMATS)
+    assert emb.report_dir == "reports/embedded" and emb.generation.temperature == 0
+    assert emb.data_dir == "../shared/data"
+    monkeypatch.setenv("QERL_DATA_DIR", "/data/elsewhere")
+    assert load_recipe("embedded").data_dir == "/data/elsewhere"
+    smoke = load_recipe("smoke")
+    assert smoke.model.name == "random:tiny-llama" and smoke.formats == list(FORMATS)
+    assert smoke.benchmarks[0].limit == 4 and smoke.generation.max_new_tokens == 16
+    for size in ("3B", "7B"):
+        q = load_recipe(f"qwen2.5-{size.lower()}")
+        assert q.model.name == f"Qwen/Qwen2.5-{size}-Instruct"
+        assert q.benchmarks[0].name == "gsm8k" and q.benchmarks[0].limit is None  # full test set
+
+
+# ----------------------------------------------------------------------------- CLI: exit 2, one line, no runs
+
+
+def _runs_in(db: Path) -> int:
+    if not db.exists():
+        return 0
+    with sqlite3.connect(db) as con:
+        try:
+            return con.execute("select count(*) from runs").fetchone()[0]
+        except sqlite3.OperationalError:
+            return 0
+
+
+@pytest.mark.parametrize(
+    "data, args, expected",
+    [
+        ({"colour": "red"}, [], ["unknown key 'colour'", "valid keys"]),
+        ({"formats": ["bf16", "fp8"]}, [], ["'fp8'", *FORMATS]),
+        ({"benchmarks": [{"name": "mmlu"}]}, [], ["'mmlu'", *BENCHMARKS]),
+        ({}, ["--set", "formats=bf16,int4"], ["'int4'", *FORMATS]),
+        ({}, ["--set", "generation.max_tokens=3"], ["generation.max_tokens", "max_new_tokens"]),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line_before_any_run(tmp_path, data, args, expected):
+    from typer.testing import CliRunner
+
+    from qerl.cli import app
+
+    db = tmp_path / "mlflow.db"
+    recipe = {"name": "bad", "model": {"name": "random:tiny-llama"}, "mlflow": {"tracking_uri": f"sqlite:///{db}"}}
+    path = write(tmp_path, {**recipe, **data})
+    result = CliRunner().invoke(app, ["reproduce", str(path), *args])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    for e in expected:
+        assert e in lines[0]
+    assert _runs_in(db) == 0
+
+
+def test_cli_unknown_format_option_exits_2(tmp_path):
+    from typer.testing import CliRunner
+
+    from qerl.cli import app
+
+    path = write(tmp_path, {"name": "x", "model": {"name": "random:tiny-llama"}})
+    result = CliRunner().invoke(app, ["quantize", str(path), "--format", "int3"])
+    assert result.exit_code == 2
+    assert result.output.strip().startswith("error: ") and "nvfp4" in result.output
+
+
+def test_cli_help_lists_commands():
+    from typer.testing import CliRunner
+
+    from qerl.cli import app
+
+    result = CliRunner().invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for cmd in ("reproduce", "quantize", "evaluate", "report", "ui"):
+        assert cmd in result.output
