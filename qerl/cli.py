@@ -122,12 +122,15 @@ def quantize(
     set_: Optional[list[str]] = typer.Option(None, "--set", "-s", help=SET_HELP),
     force: bool = typer.Option(False, "--force", help="Rebuild even if a complete checkpoint exists."),
     parent_run_id: Optional[str] = typer.Option(None, "--parent-run-id", help="Nest the MLflow run under this run."),
+    quantizer: Optional[str] = typer.Option(
+        None, "--quantizer", help="qerl (default, exact, no calibration) or llm-compressor (oneshot NVFP4A16/MXFP4A16)."
+    ),
 ) -> None:
     """Quantize the recipe's model and save a checkpoint per format (one MLflow run each)."""
     with _bad_input_exits():
         from qerl.formats import check_format
 
-        _, _, rec = _load(recipe, set_)
+        _, _, rec = _load(recipe, [*(set_ or []), *([f"quantizer={quantizer}"] if quantizer else [])])
         formats = [check_format(f) for f in (fmt or rec.formats)]
         from qerl.pipeline import preload, quantize_step
 

@@ -70,7 +70,10 @@ def variant_name(fmt: str) -> str:
 def checkpoint_dir(recipe: Recipe, fmt: str) -> Path:
     from qerl.model import model_key
 
-    return Path(recipe.output_dir) / "checkpoints" / model_key(recipe.model) / fmt
+    base = Path(recipe.output_dir) / "checkpoints" / model_key(recipe.model)
+    if recipe.quantizer != "qerl" and fmt in ("nvfp4", "mxfp4"):
+        return base / f"{fmt}-{recipe.quantizer}"
+    return base / fmt
 
 
 def _step_tags(fmt: str, step: str, extra: dict[str, Any] | None) -> dict[str, Any]:
@@ -174,11 +177,22 @@ def _quantize_and_save(recipe: Recipe, fmt: str, out: Path, progress: bool) -> d
     (out / STEP_MARKER).unlink(missing_ok=True)
     with _LOAD_LOCK:
         model, tokenizer = load_model(recipe.model, device=recipe.resolved_device())
-    summary = quantize_(model, fmt, progress=progress)
+    if recipe.quantizer == "llm-compressor" and fmt in ("nvfp4", "mxfp4"):
+        from qerl.checkpoint import load_quantized
+        from qerl.llmcompressor_quantizer import quantize_with_llmcompressor
+        from qerl.quantize import decoder_linears
+
+        n_linear = len(decoder_linears(model))
+        quantize_with_llmcompressor(model, tokenizer, out, fmt)
+        model, _ = load_quantized(out)
+        summary = type("S", (), {"layers_quantized": [0] * n_linear, "layers_skipped": []})()
+    else:
+        summary = quantize_(model, fmt, progress=progress)
+        save_quantized(model, tokenizer, out, fmt)
     mem = memory_report(model)
-    save_quantized(model, tokenizer, out, fmt)
     info = {
         "format": fmt,
+        "quantizer": recipe.quantizer if fmt in ("nvfp4", "mxfp4") else "qerl",
         "model": recipe.model.name,
         "layers_quantized": len(summary.layers_quantized),
         "layers_skipped": len(summary.layers_skipped),
@@ -226,6 +240,7 @@ def evaluate_step(
     row: dict[str, Any] = {
         "variant": variant_name(fmt),
         "format": fmt,
+        "quantizer": recipe.quantizer if fmt in ("nvfp4", "mxfp4") else "qerl",
         "model": recipe.model.name,
         "mlflow_run_id": run_id,
     }

@@ -109,6 +109,9 @@ class Recipe(BaseModel):
     max_workers: int = Field(2, ge=1)  # formats processed at once by the flow
     mlflow: MlflowSettings = Field(default_factory=MlflowSettings)
     output_dir: str = ".qerl"  # checkpoints and per-problem results
+    # Who builds the nvfp4/mxfp4 checkpoints: our exact quantizer (default; no calibration,
+    # also nf4) or llm-compressor's oneshot (NVFP4A16/MXFP4A16). Both give identical tensors.
+    quantizer: Literal["qerl", "llm-compressor"] = "qerl"
     report_dir: str | None = None  # None = reports/<name>
 
     @field_validator("formats", mode="before")
