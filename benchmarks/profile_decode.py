@@ -1,0 +1,38 @@
+"""Run one decode-size fused product a few times, for Nsight Compute to read its counters.
+
+    ncu --clock-control none --kernel-name regex:w4a16 --launch-skip 3 --launch-count 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        --section WarpStateStats python benchmarks/profile_decode.py --fmt nvfp4 --n 37888 --k 3584 --m 1
+
+Answers whether the decode path is limited by DRAM bandwidth or by issued instructions.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from qerl.formats import quantize_weight
+from qerl.kernels import linear, prepare
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fmt", default="nvfp4")
+    ap.add_argument("--n", type=int, default=37888)
+    ap.add_argument("--k", type=int, default=3584)
+    ap.add_argument("--m", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=6)
+    a = ap.parse_args()
+    w = (torch.randn(a.n, a.k, device="cuda") * 0.02).to(torch.bfloat16)
+    state = prepare(a.fmt, quantize_weight(w, a.fmt))
+    x = torch.randn(a.m, a.k, device="cuda", dtype=torch.bfloat16)
+    for _ in range(a.reps):
+        y = linear(x, state, a.fmt)
+    torch.cuda.synchronize()
+    print("ok", tuple(y.shape))
+
+
+if __name__ == "__main__":
+    main()
