@@ -1,0 +1,239 @@
+"""LoRA over the frozen 4-bit QuantLinear, through PEFT (a standard PEFT adapter on disk).
+
+    model = apply_lora(model, LoraSettings(r=16, lora_alpha=16))   # -> peft.PeftModel
+    model.save_pretrained(out_dir)                                 # adapter_model.safetensors + adapter_config.json
+    model = load_lora(base_model, out_dir, is_trainable=True)      # the same adapter, back on a fresh base
+
+How: `QuantLoraLinear` is a PEFT `LoraLayer` for `QuantLinear`, registered with PEFT's
+custom-module hook (`LoraConfig._register_custom_module`, experimental in PEFT 0.21, so the
+version is pinned by the tests). Its forward is the 4-bit product plus the unmerged low-rank
+path `x @ A^T @ B^T * (alpha / r)`; the packed base tensors are buffers, so they never get a
+gradient and the optimiser never sees them. Merging is refused: a 4-bit weight cannot absorb a
+bf16 delta without re-quantising, which would change the policy.
+
+Two PEFT details need care, both handled here:
+- `LoraConfig._custom_modules` is not written to adapter_config.json, so a plain
+  `PeftModel.from_pretrained` does not know about QuantLinear: load with `load_lora`.
+- While injecting, PEFT looks for the base layer's device through `.weight` / `.qweight` and
+  otherwise calls `next(child.parameters())`, which fails for a bias-free QuantLinear (it has only
+  buffers). PEFT's own AQLM support sets `target.qweight` for this; we set it only for the duration
+  of the injection (`_peft_injection`) and remove it afterwards, so nothing stale is kept.
+
+Trainable RMSNorm weights (`train_norms`) use PEFT's `modules_to_save`: the norms are copied
+into the adapter, trained, and saved in adapter_model.safetensors.
+
+Try it:  pytest tests/test_lora.py -q
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora.layer import LoraLayer
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from qerl.nn.quant_linear import QuantLinear
+
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Norm modules made trainable with `train_norms` (PEFT modules_to_save names: suffix match).
+DEFAULT_NORM_MODULES = ("input_layernorm", "post_attention_layernorm", "norm")
+
+__all__ = [
+    "DEFAULT_NORM_MODULES",
+    "DEFAULT_TARGET_MODULES",
+    "LoraSettings",
+    "QuantLoraLinear",
+    "apply_lora",
+    "lora_config",
+    "load_lora",
+    "lora_state_dict",
+    "trainable_parameters",
+]
+
+
+class LoraSettings(BaseModel):
+    """LoRA hyper-parameters (names as in peft.LoraConfig)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    r: int = Field(16, ge=1)
+    lora_alpha: float = Field(16.0, gt=0)
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
+    train_norms: bool = False  # also train the RMSNorm weights (PEFT modules_to_save)
+    norm_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_NORM_MODULES))
+    use_rslora: bool = False
+
+
+class QuantLoraLinear(nn.Module, LoraLayer):
+    """PEFT LoRA layer over a QuantLinear: y = Q(x) + B(A(dropout(x))) * scaling, never merged."""
+
+    def __init__(
+        self,
+        base_layer: nn.Module,
+        adapter_name: str,
+        config: LoraConfig,
+        r: int = 0,
+        lora_alpha: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        LoraLayer.__init__(self, base_layer, **kwargs)
+        self.fan_in_fan_out = False
+        self._active_adapter = adapter_name
+        if getattr(config, "use_dora", False):
+            raise ValueError("DoRA is not supported over a 4-bit QuantLinear (it needs the dense weight norm)")
+        self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
+
+    # PEFT asks these of the base layer; a QuantLinear has no `.weight`.
+    def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
+        base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+        return base.in_features, base.out_features
+
+    def _get_base_layer_device_and_dtype(self, base_layer: nn.Module):
+        return base_layer.weight_packed.device, getattr(base_layer, "compute_dtype", None)
+
+    @property
+    def weight(self) -> torch.Tensor:  # some HF code reads `.weight.dtype/.device` of a linear
+        raise AttributeError(
+            "a LoRA layer over a 4-bit QuantLinear has no dense weight; use get_base_layer().dequantized_weight()"
+        )
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        raise NotImplementedError(
+            "LoRA over a 4-bit QuantLinear stays unmerged: merging would re-quantise the weight and change the policy"
+        )
+
+    def unmerge(self) -> None:
+        if self.merged:  # pragma: no cover - merge() never succeeds
+            raise RuntimeError("unexpected merged adapters on a QuantLoraLinear")
+
+    def get_delta_weight(self, adapter: str) -> torch.Tensor:
+        """B @ A * scaling (float32), for inspection; never added to the 4-bit weight."""
+        a = self.lora_A[adapter].weight.float()
+        b = self.lora_B[adapter].weight.float()
+        return (b @ a) * self.scaling[adapter]
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._check_forward_args(x, *args, **kwargs)
+        adapter_names = kwargs.pop("adapter_names", None)
+        if self.disable_adapters:
+            return self.base_layer(x, *args, **kwargs)
+        if adapter_names is not None:
+            return self._mixed_batch_forward(x, *args, adapter_names=adapter_names, **kwargs)
+        result = self.base_layer(x, *args, **kwargs)
+        out_dtype = result.dtype
+        for name in self.active_adapters:
+            if name not in self.lora_A:
+                continue
+            lora_a, lora_b = self.lora_A[name], self.lora_B[name]
+            xa = self._cast_input_dtype(x, lora_a.weight.dtype)
+            result = result + lora_b(lora_a(self.lora_dropout[name](xa))) * self.scaling[name]
+        return result.to(out_dtype)
+
+    def __repr__(self) -> str:
+        return "lora." + super().__repr__()
+
+
+def lora_config(settings: LoraSettings, inference_mode: bool = False) -> LoraConfig:
+    """A peft.LoraConfig for `settings`, with QuantLinear registered."""
+    cfg = LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.lora_alpha,
+        lora_dropout=settings.lora_dropout,
+        target_modules=list(settings.target_modules),
+        modules_to_save=list(settings.norm_modules) if settings.train_norms else None,
+        use_rslora=settings.use_rslora,
+        bias="none",
+        task_type="CAUSAL_LM",
+        inference_mode=inference_mode,
+    )
+    cfg._register_custom_module({QuantLinear: QuantLoraLinear})
+    return cfg
+
+
+@contextlib.contextmanager
+def _peft_injection(model: nn.Module):
+    """Give each QuantLinear a `qweight` (its packed tensor) while PEFT injects adapters.
+
+    PEFT reads the device of a target layer from `.weight`/`.qweight`, else from its first
+    parameter; bias-free QuantLinears have none. The attribute is removed afterwards so no
+    stale reference survives a later `.to(device)`."""
+    tagged = []
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear) and "qweight" not in mod.__dict__ and not hasattr(type(mod), "qweight"):
+            mod.__dict__["qweight"] = mod.weight_packed
+            tagged.append(mod)
+    try:
+        yield
+    finally:
+        for mod in tagged:
+            mod.__dict__.pop("qweight", None)
+
+
+def _check_targets(model: nn.Module, settings: LoraSettings) -> None:
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantLinear))}
+    missing = [t for t in settings.target_modules if t not in names]
+    if missing:
+        raise ValueError(
+            f"LoRA target modules {missing} are not linear layers of this model; "
+            f"its linear layers are named {sorted(names)}"
+        )
+
+
+def apply_lora(model: nn.Module, settings: LoraSettings | None = None, adapter_name: str = "default") -> PeftModel:
+    """Wrap `model` (bf16 nn.Linear or 4-bit QuantLinear decoder) with trainable LoRA adapters.
+
+    Only the LoRA matrices (and the norm copies with `train_norms`) require grad afterwards."""
+    settings = settings or LoraSettings()
+    _check_targets(model, settings)
+    cfg = lora_config(settings)
+    with _peft_injection(model), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*custom.*", category=UserWarning)
+        peft_model = get_peft_model(model, cfg, adapter_name=adapter_name)
+    _freeze_base(peft_model)
+    return peft_model
+
+
+def load_lora(
+    model: nn.Module, path: str | Path, is_trainable: bool = False, adapter_name: str = "default"
+) -> PeftModel:
+    """Load a PEFT adapter saved by `save_pretrained` onto `model` (QuantLinear-aware)."""
+    path = Path(path)
+    if not (path / "adapter_config.json").exists():
+        raise FileNotFoundError(f"{path} holds no PEFT adapter (adapter_config.json missing)")
+    cfg = LoraConfig.from_pretrained(str(path))
+    cfg._register_custom_module({QuantLinear: QuantLoraLinear})
+    cfg.inference_mode = not is_trainable
+    with _peft_injection(model):
+        peft_model = PeftModel.from_pretrained(
+            model, str(path), adapter_name=adapter_name, is_trainable=is_trainable, config=cfg
+        )
+    if is_trainable:
+        _freeze_base(peft_model)
+    return peft_model
+
+
+def _freeze_base(peft_model: nn.Module) -> None:
+    """Belt and braces: no QuantLinear tensor is ever trainable (bias included)."""
+    for mod in peft_model.modules():
+        if isinstance(mod, QuantLinear):
+            for p in mod.parameters(recurse=False):
+                p.requires_grad_(False)
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's tensors as PEFT saves them (keys without the adapter name)."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model)

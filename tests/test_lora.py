@@ -1,0 +1,165 @@
+"""LoRA over QuantLinear through PEFT: wrapping, frozen 4-bit base, save/load, zero-init identity."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from qerl.model import build_random
+from qerl.nn.lora import (
+    DEFAULT_TARGET_MODULES,
+    LoraSettings,
+    QuantLoraLinear,
+    apply_lora,
+    load_lora,
+    trainable_parameters,
+)
+from qerl.nn.quant_linear import QuantLinear
+from qerl.quantize import quantize_
+
+
+def _tiny(fmt: str = "nvfp4"):
+    model = build_random("tiny-llama", torch.float32, seed=0)
+    if fmt != "bf16":
+        quantize_(model, fmt, progress=False)
+    return model.eval()
+
+
+def _ids(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 5000, (2, 9), generator=g)
+
+
+def _randomise_lora(model, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
+def test_peft_wraps_every_target_module(fmt):
+    model = apply_lora(_tiny(fmt))
+    layers = model.get_base_model().config.num_hidden_layers
+    wrapped = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, QuantLoraLinear)}
+    assert wrapped == set(DEFAULT_TARGET_MODULES)
+    count = sum(isinstance(m, QuantLoraLinear) for m in model.modules())
+    assert count == len(DEFAULT_TARGET_MODULES) * layers
+    for m in model.modules():
+        if isinstance(m, QuantLoraLinear):
+            assert isinstance(m.get_base_layer(), QuantLinear)
+            assert m.get_base_layer().fmt == fmt
+            assert "qweight" not in m.get_base_layer().__dict__  # injection helper cleaned up
+
+
+def test_only_lora_params_train():
+    model = apply_lora(_tiny(), LoraSettings(r=4))
+    names = list(trainable_parameters(model))
+    assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
+    assert len(names) == 2 * len(DEFAULT_TARGET_MODULES) * model.get_base_model().config.num_hidden_layers
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            assert not any(p.requires_grad for p in m.parameters())
+
+
+def test_trainable_norms_option():
+    model = apply_lora(_tiny(), LoraSettings(r=4, train_norms=True))
+    names = list(trainable_parameters(model))
+    norms = [n for n in names if "lora_" not in n]
+    assert norms and all("norm" in n and "modules_to_save" in n for n in norms)
+    # input_layernorm + post_attention_layernorm per layer, plus the final norm
+    assert len(norms) == 2 * model.get_base_model().config.num_hidden_layers + 1
+
+
+def test_zero_init_B_equals_quantlinear_output():
+    base = _tiny()
+    x = _ids()
+    with torch.no_grad():
+        ref = base(x).logits
+    q = base.model.layers[0].self_attn.q_proj
+    h = torch.randn(3, q.in_features)
+    with torch.no_grad():
+        q_ref = q(h)
+    model = apply_lora(base)
+    layer = model.get_base_model().model.layers[0].self_attn.q_proj
+    assert isinstance(layer, QuantLoraLinear)
+    assert all(float(layer.lora_B[a].weight.detach().abs().max()) == 0.0 for a in layer.lora_B)
+    with torch.no_grad():
+        assert torch.equal(layer(h), q_ref)
+        assert torch.equal(model(x).logits, ref)
+
+
+def test_lora_path_is_unmerged_low_rank_product():
+    model = apply_lora(_tiny(), LoraSettings(r=4, lora_alpha=8))
+    _randomise_lora(model)
+    layer = model.get_base_model().model.layers[1].mlp.down_proj
+    h = torch.randn(5, layer.in_features)
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    with torch.no_grad():
+        expected = layer.get_base_layer()(h) + (h @ a.T @ b.T) * (8 / 4)
+        torch.testing.assert_close(layer(h), expected, rtol=1e-5, atol=1e-6)
+        with model.disable_adapter():
+            assert torch.equal(layer(h), layer.get_base_layer()(h))
+    with pytest.raises(NotImplementedError, match="unmerged"):
+        layer.merge()
+
+
+def test_packed_buffers_never_change_after_optimiser_step():
+    model = apply_lora(_tiny(), LoraSettings(r=4, train_norms=True))
+    _randomise_lora(model)
+    before = {n: b.clone() for n, b in model.named_buffers() if "weight_" in n}
+    assert before, "no packed buffers found"
+    lora_before = {n: p.detach().clone() for n, p in trainable_parameters(model).items()}
+    opt = torch.optim.AdamW(trainable_parameters(model).values(), lr=1e-2)
+    model.train()
+    for _ in range(2):
+        loss = model(_ids()).logits.float().pow(2).mean()
+        loss.backward()
+        for m in model.modules():
+            if isinstance(m, QuantLinear):
+                assert all(t.grad is None for t in m.buffers())
+        opt.step()
+        opt.zero_grad()
+    for n, b in model.named_buffers():
+        if n in before:
+            assert torch.equal(b, before[n]), n
+    changed = [n for n, p in trainable_parameters(model).items() if not torch.equal(p, lora_before[n])]
+    assert len(changed) == len(lora_before)
+
+
+@pytest.mark.parametrize("train_norms", [False, True])
+def test_adapter_save_load_round_trip(tmp_path, train_norms):
+    base = _tiny()
+    fresh = copy.deepcopy(base)
+    model = apply_lora(base, LoraSettings(r=4, train_norms=train_norms))
+    _randomise_lora(model)
+    if train_norms:
+        with torch.no_grad():
+            for n, p in trainable_parameters(model).items():
+                if "norm" in n:
+                    p.add_(0.01 * torch.randn_like(p))
+    x = _ids(3)
+    with torch.no_grad():
+        expected = model(x).logits
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "adapter_model.safetensors").exists() and (tmp_path / "adapter_config.json").exists()
+    loaded = load_lora(fresh, tmp_path)
+    with torch.no_grad():
+        got = loaded(x).logits
+    assert torch.equal(got, expected)
+    trainable = load_lora(copy.deepcopy(_tiny()), tmp_path, is_trainable=True)
+    assert trainable_parameters(trainable)
+
+
+def test_bf16_linears_use_peft_default_layer():
+    model = apply_lora(_tiny("bf16"), LoraSettings(r=4))
+    assert not any(isinstance(m, QuantLoraLinear) for m in model.modules())
+    assert len(trainable_parameters(model)) == 2 * len(DEFAULT_TARGET_MODULES) * 2
+
+
+def test_unknown_target_module_is_a_clear_error():
+    with pytest.raises(ValueError, match="not linear layers"):
+        apply_lora(_tiny(), LoraSettings(target_modules=["q_proj", "nonexistent"]))
