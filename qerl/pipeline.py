@@ -80,6 +80,19 @@ def _step_tags(fmt: str, step: str, extra: dict[str, Any] | None) -> dict[str, A
     return {"step": step, "format": fmt, "variant": variant_name(fmt), **(extra or {})}
 
 
+def _start_step_run(recipe: Recipe, fmt: str, step: str, checkpoint, parent_run_id, tags):
+    """The child MLflow run of one step (quantize/evaluate) of one format -> (tracker, run id)."""
+    tracker = Tracker(recipe.mlflow)
+    run_id = tracker.start_run(
+        recipe,
+        f"{step}/{fmt}",
+        parent_run_id=parent_run_id,
+        tags=_step_tags(fmt, step, tags),
+        params={"format": fmt, "checkpoint": str(checkpoint)},
+    )
+    return tracker, run_id
+
+
 # ----------------------------------------------------------------------------- parent run
 
 
@@ -123,14 +136,7 @@ def quantize_step(
 
     check_format(fmt)
     out = checkpoint_dir(recipe, fmt)
-    tracker = Tracker(recipe.mlflow)
-    run_id = tracker.start_run(
-        recipe,
-        f"quantize/{fmt}",
-        parent_run_id=parent_run_id,
-        tags=_step_tags(fmt, "quantize", tags),
-        params={"format": fmt, "checkpoint": str(out)},
-    )
+    tracker, run_id = _start_step_run(recipe, fmt, "quantize", out, parent_run_id, tags)
     with tracker.tracked(run_id):
         info = None if force else _reusable(out)
         reused = info is not None
@@ -180,12 +186,12 @@ def _quantize_and_save(recipe: Recipe, fmt: str, out: Path, progress: bool) -> d
     if recipe.quantizer == "llm-compressor" and fmt in ("nvfp4", "mxfp4"):
         from qerl.checkpoint import load_quantized
         from qerl.llmcompressor_quantizer import quantize_with_llmcompressor
-        from qerl.quantize import decoder_linears
+        from qerl.quantize import QuantSummary, decoder_linears
 
-        n_linear = len(decoder_linears(model))
+        names = list(decoder_linears(model))
         quantize_with_llmcompressor(model, tokenizer, out, fmt)
         model, _ = load_quantized(out)
-        summary = type("S", (), {"layers_quantized": [0] * n_linear, "layers_skipped": []})()
+        summary = QuantSummary(format=fmt, layers_quantized=names)
     else:
         summary = quantize_(model, fmt, progress=progress)
         save_quantized(model, tokenizer, out, fmt)
@@ -229,14 +235,7 @@ def evaluate_step(
     from qerl.memory import memory_report
     from qerl.model import ModelError
 
-    tracker = Tracker(recipe.mlflow)
-    run_id = tracker.start_run(
-        recipe,
-        f"evaluate/{fmt}",
-        parent_run_id=parent_run_id,
-        tags=_step_tags(fmt, "evaluate", tags),
-        params={"format": fmt, "checkpoint": str(checkpoint)},
-    )
+    tracker, run_id = _start_step_run(recipe, fmt, "evaluate", checkpoint, parent_run_id, tags)
     row: dict[str, Any] = {
         "variant": variant_name(fmt),
         "format": fmt,
