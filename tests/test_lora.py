@@ -163,3 +163,20 @@ def test_bf16_linears_use_peft_default_layer():
 def test_unknown_target_module_is_a_clear_error():
     with pytest.raises(ValueError, match="not linear layers"):
         apply_lora(_tiny(), LoraSettings(target_modules=["q_proj", "nonexistent"]))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nf4"])
+def test_first_forward_in_inference_mode_then_training_backward(fmt):
+    # A rollout (torch.inference_mode) runs before the first training forward: the dequantised
+    # weight cached by that first call must still serve a backward pass (LoRA's grad_x).
+    model = apply_lora(_tiny(fmt), LoraSettings(r=4))
+    _randomise_lora(model)
+    with torch.inference_mode():
+        ref = model(_ids()).logits
+    model.train()
+    loss = model(_ids()).logits.float().pow(2).mean()
+    loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if "lora_A" in n]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert any(g.abs().sum() > 0 for g in grads)
+    assert torch.allclose(model(_ids()).logits.detach(), ref)

@@ -35,14 +35,10 @@ from typing import Any
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import LoraLayer
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from qerl.nn.lora_settings import DEFAULT_NORM_MODULES, DEFAULT_TARGET_MODULES, LoraSettings
 from qerl.nn.quant_linear import QuantLinear
-
-DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Norm modules made trainable with `train_norms` (PEFT modules_to_save names: suffix match).
-DEFAULT_NORM_MODULES = ("input_layernorm", "post_attention_layernorm", "norm")
 
 __all__ = [
     "DEFAULT_NORM_MODULES",
@@ -55,20 +51,6 @@ __all__ = [
     "lora_state_dict",
     "trainable_parameters",
 ]
-
-
-class LoraSettings(BaseModel):
-    """LoRA hyper-parameters (names as in peft.LoraConfig)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    r: int = Field(16, ge=1)
-    lora_alpha: float = Field(16.0, gt=0)
-    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
-    train_norms: bool = False  # also train the RMSNorm weights (PEFT modules_to_save)
-    norm_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_NORM_MODULES))
-    use_rslora: bool = False
 
 
 class QuantLoraLinear(nn.Module, LoraLayer):

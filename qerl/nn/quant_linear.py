@@ -103,6 +103,9 @@ class QuantLinear(nn.Module):
         return dict(self.named_buffers(recurse=False))
 
     # ---- compute ------------------------------------------------------------------------
+    # Caches are built as normal tensors even when the first call runs under
+    # torch.inference_mode (a rollout): an inference tensor could not be saved for the backward
+    # pass of a later training forward (LoRA's grad_x goes through this weight).
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize_weight(self.quant_tensors(), self.fmt, dtype or self.compute_dtype)
 
@@ -118,7 +121,8 @@ class QuantLinear(nn.Module):
         if key not in self._cache:
             from qerl import kernels
 
-            self._cache[key] = kernels.prepare(self.fmt, self.quant_tensors())
+            with _outside_inference_mode():
+                self._cache[key] = kernels.prepare(self.fmt, self.quant_tensors())
         return self._cache[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,7 +133,8 @@ class QuantLinear(nn.Module):
         if x.device.type == "cpu":
             key = ("dense", x.dtype)
             if key not in self._cache:
-                self._cache[key] = self.dequantized_weight(x.dtype)
+                with _outside_inference_mode():
+                    self._cache[key] = self.dequantized_weight(x.dtype)
             w = self._cache[key]
         else:
             w = self.dequantized_weight(x.dtype)
@@ -159,3 +164,13 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, bias={self.bias is not None}"
+
+
+def _outside_inference_mode():
+    """no_grad, with inference mode off: tensors made here are usable later by autograd."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.no_grad())
+    return stack
