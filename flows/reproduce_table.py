@@ -1,15 +1,19 @@
-"""Prefect flow `reproduce-table`: per format a quantize task then an evaluate task, then a report.
+"""Prefect flow `reproduce-table`: quantize -> (train) -> evaluate per table column, then a report.
 
     python -m flows.reproduce_table recipes/smoke.yaml        # or: qerl reproduce smoke
 
+Columns: the base model in each of recipe.formats (quantize, evaluate), and, with a `train:`
+section, each trained variant (lora-bf16, qlora-nf4, lora-mxfp4, qerl-nvfp4, qerl-nvfp4-aqn):
+train LoRA by GRPO/DAPO on its format's checkpoint, then evaluate with the adapter applied.
+Each format is quantised once and shared by its base row and its variants.
+
 Without a Prefect server this runs on Prefect's local ephemeral engine. The recipe is validated
 first (a bad recipe fails before any MLflow run exists); then one parent MLflow run is opened
-for the flow run (FAILED if the flow fails) and every task logs a run nested under it.
-Formats run recipe.max_workers at a time, in waves (within a wave the quantize tasks are
-queued before the evaluate tasks that wait on them, so a bounded thread pool never blocks on
-work queued behind it); on a CPU the cores are split between them. A format that fails does
-not stop the others: the report is written for what was measured, then the flow raises the
-first error.
+for the flow run (FAILED if the flow fails) and every task logs a run nested under it. Tasks
+run recipe.max_workers at a time; they are submitted in dependency order (quantize, train,
+evaluate), so a bounded thread pool never blocks on work queued behind it; on a CPU the cores
+are split between them. A column that fails does not stop the others: the report is written
+for what was measured, then the flow raises the first error.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from qerl import pipeline
-from qerl.recipe import load_recipe
-from tasks import evaluate, quantize, report
+from qerl.recipe import VARIANTS, load_recipe
+from tasks import evaluate, quantize, report, train
 
 
 def _flow_tags() -> dict[str, str]:
@@ -37,28 +41,38 @@ def _flow_tags() -> dict[str, str]:
 
 @flow(name="reproduce-table", task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True)
 def reproduce_table(recipe_path: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Quantize and evaluate the recipe's model in each format, then write the report."""
+    """Quantize, train (if the recipe trains) and evaluate every column, then write the report."""
     recipe = load_recipe(recipe_path, overrides)  # RecipeError here: no MLflow run yet
     logger = get_run_logger()
     pipeline.preload()  # before any thread imports transformers
-    threads = pipeline.configure_threads(recipe)  # cores / concurrent formats, on a CPU
+    threads = pipeline.configure_threads(recipe)  # cores / concurrent tasks, on a CPU
     if threads:
-        logger.info("CPU: %d torch thread(s) per format, %d format(s) at once", threads, recipe.max_workers)
+        logger.info("CPU: %d torch thread(s) per task, %d task(s) at once", threads, recipe.max_workers)
     rows: list[dict[str, Any]] = []
     failures: list[tuple[str, BaseException]] = []
     with pipeline.parent_run(recipe, tags=_flow_tags()) as parent:
         logger.info("MLflow parent run %s (%s)", parent, recipe.mlflow.tracking_uri)
-        n = recipe.max_workers
-        for wave in [recipe.formats[i : i + n] for i in range(0, len(recipe.formats), n)]:
-            # quantize tasks are queued before the evaluate tasks that wait on them
-            checkpoints = {fmt: quantize.submit(recipe, fmt, parent) for fmt in wave}
-            evaluations = {fmt: evaluate.submit(recipe, fmt, checkpoints[fmt], parent) for fmt in wave}
-            for fmt, future in evaluations.items():
-                try:
-                    rows.append(future.result())
-                except Exception as exc:  # the task's MLflow run is already FAILED with the error
-                    failures.append((fmt, _root_error(checkpoints[fmt], exc)))
-                    logger.error("format %s failed: %s", fmt, exc)
+        # submitted in dependency order: every task's inputs were submitted before it
+        ckpt = {fmt: quantize.submit(recipe, fmt, parent) for fmt in recipe.all_formats()}
+        trains = {
+            v: train.submit(recipe, v, ckpt[VARIANTS[v][0]], parent) for v in recipe.variants()
+        }
+        columns = {
+            pipeline.variant_name(fmt): (
+                evaluate.submit(recipe, fmt, ckpt[fmt], parent, label=pipeline.variant_name(fmt)),
+                [ckpt[fmt]],
+            )
+            for fmt in recipe.formats
+        }
+        for v, fut in trains.items():
+            fmt = VARIANTS[v][0]
+            columns[v] = (evaluate.submit(recipe, fmt, ckpt[fmt], parent, trained=fut, label=v), [ckpt[fmt], fut])
+        for name, (future, upstream) in columns.items():
+            try:
+                rows.append(future.result())
+            except Exception as exc:  # the task's MLflow run is already FAILED with the error
+                failures.append((name, _root_error(upstream, exc)))
+                logger.error("column %s failed: %s", name, exc)
         paths = report.submit(recipe, parent).result()
         if failures:
             raise failures[0][1]
@@ -67,12 +81,13 @@ def reproduce_table(recipe_path: str, overrides: dict[str, Any] | None = None) -
     return result
 
 
-def _root_error(upstream, exc: BaseException) -> BaseException:
-    """If evaluate never ran because quantize failed, the quantize error is the one to show."""
-    try:
-        upstream.result()
-    except Exception as up:
-        return up
+def _root_error(upstream: list, exc: BaseException) -> BaseException:
+    """If evaluate never ran because quantize or train failed, that error is the one to show."""
+    for fut in upstream:
+        try:
+            fut.result()
+        except Exception as up:
+            return up
     return exc
 
 

@@ -84,9 +84,9 @@ def _print_result(result: dict) -> None:
             accs = ", ".join(
                 f"{k[: -len('_accuracy')]} {100 * v:.1f}%" for k, v in row.items() if k.endswith("_accuracy")
             )
-            typer.echo(f"  {row['variant']:<12} {accs}")
+            typer.echo(f"  {row['variant']:<15} {accs}")
     typer.echo("")
-    for key, label in (("table_md", "table"), ("table_html", "html"), ("summary_json", "summary"), ("plot_png", "plot")):
+    for key, label in (("table_md", "table"), ("table_html", "html"), ("summary_json", "summary"), ("plot_png", "plot"), ("curves_png", "curves")):
         if result.get(key):
             typer.echo(f"{label + ':':<9}{result[key]}")
     typer.echo(f"MLflow:  parent run {result.get('parent_run_id')}; browse with `make ui` or")

@@ -1,4 +1,4 @@
-"""The plain-Python steps of the reproduce-table pipeline: quantize -> evaluate -> report.
+"""The plain-Python steps of the reproduce-table pipeline: quantize -> (train) -> evaluate -> report.
 
 The Prefect tasks in tasks/ are thin wrappers of these; `run_local` chains them without
 Prefect (for debugging). Every step logs to its own MLflow run, nested under the flow's parent
@@ -7,11 +7,14 @@ run when given one; a step that raises leaves its run FAILED with the error (see
     recipe = load_recipe("smoke")
     with parent_run(recipe) as parent:
         ckpt = quantize_step(recipe, "nvfp4", parent_run_id=parent)
-        row = evaluate_step(recipe, "nvfp4", ckpt, parent)
+        row = evaluate_step(recipe, "nvfp4", ckpt, parent)                # base-nvfp4
+        trained = train_step(recipe, "qerl-nvfp4-aqn", ckpt, parent)       # needs recipe.train
+        row = evaluate_step(recipe, "nvfp4", ckpt, parent, trained=trained)
         paths = report_step(recipe, parent)
 
 or simply `run_local(recipe)`. Checkpoints live in <output_dir>/checkpoints/<model_key>/<format>
-and are reused when complete (pass force=True to rebuild).
+and are reused when complete (pass force=True to rebuild); training writes to `train_dir`
+(<output_dir>/train/<model_key>/<variant>-seed<seed>-<settings hash>) and resumes there.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from qerl.tracking import Tracker, ui_command
 __all__ = [
     "checkpoint_dir",
     "evaluate_step",
+    "train_dir",
+    "train_step",
     "parent_run",
     "preload",
     "quantize_step",
@@ -76,19 +81,22 @@ def checkpoint_dir(recipe: Recipe, fmt: str) -> Path:
     return base / fmt
 
 
-def _step_tags(fmt: str, step: str, extra: dict[str, Any] | None) -> dict[str, Any]:
-    return {"step": step, "format": fmt, "variant": variant_name(fmt), **(extra or {})}
+def _step_tags(fmt: str, step: str, extra: dict[str, Any] | None, variant: str | None = None) -> dict[str, Any]:
+    from qerl.recipe import VARIANTS
+
+    aqn = VARIANTS[variant][1] if variant in VARIANTS else False
+    return {"step": step, "format": fmt, "variant": variant or variant_name(fmt), "aqn": str(aqn).lower(), **(extra or {})}
 
 
-def _start_step_run(recipe: Recipe, fmt: str, step: str, checkpoint, parent_run_id, tags):
-    """The child MLflow run of one step (quantize/evaluate) of one format -> (tracker, run id)."""
+def _start_step_run(recipe: Recipe, fmt: str, step: str, checkpoint, parent_run_id, tags, variant=None, params=None):
+    """The child MLflow run of one step (quantize/train/evaluate) of one format or variant -> (tracker, run id)."""
     tracker = Tracker(recipe.mlflow)
     run_id = tracker.start_run(
         recipe,
-        f"{step}/{fmt}",
+        f"{step}/{variant or fmt}",
         parent_run_id=parent_run_id,
-        tags=_step_tags(fmt, step, tags),
-        params={"format": fmt, "checkpoint": str(checkpoint)},
+        tags=_step_tags(fmt, step, tags, variant),
+        params={"format": fmt, "checkpoint": str(checkpoint), **(params or {})},
     )
     return tracker, run_id
 
@@ -220,10 +228,12 @@ def evaluate_step(
     checkpoint: str,
     parent_run_id: str | None = None,
     *,
+    trained: dict[str, Any] | None = None,
     progress: bool = True,
     tags: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Evaluate a checkpoint on every benchmark of the recipe; -> one summary row.
+    """Evaluate a checkpoint (with the LoRA adapter of `trained`, train_step's result, if given)
+    on every benchmark of the recipe; -> one summary row (variant base-<fmt> or the trained one).
 
     Logs metrics <bench>_accuracy, <bench>_ci_low, <bench>_ci_high, <bench>_entropy, <bench>_n,
     <bench>_completion_tokens, <bench>_seconds, the model's memory, and the per-problem results
@@ -235,9 +245,13 @@ def evaluate_step(
     from qerl.memory import memory_report
     from qerl.model import ModelError
 
-    tracker, run_id = _start_step_run(recipe, fmt, "evaluate", checkpoint, parent_run_id, tags)
+    variant = trained["variant"] if trained else None
+    adapter = trained["adapter"] if trained else None
+    tracker, run_id = _start_step_run(
+        recipe, fmt, "evaluate", checkpoint, parent_run_id, tags, variant, {"adapter": str(adapter)} if adapter else None
+    )
     row: dict[str, Any] = {
-        "variant": variant_name(fmt),
+        "variant": variant or variant_name(fmt),
         "format": fmt,
         "quantizer": recipe.quantizer if fmt in ("nvfp4", "mxfp4") else "qerl",
         "model": recipe.model.name,
@@ -254,6 +268,11 @@ def evaluate_step(
             raise ModelError(f"checkpoint {checkpoint} has no tokenizer: model {recipe.model.name!r} can be quantized but not evaluated")
         mem = memory_report(model)  # before the cast below: the format's own storage
         compute_dtype = set_compute_dtype(model, recipe.resolved_compute_dtype())
+        if adapter:
+            from qerl.nn.lora import load_lora
+
+            model = load_lora(model, adapter)  # unmerged: the 4-bit base stays as it was
+            model.eval()
         tracker.set_tags(run_id, {"compute_dtype": compute_dtype, "device": recipe.resolved_device()})
         tracker.log_metrics(
             run_id,
@@ -261,9 +280,12 @@ def evaluate_step(
         )
         row["bits_per_weight"] = mem["bits_per_weight"]
         results_dir = Path(recipe.output_dir) / "results" / run_id
+        specs = {b.name: b for b in recipe.benchmarks}
         for bench, probs in problems.items():
             t0 = time.perf_counter()
-            res = evaluate_benchmark(model, tokenizer, bench, probs, recipe.generation, progress=progress)
+            own = {k: getattr(specs[bench], k) for k in ("max_new_tokens", "num_samples")}
+            gen = recipe.generation.model_copy(update={k: v for k, v in own.items() if v is not None})
+            res = evaluate_benchmark(model, tokenizer, bench, probs, gen, progress=progress)
             seconds = time.perf_counter() - t0
             metrics = {
                 f"{bench}_accuracy": res.accuracy,
@@ -281,6 +303,165 @@ def evaluate_step(
             row.update(metrics)
         del model
     return row
+
+
+def train_dir(recipe: Recipe, variant: str) -> Path:
+    """Where a variant's training writes checkpoints and its final adapter.
+
+    The name carries a hash of everything that shapes the training (model, quantizer, settings,
+    data, seed), so a rerun with the same recipe resumes or reuses it, and a changed recipe
+    starts fresh instead of resuming an incompatible checkpoint.
+    """
+    import hashlib
+
+    from qerl.model import model_key
+
+    spec = recipe.train
+    if spec is None:
+        raise ValueError(f"recipe {recipe.name!r} has no train section")
+    grpo, lora, aqn = spec.settings_for(variant, recipe.seed)
+    key = json.dumps(
+        {
+            "model": model_key(recipe.model),
+            "quantizer": recipe.quantizer,
+            "dataset": spec.dataset,
+            "limit": spec.limit,
+            "data_dir": str(recipe.data_dir),
+            "grpo": grpo.model_dump(mode="json"),
+            "lora": lora.model_dump(mode="json"),
+            "aqn": aqn.model_dump(mode="json"),
+            "compute_dtype": recipe.resolved_compute_dtype(),
+        },
+        sort_keys=True,
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:10]
+    return Path(recipe.output_dir) / "train" / model_key(recipe.model) / f"{variant}-seed{recipe.seed}-{digest}"
+
+
+def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _close_stale_runs(tracker: Tracker, out: Path, run_id: str) -> None:
+    """Train runs of the same train_dir still RUNNING belong to a killed process (SIGKILL, power
+    loss) that could not close them: mark them KILLED, pointing at the run that resumes them."""
+    from qerl.tracking import _LOCK
+
+    exp = tracker.experiment_id
+    with _LOCK:
+        stale = tracker.client.search_runs(
+            [exp],
+            filter_string=f"tags.train_dir = '{out.resolve()}' and attributes.status = 'RUNNING'",
+        )
+    for run in stale:
+        if run.info.run_id != run_id:
+            tracker.set_tags(run.info.run_id, {"resumed_by": run_id})
+            tracker.finish(run.info.run_id, "KILLED")
+
+
+def train_step(
+    recipe: Recipe,
+    variant: str,
+    checkpoint: str,
+    parent_run_id: str | None = None,
+    *,
+    progress: bool = True,
+    tags: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Train the LoRA adapters of `variant` with GRPO/DAPO on its format's checkpoint.
+
+    Logs every step's metrics (reward mean/std, accuracy, entropy, clip ratios, completion
+    length, zero-variance groups, AQN sigma, rollout tokens/s, step time, peak memory, ...) to a
+    child run "train/<variant>" with step numbers, the per-variant settings as params, and
+    reward_first_fifth / reward_last_fifth / steps at the end. Checkpoints every
+    grpo.save_steps; a rerun resumes from the newest complete one (same step count; the
+    metrics of the steps before the resume are logged again into the new run, so its curves
+    are whole). A NaN/Inf stops the run (TrainingError): the run is FAILED, the checkpoints stay.
+    -> {"variant", "format", "aqn", "adapter", "train_dir", "steps", "reward_first_fifth", ...}
+    """
+    from qerl.checkpoint import load_quantized
+    from qerl.data import load_train
+    from qerl.recipe import VARIANTS, flatten
+    from qerl.rl.rewards import accuracy, format_reward
+    from qerl.rl.trainer import train
+
+    spec = recipe.train
+    if spec is None:
+        raise ValueError(f"recipe {recipe.name!r} has no train section: add `train:` to train variants")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; valid variants: {', '.join(VARIANTS)}")
+    fmt, aqn_on = VARIANTS[variant]
+    grpo, lora, aqn = spec.settings_for(variant, recipe.seed)
+    out = train_dir(recipe, variant)
+    params = {
+        "dataset": spec.dataset,
+        "train_limit": spec.limit,
+        "train_dir": str(out),
+        **flatten(grpo.model_dump(mode="json"), "grpo"),
+        **flatten(lora.model_dump(mode="json"), "lora"),
+        **flatten(aqn.model_dump(mode="json"), "aqn"),
+    }
+    tracker, run_id = _start_step_run(
+        recipe, fmt, "train", checkpoint, parent_run_id, {**(tags or {}), "train_dir": str(out.resolve())}, variant, params
+    )
+    with tracker.tracked(run_id):
+        _close_stale_runs(tracker, out, run_id)
+        problems = load_train(spec.dataset, data_dir=recipe.data_dir, limit=spec.limit)  # data first
+        with _LOAD_LOCK:
+            model, tokenizer = load_quantized(checkpoint, device=recipe.resolved_device())
+        compute_dtype = set_compute_dtype(model, recipe.resolved_compute_dtype())
+        tracker.set_tags(run_id, {"compute_dtype": compute_dtype, "device": recipe.resolved_device()})
+        logged: set[int] = set()
+        t0 = time.perf_counter()
+
+        def log_step(step: int, m: dict) -> None:
+            tracker.log_metrics(run_id, _numeric(m), step=step)
+            logged.add(step)
+            if progress:
+                elapsed = time.perf_counter() - t0
+                print(
+                    f"[train {variant}] step {step}/{grpo.max_steps} reward {m['reward_mean']:.3f} "
+                    f"acc {m['accuracy']:.3f} H {m['entropy']:.3f} len {m['completion_length']:.1f} "
+                    f"sigma {m['aqn_sigma']:.1e} {m['step_time_s']:.1f}s/step ({elapsed:.0f}s)",
+                    flush=True,
+                )
+
+        result = train(
+            model, tokenizer, grpo, aqn, problems, [accuracy, format_reward], out,
+            log_fn=log_step, resume=spec.resume, lora_settings=lora,
+        )
+        for h in result.history:  # steps done before a resume, so this run's curves are whole
+            if int(h["step"]) not in logged:
+                tracker.log_metrics(run_id, _numeric(h), step=int(h["step"]))
+        first, last = result.reward_fifths("reward_mean")
+        acc_first, acc_last = result.reward_fifths("accuracy")
+        ent_first, ent_last = result.reward_fifths("entropy")
+        summary = {
+            "reward_first_fifth": first,
+            "reward_last_fifth": last,
+            "accuracy_first_fifth": acc_first,
+            "accuracy_last_fifth": acc_last,
+            "entropy_first_fifth": ent_first,
+            "entropy_last_fifth": ent_last,
+            "steps": result.steps,
+            "train_seconds": sum(h["step_time_s"] for h in result.history),
+        }
+        tracker.log_metrics(run_id, summary, step=result.steps)
+        tracker.set_tags(run_id, {"adapter": str(result.adapter_dir), "resumed_from": str(result.resumed_from)})
+        tracker.log_dict(run_id, {"history": result.history}, "train_history.json")
+        for f in sorted(Path(result.adapter_dir).iterdir()):
+            if f.is_file():
+                tracker.log_artifact(run_id, f, "adapter")
+        del model, result
+    return {
+        "variant": variant,
+        "format": fmt,
+        "aqn": aqn_on,
+        "adapter": str(out / "adapter"),
+        "train_dir": str(out),
+        "mlflow_run_id": run_id,
+        **summary,
+    }
 
 
 def set_compute_dtype(model, dtype: str) -> str:
@@ -321,7 +502,7 @@ def configure_threads(recipe: Recipe) -> int | None:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    workers = max(1, min(recipe.max_workers, len(recipe.formats)))
+    workers = max(1, min(recipe.max_workers, len(recipe.all_formats()) + len(recipe.variants())))
     n = max(1, cores // workers)
     torch.set_num_threads(n)
     return n
@@ -349,9 +530,9 @@ def report_step(recipe: Recipe, parent_run_id: str, *, tags: dict[str, Any] | No
 
 
 def run_local(recipe: Recipe, *, progress: bool = True, force: bool = False) -> dict[str, Any]:
-    """The whole reproduce-table pipeline in this process, format after format (no Prefect).
+    """The whole reproduce-table pipeline in this process, column after column (no Prefect).
 
-    A format that fails does not stop the others; the report is written anyway and then the
+    A column that fails does not stop the others; the report is written anyway and then the
     first error is raised (the parent run is FAILED).
     """
     rows: list[dict] = []
@@ -360,12 +541,25 @@ def run_local(recipe: Recipe, *, progress: bool = True, force: bool = False) -> 
     local = recipe.model_copy(update={"max_workers": 1})
     configure_threads(local)  # one format at a time: all cores to it
     with parent_run(recipe, tags={"orchestrator": "local"}) as parent:
-        for fmt in recipe.formats:
+        ckpts: dict[str, str] = {}
+        for fmt in recipe.all_formats():
             try:
-                ckpt = quantize_step(recipe, fmt, parent_run_id=parent, force=force, progress=progress)
-                rows.append(evaluate_step(recipe, fmt, ckpt, parent, progress=progress))
+                ckpts[fmt] = quantize_step(recipe, fmt, parent_run_id=parent, force=force, progress=progress)
+                if fmt in recipe.formats:
+                    rows.append(evaluate_step(recipe, fmt, ckpts[fmt], parent, progress=progress))
             except Exception as exc:  # recorded in the step's FAILED run
                 failures.append((fmt, exc))
+        from qerl.recipe import VARIANTS
+
+        for variant in recipe.variants():
+            fmt = VARIANTS[variant][0]
+            if fmt not in ckpts:
+                continue  # its quantize step failed (recorded above)
+            try:
+                trained = train_step(recipe, variant, ckpts[fmt], parent, progress=progress)
+                rows.append(evaluate_step(recipe, fmt, ckpts[fmt], parent, trained=trained, progress=progress))
+            except Exception as exc:
+                failures.append((variant, exc))
         paths = report_step(recipe, parent)
         if failures:
             raise failures[0][1]

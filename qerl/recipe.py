@@ -30,6 +30,9 @@ from qerl import FORMATS
 from qerl.data import BENCHMARKS
 from qerl.eval.generate import GenerationSettings
 from qerl.model import ModelSpec
+from qerl.nn.aqn import AQNSettings
+from qerl.nn.lora_settings import LoraSettings
+from qerl.rl.grpo import GRPOSettings
 
 __all__ = [
     "BenchmarkSpec",
@@ -64,6 +67,11 @@ class BenchmarkSpec(BaseModel):
 
     name: str
     limit: int | None = Field(None, ge=1)
+    # This benchmark's generation budget (None: generation.max_new_tokens); e.g. the short
+    # answers of the generated arith task need 32 tokens where GSM8K reasoning needs 256+.
+    max_new_tokens: int | None = Field(None, ge=1)
+    # Samples per problem for pass@1 averaged over k (None: generation.num_samples).
+    num_samples: int | None = Field(None, ge=1)
 
     @field_validator("name")
     @classmethod
@@ -71,6 +79,80 @@ class BenchmarkSpec(BaseModel):
         if v not in BENCHMARKS:
             raise ValueError(f"unknown benchmark {v!r}; valid benchmarks: {', '.join(BENCHMARKS)}")
         return v
+
+
+# The trained columns of Table 1: variant -> (weight format, AQN on). Names as in summary.json.
+VARIANTS: dict[str, tuple[str, bool]] = {
+    "lora-bf16": ("bf16", False),
+    "qlora-nf4": ("nf4", False),
+    "lora-mxfp4": ("mxfp4", False),
+    "qerl-nvfp4": ("nvfp4", False),
+    "qerl-nvfp4-aqn": ("nvfp4", True),
+}
+
+
+class TrainSpec(BaseModel):
+    """RL training of LoRA adapters per variant (qerl.rl.trainer.train): the recipe's `train:`.
+
+    `grpo`, `lora` and `aqn` take the fields of GRPOSettings (TRL GRPOConfig names), LoraSettings
+    (peft.LoraConfig names) and AQNSettings; AQN's `enabled` is decided by the variant.
+    `learning_rate_by_format` overrides grpo.learning_rate per weight format (the paper uses a
+    larger rate for NVFP4 than for bf16 LoRA).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    variants: list[str] = Field(default_factory=lambda: list(VARIANTS), min_length=1)
+    dataset: Literal["gsm8k", "math", "arith"] = "gsm8k"  # training problems (qerl.data.load_train)
+    limit: int | None = Field(None, ge=1)  # first N training problems (None: all; arith: 2000)
+    # Rewards: correctness (qerl.rl.rewards.accuracy, the grader of the problem's benchmark)
+    # and the format reward, weighted [1, format_weight] unless grpo.reward_weights says otherwise.
+    format_weight: float = Field(0.0, ge=0.0)  # 0: the format reward is logged, not rewarded
+    grpo: GRPOSettings = Field(default_factory=GRPOSettings)
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    aqn: AQNSettings = Field(default_factory=AQNSettings)
+    learning_rate_by_format: dict[str, float] = Field(default_factory=dict)
+    resume: bool = True  # continue from the newest complete checkpoint of the same settings
+
+    @field_validator("variants", mode="before")
+    @classmethod
+    def _variants_shorthand(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [x.strip() for x in v.split(",") if x.strip()]
+        return v
+
+    @field_validator("variants")
+    @classmethod
+    def _known_variants(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if name not in VARIANTS:
+                raise ValueError(f"unknown variant {name!r}; valid variants: {', '.join(VARIANTS)}")
+        if len(set(v)) != len(v):
+            raise ValueError("a variant is listed twice")
+        return v
+
+    @field_validator("learning_rate_by_format")
+    @classmethod
+    def _lr_formats(cls, v: dict[str, float]) -> dict[str, float]:
+        for f, lr in v.items():
+            if f not in FORMATS:
+                raise ValueError(f"unknown format {f!r}; valid formats: {', '.join(FORMATS)}")
+            if not lr > 0:
+                raise ValueError(f"learning rate for {f} must be > 0, got {lr}")
+        return v
+
+    def settings_for(self, variant: str, seed: int) -> tuple[GRPOSettings, LoraSettings, AQNSettings]:
+        """The trainer settings of one variant (its format's learning rate, its AQN switch)."""
+        fmt, aqn_on = VARIANTS[variant]
+        update: dict[str, Any] = {
+            "learning_rate": self.learning_rate_by_format.get(fmt, self.grpo.learning_rate),
+            "seed": seed,
+        }
+        if self.grpo.reward_weights is None:
+            update["reward_weights"] = [1.0, self.format_weight]
+        grpo = self.grpo.model_copy(update=update)
+        aqn = self.aqn.model_copy(update={"enabled": aqn_on, "seed": seed})
+        return grpo, self.lora, aqn
 
 
 class MlflowSettings(BaseModel):
@@ -113,6 +195,9 @@ class Recipe(BaseModel):
     # also nf4) or llm-compressor's oneshot (NVFP4A16/MXFP4A16). Both give identical tensors.
     quantizer: Literal["qerl", "llm-compressor"] = "qerl"
     report_dir: str | None = None  # None = reports/<name>
+    # RL training (None: only the base-model rows). Each variant trains LoRA on its format's
+    # checkpoint, then is evaluated like the base models.
+    train: TrainSpec | None = None
 
     @field_validator("formats", mode="before")
     @classmethod
@@ -162,6 +247,19 @@ class Recipe(BaseModel):
     # --------------------------------------------------------------- derived values
     def benchmark_names(self) -> list[str]:
         return [b.name for b in self.benchmarks]
+
+    def variants(self) -> list[str]:
+        """The trained variants (empty without a train section)."""
+        return list(self.train.variants) if self.train else []
+
+    def all_formats(self) -> list[str]:
+        """Formats to quantise: the base rows' and those the trained variants need, in order."""
+        need = list(self.formats)
+        for v in self.variants():
+            fmt = VARIANTS[v][0]
+            if fmt not in need:
+                need.append(fmt)
+        return need
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -1,20 +1,26 @@
-"""The report: Table 1's base-model rows from the MLflow runs of one flow run, beside the paper's.
+"""The report: Table 1's rows (base models and RL-trained variants) from the MLflow runs of one
+flow run, beside the paper's.
 
-    paths = build_report(recipe, parent_run_id)   # -> {"table_md", "table_html", "summary_json", "plot_png"}
+    paths = build_report(recipe, parent_run_id)
+    # -> {"table_md", "table_html", "summary_json", "plot_png", "curves_png"}
 
-Reads the evaluate runs nested under `parent_run_id` (tag mlflow.parentRunId), one row per
-format (the latest FINISHED evaluate run; a format whose runs all failed shows "failed" and the
-error), and writes into recipe.report_dir:
+Reads the runs nested under `parent_run_id` (tag mlflow.parentRunId): one row per base format
+and per trained variant (the latest FINISHED evaluate run of that variant, plus its train run's
+reward summary; a column whose runs all failed shows "failed" and the error), and writes into
+recipe.report_dir:
 
-- table.md      markdown table: our accuracy (95% Wilson CI), n, mean entropy per format, and
-                the paper's base columns for Qwen2.5-3B/7B-Instruct (PAPER_TABLE1);
-- table.html    the same, self-contained (inline CSS, the plot embedded);
-- accuracy_entropy.png   accuracy with CI error bars and entropy per format (matplotlib Agg);
-- summary.json  {"rows": [{"variant", "format", "gsm8k_accuracy", "n", "entropy", ...}]};
-                rows are merged by variant: rows of other variants already in the file stay.
+- table.md      markdown table: our accuracy (95% Wilson CI), n, mean entropy, RL steps and the
+                training reward (first -> last fifth of the steps) per row, and the paper's
+                Table 1 cells for Qwen2.5-3B/7B-Instruct (PAPER_TABLE1, PAPER_TABLE1_TRAINED);
+- table.html    the same, self-contained (inline CSS, the plots embedded);
+- accuracy_entropy.png   accuracy with CI error bars and entropy per variant (matplotlib Agg);
+- training_curves.png    training reward and policy entropy per RL step, one line per variant;
+- summary.json  {"rows": [{"variant", "format", "gsm8k_accuracy", "n", "entropy", ...}]}, trained
+                rows also with "reward_first_fifth", "reward_last_fifth", "steps"; rows are
+                merged by variant: rows of other variants already in the file stay.
 
 Accuracies are fractions (0-1) in summary.json and MLflow, percentages in the tables (as in
-the paper). All four files are logged as artifacts of the parent run under report/.
+the paper). The files are logged as artifacts of the parent run under report/.
 Run it again for a finished flow run with:  qerl report RECIPE --run-id PARENT_RUN_ID
 """
 
@@ -29,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl import FORMATS
-from qerl.recipe import Recipe
+from qerl.recipe import VARIANTS, Recipe
 from qerl.tracking import Tracker, ui_command
 
 __all__ = ["PAPER_TABLE1", "PAPER_TABLE1_TRAINED", "build_report", "collect_rows", "merge_summary"]
@@ -53,13 +59,22 @@ PAPER_TABLE1_TRAINED: dict[str, dict[str, float]] = {
         "QeRL nvfp4": 88.5, "QeRL nvfp4 + AQN": 90.8,
     },
 }
-PAPER_SOURCE = "QeRL (arXiv 2510.11696), Table 1 base columns, full GSM8K test (1,319 problems)"
+PAPER_SOURCE = "QeRL (arXiv 2510.11696), Table 1 (base and GRPO-trained), full GSM8K test (1,319 problems)"
+# Our variant names -> the labels of PAPER_TABLE1_TRAINED.
+PAPER_VARIANT_NAMES = {
+    "lora-bf16": "LoRA bf16",
+    "qlora-nf4": "QLoRA nf4",
+    "lora-mxfp4": "LoRA mxfp4",
+    "qerl-nvfp4": "QeRL nvfp4",
+    "qerl-nvfp4-aqn": "QeRL nvfp4 + AQN",
+}
 
 FILES = {
     "table_md": "table.md",
     "table_html": "table.html",
     "summary_json": "summary.json",
     "plot_png": "accuracy_entropy.png",
+    "curves_png": "training_curves.png",
 }
 _PRIMARY = "gsm8k"  # summary.json's n / entropy refer to it (or to the first benchmark)
 
@@ -71,15 +86,41 @@ def _pick(runs: list, step: str, fmt: str) -> list:
     return [r for r in runs if r.data.tags.get("step") == step and r.data.tags.get("format") == fmt]
 
 
+def _pick_variant(runs: list, step: str, variant: str) -> list:
+    return [r for r in runs if r.data.tags.get("step") == step and r.data.tags.get("variant") == variant]
+
+
+def table_columns(recipe: Recipe) -> list[tuple[str, str, bool]]:
+    """(variant, format, trained) per table row: base-<format> rows, then the trained variants."""
+    cols = [(f"base-{f}", f, False) for f in recipe.formats]
+    cols += [(v, VARIANTS[v][0], True) for v in recipe.variants()]
+    return cols
+
+
+_TRAIN_KEYS = (
+    "reward_first_fifth", "reward_last_fifth", "accuracy_first_fifth", "accuracy_last_fifth",
+    "entropy_first_fifth", "entropy_last_fifth", "train_seconds",
+)
+
+
 def collect_rows(recipe: Recipe, parent_run_id: str, tracker: Tracker | None = None) -> list[dict[str, Any]]:
-    """One row per format of the recipe from the child runs of `parent_run_id`."""
+    """One row per table column (base formats, trained variants) from the child runs of `parent_run_id`."""
     tracker = tracker or Tracker(recipe.mlflow)
     runs = tracker.child_runs(parent_run_id)
     rows = []
-    for fmt in recipe.formats:
-        evals = _pick(runs, "evaluate", fmt)
+    for variant, fmt, trained in table_columns(recipe):
+        evals = _pick_variant(runs, "evaluate", variant)
         done = [r for r in evals if r.info.status == "FINISHED"]
-        row: dict[str, Any] = {"variant": f"base-{fmt}", "format": fmt}
+        row: dict[str, Any] = {"variant": variant, "format": fmt, "trained": trained}
+        if trained:
+            row["aqn"] = VARIANTS[variant][1]
+            train_done = [r for r in _pick_variant(runs, "train", variant) if r.info.status == "FINISHED"]
+            if train_done:
+                t = train_done[-1]
+                tm = t.data.metrics
+                row["train"] = {k: tm.get(k) for k in _TRAIN_KEYS}
+                row["train"]["steps"] = None if tm.get("steps") is None else int(tm["steps"])
+                row["train"]["mlflow_run_id"] = t.info.run_id
         if done:
             run = done[-1]
             m = run.data.metrics
@@ -100,7 +141,7 @@ def collect_rows(recipe: Recipe, parent_run_id: str, tracker: Tracker | None = N
                     "completion_tokens": m.get(f"{b}_completion_tokens"),
                 }
         else:
-            tried = evals + _pick(runs, "quantize", fmt)
+            tried = evals + _pick(runs, "quantize", fmt) + (_pick_variant(runs, "train", variant) if trained else [])
             tried.sort(key=lambda r: r.info.start_time or 0)
             failed = [r for r in tried if r.info.status in ("FAILED", "KILLED")]
             if failed:
@@ -116,6 +157,32 @@ def collect_rows(recipe: Recipe, parent_run_id: str, tracker: Tracker | None = N
                 row.update(status="missing")
         rows.append(row)
     return rows
+
+
+def training_curves(rows: list[dict], tracker: Tracker, keys=("reward_mean", "entropy")) -> dict[str, dict[str, list]]:
+    """{variant: {key: [(step, value), ...]}} from the train runs' metric histories (latest value per step)."""
+    out: dict[str, dict[str, list]] = {}
+    for r in rows:
+        run_id = (r.get("train") or {}).get("mlflow_run_id")
+        if not run_id:
+            continue
+        curves = {}
+        for key in keys:
+            with _tracking_lock():
+                hist = tracker.client.get_metric_history(run_id, key)
+            by_step: dict[int, tuple[int, float]] = {}
+            for m in hist:
+                if m.step not in by_step or m.timestamp >= by_step[m.step][0]:
+                    by_step[m.step] = (m.timestamp, m.value)
+            curves[key] = [(st, v) for st, (_, v) in sorted(by_step.items())]
+        out[r["variant"]] = curves
+    return out
+
+
+def _tracking_lock():
+    from qerl.tracking import _LOCK
+
+    return _LOCK
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -140,8 +207,17 @@ def _columns(recipe: Recipe) -> list[str]:
     for b in recipe.benchmark_names():
         label = b.upper() if b == "gsm8k" else b
         cols += [f"{label} accuracy % [95% CI]", f"{label} n", f"{label} entropy (nats/token)", f"{label} mean tokens"]
-    cols += ["bits/weight"] + [f"paper {m.replace('-Instruct', '')} base %" for m in PAPER_TABLE1]
+    if recipe.variants():
+        cols += ["RL steps", "train reward first -> last 1/5"]
+    cols += ["bits/weight"] + [f"paper {m.replace('-Instruct', '')} %" for m in PAPER_TABLE1]
     return cols
+
+
+def paper_value(model: str, row: dict) -> float | None:
+    """The paper's GSM8K accuracy (%) for this row's column (base format or trained variant)."""
+    if row.get("trained"):
+        return PAPER_TABLE1_TRAINED[model].get(PAPER_VARIANT_NAMES.get(row["variant"], ""))
+    return PAPER_TABLE1[model].get(row["format"])
 
 
 def _cells(recipe: Recipe, row: dict) -> list[str]:
@@ -157,8 +233,13 @@ def _cells(recipe: Recipe, row: dict) -> list[str]:
             _num(cell.get("entropy"), ".3f"),
             _num(cell.get("completion_tokens"), ".0f"),
         ]
+    if recipe.variants():
+        t = row.get("train") or {}
+        cells.append(_num(t.get("steps"), "d"))
+        first, last = t.get("reward_first_fifth"), t.get("reward_last_fifth")
+        cells.append("-" if first is None or last is None else f"{first:.3f} -> {last:.3f}")
     cells.append(_num(row.get("bits_per_weight"), ".2f"))
-    cells += [f"{PAPER_TABLE1[m][row['format']]:.1f}" for m in PAPER_TABLE1]
+    cells += [_num(paper_value(m, row), ".1f") for m in PAPER_TABLE1]
     return cells
 
 
@@ -188,6 +269,35 @@ def _compute(rows: list[dict]) -> str:
     return "; ".join(f"{dt} activations on {dev}" for dev, dt in seen) + " (weights hold their format's exact values)"
 
 
+_ARITH_NOTE = (
+    "arith: one-step arithmetic word problems generated by the project (qerl.rl.arith, fixed "
+    "seeds, test and train disjoint). GSM8K is out of reach for a 135M model in a CPU budget "
+    "(base accuracy ~0-3%), so the embedded recipe trains on arith and evaluates on both; the "
+    "GSM8K columns stay for comparison with the paper."
+)
+_TRAIN_NOTE = (
+    "trained rows: LoRA adapters trained by GRPO/DAPO (settings in the recipe's train section "
+    "and in each train/<variant> MLflow run) on the frozen base of their format, then evaluated "
+    "with the adapter applied; 'train reward first -> last 1/5' is the mean training reward "
+    "over the first and the last fifth of the RL steps."
+)
+
+
+def _notes(recipe: Recipe) -> list[str]:
+    notes = list(_NOTES)
+    if recipe.variants():
+        notes.insert(2, _TRAIN_NOTE)
+    uses_arith = "arith" in recipe.benchmark_names() or (recipe.train is not None and recipe.train.dataset == "arith")
+    if uses_arith:
+        notes.insert(0, _ARITH_NOTE)
+    return notes
+
+
+def _title(recipe: Recipe) -> str:
+    what = "base and RL-trained" if recipe.variants() else "base models"
+    return f"Table 1, {what}: accuracy by weight format (recipe `{recipe.name}`)"
+
+
 _NOTES = [
     "accuracy: pass@1 on the problems named above, 95% Wilson interval over problems.",
     "entropy: mean per-token entropy (nats) of the model's next-token distribution over the "
@@ -198,9 +308,12 @@ _NOTES = [
 ]
 
 
-def render_markdown(recipe: Recipe, rows: list[dict], parent_run_id: str, tracker: Tracker, plot_name: str | None) -> str:
+def render_markdown(
+    recipe: Recipe, rows: list[dict], parent_run_id: str, tracker: Tracker, plot_name: str | None,
+    curves_name: str | None = None,
+) -> str:
     cols = _columns(recipe)
-    lines = [f"# Table 1, base models: accuracy by weight format (recipe `{recipe.name}`)", ""]
+    lines = [f"# {_title(recipe)}", ""]
     lines += [f"- {c}" for c in _context_lines(recipe, parent_run_id, tracker, rows)]
     lines += ["", "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for row in rows:
@@ -209,9 +322,11 @@ def render_markdown(recipe: Recipe, rows: list[dict], parent_run_id: str, tracke
     if failed:
         lines += ["", "Not measured:"]
         lines += [f"- {r['variant']}: {r['status']} {r.get('error', '')} (run `{r.get('mlflow_run_id', '-')}`)" for r in failed]
-    lines += ["", "Notes:"] + [f"- {n}" for n in _NOTES]
+    lines += ["", "Notes:"] + [f"- {n}" for n in _notes(recipe)]
     if plot_name:
-        lines += ["", f"![accuracy and entropy per format]({plot_name})"]
+        lines += ["", f"![accuracy and entropy per variant]({plot_name})"]
+    if curves_name:
+        lines += ["", f"![training reward and entropy per step, per variant]({curves_name})"]
     lines += ["", f"_generated {_now()} by `qerl report`_", ""]
     return "\n".join(lines)
 
@@ -234,7 +349,10 @@ def _md_inline(text: str) -> str:
     return "".join(f"<code>{html.escape(p)}</code>" if i % 2 else html.escape(p) for i, p in enumerate(parts))
 
 
-def render_html(recipe: Recipe, rows: list[dict], parent_run_id: str, tracker: Tracker, plot_png: Path | None) -> str:
+def render_html(
+    recipe: Recipe, rows: list[dict], parent_run_id: str, tracker: Tracker, plot_png: Path | None,
+    curves_png: Path | None = None,
+) -> str:
     cols = _columns(recipe)
     n_paper = len(PAPER_TABLE1)
     head = "".join(
@@ -252,7 +370,7 @@ def render_html(recipe: Recipe, rows: list[dict], parent_run_id: str, tracker: T
         title = f' title="{html.escape(row.get("error", ""))}"' if row.get("error") else ""
         body.append(f"<tr{cls}{title}>{tds}</tr>")
     context = "".join(f"<li>{_md_inline(c)}</li>" for c in _context_lines(recipe, parent_run_id, tracker, rows))
-    notes = "".join(f"<li>{_md_inline(n)}</li>" for n in _NOTES)
+    notes = "".join(f"<li>{_md_inline(n)}</li>" for n in _notes(recipe))
     failed = [r for r in rows if r["status"] != "ok"]
     failed_html = ""
     if failed:
@@ -261,10 +379,11 @@ def render_html(recipe: Recipe, rows: list[dict], parent_run_id: str, tracker: T
         )
         failed_html = f"<p>Not measured:</p><ul>{items}</ul>"
     img = ""
-    if plot_png is not None and plot_png.is_file():
-        data = base64.b64encode(plot_png.read_bytes()).decode("ascii")
-        img = f'<p><img alt="accuracy and entropy per format" src="data:image/png;base64,{data}"></p>'
-    title = f"Table 1, base models: accuracy by weight format (recipe {recipe.name})"
+    for png, alt in ((plot_png, "accuracy and entropy per variant"), (curves_png, "training reward and entropy per step")):
+        if png is not None and png.is_file():
+            data = base64.b64encode(png.read_bytes()).decode("ascii")
+            img += f'<p><img alt="{alt}" src="data:image/png;base64,{data}"></p>'
+    title = _title(recipe).replace("`", "")
     return (
         "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>\n"
@@ -276,7 +395,7 @@ def render_html(recipe: Recipe, rows: list[dict], parent_run_id: str, tracker: T
 
 
 def render_plot(recipe: Recipe, rows: list[dict], path: Path) -> Path | None:
-    """Bar chart: accuracy (%) with 95% CI error bars per benchmark, and entropy, per format."""
+    """Bar chart: accuracy (%) with 95% CI error bars per benchmark, and entropy, per variant."""
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok:
         return None
@@ -286,17 +405,18 @@ def render_plot(recipe: Recipe, rows: list[dict], path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     benches = recipe.benchmark_names()
-    fig, axes = plt.subplots(1, len(benches) + 1, figsize=(4.2 * (len(benches) + 1), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(benches) + 1, figsize=(4.6 * (len(benches) + 1), 4.0), squeeze=False)
     axes = axes[0]
-    names = [r["format"] for r in ok]
+    names = [r["variant"] for r in ok]
     x = list(range(len(ok)))
+    rot = 30 if len(ok) > 4 else 0
     colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"]
     for ax, b in zip(axes, benches):
         acc = [100 * (r[b]["accuracy"] or 0) for r in ok]
         lo = [max(0.0, a - 100 * (r[b]["ci_low"] or 0)) for a, r in zip(acc, ok)]
         hi = [max(0.0, 100 * (r[b]["ci_high"] or 0) - a) for a, r in zip(acc, ok)]
-        ax.bar(x, acc, yerr=[lo, hi], capsize=4, color=colors[: len(ok)])
-        ax.set_xticks(x, names)
+        ax.bar(x, acc, yerr=[lo, hi], capsize=4, color=[colors[i % len(colors)] for i in x])
+        ax.set_xticks(x, names, rotation=rot, ha="right" if rot else "center", fontsize=8)
         ax.set_ylabel("accuracy % (95% CI)")
         n = ok[0][b]["n"]
         ax.set_title(f"{b} (n={n})")
@@ -304,11 +424,41 @@ def render_plot(recipe: Recipe, rows: list[dict], path: Path) -> Path | None:
         ax.set_ylim(0, min(100.0, max(10.0, 1.15 * top)))
     ax = axes[-1]
     first = benches[0]
-    ax.bar(x, [r[first]["entropy"] or 0 for r in ok], color=colors[: len(ok)])
-    ax.set_xticks(x, names)
+    ax.bar(x, [r[first]["entropy"] or 0 for r in ok], color=[colors[i % len(colors)] for i in x])
+    ax.set_xticks(x, names, rotation=rot, ha="right" if rot else "center", fontsize=8)
     ax.set_ylabel("mean entropy (nats/token)")
     ax.set_title(f"{first} entropy")
     fig.suptitle(f"recipe {recipe.name}, model {recipe.model.name}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def render_curves(recipe: Recipe, curves: dict[str, dict[str, list]], path: Path) -> Path | None:
+    """Line plots: training reward (mean over the step's completions) and policy entropy per
+    RL step, one line per trained variant."""
+    if not curves:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.0))
+    labels = {"reward_mean": "training reward (mean)", "entropy": "policy entropy (nats/token)"}
+    for ax, key in zip(axes, ("reward_mean", "entropy")):
+        for variant, c in curves.items():
+            pts = c.get(key) or []
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=variant)
+        ax.set_xlabel("RL step")
+        ax.set_ylabel(labels[key])
+        ax.set_title(labels[key])
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"recipe {recipe.name}, model {recipe.model.name}: RL training curves", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -336,6 +486,20 @@ def summary_rows(recipe: Recipe, rows: list[dict], parent_run_id: str) -> list[d
             "n": p["n"],
             "entropy": p["entropy"],
         }
+        if r.get("trained"):
+            t = r.get("train") or {}
+            s.update(
+                reward_first_fifth=t.get("reward_first_fifth"),
+                reward_last_fifth=t.get("reward_last_fifth"),
+                steps=t.get("steps"),
+                aqn=r.get("aqn", False),
+                accuracy_first_fifth=t.get("accuracy_first_fifth"),
+                accuracy_last_fifth=t.get("accuracy_last_fifth"),
+                train_entropy_first_fifth=t.get("entropy_first_fifth"),
+                train_entropy_last_fifth=t.get("entropy_last_fifth"),
+                train_seconds=t.get("train_seconds"),
+                train_mlflow_run_id=t.get("mlflow_run_id"),
+            )
         for b in benches:
             s[f"{b}_accuracy"] = r[b]["accuracy"]
             s[f"{b}_ci_low"] = r[b]["ci_low"]
@@ -369,7 +533,7 @@ def merge_summary(path: Path, new_rows: list[dict[str, Any]]) -> dict[str, Any]:
     by_variant = {r["variant"]: r for r in new_rows}
     merged = [by_variant.pop(r["variant"], r) for r in existing]
     merged += list(by_variant.values())
-    order = {f"base-{f}": i for i, f in enumerate(FORMATS)}
+    order = {name: i for i, name in enumerate([f"base-{f}" for f in FORMATS] + list(VARIANTS))}
     merged.sort(key=lambda r: (order.get(r["variant"], len(order)), ))
     data = {
         **extra,
@@ -377,6 +541,9 @@ def merge_summary(path: Path, new_rows: list[dict[str, Any]]) -> dict[str, Any]:
             "gsm8k_accuracy": "fraction of problems correct (0-1), pass@1",
             "n": "number of problems (of gsm8k, else of the first benchmark)",
             "entropy": "mean per-token policy entropy in nats over generated tokens",
+            "reward_first_fifth": "trained rows: mean training reward over the first fifth of the RL steps",
+            "reward_last_fifth": "trained rows: mean training reward over the last fifth of the RL steps",
+            "steps": "trained rows: RL steps (one generation batch each)",
         },
         "rows": merged,
     }
@@ -400,15 +567,23 @@ def build_report(recipe: Recipe, parent_run_id: str, tracker: Tracker | None = N
     plot = render_plot(recipe, rows, paths["plot_png"])
     if plot is None:
         paths["plot_png"].unlink(missing_ok=True)
+    curves = training_curves(rows, tracker)
+    curves_png = render_curves(recipe, curves, paths["curves_png"])
+    if curves_png is None:
+        paths["curves_png"].unlink(missing_ok=True)
     paths["table_md"].write_text(
-        render_markdown(recipe, rows, parent_run_id, tracker, FILES["plot_png"] if plot else None), encoding="utf-8"
+        render_markdown(
+            recipe, rows, parent_run_id, tracker, FILES["plot_png"] if plot else None,
+            FILES["curves_png"] if curves_png else None,
+        ),
+        encoding="utf-8",
     )
-    paths["table_html"].write_text(render_html(recipe, rows, parent_run_id, tracker, plot), encoding="utf-8")
+    paths["table_html"].write_text(render_html(recipe, rows, parent_run_id, tracker, plot, curves_png), encoding="utf-8")
     merge_summary(paths["summary_json"], summary_rows(recipe, rows, parent_run_id))
     for key, p in paths.items():
         if p.is_file():
             tracker.log_artifact(parent_run_id, p, "report")
-    tracker.log_dict(parent_run_id, {"rows": rows}, "report/rows.json")
+    tracker.log_dict(parent_run_id, {"rows": rows, "curves": curves}, "report/rows.json")
     result = {k: str(p.resolve()) for k, p in paths.items() if p.is_file()}
     return result
 

@@ -1,8 +1,8 @@
 """Prefect tasks of the pipeline: thin wrappers that call one `qerl.pipeline` function each.
 
-    from tasks import quantize, evaluate, report
+    from tasks import quantize, train, evaluate, report
 
-Retries: quantize and evaluate retry once, except on bad input (a ValueError such as
+Retries: quantize, train and evaluate retry once, except on bad input (a ValueError such as
 RecipeError, FormatError, DataError, ModelError), which would only fail again.
 """
 
@@ -35,5 +35,6 @@ def run_tags() -> dict[str, Any]:
 from tasks.evaluate import evaluate  # noqa: E402
 from tasks.quantize import quantize  # noqa: E402
 from tasks.report import report  # noqa: E402
+from tasks.train import train  # noqa: E402
 
-__all__ = ["evaluate", "quantize", "report", "retry_unless_bad_input", "run_tags"]
+__all__ = ["evaluate", "quantize", "report", "retry_unless_bad_input", "run_tags", "train"]

@@ -1,4 +1,4 @@
-"""Prefect task `evaluate`: qerl.pipeline.evaluate_step (checkpoint -> accuracy/entropy row)."""
+"""Prefect task `evaluate`: qerl.pipeline.evaluate_step (checkpoint [+ adapter] -> accuracy/entropy row)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ from qerl.recipe import Recipe
 from tasks import retry_unless_bad_input, run_tags
 
 
-@task(name="evaluate", task_run_name="evaluate-{fmt}", retries=1, retry_condition_fn=retry_unless_bad_input, cache_policy=NO_CACHE)
-def evaluate(recipe: Recipe, fmt: str, checkpoint: str, parent_run_id: str | None = None) -> dict[str, Any]:
-    return pipeline.evaluate_step(recipe, fmt, checkpoint, parent_run_id, tags=run_tags())
+@task(name="evaluate", task_run_name="evaluate-{label}", retries=1, retry_condition_fn=retry_unless_bad_input, cache_policy=NO_CACHE)
+def evaluate(
+    recipe: Recipe, fmt: str, checkpoint: str, parent_run_id: str | None = None,
+    trained: dict[str, Any] | None = None, label: str = "",
+) -> dict[str, Any]:
+    """`trained`: the train task's result (its adapter is applied); `label`: the task run's name."""
+    return pipeline.evaluate_step(recipe, fmt, checkpoint, parent_run_id, trained=trained, tags=run_tags())

@@ -11,7 +11,7 @@ from qerl import data as qdata
 from qerl.data import BENCHMARKS, DataError, Problem, load_benchmark, load_train, resolve_data_dir
 
 # rows per file, from shared/data/README.md
-EXPECTED_ROWS = {"gsm8k": 1319, "math500": 500, "aime24": 30, "aime25": 30, "amc23": 40}
+EXPECTED_ROWS = {"gsm8k": 1319, "math500": 500, "aime24": 30, "aime25": 30, "amc23": 40, "arith": 200}
 
 
 @pytest.fixture
@@ -27,6 +27,16 @@ def test_benchmark_row_counts(data_dir, name):
     assert all(isinstance(p, Problem) and p.benchmark == name for p in problems)
     assert all(p.question.strip() and p.answer.strip() for p in problems)
     assert len({p.id for p in problems}) == len(problems)  # ids are unique
+
+
+def test_arith_is_generated_deterministic_and_disjoint(tmp_path):
+    # no data directory needed: the project generates it; test and train use different seeds
+    test = load_benchmark("arith", tmp_path / "nowhere", limit=50)
+    assert [p.question for p in test] == [p.question for p in load_benchmark("arith", limit=50)]
+    train = load_train("arith", limit=500)
+    assert len(train) == 500 and {p.benchmark for p in train} == {"arith"}
+    assert not {p.id for p in test} & {p.id for p in train}
+    assert len(load_train("arith")) == 2000
 
 
 def test_train_row_counts(data_dir):

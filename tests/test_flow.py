@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from qerl.recipe import VARIANTS
+
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / "recipes" / "smoke.yaml")
 EMBEDDED = str(ROOT / "recipes" / "embedded.yaml")
@@ -106,38 +108,66 @@ def test_flow_on_smoke_recipe(prefect_harness, tmp_path, gsm8k_dir):
     by_step: dict[str, dict[str, object]] = {}
     for r in runs:
         assert r.info.status == "FINISHED", (r.info.run_name, r.data.tags.get("error"))
-        by_step.setdefault(r.data.tags["step"], {})[r.data.tags.get("format", "-")] = r
-    assert set(by_step) == {"quantize", "evaluate", "report"}
-    assert set(by_step["quantize"]) == set(by_step["evaluate"]) == {"bf16", "nf4", "mxfp4", "nvfp4"}
-    for fmt, run in by_step["evaluate"].items():
-        assert run.data.tags["variant"] == f"base-{fmt}"
+        key = r.data.tags.get("format", "-") if r.data.tags["step"] == "quantize" else r.data.tags.get("variant", "-")
+        by_step.setdefault(r.data.tags["step"], {})[key] = r
+    assert set(by_step) == {"quantize", "train", "evaluate", "report"}
+    assert set(by_step["quantize"]) == {"bf16", "nf4", "mxfp4", "nvfp4"}  # once per format, shared
+    assert len([r for r in runs if r.data.tags["step"] == "quantize"]) == 4
+    assert set(by_step["train"]) == set(VARIANTS)
+    assert set(by_step["evaluate"]) == {f"base-{f}" for f in ("bf16", "nf4", "mxfp4", "nvfp4")} | set(VARIANTS)
+    for variant, run in by_step["evaluate"].items():
+        fmt = variant[len("base-"):] if variant.startswith("base-") else VARIANTS[variant][0]
+        assert run.data.tags["format"] == fmt
+        assert run.data.tags["aqn"] == ("true" if variant == "qerl-nvfp4-aqn" else "false")
         assert run.data.tags["model"] == "random:tiny-llama" and run.data.tags["seed"] == "0"
         assert run.data.params["format"] == fmt and run.data.params["generation.max_new_tokens"] == "16"
+        assert ("adapter" in run.data.params) == (not variant.startswith("base-"))
         m = run.data.metrics
         assert m["gsm8k_n"] == 4 and 0.0 <= m["gsm8k_accuracy"] <= 1.0
         assert m["gsm8k_ci_low"] <= m["gsm8k_accuracy"] <= m["gsm8k_ci_high"]
         assert m["gsm8k_entropy"] > 0
         assert "results/gsm8k.jsonl" in artifact_paths(client, run.info.run_id)
-        local = client.download_artifacts(run.info.run_id, "results/gsm8k.jsonl", str(tmp_path / f"dl-{fmt}"))
+        local = client.download_artifacts(run.info.run_id, "results/gsm8k.jsonl", str(tmp_path / f"dl-{variant}"))
         records = [json.loads(line) for line in Path(local).read_text().splitlines()]
         assert len(records) == 4 and {"id", "completion", "correct", "entropy"} <= set(records[0])
+    for variant, run in by_step["train"].items():
+        # per-step metrics with step numbers, the summary, the adapter as artifacts
+        for key in ("reward_mean", "reward_std", "accuracy", "entropy", "clip_ratio_high", "completion_length",
+                    "zero_variance_groups_frac", "aqn_sigma", "rollout_tokens_per_s", "step_time_s", "peak_memory_bytes"):
+            hist = client.get_metric_history(run.info.run_id, key)
+            assert sorted(m.step for m in hist) == [1, 2], (variant, key)
+        sigmas = [m.value for m in client.get_metric_history(run.info.run_id, "aqn_sigma")]
+        assert (max(sigmas) > 0) == (variant == "qerl-nvfp4-aqn")
+        m = run.data.metrics
+        assert m["steps"] == 2 and "reward_first_fifth" in m and "reward_last_fifth" in m
+        assert run.data.params["grpo.max_steps"] == "2" and run.data.params["lora.r"] == "4"
+        assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", "train_history.json"} <= artifact_paths(client, run.info.run_id)
     bits = {f: r.data.metrics["bits_per_weight"] for f, r in by_step["quantize"].items()}
     assert bits["bf16"] == 16 and bits["mxfp4"] < bits["nf4"] < bits["bf16"]
 
     table = Path(result["table_md"]).read_text()
     for fmt in ("bf16", "nf4", "mxfp4", "nvfp4"):
         assert f"| base-{fmt} | {fmt} |" in table
+    for variant, (fmt, _) in VARIANTS.items():
+        assert f"| {variant} | {fmt} |" in table
     assert "61.2" in table and "76.3" in table  # the paper's base bf16 column (3B, 7B)
+    assert "83.7" in table  # the paper's QeRL + AQN 3B cell
+    assert Path(result["curves_png"]).stat().st_size > 10_000 and Path(result["plot_png"]).is_file()
     assert Path(result["table_html"]).read_text().startswith("<!doctype html>")
     summary = json.loads(Path(result["summary_json"]).read_text())
     rows = {r["variant"]: r for r in summary["rows"]}
-    assert set(rows) == {"base-bf16", "base-nf4", "base-mxfp4", "base-nvfp4", "grpo-nvfp4"}
+    assert set(rows) == {"base-bf16", "base-nf4", "base-mxfp4", "base-nvfp4", "grpo-nvfp4"} | set(VARIANTS)
+    for variant, (fmt, aqn) in VARIANTS.items():
+        row = rows[variant]
+        assert row["format"] == fmt and row["aqn"] == aqn and row["steps"] == 2 and row["n"] == 4
+        assert 0 <= row["reward_first_fifth"] <= 1 and 0 <= row["reward_last_fifth"] <= 1
+        assert 0 <= row["gsm8k_accuracy"] <= 1 and row["entropy"] > 0
     for fmt in ("bf16", "nf4", "mxfp4", "nvfp4"):
         row = rows[f"base-{fmt}"]
         assert row["format"] == fmt and row["n"] == 4
         assert 0 <= row["gsm8k_accuracy"] <= 1 and row["entropy"] > 0
     assert rows["grpo-nvfp4"]["gsm8k_accuracy"] == 0.5
-    assert len(result["rows"]) == 4
+    assert len(result["rows"]) == 4 + len(VARIANTS)
 
     # `qerl report` rebuilds the same table from the MLflow runs alone
     from typer.testing import CliRunner
@@ -157,7 +187,7 @@ def test_failed_task_leaves_failed_run_and_flow_raises(prefect_harness, tmp_path
 
     missing = tmp_path / "no-such-data"
     with pytest.raises(DataError, match="does not exist"):
-        reproduce_table(SMOKE, overrides_for(tmp_path, missing, formats=["bf16"]))
+        reproduce_table(SMOKE, overrides_for(tmp_path, missing, formats=["bf16"], train=None))
 
     client = client_for(tmp_path)
     exp = client.get_experiment_by_name("test-flow")
@@ -183,7 +213,7 @@ def test_failed_quantize_shows_its_own_error(prefect_harness, tmp_path, gsm8k_di
     from qerl.model import ModelError
 
     with pytest.raises(ModelError, match="no-such-preset"):
-        reproduce_table(SMOKE, overrides_for(tmp_path, gsm8k_dir, formats=["nvfp4"], **{"model.name": "random:no-such-preset"}))
+        reproduce_table(SMOKE, overrides_for(tmp_path, gsm8k_dir, formats=["nvfp4"], train=None, **{"model.name": "random:no-such-preset"}))
     client = client_for(tmp_path)
     exp = client.get_experiment_by_name("test-flow")
     (parent,) = client.search_runs([exp.experiment_id], filter_string="tags.step = 'flow'")
@@ -204,7 +234,8 @@ def test_bad_recipe_fails_before_any_mlflow_run(prefect_harness, tmp_path, gsm8k
 
 @pytest.mark.slow
 def test_flow_on_embedded_model(prefect_harness, tmp_path, gsm8k_dir):
-    """SmolLM2-135M (embedded GGUF), 2 GSM8K problems, 32 new tokens, bf16 and nvfp4."""
+    """SmolLM2-135M (embedded GGUF), 2 GSM8K + 4 arith problems, 32 new tokens, bf16 and nvfp4,
+    and 2 RL steps of QeRL nvfp4 + AQN."""
     from qerl.model import embedded_dir
 
     embedded_dir()  # the embedded model must be installed (make setup does it): fail, never skip
@@ -212,15 +243,18 @@ def test_flow_on_embedded_model(prefect_harness, tmp_path, gsm8k_dir):
 
     ov = overrides_for(
         tmp_path, gsm8k_dir, formats=["bf16", "nvfp4"],
-        **{"benchmarks.0.limit": 2, "generation.max_new_tokens": 32, "generation.batch_size": 2, "device": "cpu"},
+        **{"benchmarks.0.limit": 2, "benchmarks.1.limit": 4, "generation.max_new_tokens": 32,
+           "generation.batch_size": 2, "device": "cpu", "train.variants": ["qerl-nvfp4-aqn"],
+           "train.grpo.max_steps": 2, "train.grpo.save_steps": 1},
     )
     result = reproduce_table(EMBEDDED, ov)
     client = client_for(tmp_path)
     assert client.get_run(result["parent_run_id"]).info.status == "FINISHED"
     rows = {r["variant"]: r for r in json.loads(Path(result["summary_json"]).read_text())["rows"]}
-    assert set(rows) == {"base-bf16", "base-nvfp4"}
+    assert set(rows) == {"base-bf16", "base-nvfp4", "qerl-nvfp4-aqn"}
+    assert rows["qerl-nvfp4-aqn"]["steps"] == 2 and rows["qerl-nvfp4-aqn"]["arith_n"] == 4
     for row in rows.values():
-        assert row["n"] == 2 and 0 <= row["gsm8k_accuracy"] <= 1
+        assert row["n"] == 2 and 0 <= row["gsm8k_accuracy"] <= 1 and 0 <= row["arith_accuracy"] <= 1
         # a trained model is far from uniform over its 49k-token vocabulary (ln 49152 = 10.8)
         assert 0 < row["entropy"] < 5
     assert "| base-nvfp4 | nvfp4 |" in Path(result["table_md"]).read_text()

@@ -15,6 +15,7 @@ import yaml
 from qerl import FORMATS
 from qerl.data import BENCHMARKS
 from qerl.recipe import (
+    VARIANTS,
     Recipe,
     RecipeError,
     flatten,
@@ -172,6 +173,38 @@ def test_shipped_recipe_contents(monkeypatch):
         q = load_recipe(f"qwen2.5-{size.lower()}")
         assert q.model.name == f"Qwen/Qwen2.5-{size}-Instruct"
         assert q.benchmarks[0].name == "gsm8k" and q.benchmarks[0].limit is None  # full test set
+        # Table 1 columns trained with GRPO on GSM8K, reference settings of shared/paper.md
+        assert q.variants() == list(VARIANTS) and q.train.dataset == "gsm8k"
+        g, lora, aqn = q.train.settings_for("qerl-nvfp4-aqn", 0)
+        assert (g.loss_type, g.learning_rate, g.epsilon_high, g.beta, g.temperature) == ("grpo", 1e-5, 0.28, 0.0, 1.0)
+        assert (g.max_completion_length, g.max_grad_norm, g.weight_decay, g.warmup_ratio) == (2048, 0.2, 0.1, 0.1)
+        assert g.generation_batch_size == 4 and g.num_generations == 2  # 2 prompts x 2 generations
+        assert (lora.r, lora.lora_alpha, lora.train_norms) == (16, 16, True)
+        assert aqn.enabled and (aqn.sigma_start, aqn.sigma_end, aqn.num_stages) == (1e-2, 1e-4, 10)
+        assert not q.train.settings_for("qerl-nvfp4", 0)[2].enabled
+        assert q.train.settings_for("lora-bf16", 0)[0].learning_rate == pytest.approx(1e-6)  # ~10x lower
+    for size in ("7B", "14B", "32B"):
+        d = load_recipe(f"qwen2.5-{size.lower()}-dapo")
+        assert d.train.dataset == "math" and "qerl-nvfp4-aqn" in d.variants()
+        g = d.train.settings_for("qerl-nvfp4", 0)[0]
+        assert g.loss_type == "dapo" and g.dynamic_sampling and g.mask_truncated_completions
+        assert {b.name for b in d.benchmarks} == {"math500", "aime24", "aime25", "amc23"}
+        assert d.generation.temperature == 0.6 and d.generation.top_p == 0.95
+    # the embedded default trains all five variants on the generated arith task
+    assert emb.variants() == list(VARIANTS) and emb.train.dataset == "arith"
+    assert emb.benchmark_names() == ["gsm8k", "arith"]
+
+
+def test_train_section_errors():
+    with pytest.raises(RecipeError, match="unknown variant 'qerl-fp8'"):
+        load_recipe("smoke", {"train.variants": "qerl-fp8"})
+    with pytest.raises(RecipeError, match="train.grpo.lr"):
+        load_recipe("smoke", {"train.grpo.lr": 1e-5})
+    with pytest.raises(RecipeError, match="unknown format 'fp8'"):
+        load_recipe("smoke", {"train.learning_rate_by_format": {"fp8": 1e-5}})
+    with pytest.raises(RecipeError, match="multiple of"):
+        load_recipe("smoke", {"train.grpo.num_generations": 3})
+    assert load_recipe("smoke", {"train": None}).variants() == []
 
 
 # ----------------------------------------------------------------------------- CLI: exit 2, one line, no runs

@@ -76,7 +76,12 @@ def instruction_for(benchmark: str) -> str:
 
 
 def build_prompt(tokenizer, question: str, benchmark: str) -> str:
-    """The chat-formatted prompt (generation prompt added) asking for step-by-step reasoning."""
+    """The chat-formatted prompt (generation prompt added) asking for step-by-step reasoning
+    (for the generated "arith" task: its short-answer few-shot prompt, qerl.rl.arith)."""
+    if benchmark == "arith":
+        from qerl.rl.arith import build_arith_prompt
+
+        return build_arith_prompt(tokenizer, question)
     content = f"{question.strip()}\n{instruction_for(benchmark)}"
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(

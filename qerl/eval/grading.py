@@ -37,7 +37,7 @@ MATH_VERIFY_TIMEOUT_S = 5
 
 NUMERIC_BENCHMARKS = ("aime24", "aime25", "amc23")
 MATH_BENCHMARKS = ("math500", "math")
-GRADED_BENCHMARKS = ("gsm8k",) + MATH_BENCHMARKS + NUMERIC_BENCHMARKS
+GRADED_BENCHMARKS = ("gsm8k", "arith") + MATH_BENCHMARKS + NUMERIC_BENCHMARKS
 
 
 # ----------------------------------------------------------------------------- math_verify timeouts
@@ -168,7 +168,7 @@ def extract_gsm8k_answer(text: str) -> str | None:
 
 def extract_answer(benchmark: str, completion: str) -> str | None:
     """The answer string a grader would look at (for records and debugging)."""
-    if benchmark == "gsm8k":
+    if benchmark in ("gsm8k", "arith"):
         return extract_gsm8k_answer(completion)
     boxed = extract_boxed(completion)
     if boxed is not None:
@@ -236,7 +236,7 @@ def grade_numeric(completion: str, gold: str) -> bool:
 
 def grade(benchmark: str, completion: str, gold: str) -> bool:
     """Grade one completion against one gold answer with the benchmark's rule."""
-    if benchmark == "gsm8k":
+    if benchmark in ("gsm8k", "arith"):  # arith: qerl.rl.arith, graded like GSM8K
         return grade_gsm8k(completion, gold)
     if benchmark in MATH_BENCHMARKS:
         return grade_math(completion, gold)
