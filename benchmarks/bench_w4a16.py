@@ -2,7 +2,7 @@
 
 Run on a CUDA GPU (one call, about 4-5 minutes on an H100; stops itself at --time-budget-s):
 
-    python benchmarks/bench_w4a16.py --out benchmarks/results/w4a16.json [--quick] [--variants]
+    python benchmarks/bench_w4a16.py --out benchmarks/results/w4a16.json [--quick] [--variants] [--explore] [--overlap]
 
 For every linear layer of Qwen2.5-3B/7B/14B/32B-Instruct (q/k/v fused, o, gate/up fused,
 down) and M in 1..4096, in one process: bf16 `x @ W^T` (cuBLAS), nvfp4 and mxfp4 through the
@@ -321,6 +321,137 @@ def variant_sweep(deadline: float):
     layers.clear()
 
 
+EXPLORE_SHAPES = [(7168, 5120), (3584, 3584), (4608, 3584), (5120, 13824), (2560, 2048), (37888, 3584), (27648, 5120)]
+
+
+def explore(deadline: float, out_path: str | None):
+    """Candidate configs (tile, stages, register cap, packed decode, schedule) on a few shapes,
+    each checked against the fp32 reference once, then timed like the sweep (`--explore`)."""
+    from qerl.kernels import reference
+    from qerl.kernels import w4a16_triton as W
+
+    d16 = dict(BM=16, BO=64, BR=256, num_warps=4, num_stages=4, PER_SM=4)
+    cands = {
+        1: [("p16x64x256s4", dict(d16)),
+            ("p16x64x256w8s4", dict(d16, num_warps=8, PER_SM=2)),
+            ("p16x64x128w8s4", dict(d16, BR=128, num_warps=8, PER_SM=3)),
+            ("p16x64x256s3r96", dict(d16, num_stages=3, maxnreg=96, PER_SM=5)),
+            ("p16x32x256s4", dict(d16, BO=32, PER_SM=5)),
+            ("p16x64x256s4W2", dict(d16, WAVES=2)),
+            ("p16x64x256s3r96W2", dict(d16, num_stages=3, maxnreg=96, PER_SM=5, WAVES=2)),
+            ("p16x128x128s4", dict(d16, BO=128, BR=128, PER_SM=3))],
+        64: [("p64x64x128s4", dict(BM=64, BO=64, BR=128, num_warps=4, num_stages=4, PER_SM=2)),
+             ("p64x128x64s4", dict(BM=64, BO=128, BR=64, num_warps=4, num_stages=4, PER_SM=2)),
+             ("p64x128x64s5", dict(BM=64, BO=128, BR=64, num_warps=4, num_stages=5, PER_SM=2)),
+             ("p64x256x64w8s3", dict(BM=64, BO=256, BR=64, num_warps=8, num_stages=3, PER_SM=1)),
+             ("p64x128x64s4W2", dict(BM=64, BO=128, BR=64, num_warps=4, num_stages=4, PER_SM=2, WAVES=2))],
+        256: [("p128x128x64s4", dict(BM=128, BO=128, BR=64, num_warps=4, num_stages=4, PER_SM=2)),
+              ("p128x128x64s5", dict(BM=128, BO=128, BR=64, num_warps=4, num_stages=5, PER_SM=1)),
+              ("p128x64x128s4", dict(BM=128, BO=64, BR=128, num_warps=4, num_stages=4, PER_SM=2)),
+              ("p64x128x64s4", dict(BM=64, BO=128, BR=64, num_warps=4, num_stages=4, PER_SM=2))],
+    }
+    cands[16] = cands[1]
+    rows = []
+    log("\n## explore (us per call, x = speedup vs bf16 in this process)")
+    for n, k in EXPLORE_SHAPES:
+        layer = Layer(n, k, ("nvfp4", "mxfp4"), seed=3)
+        for m in (1, 16, 64, 256):
+            if time.time() > deadline:
+                log("  (time budget reached)")
+                break
+            bf = measure(layer, m, "bf16", "forward")
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            for fmt in ("nvfp4", "mxfp4"):
+                if fmt == "mxfp4" and (m in (16, 64, 256) or (n, k) != (7168, 5120)):
+                    continue
+                st = layer.states[fmt][0]
+                ref = x.float() @ reference.dequant(fmt, __import__("qerl.kernels", fromlist=["x"]).state_tensors(st), torch.float32).T
+                parts = []
+                for name, cfg in cands[m]:
+                    if time.time() > deadline:
+                        break
+                    try:
+                        y = W.forward(x, st, config=cfg)
+                        err = ((y.float() - ref).norm() / ref.norm()).item()
+                        us = measure(layer, m, fmt, "forward", config=cfg)
+                        parts.append(f"{name} {us:.1f} x{bf / us:.2f}" + ("" if err < 1e-2 else f" BAD{err:.2g}"))
+                        rows.append(dict(n=n, k=k, m=m, fmt=fmt, cfg=name, us=us, bf16_us=bf, err=err))
+                    except Exception as e:
+                        parts.append(f"{name} ERR {type(e).__name__}: {str(e)[:120]}")
+                log(f"  N={n} K={k} M={m} {fmt} bf16 {bf:.1f}: " + " | ".join(parts))
+                if out_path:
+                    with open(out_path, "w") as f:
+                        json.dump(rows, f, indent=1)
+        del layer
+        torch.cuda.empty_cache()
+    return rows
+
+
+OVERLAP_SHAPES = [(37888, 3584), (3584, 18944), (4608, 3584), (3584, 3584), (27648, 5120), (5120, 13824),
+                  (2560, 2048), (55296, 5120)]
+OVERLAP_MS = (256, 1024, 4096)
+
+
+def overlap_explore(deadline: float, out_path: str | None, ms=OVERLAP_MS):
+    """The large-M cuBLAS paths (`--overlap`): whole-layer dequant + one cuBLAS call against the
+    overlapped chunked path (CHUNKS slices, side stream on/off), bf16 in the same process;
+    each candidate checked against the fp32 reference first."""
+    from qerl.kernels import reference, state_tensors
+    from qerl.kernels import w4a16_triton as W
+
+    cands = [("dequant", {"PATH": "dequant", "CHUNKS": 0})]
+    cands += [(f"ov{c}", {"PATH": "overlap", "CHUNKS": c}) for c in (2, 3, 4, 6, 8)]
+    cands += [("ser4", {"PATH": "overlap", "CHUNKS": 4, "SIDE": False})]
+    rows = []
+    log("\n## overlap explore (us per call, x = speedup vs bf16 in this process)")
+    for n, k in OVERLAP_SHAPES:
+        if time.time() > deadline:
+            break
+        layer = Layer(n, k, ("nvfp4",), seed=5)
+        st = layer.states["nvfp4"][0]
+        w32 = reference.dequant("nvfp4", state_tensors(st), torch.float32)
+        torch.cuda.synchronize()
+        t_dq = time_per_call(lambda i: W.dequant_bf16(layer.states["nvfp4"][i % len(layer.states["nvfp4"])]),
+                             len(layer.states["nvfp4"]))
+        log(f"  N={n} K={k}: dequant_bf16 alone {t_dq:.1f} us ({(n * k * 2.5625) / t_dq / 1e3:.0f} GB/s)")
+        for m in ms:
+            for op in ("forward", "backward"):
+                if time.time() > deadline:
+                    break
+                bf = measure(layer, m, "bf16", op)
+                a = torch.randn(m, k if op == "forward" else n, device="cuda").to(torch.bfloat16)
+                ref = a.float() @ (w32.T if op == "forward" else w32)
+                parts = []
+                todo = list(cands) + ([("fused", {"PATH": "fused"})] if m <= 256 else [])
+                for name, cfg in todo:
+                    if time.time() > deadline:
+                        break
+                    try:
+                        fn = W.forward if op == "forward" else W.backward
+                        err = ((fn(a, st, config=cfg).float() - ref).norm() / ref.norm()).item()
+                        us = measure(layer, m, "nvfp4", op, config=cfg)
+                        parts.append(f"{name} {us:.1f} x{bf / us:.2f}" + ("" if err < 1e-2 else f" BAD{err:.2g}"))
+                        rows.append(dict(n=n, k=k, m=m, op=op, fmt="nvfp4", cfg=name, us=us, bf16_us=bf, err=err))
+                    except Exception as e:
+                        parts.append(f"{name} ERR {type(e).__name__}: {str(e)[:160]}")
+                log(f"  {op[:3]} N={n} K={k} M={m} bf16 {bf:.1f}: " + " | ".join(parts))
+                if out_path:
+                    with open(out_path, "w") as f:
+                        json.dump(rows, f, indent=1)
+        del layer, w32
+        torch.cuda.empty_cache()
+    # median speedup per (M, op, candidate) over the shapes measured
+    log("\n| M | op | " + " | ".join(c for c, _ in cands) + " |")
+    for m in ms:
+        for op in ("forward", "backward"):
+            cells = []
+            for c, _ in cands:
+                v = [r["bf16_us"] / r["us"] for r in rows if r["m"] == m and r["op"] == op and r["cfg"] == c]
+                cells.append(f"{statistics.median(v):.3f}" if v else "-")
+            log(f"| {m} | {op} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default=",".join(QWEN25), help="comma list of " + ",".join(QWEN25))
@@ -329,6 +460,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bwd-ms", default=",".join(map(str, BWD_MS)))
     ap.add_argument("--quick", action="store_true", help="7B only, M in 1,16,64,256,4096")
     ap.add_argument("--variants", action="store_true", help="also time alternative tile configs (if time is left)")
+    ap.add_argument("--explore", action="store_true", help="only time candidate configs on a few shapes (tuning)")
+    ap.add_argument("--overlap", action="store_true", help="only time the large-M cuBLAS paths (dequant vs overlapped chunks)")
     ap.add_argument("--time-budget-s", type=float, default=330.0, help="stop starting new work after this")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "w4a16.json"))
     args = ap.parse_args(argv)
@@ -362,6 +495,15 @@ def main(argv=None) -> int:
     log(f"{result['gpu']} torch {result['torch']} triton {result['triton']}  SMs {torch.cuda.get_device_properties(0).multi_processor_count}")
     result["copy_gbps"] = copy_gbps = copy_bandwidth_gbps()
     log(f"copy bandwidth: {copy_gbps:.0f} GB/s")
+
+    if args.overlap:
+        overlap_explore(deadline, args.out)
+        log(f"overlap explore done in {time.time() - t0:.0f} s")
+        return 0
+    if args.explore:
+        explore(deadline, args.out)
+        log(f"explore done in {time.time() - t0:.0f} s")
+        return 0
 
     shapes = [s for s in linear_shapes(models)]
     unique = {}

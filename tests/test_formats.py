@@ -95,6 +95,42 @@ def test_mxfp4_bit_exact_vs_compressed_tensors(kind, dtype):
     assert torch.equal(ours["weight_packed"], ref["weight_packed"])
 
 
+# Group maxima (float32 bit patterns) where g * (amax / 6) and g * (amax * fp32(1/6)) round to
+# different FP8 scales at g = 1792 (weight amax 1.5): a multiply by the rounded reciprocal - what
+# CUDA does for `tensor / python_scalar` - gets these scales wrong (issue 4, task B).
+RECIPROCAL_TRAPS = (1027155090, 1019665262, 1018766482)
+
+
+def reciprocal_trap_weight(n=64, k=256, seed=0):
+    """float32 [n, k] weight, amax 1.5, whose first groups have the RECIPROCAL_TRAPS maxima."""
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.rand(n, k, generator=gen) * 2 - 1) * 0.02
+    w[0, 0] = 1.5
+    traps = torch.tensor(RECIPROCAL_TRAPS, dtype=torch.int32).view(torch.float32)
+    for i, a in enumerate(traps):
+        row, col = 1 + i, 16 * (i + 1)
+        w[row, col : col + 16] *= 0.4  # the trap is the group's maximum
+        w[row, col + 3] = -a if i % 2 else a
+    return w
+
+
+def test_nvfp4_scale_division_is_exact_regression():
+    """The group scale divides amax by 6 exactly (as compressed-tensors does), not via 1/6."""
+    w = reciprocal_trap_weight()
+    ref, _, _ = _ct_compress(w, "NVFP4A16", "nvfp4-pack-quantized")
+    ours = quantize_weight(w, "nvfp4")
+    assert ours["weight_global_scale"].item() == 1792.0
+    assert torch.equal(ours["weight_scale"].view(torch.uint8), ref["weight_scale"].to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(ours["weight_packed"], ref["weight_packed"])
+    traps = torch.tensor(RECIPROCAL_TRAPS, dtype=torch.int32).view(torch.float32)
+    inv6 = torch.tensor(1.0) / torch.tensor(6.0)
+    for i, a in enumerate(traps):
+        exact = (1792.0 * (a / 6.0)).to(torch.float8_e4m3fn).view(torch.uint8)
+        via_reciprocal = (1792.0 * (a * inv6)).to(torch.float8_e4m3fn).view(torch.uint8)
+        assert exact != via_reciprocal  # the trap is a real one
+        assert ours["weight_scale"][1 + i, i + 1].view(torch.uint8) == exact
+
+
 def test_nvfp4_fused_global_scale_matches_compressed_tensors():
     gen = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(n, 128, generator=gen).to(torch.bfloat16) * s for n, s in [(128, 1.0), (32, 3.0), (32, 0.5)])

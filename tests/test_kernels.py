@@ -198,6 +198,15 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
             dx = W.backward(dy, st, config=bc)
             results.append(dict(fmt=fmt, m=m, n=n, k=k, op=f"forward/programs={progs}", rel=rel(y, reference.matmul_ref(x, t, fmt)), nan=bool(y.isnan().any())))
             results.append(dict(fmt=fmt, m=m, n=n, k=k, op=f"backward/programs={progs}", rel=rel(dx, reference.matmul_grad_ref(dy, t, fmt)), nan=bool(dx.isnan().any())))
+        # the split schedule with uneven slices: 1 tile, KI = 5 steps over S = 3 programs (1/2/2)
+        m, n, k = 3, 64, 1280
+        t = quantize_weight((torch.randn(n, k) * 0.02).to(torch.bfloat16), fmt)
+        st = prepare(fmt, t)
+        x = torch.randn(m, k).to(torch.bfloat16)
+        fc = dict(W._fwd_config(m, n, k, fmt), PER_SM=1, SCHEDULE="split")
+        y = W.forward(x, st, config=fc)
+        results.append(dict(fmt=fmt, m=m, n=n, k=k, op="forward/split-uneven", rel=rel(y, reference.matmul_ref(x, t, fmt)), nan=bool(y.isnan().any())))
+        results.append(dict(fmt=fmt, m=m, n=n, k=k, op="locks", rel=float(st["locks"].abs().sum()), nan=False))
         # prefill-sized tiles (BM=128) on a small problem, and the large-M bf16 + matmul path
         m, n, k = 130, 96, 256
         x = torch.randn(m, k).to(torch.bfloat16)
@@ -210,6 +219,21 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
         dy = torch.randn(m, n).to(torch.bfloat16)
         dx = W.backward(dy, st, config={"PATH": "dequant"})
         results.append(dict(fmt=fmt, m=m, n=n, k=k, op="backward/dequant", rel=rel(dx, reference.matmul_grad_ref(dy, t, fmt)), nan=bool(dx.isnan().any())))
+        # the overlapped path (chunked dequant + matmul per output-column slice; uneven last
+        # chunk over a partial 64-row tile forward, 256-column chunks backward; with bias)
+        m2, n2, k2 = 70, 600, 512
+        x2 = torch.randn(m2, k2).to(torch.bfloat16)
+        t2 = quantize_weight((torch.randn(n2, k2) * 0.02).to(torch.bfloat16), fmt)
+        st2 = prepare(fmt, t2)
+        b2 = torch.randn(n2).to(torch.bfloat16)
+        y = W.forward(x2, st2, bias=b2, config={"PATH": "overlap", "CHUNKS": 3})
+        results.append(dict(fmt=fmt, m=m2, n=n2, k=k2, op="forward/overlap+bias", rel=rel(y, reference.matmul_ref(x2, t2, fmt) + b2.float()), nan=bool(y.isnan().any())))
+        dy2 = torch.randn(m2, n2).to(torch.bfloat16)
+        dx = W.backward(dy2, st2, config={"PATH": "overlap", "CHUNKS": 2})
+        results.append(dict(fmt=fmt, m=m2, n=n2, k=k2, op="backward/overlap", rel=rel(dx, reference.matmul_grad_ref(dy2, t2, fmt)), nan=bool(dx.isnan().any())))
+        o2 = torch.empty(300, 256)
+        W.dequant_bf16(st2, out=o2, rows=(300, 600), cols=(256, 512))
+        results.append(dict(fmt=fmt, m=0, n=n2, k=k2, op="dequant_bf16/block", rel=rel(o2, reference.dequant(fmt, t2)[300:600, 256:512]), nan=bool(o2.isnan().any())))
         o = torch.empty(n, k)
         W.dequant_bf16(st, out=o)
         results.append(dict(fmt=fmt, m=0, n=n, k=k, op="dequant_bf16", rel=rel(o, reference.dequant(fmt, t)), nan=bool(o.isnan().any())))

@@ -63,7 +63,10 @@ def _double_quantize(absmax: torch.Tensor) -> dict[str, torch.Tensor]:
     centred = flat - offset
     pad = (-flat.numel()) % DQ_BLOCK
     blocks = torch.nn.functional.pad(centred, (0, pad)).reshape(-1, DQ_BLOCK)
-    bscale = blocks.abs().amax(dim=1) / 127.0
+    # Divisor as a same-device tensor: CUDA would multiply by a rounded 1/127 for a Python
+    # number (qerl/formats/nvfp4.py, group_scales), the CPU divides exactly.
+    amax = blocks.abs().amax(dim=1)
+    bscale = amax / torch.full((), 127.0, dtype=amax.dtype, device=amax.device)
     bscale = torch.where(bscale == 0, torch.ones_like(bscale), bscale)
     q = torch.round(blocks / bscale[:, None]).clamp(-127, 127).to(torch.int8)
     return {

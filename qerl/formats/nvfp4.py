@@ -26,6 +26,11 @@ FP8_E4M3_MAX = 448.0
 ZERO_SCALE_REPLACEMENT = 0.125
 
 
+def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
+    """0-d tensor of `value` with like's dtype and device (a divisor CUDA divides by exactly)."""
+    return torch.full((), value, dtype=like.dtype, device=like.device)
+
+
 def tensor_amax(w: torch.Tensor) -> torch.Tensor:
     """max |w| in w's dtype, as a 0-d tensor (the statistic the global scale is built from)."""
     return w.detach().abs().amax()
@@ -57,7 +62,11 @@ def group_scales(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """FP8 group scales [N, K/16] as float32 values (exactly representable in FP8)."""
     n, k = w.shape
     amax_g = w.detach().reshape(n, k // GROUP_SIZE, GROUP_SIZE).abs().amax(dim=-1)
-    s = g * (amax_g / E2M1_MAX)  # amax/6 in w.dtype, then float32 multiply
+    # amax/6 in w.dtype, then float32 multiply. The divisor is a tensor on w's device, not a
+    # Python number: CUDA turns `tensor / python_scalar` into a multiply by the rounded
+    # reciprocal (one ulp off for ~1/3 of fp32 inputs, enough to flip ~1 FP8 scale per
+    # 1M groups), while the CPU divides exactly; a same-device divisor is a true division on both.
+    s = g * (amax_g / _scalar(E2M1_MAX, amax_g))
     s = s.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
     return torch.where(s == 0, torch.full_like(s, ZERO_SCALE_REPLACEMENT), s)
 

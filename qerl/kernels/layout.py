@@ -50,11 +50,13 @@ NVFP4_EXP_OFFSET = 8
 def _slot(t: int) -> tuple[int, int]:
     """K offset t (0..7) inside a word -> (pair j, half) with half 1 = bits 16..31.
 
-    The kernel builds the tile as join(join(join(h0, h1), join(h2, h3)),
-    join(join(l0, l1), join(l2, l3))), giving flat index t = 4*(j % 2) + 2*(j // 2) + (half == lo).
+    The kernel builds the tile as join(join(join(l0, l1), join(l2, l3)),
+    join(join(h0, h1), join(h2, h3))), giving flat index t = 4*(j % 2) + 2*(j // 2) + (half == hi):
+    K offsets t, t+1 sit in the low and high half of the same register P_j, which is exactly
+    the packed bf16x2 operand register of the tensor-core MMA (no half-swapping PRMT).
     """
     a, b, c = t // 4, (t // 2) % 2, t % 2
-    return a + 2 * b, 1 - c
+    return a + 2 * b, c
 
 
 _T_TO_SLOT = tuple(_slot(t) for t in range(8))

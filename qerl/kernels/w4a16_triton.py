@@ -18,6 +18,8 @@ One persistent kernel (`_w4a16_kernel`) for both directions; tile shape by M buc
 - 64 < M < DEQUANT_MIN_M: 128 x 128 wgmma tiles, same schedule.
 - M >= DEQUANT_MIN_M (512): `dequant_bf16` writes the layer's bf16 weight once (transient) and
   cuBLAS multiplies; faster than the fused kernel there (benchmarks/NOTES_w4a16.md, section 3).
+  Opt-in PATH="overlap": the same in weight slices, decoded on a side stream while cuBLAS runs
+  the previous slice; measured slower on the H100, not the default (NOTES_w4a16.md, section 8).
 
 Run the interpreter checks on CPU with tests/test_kernels.py; GPU numbers with
 benchmarks/bench_w4a16.py.
@@ -64,7 +66,13 @@ DECODE_F32 = os.environ.get("QERL_W4A16_DECODE_F32") == "1"
 # M >= DEQUANT_MIN_M both directions take that path unless QERL_W4A16_PREFILL=fused (or a
 # config with PATH="fused"); the transient buffer is one layer's bf16 weight.
 PREFILL = os.environ.get("QERL_W4A16_PREFILL", "auto")
+# GPU decode: multiply the packed bf16x2 registers by the group scale with inline PTX before
+# splitting them (fewer register permutes; benchmarks/NOTES_w4a16.md section 7). The interpreter
+# cannot run inline PTX and always takes the plain path.
+PACKED_DECODE = os.environ.get("QERL_W4A16_PACKED", "1") == "1"
 DEQUANT_MIN_M = int(os.environ.get("QERL_W4A16_DEQUANT_MIN_M", "512"))
+# Slices of the overlapped dequant + cuBLAS path (PATH "overlap"); 0 or 1 = one whole buffer.
+OVERLAP_CHUNKS = int(os.environ.get("QERL_W4A16_CHUNKS", "0"))
 if INTERPRETED:
     _patch_interpreter()
 
@@ -118,14 +126,43 @@ def _decode_tile(words, sc, G: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, 
     p1 = _rotr(words, _R1) & _KA
     p2 = _rotr(words, _R2) & _KA
     p3 = (_rotr(words, _R3) & _KM) | (_rotr(words, _S3) & _KS)
-    # Flat order inside a word: t = 4*(j%2) + 2*(j//2) + (0 for the high half, 1 for the low).
+    # Flat order inside a word: t = 4*(j%2) + 2*(j//2) + (0 for the low half, 1 for the high):
+    # K offsets (t, t+1) are the (low, high) halves of one P_j, the MMA's bf16x2 register order.
     v = tl.join(
-        tl.join(tl.join(_hi(p0, F32), _hi(p1, F32)), tl.join(_hi(p2, F32), _hi(p3, F32))),
         tl.join(tl.join(_lo(p0, F32), _lo(p1, F32)), tl.join(_lo(p2, F32), _lo(p3, F32))),
+        tl.join(tl.join(_hi(p0, F32), _hi(p1, F32)), tl.join(_hi(p2, F32), _hi(p3, F32))),
     )
     if F32:
         sc = sc.to(tl.float32)
     v = v.reshape(R, BK // G, G) * sc[:, :, None]
+    return v.reshape(R, BK)
+
+
+@triton.jit
+def _bf16x2_mul(p, s2):
+    """Packed bf16x2 product of two int32 registers (one `mul.rn.bf16x2`; exact here: 2 x 4
+    significant bits, and bf16 multiplies keep subnormal inputs on sm_90)."""
+    return tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [p, s2], dtype=tl.uint32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _decode_tile_packed(words, sc, G: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
+    """As _decode_tile (bf16), but the scale multiply runs on the packed P_j registers before
+    they are split into halves (inline PTX, GPU only): the halves then go to the MMA operand
+    registers unchanged, without the half-swapping PRMTs that a multiply on the split tile costs.
+    `sc`: bf16 multipliers [R, BK/G], one per G weights (= per G/8 words)."""
+    s16 = sc.to(tl.uint16, bitcast=True).to(tl.uint32)
+    s2 = s16 | (s16 << 16)  # the scale in both halves
+    s2 = tl.broadcast_to(s2[:, :, None], (R, BK // G, G // 8)).reshape(R, BK // 8)
+    p0 = _bf16x2_mul((words & _KM) | (_rotr(words, _S0) & _KS), s2)
+    p1 = _bf16x2_mul(_rotr(words, _R1) & _KA, s2)
+    p2 = _bf16x2_mul(_rotr(words, _R2) & _KA, s2)
+    p3 = _bf16x2_mul((_rotr(words, _R3) & _KM) | (_rotr(words, _S3) & _KS), s2)
+    v = tl.join(
+        tl.join(tl.join(_lo(p0, False), _lo(p1, False)), tl.join(_lo(p2, False), _lo(p3, False))),
+        tl.join(tl.join(_hi(p0, False), _hi(p1, False)), tl.join(_hi(p2, False), _hi(p3, False))),
+    )
     return v.reshape(R, BK)
 
 
@@ -146,7 +183,7 @@ def _scales(sraw, exp_bias, FMT: tl.constexpr):
 
 @triton.jit
 def _load_w_tile(w_ptrs, s_ptrs, row_mask, exp_bias, FMT: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
-                 MASKED: tl.constexpr, F32: tl.constexpr):
+                 MASKED: tl.constexpr, F32: tl.constexpr, PACKED: tl.constexpr = False):
     """Weight tile [R, BK] from `words` [R, BK/8] and one scale per 16 weights [R, BK/16] (for
     mxfp4 the pointers read each E8M0 byte twice: both formats then share the same tile shapes,
     and Triton keeps the mxfp4 tile in registers too instead of a shared-memory round trip)."""
@@ -157,7 +194,11 @@ def _load_w_tile(w_ptrs, s_ptrs, row_mask, exp_bias, FMT: tl.constexpr, R: tl.co
         words = tl.load(w_ptrs)
         sraw = tl.load(s_ptrs)
     sc = _scales(sraw, exp_bias, FMT)
-    return _decode_tile(words.to(tl.uint32, bitcast=True), sc, 16, R, BK, F32)
+    if PACKED and not F32:
+        w = _decode_tile_packed(words.to(tl.uint32, bitcast=True), sc, 16 if FMT == 0 else 32, R, BK)
+    else:
+        w = _decode_tile(words.to(tl.uint32, bitcast=True), sc, 16, R, BK, F32)
+    return w
 
 
 @triton.jit
@@ -201,29 +242,33 @@ def _k_off(j, PER_ROW: tl.constexpr):
 
 @triton.jit
 def _w_tile_at(w_ptr, s_ptr, rows, row_mask, kw0, KB, exp_bias, FMT: tl.constexpr, R: tl.constexpr,
-               BK: tl.constexpr, MASKED: tl.constexpr, F32: tl.constexpr):
+               BK: tl.constexpr, MASKED: tl.constexpr, F32: tl.constexpr, PACKED: tl.constexpr = False):
     """Decoded weight tile [R, BK] for `rows` (1-D, length R) and K = 8*kw0 .. 8*kw0 + BK."""
     SPT: tl.constexpr = 16 if FMT == 0 else 8
     kw = kw0 + tl.arange(0, BK // 8)
     g16 = kw0 // 2 + tl.arange(0, BK // 16)  # one scale per 16 weights (mxfp4: each read twice)
     if FMT == 0:
         g = g16
+    elif PACKED and not F32:
+        g = kw0 // 4 + tl.arange(0, BK // 32)  # packed decode broadcasts each E8M0 scale itself
     else:
         g = g16 // 2
     w_ptrs = w_ptr + _row_base(rows, KB, 32)[:, None] + _k_off(kw, 32)[None, :]
     s_ptrs = s_ptr + _row_base(rows, KB, SPT)[:, None] + _k_off(g, SPT)[None, :]
-    return _load_w_tile(w_ptrs, s_ptrs, row_mask, exp_bias, FMT, R, BK, MASKED, F32)
+    return _load_w_tile(w_ptrs, s_ptrs, row_mask, exp_bias, FMT, R, BK, MASKED, F32, PACKED)
 
 
 @triton.jit
 def _mainloop(a_ptr, w_ptr, s_ptr, pid_m, pid_o, k0, k1, M, NOUT, RED, stride_am, KB, exp_bias,
               BWD: tl.constexpr, FMT: tl.constexpr, EVEN_O: tl.constexpr, EVEN_R: tl.constexpr,
               BM: tl.constexpr, BO: tl.constexpr, BR: tl.constexpr, INTERPRETED: tl.constexpr,
-              DECODE_F32: tl.constexpr):
+              DECODE_F32: tl.constexpr, SWAP: tl.constexpr, PACKED: tl.constexpr):
     """acc[BM, BO] = sum over reduction steps k0 .. k1-1 of (A tile) @ (weight tile, decoded here).
 
     forward:  A = x  [M, K]; weight tile = BO rows of W (outputs) x BR of K  -> dot(A, W^T)
-    backward: A = dy [M, N]; weight tile = BR rows of W (reduction) x BO of K -> dot(A, W)"""
+    backward: A = dy [M, N]; weight tile = BR rows of W (reduction) x BO of K -> dot(A, W)
+    SWAP (forward only): acc^T[BO, BM] = dot(W, A^T): the decoded weight is the left operand,
+    kept in registers (mma / wgmma A from registers), the activations the right one."""
     F32: tl.constexpr = DECODE_F32 or INTERPRETED
     offs_m = pid_m * BM + tl.arange(0, BM)
     m_mask = offs_m < M
@@ -231,19 +276,22 @@ def _mainloop(a_ptr, w_ptr, s_ptr, pid_m, pid_o, k0, k1, M, NOUT, RED, stride_am
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_r[None, :]
     offs_o = pid_o * BO + tl.arange(0, BO)
     o_mask = offs_o < NOUT
-    acc = tl.zeros([BM, BO], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BO, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, BO], dtype=tl.float32)
     for kk in range(k0, k1):
         if BWD:
             r_mask = offs_r < RED
             w = _w_tile_at(w_ptr, s_ptr, offs_r, r_mask, pid_o * (BO // 8), KB, exp_bias, FMT, BR, BO,
-                           not EVEN_R, F32)
+                           not EVEN_R, F32, PACKED)
             if EVEN_R:
                 a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
             else:
                 a = tl.load(a_ptrs, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
         else:
             w = _w_tile_at(w_ptr, s_ptr, offs_o, o_mask, kk * (BR // 8), KB, exp_bias, FMT, BO, BR,
-                           not EVEN_O, F32)
+                           not EVEN_O, F32, PACKED)
             a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
         if DECODE_F32 and not INTERPRETED:
             w = w.to(tl.bfloat16)
@@ -251,6 +299,8 @@ def _mainloop(a_ptr, w_ptr, s_ptr, pid_m, pid_o, k0, k1, M, NOUT, RED, stride_am
             a = a.to(tl.float32)
         if BWD:
             acc = tl.dot(a, w, acc)
+        elif SWAP:
+            acc = tl.dot(w, a.T, acc)
         else:
             acc = tl.dot(a, w.T, acc)
         offs_r += BR
@@ -261,26 +311,36 @@ def _mainloop(a_ptr, w_ptr, s_ptr, pid_m, pid_o, k0, k1, M, NOUT, RED, stride_am
 @triton.jit(do_not_specialize=["M"])  # one compile for every M in a bucket (M=1 included)
 def _w4a16_kernel(
     a_ptr, w_ptr, s_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr,
-    M, NOUT, RED, stride_am, stride_cm, KB, exp_bias,
+    M, NOUT, RED, stride_am, stride_cm, KB, exp_bias, S,
     BWD: tl.constexpr, FMT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_O: tl.constexpr, EVEN_R: tl.constexpr,
     BM: tl.constexpr, BO: tl.constexpr, BR: tl.constexpr, GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr,
-    DECODE_F32: tl.constexpr,
+    DECODE_F32: tl.constexpr, SWAP: tl.constexpr, SPLIT: tl.constexpr, PACKED: tl.constexpr,
 ):
     """C[M, NOUT] = A[M, RED] @ (weight as [RED, NOUT]) * alpha (+ bias), bf16 out.
 
-    Persistent stream-K schedule: the flat iteration space (output tile, reduction step) is
-    cut into P equal contiguous ranges, one per program, so every SM gets the same work
-    whatever the tile count (no wave-quantisation tail). A tile covered by one program is
-    stored directly. A tile shared by several programs: each writes its fp32 partial to its
-    own workspace slot, bumps the tile's counter, and the last one sums all partials in
-    program order (deterministic), writes bf16 and resets the counter for the next launch.
-    No host sync; CUDA-graph capturable."""
+    Two schedules, both one launch with no host sync (CUDA-graph capturable):
+    - SPLIT (decode, fewer output tiles than resident slots): program p owns output tile p // S
+      and the reduction steps [j*KI//S, (j+1)*KI//S) of it, j = p % S (slices differ by at most
+      one step; S need not divide KI). One pipeline fill per program, at most one fixup.
+    - stream-K (otherwise): the flat iteration space (output tile, reduction step) is cut into
+      P equal contiguous ranges, one per program, so every SM gets the same work whatever the
+      tile count (no wave-quantisation tail).
+    A tile covered by one program is stored directly. A tile shared by several programs: each
+    writes its fp32 partial to its own workspace slot, bumps the tile's counter, and the last
+    one sums all partials in program order (deterministic), writes bf16 and resets the counter
+    for the next launch."""
     P = tl.num_programs(0)
     p = tl.program_id(0)
     KI = tl.cdiv(RED, BR)  # reduction steps per tile
     T = tl.cdiv(M, BM) * tl.cdiv(NOUT, BO) * KI
-    start = _start(p, P, T)
-    end = _start(p + 1, P, T)
+    if SPLIT:
+        first_tile = p // S
+        j = p - first_tile * S
+        start = first_tile * KI + (j * KI) // S
+        end = first_tile * KI + ((j + 1) * KI) // S
+    else:
+        start = _start(p, P, T)
+        end = _start(p + 1, P, T)
     alpha = tl.load(alpha_ptr)
     it = start
     while it < end:
@@ -289,7 +349,9 @@ def _w4a16_kernel(
         k1 = tl.minimum(KI, k0 + (end - it))
         pid_m, pid_o = _tile_ids(tile, M, NOUT, BM, BO, GROUP_M)
         acc = _mainloop(a_ptr, w_ptr, s_ptr, pid_m, pid_o, k0, k1, M, NOUT, RED, stride_am, KB,
-                        exp_bias, BWD, FMT, EVEN_O, EVEN_R, BM, BO, BR, INTERPRETED, DECODE_F32)
+                        exp_bias, BWD, FMT, EVEN_O, EVEN_R, BM, BO, BR, INTERPRETED, DECODE_F32, SWAP, PACKED)
+        if SWAP:
+            acc = tl.trans(acc)
         offs_m = pid_m * BM + tl.arange(0, BM)
         offs_o = pid_o * BO + tl.arange(0, BO)
         mask = (offs_m < M)[:, None] & (offs_o < NOUT)[None, :]
@@ -300,14 +362,21 @@ def _w4a16_kernel(
             slot = tl.where(it == start, 0, 1)  # a program shares at most its first and last tile
             tl.store(ws_ptr + (p * 2 + slot) * (BM * BO) + ws_tile, acc)
             tl.debug_barrier()  # all threads' partials are written before the counter moves
-            p_lo = _owner(tile * KI, P, T)
-            p_hi = _owner(tile * KI + KI - 1, P, T)
+            if SPLIT:
+                p_lo = tile * S
+                p_hi = p_lo + S - 1
+            else:
+                p_lo = _owner(tile * KI, P, T)
+                p_hi = _owner(tile * KI + KI - 1, P, T)
             count = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
             done = count == p_hi - p_lo
             if done:
                 acc = tl.zeros([BM, BO], dtype=tl.float32)
                 for q in range(p_lo, p_hi + 1):
-                    q_slot = tl.where(_start(q, P, T) // KI == tile, 0, 1)
+                    if SPLIT:
+                        q_slot = 0
+                    else:
+                        q_slot = tl.where(_start(q, P, T) // KI == tile, 0, 1)
                     acc += tl.load(ws_ptr + (q * 2 + q_slot) * (BM * BO) + ws_tile, cache_modifier=".cg")
                 tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch
         if done:
@@ -319,15 +388,19 @@ def _w4a16_kernel(
 
 
 @triton.jit
-def _w4_to_bf16_kernel(w_ptr, s_ptr, alpha_ptr, o_ptr, N, K, KB, exp_bias,
+def _w4_to_bf16_kernel(w_ptr, s_ptr, alpha_ptr, o_ptr, N, K, KB, exp_bias, ROW0, ROW1, COL0, LDO,
                        FMT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
-    """Dense bf16 W[N, K] = q * s / g (one rounding) from the kernel layout: the weight
-    operand of the cuBLAS path for large M. Reads 4.5 (4.25) bits and writes 16 per weight."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    w = _w_tile_at(w_ptr, s_ptr, rows, rows < N, tl.program_id(1) * (BK // 8), KB, exp_bias, FMT, BR, BK, True, F32)
+    """Dense bf16 W[ROW0:ROW1, COL0:COL0 + grid1*BK] = q * s / g (one rounding) from the kernel
+    layout, written to o[r - ROW0, c - COL0] (row stride LDO): the weight operand of the cuBLAS
+    path for large M (the whole layer; one chunk of rows / columns for PATH="overlap").
+    Reads 4.5 (4.25) bits and writes 16 per weight."""
+    rows = ROW0 + tl.program_id(0) * BR + tl.arange(0, BR)
+    mask = rows < ROW1
+    w = _w_tile_at(w_ptr, s_ptr, rows, mask, COL0 // 8 + tl.program_id(1) * (BK // 8), KB, exp_bias, FMT, BR, BK,
+                   True, F32)
     w = w.to(tl.float32) * tl.load(alpha_ptr)
     cols = tl.program_id(1) * BK + tl.arange(0, BK)
-    tl.store(o_ptr + rows[:, None] * K + cols[None, :], w.to(tl.bfloat16), mask=(rows < N)[:, None])
+    tl.store(o_ptr + (rows - ROW0)[:, None] * LDO + cols[None, :], w.to(tl.bfloat16), mask=mask[:, None])
 
 
 # --------------------------------------------------------------------------- configuration
@@ -351,19 +424,25 @@ def _largest_divisor(k: int, candidates) -> int:
 # offline sm_90a compile (benchmarks/NOTES_w4a16.md); after the first launch the value measured
 # from the compiled kernel replaces it. The persistent grid is PER_SM x SM count.
 def _fwd_config(m: int, n: int, k: int, fmt: str = "nvfp4") -> dict:
-    """Tile shape by M bucket (benchmarks/NOTES_w4a16.md: SASS counts and the H100 sweep).
+    """Tile shape by M bucket (benchmarks/NOTES_w4a16.md: SASS counts and the H100 sweeps).
 
-    M <= 16: 16-row mma.sync tiles, 64 weight rows x 256 K per step; ~110-130 registers and
-    ~50 KB of shared memory, so 4 programs share an SM and ~100 KB of weight loads are in
-    flight per SM. M <= 32: 32-row tiles. M <= 64: wgmma 64 x 64 x 128 tiles (fastest of the
-    H100 sweep at M=64). Larger M (the fused path, below DEQUANT_MIN_M): wgmma 128 x 128 x 64
-    tiles with one warpgroup, two programs per SM."""
+    M <= 16: 16-row mma.sync tiles, 64 weight rows x 256 K per step, 3 stages and a 96-register
+    cap (maxnreg), so 5 programs share an SM (v3 explore: 39 us vs 47 us on 7B gate/up at 4
+    stages / 125 registers, equal elsewhere). M <= 32: 32-row tiles. M <= 64: wgmma 64 x 128 x 64
+    tiles on wide layers (N >= 16384: 69 vs 76 us on 7B/14B gate/up), 64 x 64 x 128 on the others
+    (fewer, longer tiles were slower there). 64 < M < DEQUANT_MIN_M (the fused path): wgmma
+    128 x 128 x 64, or 64 x 128 x 64 on small layers (N*K <= 17M: 35 vs 41 us on 3584^2)."""
     if m <= 16:
-        cfg = dict(BM=16, BO=64, BR=256, num_warps=4, num_stages=4, PER_SM=4)
+        cfg = dict(BM=16, BO=64, BR=256, num_warps=4, num_stages=3, maxnreg=96, PER_SM=5)
     elif m <= 32:
         cfg = dict(BM=32, BO=128, BR=128, num_warps=4, num_stages=3, PER_SM=2)
     elif m <= 64:
-        cfg = dict(BM=64, BO=64, BR=128, num_warps=4, num_stages=4, PER_SM=2)
+        if n >= 16384:
+            cfg = dict(BM=64, BO=128, BR=64, num_warps=4, num_stages=4, PER_SM=2)
+        else:
+            cfg = dict(BM=64, BO=64, BR=128, num_warps=4, num_stages=4, PER_SM=2)
+    elif n * k <= 17_000_000:
+        cfg = dict(BM=64, BO=128, BR=64, num_warps=4, num_stages=4, PER_SM=2)
     else:
         cfg = dict(BM=128, BO=128, BR=64, num_warps=4, num_stages=4, PER_SM=2)
     cfg["BR"] = _largest_divisor(k, [c for c in (256, 128, 64, 32) if c <= cfg["BR"]])
@@ -395,22 +474,29 @@ def _resident_per_sm(kernel) -> int | None:
     return max(1, min(by_regs, by_smem, 2048 // (32 * warps), 32))
 
 
-def _grid(m: int, tiles: int, steps_per_tile: int, per_sm: int, device, programs: int | None) -> int:
-    """Persistent grid size.
+def _grid(m: int, tiles: int, steps_per_tile: int, per_sm: int, device, programs: int | None,
+          schedule: str = "auto", waves: int = 1) -> tuple[int, int]:
+    """(persistent grid size, S): S > 0 selects the split schedule with S slices per tile,
+    S = 0 stream-K.
 
-    Decode (m <= 64) with fewer output tiles than resident slots (per_sm x SMs): tiles x s
-    programs, s the largest divisor of the steps per tile that fits the slots, so every
-    program covers one aligned slice of one tile (one pipeline fill, at most one fixup; a
-    program spanning two tiles pays the memory latency twice, which dominated small layers).
-    Otherwise one program per slot (stream-K: equal work per SM, no wave tail)."""
+    Decode (m <= 64) with fewer output tiles than resident slots (per_sm x SMs): split, every
+    program one slice of one tile (one pipeline fill, at most one fixup; a program spanning two
+    tiles pays the memory latency twice, which dominated small layers). S is the smallest slice
+    count giving the same longest slice as slots // tiles (fewer partials to sum). Otherwise
+    one program per slot (stream-K: equal work per SM, no wave tail). PROGRAMS forces
+    stream-K with that many programs."""
     total = tiles * steps_per_tile
     if programs is not None:
-        return max(1, min(programs, total))
+        return max(1, min(programs, total)), 0
     slots = per_sm * _num_sms(device.index if device.index is not None else 0)
-    if m <= 64 and tiles < slots:
-        split = max(d for d in range(1, steps_per_tile + 1) if steps_per_tile % d == 0 and tiles * d <= slots)
-        return tiles * split
-    return max(1, min(slots, total))
+    if schedule == "split" or (schedule == "auto" and m <= 64 and tiles < slots):
+        slots *= waves  # WAVES > 1: more, shorter slices than fit at once (more parallel work for small layers)
+    if schedule == "split" or (schedule == "auto" and m <= 64 and tiles < slots):
+        s_max = max(1, min(steps_per_tile, slots // tiles))
+        steps = -(-steps_per_tile // s_max)
+        s = -(-steps_per_tile // steps)
+        return tiles * s, s
+    return max(1, min(slots, total)), 0
 
 
 # Workspace counters per layer and direction; one per output tile (2048 x 128x128 tiles =
@@ -437,7 +523,13 @@ def _launch(a: torch.Tensor, state: dict, bwd: bool, bias, cfg: dict, out):
     cfg = dict(cfg)
     bm, bo, br, per_sm = cfg.pop("BM"), cfg.pop("BO"), cfg.pop("BR"), cfg.pop("PER_SM")
     programs = cfg.pop("PROGRAMS", None)
+    schedule = cfg.pop("SCHEDULE", "auto")
+    waves = int(cfg.pop("WAVES", 1))
+    swap = bool(cfg.pop("SWAP", False)) and not bwd
+    packed = bool(cfg.pop("PACKED", PACKED_DECODE)) and not INTERPRETED
     decode_f32 = bool(cfg.pop("DECODE_F32", DECODE_F32))
+    if cfg.get("maxnreg") is None or INTERPRETED:
+        cfg.pop("maxnreg", None)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n_out, bo)
     locks = state["locks_bwd" if bwd else "locks"]
     if tiles > locks.numel():  # huge problem: counters for every tile (allocation, no sync)
@@ -445,62 +537,176 @@ def _launch(a: torch.Tensor, state: dict, bwd: bool, bias, cfg: dict, out):
     c = torch.empty(m, n_out, device=a.device, dtype=torch.bfloat16) if out is None else out
     flags = dict(BWD=bwd, FMT=FMT_ID[state["fmt"]], HAS_BIAS=bias is not None, EVEN_O=n_out % bo == 0,
                  EVEN_R=red % br == 0, BM=bm, BO=bo, BR=br, GROUP_M=8, INTERPRETED=INTERPRETED,
-                 DECODE_F32=decode_f32, **cfg)
+                 DECODE_F32=decode_f32, SWAP=swap, PACKED=packed, **cfg)
     key = tuple(sorted(flags.items()))
-    grid = _grid(m, tiles, triton.cdiv(red, br), _RESIDENT.get(key, per_sm), a.device, programs)
+    grid, split = _grid(m, tiles, triton.cdiv(red, br), _RESIDENT.get(key, per_sm), a.device, programs, schedule, waves)
     ws = torch.empty(grid * 2 * bm * bo, device=a.device, dtype=torch.float32)
     kernel = _w4a16_kernel[(grid,)](
         a, state["words"], state["scale"], state["alpha"], bias if bias is not None else c, c, ws, locks,
-        m, n_out, red, a.stride(0), c.stride(0), state["kb"], state["exp_bias"],
-        **flags,
+        m, n_out, red, a.stride(0), c.stride(0), state["kb"], state["exp_bias"], max(split, 1),
+        SPLIT=split > 0, **flags,
     )
     if key not in _RESIDENT:
         _RESIDENT[key] = _resident_per_sm(kernel) or per_sm
     return c
 
 
-def dequant_bf16(state: dict, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Dense bf16 [N, K] weight from a prepared nvfp4/mxfp4 state (one kernel pass)."""
+def _dequant_bk(k: int) -> int:
+    return _largest_divisor(k, (256, 128, 64, 32))
+
+
+def dequant_bf16(state: dict, out: torch.Tensor | None = None, rows: tuple[int, int] | None = None,
+                 cols: tuple[int, int] | None = None) -> torch.Tensor:
+    """Dense bf16 weight from a prepared nvfp4/mxfp4 state (one kernel pass): [N, K], or the
+    block W[r0:r1, c0:c1] for rows=(r0, r1) / cols=(c0, c1) (c0, c1 multiples of
+    `_dequant_bk(K)`), written contiguously (or into `out`, any [r1-r0, c1-c0] view whose rows
+    are contiguous)."""
     n, k = state["n"], state["k"]
+    r0, r1 = rows if rows is not None else (0, n)
+    c0, c1 = cols if cols is not None else (0, k)
     words = state["words"]
-    o = torch.empty(n, k, device=words.device, dtype=torch.bfloat16) if out is None else out
-    bk = _largest_divisor(k, (256, 128, 64, 32))
+    bk = _dequant_bk(k)
+    if c0 % bk or (c1 % bk and c1 != k) or not (0 <= c0 < c1 <= k) or not (0 <= r0 < r1 <= n):
+        raise ValueError(f"bad dequant block rows {r0}:{r1} cols {c0}:{c1} for [{n}, {k}] (column step {bk})")
+    o = torch.empty(r1 - r0, c1 - c0, device=words.device, dtype=torch.bfloat16) if out is None else out
+    if o.shape != (r1 - r0, c1 - c0) or o.stride(1) != 1:
+        raise ValueError(f"out must be a row-contiguous [{r1 - r0}, {c1 - c0}] bf16 view, got {tuple(o.shape)}")
     br = 32
-    _w4_to_bf16_kernel[(triton.cdiv(n, br), k // bk)](
-        words, state["scale"], state["alpha"], o, n, k, state["kb"], state["exp_bias"],
+    _w4_to_bf16_kernel[(triton.cdiv(r1 - r0, br), (c1 - c0) // bk)](
+        words, state["scale"], state["alpha"], o, n, k, state["kb"], state["exp_bias"], r0, r1, c0, o.stride(0),
         FMT=FMT_ID[state["fmt"]], BR=br, BK=bk, F32=INTERPRETED or DECODE_F32, num_warps=4,
     )
     return o
 
 
+# Overlapped dequant + cuBLAS (large M), opt-in only (PATH="overlap", CHUNKS): measured SLOWER
+# than one whole-layer dequant + one cuBLAS call on the H100 at every M and not the default
+# (benchmarks/NOTES_w4a16.md section 8: cuBLAS's GEMM holds every SM's register file, so the
+# side-stream dequant cannot run beside it, and each extra chunk adds ~3-8 us of GEMM tail and
+# stream hand-off). Kept for re-measuring on other GPUs / cuBLAS versions. The weight is split
+# into CHUNKS slices (forward: rows of W = output columns of y; backward: columns of W = output
+# columns of dx), each dequantised into one of two reused transient buffers on a side stream
+# while cuBLAS multiplies the previous slice on the caller's stream into its column slice of the
+# output (exact: every output element is one cuBLAS dot product over the full reduction). Events
+# order the streams (no host sync; capturable in a CUDA graph).
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    s = _SIDE_STREAMS.get(idx)
+    if s is None:  # high priority: its blocks go first when the GEMM's CTAs retire
+        s = _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx, priority=-1)
+    return s
+
+
+def _chunk_bounds(extent: int, chunks: int, align: int) -> list[tuple[int, int]]:
+    units = -(-extent // align)
+    chunks = max(1, min(chunks, units))
+    cuts = [min(extent, (i * units // chunks) * align) for i in range(chunks + 1)]
+    return [(a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+
+
+def _overlapped(a: torch.Tensor, state: dict, bwd: bool, bias, out, chunks: int, side: bool = True) -> torch.Tensor:
+    """y = a @ W^T (+ bias) (forward) or dx = a @ W (backward) through chunked dequant + cuBLAS."""
+    n, k = state["n"], state["k"]
+    m = a.shape[0]
+    n_out = k if bwd else n
+    c = torch.empty(m, n_out, device=a.device, dtype=torch.bfloat16) if out is None else out
+    if bwd:
+        bounds = _chunk_bounds(k, chunks, _dequant_bk(k) * max(1, 256 // _dequant_bk(k)))
+    else:
+        bounds = _chunk_bounds(n, chunks, 256)
+    width = max(b - a_ for a_, b in bounds)
+    other = n if bwd else k
+    bufs = [torch.empty(width * other, device=a.device, dtype=torch.bfloat16) for _ in range(min(2, len(bounds)))]
+    use_side = side and a.is_cuda and len(bounds) > 1
+    main = torch.cuda.current_stream(a.device) if use_side else None
+    stream = _side_stream(a.device) if use_side else None
+    if use_side:
+        stream.wait_stream(main)  # the inputs (and buffers' previous users) come first
+    freed = [None, None]
+    for i, (lo, hi) in enumerate(bounds):
+        buf = bufs[i % 2][: (hi - lo) * other]
+        wv = buf.view(n, hi - lo) if bwd else buf.view(hi - lo, k)
+        if use_side:
+            with torch.cuda.stream(stream):
+                if freed[i % 2] is not None:
+                    stream.wait_event(freed[i % 2])  # GEMM i-2 has finished reading this buffer
+                dequant_bf16(state, out=wv, cols=(lo, hi)) if bwd else dequant_bf16(state, out=wv, rows=(lo, hi))
+                ready = torch.cuda.Event()
+                ready.record(stream)
+            main.wait_event(ready)
+        else:
+            dequant_bf16(state, out=wv, cols=(lo, hi)) if bwd else dequant_bf16(state, out=wv, rows=(lo, hi))
+        dst = c[:, lo:hi]
+        if bwd:
+            torch.mm(a, wv, out=dst)
+        elif bias is None:
+            torch.mm(a, wv.T, out=dst)
+        else:
+            torch.addmm(bias[lo:hi].to(torch.bfloat16), a, wv.T, out=dst)
+        if use_side:
+            ev = torch.cuda.Event()
+            ev.record(main)
+            freed[i % 2] = ev
+    # Every side-stream write to the buffers precedes an event the caller's stream waited on,
+    # so freeing them in the caller's stream order is safe (no record_stream needed).
+    return c
+
+
+def _overlap_chunks(m: int, n: int, k: int, bwd: bool) -> int:
+    """Slices for the overlapped path (0: plain dequant + one cuBLAS call)."""
+    return OVERLAP_CHUNKS
+
+
 def _path(m: int, config: dict | None) -> str:
-    """'fused' (the kernel above) or 'dequant' (bf16 weight buffer + cuBLAS) for this call."""
+    """'fused' (the kernel above), 'dequant' (bf16 weight buffer + cuBLAS) or 'overlap'
+    (chunked dequant on a side stream + cuBLAS per chunk) for this call."""
     if config is not None and "PATH" in config:
         return config["PATH"]
-    if PREFILL in ("fused", "dequant"):
+    if PREFILL in ("fused", "dequant", "overlap"):
         return PREFILL
     return "dequant" if m >= DEQUANT_MIN_M else "fused"
 
 
 def _kernel_config(config: dict | None, default: dict) -> dict:
-    cfg = dict(default if config is None or set(config) <= {"PATH"} else config)
-    cfg.pop("PATH", None)
+    cfg = dict(default if config is None or set(config) <= _PATH_KEYS else config)
+    for key in _PATH_KEYS:
+        cfg.pop(key, None)
     return cfg
+
+
+_PATH_KEYS = {"PATH", "CHUNKS", "SIDE"}
+
+
+def _dense(a: torch.Tensor, state: dict, bwd: bool, bias, config: dict | None, out):
+    """The two cuBLAS paths: overlapped chunks when CHUNKS > 1, else one whole-layer buffer."""
+    m = a.shape[0]
+    chunks = (config or {}).get("CHUNKS", _overlap_chunks(m, state["n"], state["k"], bwd))
+    if _path(m, config) == "overlap" and chunks <= 1 and "CHUNKS" not in (config or {}):
+        chunks = 4
+    if chunks > 1:
+        return _overlapped(a, state, bwd, bias, out, chunks, side=bool((config or {}).get("SIDE", True)))
+    w = dequant_bf16(state)
+    if bwd:
+        return torch.mm(a, w, out=out)
+    if bias is None:
+        return torch.mm(a, w.T, out=out)
+    return torch.addmm(bias.to(torch.bfloat16), a, w.T, out=out)
 
 
 def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, config: dict | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for x [M, K] bf16; `state` from qerl.kernels.prepare.
-    `config` overrides the heuristics: tile keys of _fwd_config, PROGRAMS (grid size), PATH."""
+    `config` overrides the heuristics: tile keys of _fwd_config, PROGRAMS (grid size), PATH,
+    CHUNKS / SIDE (overlapped path)."""
     _check(x, state, state["k"], "x")
     if x.stride(1) != 1:
         x = x.contiguous()
     m = x.shape[0]
-    if _path(m, config) == "dequant":
-        w = dequant_bf16(state)
-        if bias is None:
-            return torch.mm(x, w.T, out=out)
-        return torch.addmm(bias.to(torch.bfloat16), x, w.T, out=out)
+    if _path(m, config) in ("dequant", "overlap"):
+        return _dense(x, state, False, bias, config, out)
     cfg = _kernel_config(config, _fwd_config(m, state["n"], state["k"], state["fmt"]))
     return _launch(x, state, False, bias, cfg, out)
 
@@ -511,7 +717,7 @@ def backward(dy: torch.Tensor, state: dict, config: dict | None = None, out: tor
     if dy.stride(1) != 1:
         dy = dy.contiguous()
     m = dy.shape[0]
-    if _path(m, config) == "dequant":
-        return torch.mm(dy, dequant_bf16(state), out=out)
+    if _path(m, config) in ("dequant", "overlap"):
+        return _dense(dy, state, True, None, config, out)
     cfg = _kernel_config(config, _bwd_config(m, state["n"], state["k"], state["fmt"]))
     return _launch(dy, state, True, None, cfg, out)
