@@ -308,6 +308,31 @@ _NOTES = [
 ]
 
 
+def _base_of(rows: list[dict], fmt: str) -> dict | None:
+    for r in rows:
+        if r["variant"] == f"base-{fmt}" and r["status"] == "ok":
+            return r
+    return None
+
+
+def trained_vs_base(recipe: Recipe, rows: list[dict]) -> list[str]:
+    """One line per trained row: its accuracy minus its format's base accuracy, per benchmark."""
+    out = []
+    for r in rows:
+        if not r.get("trained") or r["status"] != "ok":
+            continue
+        base = _base_of(rows, r["format"])
+        if base is None:
+            continue
+        parts = []
+        for b in recipe.benchmark_names():
+            a, a0 = r[b].get("accuracy"), base[b].get("accuracy")
+            if a is not None and a0 is not None:
+                parts.append(f"{b} {100 * a0:.1f} -> {100 * a:.1f} ({100 * (a - a0):+.1f})")
+        out.append(f"{r['variant']} vs base-{r['format']}: " + ", ".join(parts))
+    return out
+
+
 def render_markdown(
     recipe: Recipe, rows: list[dict], parent_run_id: str, tracker: Tracker, plot_name: str | None,
     curves_name: str | None = None,
@@ -318,6 +343,10 @@ def render_markdown(
     lines += ["", "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for row in rows:
         lines.append("| " + " | ".join(_cells(recipe, row)) + " |")
+    deltas = trained_vs_base(recipe, rows)
+    if deltas:
+        lines += ["", "Trained vs the base model of the same format (accuracy points):"]
+        lines += [f"- {d}" for d in deltas]
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
         lines += ["", "Not measured:"]
@@ -378,6 +407,10 @@ def render_html(
             f"<li>{html.escape(r['variant'])}: {html.escape(r['status'])} {html.escape(r.get('error', ''))}</li>" for r in failed
         )
         failed_html = f"<p>Not measured:</p><ul>{items}</ul>"
+    deltas = trained_vs_base(recipe, rows)
+    if deltas:
+        items = "".join(f"<li>{html.escape(d)}</li>" for d in deltas)
+        failed_html = f"<p>Trained vs the base model of the same format (accuracy points):</p><ul>{items}</ul>" + failed_html
     img = ""
     for png, alt in ((plot_png, "accuracy and entropy per variant"), (curves_png, "training reward and entropy per step")):
         if png is not None and png.is_file():
@@ -438,7 +471,7 @@ def render_plot(recipe: Recipe, rows: list[dict], path: Path) -> Path | None:
 
 def render_curves(recipe: Recipe, curves: dict[str, dict[str, list]], path: Path) -> Path | None:
     """Line plots: training reward (mean over the step's completions) and policy entropy per
-    RL step, one line per trained variant."""
+    RL step, one colour per trained variant (raw steps faint, 5-step running mean bold)."""
     if not curves:
         return None
     import matplotlib
@@ -449,13 +482,20 @@ def render_curves(recipe: Recipe, curves: dict[str, dict[str, list]], path: Path
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.0))
     labels = {"reward_mean": "training reward (mean)", "entropy": "policy entropy (nats/token)"}
     for ax, key in zip(axes, ("reward_mean", "entropy")):
-        for variant, c in curves.items():
+        for i, (variant, c) in enumerate(curves.items()):
             pts = c.get(key) or []
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=variant)
+            if not pts:
+                continue
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            color = f"C{i}"
+            # raw per-step values faint, a running mean over 5 steps on top (one step is 16 samples)
+            ax.plot(xs, ys, marker=".", color=color, alpha=0.3, linewidth=0.8)
+            smooth = [sum(ys[max(0, j - 4): j + 1]) / len(ys[max(0, j - 4): j + 1]) for j in range(len(ys))]
+            ax.plot(xs, smooth, color=color, linewidth=2, label=variant)
+        ax.ticklabel_format(axis="y", useOffset=False)
         ax.set_xlabel("RL step")
         ax.set_ylabel(labels[key])
-        ax.set_title(labels[key])
+        ax.set_title(labels[key] + " (bold: 5-step running mean)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"recipe {recipe.name}, model {recipe.model.name}: RL training curves", fontsize=10)
@@ -488,6 +528,10 @@ def summary_rows(recipe: Recipe, rows: list[dict], parent_run_id: str) -> list[d
         }
         if r.get("trained"):
             t = r.get("train") or {}
+            base = _base_of(rows, r["format"])
+            if base is not None:
+                for b in benches:
+                    s[f"base_{b}_accuracy"] = base[b]["accuracy"]
             s.update(
                 reward_first_fifth=t.get("reward_first_fifth"),
                 reward_last_fifth=t.get("reward_last_fifth"),
