@@ -42,16 +42,17 @@ SET_HELP = (
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from qerl.data import DataError
+    from qerl.eval.harness import HarnessError
     from qerl.formats import FormatError
     from qerl.model import ModelError
     from qerl.recipe import RecipeError
 
-    return (RecipeError, FormatError, DataError, ModelError)
+    return (RecipeError, FormatError, DataError, ModelError, HarnessError)
 
 
 @contextmanager
 def _bad_input_exits() -> Iterator[None]:
-    """RecipeError / FormatError / DataError / ModelError -> `error: <one line>`, exit code 2."""
+    """RecipeError / FormatError / DataError / ModelError / HarnessError -> `error: <one line>`, exit code 2."""
     try:
         yield
     except typer.Exit:

@@ -61,6 +61,7 @@ def preload() -> None:
     import qerl.checkpoint  # noqa: F401
     import qerl.data  # noqa: F401
     import qerl.eval.evaluate  # noqa: F401
+    import qerl.eval.harness  # noqa: F401
     import qerl.memory  # noqa: F401
     import qerl.model  # noqa: F401
     import qerl.quantize  # noqa: F401
@@ -73,12 +74,32 @@ def variant_name(fmt: str) -> str:
 
 
 def checkpoint_dir(recipe: Recipe, fmt: str) -> Path:
+    """<output_dir>/checkpoints/<model key>/<format>[-<quantizer>]/<quantizer version>.
+
+    The path is the cache key of a quantised checkpoint (reused when complete): model name +
+    revision + dtype (model_key), format, quantizer, and the quantizer's version: qerl's version
+    plus a hash of its quantisation code (qerl/formats, quantize.py, checkpoint.py), and
+    llm-compressor's package version when it quantises. Changed code -> a new checkpoint.
+    """
+    import hashlib
+    from importlib import metadata
+
+    import qerl
     from qerl.model import model_key
 
+    src = Path(qerl.__file__).resolve().parent
+    code = hashlib.sha256()
+    for f in sorted([*src.glob("formats/*.py"), src / "quantize.py", src / "checkpoint.py"]):
+        code.update(f.name.encode() + b"\0" + f.read_bytes())
+    version = f"qerl{qerl.__version__}-{code.hexdigest()[:8]}"
     base = Path(recipe.output_dir) / "checkpoints" / model_key(recipe.model)
     if recipe.quantizer != "qerl" and fmt in ("nvfp4", "mxfp4"):
-        return base / f"{fmt}-{recipe.quantizer}"
-    return base / fmt
+        try:
+            version += f"-llmcompressor{metadata.version('llmcompressor')}"
+        except metadata.PackageNotFoundError:
+            version += "-llmcompressor-missing"
+        return base / f"{fmt}-{recipe.quantizer}" / version
+    return base / fmt / version
 
 
 def _step_tags(fmt: str, step: str, extra: dict[str, Any] | None, variant: str | None = None) -> dict[str, Any]:
@@ -241,7 +262,8 @@ def evaluate_step(
     """
     from qerl.checkpoint import load_quantized
     from qerl.data import load_benchmark
-    from qerl.eval.evaluate import evaluate_benchmark, to_jsonl
+    from qerl.eval.evaluate import to_jsonl
+    from qerl.eval.harness import evaluate_with_harness
     from qerl.memory import memory_report
     from qerl.model import ModelError
 
@@ -258,6 +280,10 @@ def evaluate_step(
         "mlflow_run_id": run_id,
     }
     with tracker.tracked(run_id):
+        if adapter:  # a missing or foreign adapter fails here, before the model loads
+            from qerl.eval.harness import check_adapter
+
+            check_adapter(adapter, checkpoint)
         # Data first: a bad data directory fails in a second, not after loading the model.
         problems = {
             b.name: load_benchmark(b.name, data_dir=recipe.data_dir, limit=b.limit) for b in recipe.benchmarks
@@ -283,9 +309,16 @@ def evaluate_step(
         specs = {b.name: b for b in recipe.benchmarks}
         for bench, probs in problems.items():
             t0 = time.perf_counter()
-            own = {k: getattr(specs[bench], k) for k in ("max_new_tokens", "num_samples")}
+            spec = specs[bench]
+            own = {k: getattr(spec, k) for k in ("max_new_tokens", "num_samples", "temperature", "top_p")}
             gen = recipe.generation.model_copy(update={k: v for k, v in own.items() if v is not None})
-            res = evaluate_benchmark(model, tokenizer, bench, probs, gen, progress=progress)
+            res, meta = evaluate_with_harness(
+                spec.harness or recipe.harness, checkpoint, adapter, bench, data_dir=recipe.data_dir,
+                limit=spec.limit, generation=gen, device=recipe.resolved_device(), num_samples=gen.num_samples,
+                compute_dtype=compute_dtype, model=model, tokenizer=tokenizer, progress=progress,
+            )
+            tracker.set_tags(run_id, {f"{bench}_{k}": meta.get(k) for k in ("harness", "harness_version", "task", "task_version", "metric")})
+            tracker.log_dict(run_id, meta, f"results/{bench}_harness.json")
             seconds = time.perf_counter() - t0
             metrics = {
                 f"{bench}_accuracy": res.accuracy,

@@ -72,6 +72,12 @@ class BenchmarkSpec(BaseModel):
     max_new_tokens: int | None = Field(None, ge=1)
     # Samples per problem for pass@1 averaged over k (None: generation.num_samples).
     num_samples: int | None = Field(None, ge=1)
+    # Sampling for this benchmark (None: generation's), e.g. T 0.6 / top_p 0.95 for the math sets.
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    # Who evaluates this benchmark (None: the recipe's `harness`): qerl's own evaluator, lm-eval
+    # (gsm8k) or lighteval (math500, aime24, aime25, amc23); see docs/evaluation.md.
+    harness: Literal["qerl", "lm-eval", "lighteval"] | None = None
 
     @field_validator("name")
     @classmethod
@@ -195,6 +201,8 @@ class Recipe(BaseModel):
     # also nf4) or llm-compressor's oneshot (NVFP4A16/MXFP4A16). Both give identical tensors.
     quantizer: Literal["qerl", "llm-compressor"] = "qerl"
     report_dir: str | None = None  # None = reports/<name>
+    # Default evaluation harness of the benchmarks (see BenchmarkSpec.harness).
+    harness: Literal["qerl", "lm-eval", "lighteval"] = "qerl"
     # RL training (None: only the base-model rows). Each variant trains LoRA on its format's
     # checkpoint, then is evaluated like the base models.
     train: TrainSpec | None = None
@@ -234,6 +242,17 @@ class Recipe(BaseModel):
         if dup:
             raise ValueError(f"benchmark {dup[0]!r} is listed twice")
         return v
+
+    @model_validator(mode="after")
+    def _harness_tasks(self) -> "Recipe":
+        supported = {"lm-eval": ("gsm8k",), "lighteval": ("math500", "aime24", "aime25", "amc23")}
+        for b in self.benchmarks:
+            h = b.harness or self.harness
+            if h in supported and b.name not in supported[h]:
+                raise ValueError(
+                    f"benchmark {b.name!r} cannot be evaluated with harness {h!r}; it has: {', '.join(supported[h])}"
+                )
+        return self
 
     @model_validator(mode="after")
     def _defaults(self) -> "Recipe":

@@ -122,3 +122,34 @@ def test_killed_training_resumes_with_same_steps_and_no_lost_metrics(tmp_path):
     history = json.loads((out / "metrics.json").read_text())
     assert [h["step"] for h in history] == list(range(1, steps + 1))
     assert Path(result["adapter"], "adapter_model.safetensors").is_file()
+
+
+def test_evaluate_step_through_lm_eval_logs_the_harness(tmp_path, data_dir):
+    """The recipe picks the harness: lm-eval's gsm8k task on the local data, with an adapter."""
+    from mlflow import MlflowClient
+
+    from qerl import pipeline
+
+    recipe, _ = _recipe(
+        tmp_path, harness="lm-eval", data_dir=str(data_dir),
+        **{"benchmarks.0.limit": 2, "generation.max_new_tokens": 8, "train.grpo.max_steps": 1},
+    )
+    ckpt = pipeline.quantize_step(recipe, "nvfp4", progress=False)
+    trained = pipeline.train_step(recipe, "qerl-nvfp4-aqn", ckpt, progress=False)
+    row = pipeline.evaluate_step(recipe, "nvfp4", ckpt, trained=trained, progress=False)
+    assert row["variant"] == "qerl-nvfp4-aqn" and row["gsm8k_n"] == 2
+    run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(row["mlflow_run_id"])
+    tags = run.data.tags
+    assert tags["gsm8k_harness"] == "lm-eval" and tags["gsm8k_harness_version"].startswith("0.4")
+    assert tags["gsm8k_task"] and tags["gsm8k_metric"]
+    assert run.data.params["adapter"] == trained["adapter"]
+
+
+def test_evaluate_step_rejects_a_missing_adapter_before_loading(tmp_path):
+    from qerl import pipeline
+    from qerl.eval.harness import HarnessError
+
+    recipe, _ = _recipe(tmp_path)
+    ckpt = pipeline.quantize_step(recipe, "nvfp4", progress=False)
+    with pytest.raises(HarnessError, match="adapter"):
+        pipeline.evaluate_step(recipe, "nvfp4", ckpt, trained={"variant": "qerl-nvfp4", "adapter": str(tmp_path / "nope")}, progress=False)
