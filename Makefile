@@ -3,6 +3,9 @@
 #   make test        venv as above, then every test (slow ones included; CI runs this via .ci/run)
 #   make test-fast   the tests not marked slow
 #   make ui          MLflow UI on http://127.0.0.1:5000 for ./mlflow.db
+#   make server      Prefect server on http://127.0.0.1:4200; then (other shells) make deploy, make worker,
+#                    prefect deployment run reproduce-table/smoke --watch   (docs/deployments.md)
+#   make gpu-workers one Prefect worker per GPU (CUDA_VISIBLE_DEVICES=i, --limit 1) on pool qerl-gpu
 # Variables: PY (python to create the venv), VENV, TORCH_SPEC / PIP_TORCH_ARGS (which torch build),
 # RECIPE and ARGS (what `make reproduce` runs, e.g. ARGS="--set benchmarks.0.limit=8").
 
@@ -20,10 +23,10 @@ UI_URI ?= sqlite:///mlflow.db
 UI_PORT ?= 5000
 STAMP := $(VENV)/.qerl-setup.stamp
 
-.PHONY: help setup reproduce test test-fast ui clean
+.PHONY: help setup reproduce test test-fast ui clean server work-pools deploy worker gpu-workers test-deployment
 
 help:
-	@sed -n '2,9p' Makefile
+	@sed -n '2,10p' Makefile
 
 setup: $(STAMP)
 
@@ -48,6 +51,36 @@ test-fast: setup
 
 ui: setup
 	$(PYTHON) -m qerl.cli ui --uri $(UI_URI) --port $(UI_PORT)
+
+# ---- Prefect deployments (prefect.yaml; docs/deployments.md)
+PREFECT_PORT ?= 4200
+PREFECT_API_URL ?= http://127.0.0.1:$(PREFECT_PORT)/api
+# GPUs of this host: slots of the "gpu" concurrency limit and number of gpu-workers
+GPUS ?= $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+PREFECT := PREFECT_API_URL=$(PREFECT_API_URL) $(VENV)/bin/prefect
+# flow runs send heartbeats; the automation of `make work-pools` crashes those that stop (dead worker)
+WORKER_ENV := PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30
+
+server: setup
+	$(VENV)/bin/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT)
+
+work-pools: setup
+	PREFECT_API_URL=$(PREFECT_API_URL) $(PYTHON) -m qerl.deploy setup $(if $(filter-out 0,$(GPUS)),--gpus $(GPUS))
+
+deploy: work-pools
+	$(PREFECT) --no-prompt deploy --all
+
+worker: setup
+	$(WORKER_ENV) $(PREFECT) worker start --pool qerl-process
+
+gpu-workers: setup
+	@test "$(GPUS)" -gt 0 || { echo "no GPU found (nvidia-smi -L); set GPUS=N"; exit 1; }
+	for i in $$(seq 0 $$(($(GPUS) - 1))); do \
+	  CUDA_VISIBLE_DEVICES=$$i $(WORKER_ENV) $(PREFECT) worker start --pool qerl-gpu --name gpu$$i --limit 1 & \
+	done; wait
+
+test-deployment: setup
+	$(PYTHON) -m pytest -q tests/test_deployment.py
 
 clean:
 	rm -rf .qerl .pytest_cache

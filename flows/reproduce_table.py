@@ -24,7 +24,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from qerl import pipeline
+from qerl import deploy, pipeline
 from qerl.recipe import VARIANTS, load_recipe
 from tasks import evaluate, quantize, report, train
 
@@ -42,15 +42,20 @@ def _flow_tags() -> dict[str, str]:
 @flow(name="reproduce-table", task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True)
 def reproduce_table(recipe_path: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Quantize, train (if the recipe trains) and evaluate every column, then write the report."""
-    recipe = load_recipe(recipe_path, overrides)  # RecipeError here: no MLflow run yet
     logger = get_run_logger()
+    try:
+        recipe = load_recipe(recipe_path, overrides)  # RecipeError here: no MLflow run yet
+        deploy.check_device(recipe)  # device: cuda on a worker without a GPU: stop here, one line
+    except Exception as exc:
+        logger.error("cannot run recipe %r: %s", recipe_path, exc)
+        raise
     pipeline.preload()  # before any thread imports transformers
     threads = pipeline.configure_threads(recipe)  # cores / concurrent tasks, on a CPU
     if threads:
         logger.info("CPU: %d torch thread(s) per task, %d task(s) at once", threads, recipe.max_workers)
     rows: list[dict[str, Any]] = []
     failures: list[tuple[str, BaseException]] = []
-    with pipeline.parent_run(recipe, tags=_flow_tags()) as parent:
+    with deploy.flow_parent_run(recipe, tags=_flow_tags()) as parent:  # reopened on a rerun: cache hits
         logger.info("MLflow parent run %s (%s)", parent, recipe.mlflow.tracking_uri)
         # submitted in dependency order: every task's inputs were submitted before it
         ckpt = {fmt: quantize.submit(recipe, fmt, parent) for fmt in recipe.all_formats()}

@@ -9,13 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from qerl import pipeline
+from qerl.deploy import gpu_slot
 from qerl.recipe import Recipe
-from tasks import retry_unless_bad_input, run_tags
+from tasks import retry_unless_bad_input, run_tags, step_cache_key
 
 
-@task(name="train", task_run_name="train-{variant}", retries=1, retry_condition_fn=retry_unless_bad_input, cache_policy=NO_CACHE)
+@task(name="train", task_run_name="train-{variant}", retries=1, retry_condition_fn=retry_unless_bad_input, cache_key_fn=step_cache_key, persist_result=True)
 def train(recipe: Recipe, variant: str, checkpoint: str, parent_run_id: str | None = None) -> dict[str, Any]:
-    return pipeline.train_step(recipe, variant, checkpoint, parent_run_id, tags=run_tags())
+    with gpu_slot(recipe):
+        return pipeline.train_step(recipe, variant, checkpoint, parent_run_id, tags=run_tags())

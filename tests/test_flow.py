@@ -104,15 +104,20 @@ def test_flow_on_smoke_recipe(prefect_harness, tmp_path, gsm8k_dir):
     parent_files = artifact_paths(client, parent.info.run_id)
     assert {"recipe.yaml", "report/table.md", "report/table.html", "report/summary.json"} <= parent_files
 
-    runs = children(client, parent.info.run_id)
+    runs = children(client, parent.info.run_id)  # oldest first
     by_step: dict[str, dict[str, object]] = {}
     for r in runs:
-        assert r.info.status == "FINISHED", (r.info.run_name, r.data.tags.get("error"))
         key = r.data.tags.get("format", "-") if r.data.tags["step"] == "quantize" else r.data.tags.get("variant", "-")
-        by_step.setdefault(r.data.tags["step"], {})[key] = r
+        by_step.setdefault(r.data.tags["step"], {})[key] = r  # the latest attempt
+    for step, latest in by_step.items():
+        for key, r in latest.items():
+            # a task may fail once and be retried by Prefect (tasks retry once); its last attempt must finish
+            assert r.info.status == "FINISHED", (r.info.run_name, r.data.tags.get("error"))
+    retried = [r for r in runs if r.info.status != "FINISHED"]
+    assert len(retried) <= 1, [(r.info.run_name, r.data.tags.get("error")) for r in retried]
     assert set(by_step) == {"quantize", "train", "evaluate", "report"}
     assert set(by_step["quantize"]) == {"bf16", "nf4", "mxfp4", "nvfp4"}  # once per format, shared
-    assert len([r for r in runs if r.data.tags["step"] == "quantize"]) == 4
+    assert len([r for r in runs if r.data.tags["step"] == "quantize" and r.info.status == "FINISHED"]) == 4
     assert set(by_step["train"]) == set(VARIANTS)
     assert set(by_step["evaluate"]) == {f"base-{f}" for f in ("bf16", "nf4", "mxfp4", "nvfp4")} | set(VARIANTS)
     for variant, run in by_step["evaluate"].items():
