@@ -387,6 +387,57 @@ def explore(deadline: float, out_path: str | None):
     return rows
 
 
+GEMV_SHAPES = [(n, k) for n, k in dict.fromkeys((n, k) for _, _, n, k in linear_shapes())]
+
+
+def gemv_explore(deadline: float, out_path: str | None, ms=(1,)):
+    """The CUDA-core GEMV (w4a16_gemv.py) against the v3 tensor-core kernel and bf16 (`--gemv`)."""
+    from qerl.kernels import reference, state_tensors
+    from qerl.kernels import w4a16_gemv as G
+    from qerl.kernels import w4a16_triton as W
+
+    cands = [("v3", None),
+             ("g32w4C32", dict(PATH="gemv", BN=32, num_warps=4, ACC2D=True, CH=32)),
+             ("g64w8C32", dict(PATH="gemv", BN=64, num_warps=8, ACC2D=True, CH=32)),
+             ("g16w2C32", dict(PATH="gemv", BN=16, num_warps=2, ACC2D=True, CH=32))]
+    rows = []
+    log("\n## gemv explore (us per call, x = speedup vs bf16 in this process)")
+    for n, k in GEMV_SHAPES:
+        layer = Layer(n, k, ("nvfp4", "mxfp4"), seed=3)
+        for m in ms:
+            if time.time() > deadline:
+                log("  (time budget reached)")
+                break
+            bf = measure(layer, m, "bf16", "forward")
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            for fmt in ("nvfp4", "mxfp4"):
+                st = layer.states[fmt][0]
+                ref = x.float() @ reference.dequant(fmt, state_tensors(st), torch.float32).T
+                parts = []
+                for name, cfg in cands:
+                    if time.time() > deadline or (fmt == "mxfp4" and name not in ("v3", "g32w4C32")):
+                        continue
+                    try:
+                        y = W.forward(x, st, config=cfg)
+                        err = ((y.float() - ref).norm() / ref.norm()).item()
+                        us = measure(layer, m, fmt, "forward", config=cfg)
+                        gb = moved_bytes(fmt, n, k, m) / us / 1e3
+                        parts.append(f"{name} {us:.1f} x{bf / us:.2f} {gb:.0f}GB/s" + ("" if err < 1e-2 else f" BAD{err:.2g}"))
+                        rows.append(dict(n=n, k=k, m=m, fmt=fmt, cfg=name, us=us, bf16_us=bf, err=err, gbps=gb))
+                    except Exception as e:
+                        parts.append(f"{name} ERR {type(e).__name__}: {str(e)[:200]}")
+                log(f"  N={n} K={k} M={m} {fmt} bf16 {bf:.1f}: " + " | ".join(parts))
+                if out_path:
+                    with open(out_path, "w") as f:
+                        json.dump(rows, f, indent=1)
+        del layer
+        torch.cuda.empty_cache()
+    log("  resident programs per SM (gemv): " + "; ".join(f"{dict(k_).get('BN')}/{dict(k_).get('num_warps')}/"
+                                                         f"{'f32' if dict(k_).get('F32') else 'pk'}/BM{dict(k_).get('BM')}: {v}"
+                                                         for k_, v in G._RESIDENT.items()))
+    return rows
+
+
 OVERLAP_SHAPES = [(37888, 3584), (3584, 18944), (4608, 3584), (3584, 3584), (27648, 5120), (5120, 13824),
                   (2560, 2048), (55296, 5120)]
 OVERLAP_MS = (256, 1024, 4096)
@@ -461,6 +512,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="7B only, M in 1,16,64,256,4096")
     ap.add_argument("--variants", action="store_true", help="also time alternative tile configs (if time is left)")
     ap.add_argument("--explore", action="store_true", help="only time candidate configs on a few shapes (tuning)")
+    ap.add_argument("--gemv", action="store_true", help="only time the CUDA-core GEMV against v3 and bf16 at M=1, 8")
     ap.add_argument("--overlap", action="store_true", help="only time the large-M cuBLAS paths (dequant vs overlapped chunks)")
     ap.add_argument("--time-budget-s", type=float, default=330.0, help="stop starting new work after this")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "w4a16.json"))
@@ -499,6 +551,10 @@ def main(argv=None) -> int:
     if args.overlap:
         overlap_explore(deadline, args.out)
         log(f"overlap explore done in {time.time() - t0:.0f} s")
+        return 0
+    if args.gemv:
+        gemv_explore(deadline, args.out)
+        log(f"gemv explore done in {time.time() - t0:.0f} s")
         return 0
     if args.explore:
         explore(deadline, args.out)

@@ -207,6 +207,19 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
         y = W.forward(x, st, config=fc)
         results.append(dict(fmt=fmt, m=m, n=n, k=k, op="forward/split-uneven", rel=rel(y, reference.matmul_ref(x, t, fmt)), nan=bool(y.isnan().any())))
         results.append(dict(fmt=fmt, m=m, n=n, k=k, op="locks", rel=float(st["locks"].abs().sum()), nan=False))
+        # the CUDA-core GEMV (w4a16_gemv.py): tiny M, split-K fixup (uneven S), partial row
+        # block, K not a multiple of 256, bias, M = 1 with the end-of-loop reduction (ACC2D)
+        for m, n, k, cfg in ((1, 64, 256, {}), (1, 100, 1280, {"S": 3, "BN": 16}), (3, 100, 1280, {"S": 3}),
+                             (4, 96, 800, {"BN": 64}), (8, 40, 768, {"S": 2}), (1, 64, 800, {"ACC2D": False})):
+            t = quantize_weight((torch.randn(n, k) * 0.02).to(torch.bfloat16), fmt)
+            st = prepare(fmt, t)
+            x = (torch.randn(m, k) * 2).to(torch.bfloat16)
+            bias = torch.randn(n).to(torch.bfloat16) if m == 3 else None
+            y = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+            W.forward(x, st, bias=bias, out=y, config=dict(cfg, PATH="gemv"))
+            ref = reference.matmul_ref(x, t, fmt) + (bias.float() if bias is not None else 0)
+            results.append(dict(fmt=fmt, m=m, n=n, k=k, op=f"forward/gemv{cfg}", rel=rel(y, ref), nan=bool(y.isnan().any())))
+            results.append(dict(fmt=fmt, m=m, n=n, k=k, op="locks", rel=float(st["locks"].abs().sum()), nan=False))
         # prefill-sized tiles (BM=128) on a small problem, and the large-M bf16 + matmul path
         m, n, k = 130, 96, 256
         x = torch.randn(m, k).to(torch.bfloat16)

@@ -73,6 +73,12 @@ PACKED_DECODE = os.environ.get("QERL_W4A16_PACKED", "1") == "1"
 DEQUANT_MIN_M = int(os.environ.get("QERL_W4A16_DEQUANT_MIN_M", "512"))
 # Slices of the overlapped dequant + cuBLAS path (PATH "overlap"); 0 or 1 = one whole buffer.
 OVERLAP_CHUNKS = int(os.environ.get("QERL_W4A16_CHUNKS", "0"))
+# Forward with M <= GEMV_MAX_M (1) on layers with N*K <= GEMV_MAX_NK: the CUDA-core GEMV of
+# w4a16_gemv.py (no tensor cores), 10-25% faster than the fused kernel there on the H100 and
+# slower on the largest layers (benchmarks/NOTES_w4a16.md section 9). PATH="gemv" forces it,
+# PATH="fused" or a tile config (BO key) the tensor-core kernel.
+GEMV_MAX_M = int(os.environ.get("QERL_W4A16_GEMV_MAX_M", "1"))
+GEMV_MAX_NK = int(os.environ.get("QERL_W4A16_GEMV_MAX_NK", "40000000"))
 if INTERPRETED:
     _patch_interpreter()
 
@@ -678,6 +684,7 @@ def _kernel_config(config: dict | None, default: dict) -> dict:
 
 
 _PATH_KEYS = {"PATH", "CHUNKS", "SIDE"}
+_GEMV_KEYS = {"BN", "num_warps", "PER_SM", "S", "WAVES", "PACKED", "DECODE_F32", "num_stages", "ACC2D", "CH"}
 
 
 def _dense(a: torch.Tensor, state: dict, bwd: bool, bias, config: dict | None, out):
@@ -705,8 +712,16 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
     if x.stride(1) != 1:
         x = x.contiguous()
     m = x.shape[0]
-    if _path(m, config) in ("dequant", "overlap"):
+    path = _path(m, config)
+    if (path == "fused" and m <= GEMV_MAX_M and state["n"] * state["k"] <= GEMV_MAX_NK
+            and not (config and ("PATH" in config or "BO" in config))):  # a tile config keeps its kernel
+        path = "gemv"
+    if path in ("dequant", "overlap"):
         return _dense(x, state, False, bias, config, out)
+    if path == "gemv":
+        from qerl.kernels import w4a16_gemv
+
+        return w4a16_gemv.forward(x, state, bias, {k_: v for k_, v in (config or {}).items() if k_ in _GEMV_KEYS}, out)
     cfg = _kernel_config(config, _fwd_config(m, state["n"], state["k"], state["fmt"]))
     return _launch(x, state, False, bias, cfg, out)
 

@@ -1,0 +1,153 @@
+"""CUDA-core GEMV for M = 1 decode: y[M, N] = x[M, K] @ dequant(W)[N, K]^T (nvfp4, mxfp4).
+
+Default for M = 1 on layers with N*K <= 40M (w4a16_triton.GEMV_MAX_NK), where it beats the fused
+tensor-core kernel by 10-25% on the H100; any M runs (PATH="gemv"), but M > 1 is slow.
+
+No tensor cores: each program decodes a [BN, 256] block of the tiled weight layout
+(`qerl.kernels.layout`, one contiguous 64 x 256 tile per row block and step), multiplies it by
+the activations broadcast along N and reduces along K with `tl.sum` (fp32 FMA), so there is no
+MMA operand to assemble (the register moves that cost the tensor-core path ~1.1 instructions per
+weight, benchmarks/NOTES_w4a16.md section 7) and the register footprint stays small (many
+programs resident, many 16-byte loads in flight). The cost grows by one FMA per weight per extra
+row of x, which is why it only serves the smallest M.
+
+Schedule: split-K as the fused kernel's SPLIT schedule: program p owns row block p // S and the
+reduction steps [j*KI//S, (j+1)*KI//S), j = p % S. A block covered by one program is stored
+directly; otherwise each program writes its fp32 partial to its own workspace slot, bumps the
+block's counter, and the last arrival sums the partials in program order (deterministic),
+writes bf16 and resets the counter: one launch, no host sync, CUDA-graph capturable.
+
+Decode (exact, as the fused kernel): PACKED (GPU default) = the packed bf16x2 decode with the
+scale multiply in inline PTX (q * s * 2^-J exact in bf16), widened to fp32; otherwise (the
+interpreter, or DECODE_F32) the fp32 decode. The accumulator is multiplied by alpha once at the
+end. BN divides 64, so every load stays inside the zero-padded tiles (no load masks).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qerl.kernels import w4a16_triton as W
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(
+    x_ptr, w_ptr, s_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr,
+    M, N, K, stride_xm, stride_cm, KB, exp_bias, S,
+    FMT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, PACKED: tl.constexpr,
+    ACC2D: tl.constexpr = False, CH: tl.constexpr = 32,
+):
+    p = tl.program_id(0)
+    blk = p // S
+    j = p - blk * S
+    KI = tl.cdiv(K, BK)
+    k0 = (j * KI) // S
+    k1 = ((j + 1) * KI) // S
+    offs_n = blk * BN + tl.arange(0, BN)
+    offs_m = tl.arange(0, BM)
+    m_mask = offs_m < M
+    offs_k = k0 * BK + tl.arange(0, BK)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    # ACC2D (M = 1 only): accumulate [BN, BK / CH] partial sums (each a run of CH consecutive K,
+    # summed inside a thread), one cross-thread reduction at the end; otherwise a full tl.sum over
+    # K every step (slow: ~2x at M = 1, far worse at M > 1; kept for M > 1 correctness only).
+    acc2 = tl.zeros([BN, BK // CH], dtype=tl.float32)
+    for kk in range(k0, k1):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+        if ACC2D:  # BM == 1
+            w = W._w_tile_at(w_ptr, s_ptr, offs_n, offs_n < N, kk * (BK // 8), KB, exp_bias, FMT, BN, BK,
+                             False, F32, PACKED)
+            prod = w.to(tl.float32) * tl.sum(x.to(tl.float32), axis=0)[None, :]
+            acc2 += tl.sum(prod.reshape(BN, BK // CH, CH), axis=2)
+        else:
+            # rows past N exist (zero padding of the 64-row tiles): no load mask needed
+            w = W._w_tile_at(w_ptr, s_ptr, offs_n, offs_n < N, kk * (BK // 8), KB, exp_bias, FMT, BN, BK,
+                             False, F32, PACKED)
+            w = w.to(tl.float32)
+            acc += tl.sum(w[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+        x_ptrs += BK
+        offs_k += BK
+    if ACC2D:
+        acc = tl.sum(acc2, axis=1)[None, :]
+    alpha = tl.load(alpha_ptr)
+    mask = m_mask[:, None] & (offs_n < N)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    done = k1 > k0
+    if S > 1:
+        ws_tile = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+        tl.store(ws_ptr + p * (BM * BN) + ws_tile, acc)
+        tl.debug_barrier()  # all threads' partials are written before the counter moves
+        count = tl.atomic_add(lock_ptr + blk, 1, sem="acq_rel", scope="gpu")
+        done = count == S - 1
+        if done:
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for q in range(blk * S, blk * S + S):
+                acc += tl.load(ws_ptr + q * (BM * BN) + ws_tile, cache_modifier=".cg")
+            tl.atomic_xchg(lock_ptr + blk, 0)  # ready for the next launch
+    if done:
+        out = acc * alpha
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+# Default for M = 1 on layers with N*K <= w4a16_triton.GEMV_MAX_NK (benchmarks/NOTES_w4a16.md
+# section 9): 32 rows x 256 K per step, 4 warps, in-thread sums of 32 K, ~7 programs per SM.
+# M > 1 runs the per-step tl.sum path (correct, but 3-20x slower than the fused kernel).
+DEFAULT = dict(BN=32, num_warps=4, PER_SM=7, ACC2D=True, CH=32)
+_RESIDENT: dict = {}
+
+
+def _resident(kernel) -> int | None:
+    return W._resident_per_sm(kernel)
+
+
+def forward(x: torch.Tensor, state: dict, bias=None, config: dict | None = None, out=None) -> torch.Tensor:
+    """y = x @ dequant(W)^T (+ bias), x [M, K] bf16 with M <= 16 (contiguous rows)."""
+    n, k = state["n"], state["k"]
+    m = x.shape[0]
+    cfg = dict(DEFAULT)
+    cfg.update({key: v for key, v in (config or {}).items() if key in ("BN", "num_warps", "PER_SM", "S", "WAVES",
+                                                                        "PACKED", "DECODE_F32", "num_stages", "ACC2D", "CH")})
+    bn, per_sm = cfg.pop("BN"), cfg.pop("PER_SM")
+    if 64 % bn:
+        raise ValueError(f"BN must divide 64, got {bn}")
+    s_forced, waves = cfg.pop("S", None), int(cfg.pop("WAVES", 1))
+    decode_f32 = bool(cfg.pop("DECODE_F32", W.DECODE_F32))
+    packed = bool(cfg.pop("PACKED", W.PACKED_DECODE)) and not W.INTERPRETED and not decode_f32
+    acc2d = bool(cfg.pop("ACC2D", False)) and m == 1
+    cfg["CH"] = int(cfg.get("CH", 32))
+    bk = 256
+    bm = max(1, triton.next_power_of_2(m))
+    blocks = triton.cdiv(n, bn)
+    ki = triton.cdiv(k, bk)
+    flags = dict(FMT=W.FMT_ID[state["fmt"]], HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BM=bm, BN=bn, BK=bk,
+                 F32=W.INTERPRETED or decode_f32, PACKED=packed, ACC2D=acc2d, **cfg)
+    key = tuple(sorted(flags.items()))
+    if s_forced is not None:
+        s = max(1, min(int(s_forced), ki))
+    else:
+        slots = _RESIDENT.get(key, per_sm) * W._num_sms(x.device.index if x.device.index is not None else 0) * waves
+        s_max = max(1, min(ki, slots // blocks))
+        steps = -(-ki // s_max)
+        s = -(-ki // steps)  # fewest slices with the same longest slice
+    locks = state["locks"]
+    if blocks > locks.numel():
+        locks = torch.zeros(blocks, dtype=torch.int32, device=x.device)
+    c = torch.empty(m, n, device=x.device, dtype=torch.bfloat16) if out is None else out
+    grid = blocks * s
+    ws = torch.empty(grid * bm * bn if s > 1 else 1, device=x.device, dtype=torch.float32)
+    kernel = _gemv_kernel[(grid,)](
+        x, state["words"], state["scale"], state["alpha"], bias if bias is not None else c, c, ws, locks,
+        m, n, k, x.stride(0), c.stride(0), state["kb"], state["exp_bias"], s, **flags,
+    )
+    if key not in _RESIDENT:
+        _RESIDENT[key] = _resident(kernel) or per_sm
+    return c
