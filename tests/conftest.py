@@ -90,3 +90,13 @@ def tiny_model(tiny_tokenizer):
         model = LlamaForCausalLM(config)
     model.to(torch.float32).eval()
     return model
+
+
+@pytest.fixture(autouse=True)
+def _autograd_stays_on():
+    """Every test starts with autograd on, whatever an earlier test (or a library it imported:
+    lighteval switches it off at import) left behind."""
+    import torch
+
+    torch.set_grad_enabled(True)
+    yield

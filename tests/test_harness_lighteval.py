@@ -153,3 +153,15 @@ def test_embedded_model_on_each_math_task(data_dir, tmp_path):
         assert res.n == 2 and len(res.records) == 4, bench
         assert meta["metric"].startswith("pass@k:k=1&n=2")
         assert all(r["completion"].strip() for r in res.records)  # the model answered something
+
+
+def test_importing_and_running_lighteval_keeps_autograd_on():
+    # lighteval's transformers model module calls torch.set_grad_enabled(False) at import time;
+    # a later training step in the same process would silently get no gradients.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import torch, qerl.eval.lighteval_model, qerl.eval.lighteval_tasks; print(torch.is_grad_enabled())"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"

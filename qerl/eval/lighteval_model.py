@@ -27,10 +27,19 @@ import logging
 import tempfile
 from typing import Any
 
-from lighteval.models.abstract_model import LightevalModel, ModelConfig
+import torch
+
+# lighteval's transformers model module calls torch.set_grad_enabled(False) when imported (and
+# this package pulls it in through lighteval.pipeline): that would switch autograd off for the
+# whole process, e.g. for a training step that runs after an evaluation. Every lighteval import
+# here restores the caller's grad mode (_keep_grad_mode).
+_GRAD_MODE = torch.is_grad_enabled()
+from lighteval.models.abstract_model import LightevalModel, ModelConfig  # noqa: E402
 from lighteval.models.model_output import ModelResponse
 from lighteval.tasks.prompt_manager import PromptManager
 from lighteval.tasks.requests import Doc
+
+torch.set_grad_enabled(_GRAD_MODE)
 
 from qerl.eval.harness import HarnessError, load_for_eval, records_summary, score_continuations, truncate_at
 
@@ -244,7 +253,16 @@ def _pipeline_class():
     return LocalPipeline
 
 
-def run_lighteval(
+def run_lighteval(*args, **kwargs):
+    """See _run_lighteval; the caller's autograd mode survives lighteval's imports and run."""
+    grad = torch.is_grad_enabled()
+    try:
+        return _run_lighteval(*args, **kwargs)
+    finally:
+        torch.set_grad_enabled(grad)
+
+
+def _run_lighteval(
     checkpoint,
     adapter,
     benchmark: str,

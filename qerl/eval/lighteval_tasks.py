@@ -33,10 +33,15 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from lighteval.metrics.metrics_sample import PassAtK
+import torch
+
+_GRAD_MODE = torch.is_grad_enabled()  # lighteval imports may switch autograd off (see lighteval_model)
+from lighteval.metrics.metrics_sample import PassAtK  # noqa: E402
 from lighteval.metrics.utils.metric_utils import SampleLevelMetric
 from lighteval.tasks.lighteval_task import LightevalTaskConfig
-from lighteval.tasks.requests import Doc, SamplingMethod
+from lighteval.tasks.requests import Doc, SamplingMethod  # noqa: E402
+
+torch.set_grad_enabled(_GRAD_MODE)
 
 TASK_VERSION = 1
 PAPER_SAMPLING = {"temperature": 0.6, "top_p": 0.95, "max_new_tokens": 8192}
