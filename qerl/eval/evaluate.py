@@ -75,17 +75,9 @@ def evaluate_benchmark(
     generations = generate(model, tokenizer, expanded, settings, progress=progress)
 
     records: list[dict] = []
-    correct = 0.0
-    total_tokens = 0
-    entropy_sum = 0.0
     for pi, problem in enumerate(problems):
-        hits = 0
         for s in range(k):
             g = generations[pi * k + s]
-            ok = bool(grade(benchmark, g.text, problem.answer))
-            hits += ok
-            total_tokens += g.num_tokens
-            entropy_sum += g.mean_entropy * g.num_tokens
             records.append(
                 {
                     "id": problem.id,
@@ -94,17 +86,26 @@ def evaluate_benchmark(
                     "gold": problem.answer,
                     "completion": g.text,
                     "extracted": extract_answer(benchmark, g.text),
-                    "correct": ok,
+                    "correct": bool(grade(benchmark, g.text, problem.answer)),
                     "num_tokens": g.num_tokens,
                     "entropy": g.mean_entropy,
                     "finished": g.finished,
                 }
             )
-        correct += hits / k
+    return records_summary(benchmark, records, k, len(problems))
 
-    n = len(problems)
-    low, high = wilson_interval(correct, n)
-    num_gen = len(generations)
+
+def records_summary(benchmark: str, records: list[dict], num_samples: int, n_problems: int):
+    """EvalResult from per-sample records (accuracy = mean over problems of the sample mean)."""
+    by_problem: dict[str, list[bool]] = {}
+    for r in records:
+        by_problem.setdefault(str(r["id"]), []).append(bool(r["correct"]))
+    correct = sum(sum(v) / len(v) for v in by_problem.values())
+    n = n_problems
+    low, high = wilson_interval(correct, n) if n else (0.0, 1.0)
+    tokens = [r.get("num_tokens") for r in records if r.get("num_tokens") is not None]
+    ent = [(r.get("entropy"), r.get("num_tokens")) for r in records if r.get("entropy") is not None and r.get("num_tokens")]
+    tok_sum = sum(t for _, t in ent)
     return EvalResult(
         benchmark=benchmark,
         n=n,
@@ -112,10 +113,10 @@ def evaluate_benchmark(
         accuracy=correct / n if n else 0.0,
         ci_low=low,
         ci_high=high,
-        mean_entropy=entropy_sum / total_tokens if total_tokens else 0.0,
-        mean_completion_tokens=total_tokens / num_gen if num_gen else 0.0,
+        mean_entropy=sum(e * t for e, t in ent) / tok_sum if tok_sum else 0.0,
+        mean_completion_tokens=sum(tokens) / len(tokens) if tokens else 0.0,
         records=records,
-        num_samples=k,
+        num_samples=num_samples,
     )
 
 
@@ -129,4 +130,4 @@ def to_jsonl(records: Iterable[dict], path: str | os.PathLike) -> Path:
     return path
 
 
-__all__ = ["EvalResult", "evaluate_benchmark", "to_jsonl", "wilson_interval"]
+__all__ = ["EvalResult", "evaluate_benchmark", "records_summary", "to_jsonl", "wilson_interval"]

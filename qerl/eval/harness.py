@@ -34,6 +34,8 @@ import os
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
+from qerl.eval.evaluate import records_summary  # noqa: E402,F401  (re-exported)
+
 HARNESSES = ("qerl", "lm-eval", "lighteval")
 # benchmark (qerl.data name) -> task name, per external harness
 LM_EVAL_TASKS = {"gsm8k": "gsm8k"}
@@ -258,33 +260,6 @@ def score_continuations(model, pairs: list[tuple[list[int], list[int]]], batch_s
     finally:
         model.train(was_training)
     return out  # type: ignore[return-value]
-
-
-def records_summary(benchmark: str, records: list[dict], num_samples: int, n_problems: int):
-    """EvalResult from per-sample records (accuracy = mean over problems of the sample mean)."""
-    from qerl.eval.evaluate import EvalResult, wilson_interval
-
-    by_problem: dict[str, list[bool]] = {}
-    for r in records:
-        by_problem.setdefault(str(r["id"]), []).append(bool(r["correct"]))
-    correct = sum(sum(v) / len(v) for v in by_problem.values())
-    n = n_problems
-    low, high = wilson_interval(correct, n) if n else (0.0, 1.0)
-    tokens = [r.get("num_tokens") for r in records if r.get("num_tokens") is not None]
-    ent = [(r.get("entropy"), r.get("num_tokens")) for r in records if r.get("entropy") is not None and r.get("num_tokens")]
-    tok_sum = sum(t for _, t in ent)
-    return EvalResult(
-        benchmark=benchmark,
-        n=n,
-        correct=correct,
-        accuracy=correct / n if n else 0.0,
-        ci_low=low,
-        ci_high=high,
-        mean_entropy=sum(e * t for e, t in ent) / tok_sum if tok_sum else 0.0,
-        mean_completion_tokens=sum(tokens) / len(tokens) if tokens else 0.0,
-        records=records,
-        num_samples=num_samples,
-    )
 
 
 # ----------------------------------------------------------------------------- entry point
