@@ -128,6 +128,16 @@ def copy_bandwidth_gbps() -> float:
     return 2 * n / statistics.median(ts) / 1e9
 
 
+META: dict = {}  # gpu, torch, triton, date, command, copy_gbps of this run (set by main)
+
+
+def dump_rows(out_path: str | None, rows: list) -> None:
+    """Write an explore mode's rows with the run's metadata (as they come: a cut-short run keeps them)."""
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump({**META, "rows": rows}, f, indent=1)
+
+
 # --------------------------------------------------------------------------- weights
 
 
@@ -379,9 +389,7 @@ def explore(deadline: float, out_path: str | None):
                     except Exception as e:
                         parts.append(f"{name} ERR {type(e).__name__}: {str(e)[:120]}")
                 log(f"  N={n} K={k} M={m} {fmt} bf16 {bf:.1f}: " + " | ".join(parts))
-                if out_path:
-                    with open(out_path, "w") as f:
-                        json.dump(rows, f, indent=1)
+                dump_rows(out_path, rows)
         del layer
         torch.cuda.empty_cache()
     return rows
@@ -390,19 +398,23 @@ def explore(deadline: float, out_path: str | None):
 GEMV_SHAPES = [(n, k) for n, k in dict.fromkeys((n, k) for _, _, n, k in linear_shapes())]
 
 
-def gemv_explore(deadline: float, out_path: str | None, ms=(1,)):
-    """The CUDA-core GEMV (w4a16_gemv.py) against the v3 tensor-core kernel and bf16 (`--gemv`)."""
+GEMV_CANDS = [("v3", None),
+              ("g32w4C32", dict(PATH="gemv", BN=32, num_warps=4, ACC2D=True, CH=32)),
+              ("g64w8C32", dict(PATH="gemv", BN=64, num_warps=8, ACC2D=True, CH=32)),
+              ("g16w2C32", dict(PATH="gemv", BN=16, num_warps=2, ACC2D=True, CH=32))]
+
+
+def gemv_explore(deadline: float, out_path: str | None, ms=(1,), cands=None, shapes=None, all_formats=("v3", "g32w4C32")):
+    """Candidate configs against bf16 (`--gemv`: the CUDA-core GEMV against the v3 tensor-core
+    kernel; `--cands`: any list of (name, config)); each checked against the fp32 reference."""
     from qerl.kernels import reference, state_tensors
     from qerl.kernels import w4a16_gemv as G
     from qerl.kernels import w4a16_triton as W
 
-    cands = [("v3", None),
-             ("g32w4C32", dict(PATH="gemv", BN=32, num_warps=4, ACC2D=True, CH=32)),
-             ("g64w8C32", dict(PATH="gemv", BN=64, num_warps=8, ACC2D=True, CH=32)),
-             ("g16w2C32", dict(PATH="gemv", BN=16, num_warps=2, ACC2D=True, CH=32))]
+    cands = cands or GEMV_CANDS
     rows = []
-    log("\n## gemv explore (us per call, x = speedup vs bf16 in this process)")
-    for n, k in GEMV_SHAPES:
+    log("\n## candidate explore (us per call, x = speedup vs bf16 in this process)")
+    for n, k in shapes or GEMV_SHAPES:
         layer = Layer(n, k, ("nvfp4", "mxfp4"), seed=3)
         for m in ms:
             if time.time() > deadline:
@@ -415,7 +427,7 @@ def gemv_explore(deadline: float, out_path: str | None, ms=(1,)):
                 ref = x.float() @ reference.dequant(fmt, state_tensors(st), torch.float32).T
                 parts = []
                 for name, cfg in cands:
-                    if time.time() > deadline or (fmt == "mxfp4" and name not in ("v3", "g32w4C32")):
+                    if time.time() > deadline or (fmt == "mxfp4" and name not in all_formats):
                         continue
                     try:
                         y = W.forward(x, st, config=cfg)
@@ -427,9 +439,7 @@ def gemv_explore(deadline: float, out_path: str | None, ms=(1,)):
                     except Exception as e:
                         parts.append(f"{name} ERR {type(e).__name__}: {str(e)[:200]}")
                 log(f"  N={n} K={k} M={m} {fmt} bf16 {bf:.1f}: " + " | ".join(parts))
-                if out_path:
-                    with open(out_path, "w") as f:
-                        json.dump(rows, f, indent=1)
+                dump_rows(out_path, rows)
         del layer
         torch.cuda.empty_cache()
     log("  resident programs per SM (gemv): " + "; ".join(f"{dict(k_).get('BN')}/{dict(k_).get('num_warps')}/"
@@ -486,9 +496,7 @@ def overlap_explore(deadline: float, out_path: str | None, ms=OVERLAP_MS):
                     except Exception as e:
                         parts.append(f"{name} ERR {type(e).__name__}: {str(e)[:160]}")
                 log(f"  {op[:3]} N={n} K={k} M={m} bf16 {bf:.1f}: " + " | ".join(parts))
-                if out_path:
-                    with open(out_path, "w") as f:
-                        json.dump(rows, f, indent=1)
+                dump_rows(out_path, rows)
         del layer, w32
         torch.cuda.empty_cache()
     # median speedup per (M, op, candidate) over the shapes measured
@@ -503,6 +511,176 @@ def overlap_explore(deadline: float, out_path: str | None, ms=OVERLAP_MS):
     return rows
 
 
+PDL_MS = (1, 4, 16, 64)
+
+
+def _stream_kernel():
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def stream(a_ptr, na, b_ptr, nb, out_ptr, BLOCK: tl.constexpr, PDL: tl.constexpr, UNROLL: tl.constexpr):
+        """Read a[:na] and b[:nb] (int32) once, XOR-reduce, one int per program: the time a
+        single kernel needs to stream those bytes (a floor for a GEMV that reads them). UNROLL
+        blocks are loaded per iteration before any is used (more loads in flight)."""
+        if PDL:
+            gdc_launch_dependents()
+        pid = tl.program_id(0)
+        step = tl.num_programs(0) * BLOCK * UNROLL
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for i in range(pid * BLOCK * UNROLL, na, step):
+            offs = i + tl.arange(0, UNROLL * BLOCK)
+            v = tl.load(a_ptr + offs, mask=offs < na, other=0)
+            acc ^= tl.xor_sum(v.reshape(UNROLL, BLOCK), 0)
+        for i in range(pid * BLOCK * UNROLL, nb, step):
+            offs = i + tl.arange(0, UNROLL * BLOCK)
+            v = tl.load(b_ptr + offs, mask=offs < nb, other=0)
+            acc ^= tl.xor_sum(v.reshape(UNROLL, BLOCK), 0)
+        if PDL:
+            gdc_wait()
+        tl.store(out_ptr + pid, tl.xor_sum(acc, 0))
+
+    return stream
+
+
+_STREAM = []
+
+
+def stream_us(tensors: list[tuple[torch.Tensor, torch.Tensor | None]], pdl: bool, per_sm: int = 4,
+              block: int = 2048, unroll: int = 1, num_warps: int = 4, num_stages: int = 3) -> float:
+    """Median us per call of the streaming kernel over rotating (a, b) weight copies."""
+    if not _STREAM:
+        _STREAM.append(_stream_kernel())
+    kern = _STREAM[0]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = torch.empty(sms * per_sm, dtype=torch.int32, device="cuda")
+    views = [(a.view(torch.int32).reshape(-1), (b if b is not None else a[:0]).view(torch.int32).reshape(-1))
+             for a, b in tensors]
+
+    def fn(i):
+        a, b = views[i % len(views)]
+        kern[(sms * per_sm,)](a, a.numel(), b, b.numel(), out, BLOCK=block, PDL=pdl, UNROLL=unroll,
+                              num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
+
+    return time_per_call(fn, max(len(views), 3))
+
+
+STREAM_SHAPES = [(37888, 3584), (7168, 5120), (3584, 3584)]
+STREAM_CFGS = [dict(per_sm=4, block=2048, unroll=1, num_warps=4, num_stages=3),
+               dict(per_sm=4, block=2048, unroll=1, num_warps=4, num_stages=1),
+               dict(per_sm=4, block=2048, unroll=4, num_warps=4, num_stages=1),
+               dict(per_sm=8, block=2048, unroll=2, num_warps=4, num_stages=1),
+               dict(per_sm=8, block=1024, unroll=4, num_warps=4, num_stages=1),
+               dict(per_sm=2, block=4096, unroll=4, num_warps=8, num_stages=1),
+               dict(per_sm=16, block=1024, unroll=2, num_warps=2, num_stages=1),
+               dict(per_sm=4, block=2048, unroll=2, num_warps=4, num_stages=3),
+               dict(per_sm=1, block=4096, unroll=4, num_warps=16, num_stages=1)]
+
+
+def stream_explore(deadline: float, out_path: str | None):
+    """`--stream`: how fast can one kernel read a layer's bytes (4-bit words + scales, and the
+    bf16 weight), by launch shape and loads in flight, against bf16 cuBLAS at M = 1."""
+    rows = []
+    log("\n## streaming floor explore (us per call; GB/s of bytes read)")
+    for n, k in STREAM_SHAPES:
+        layer = Layer(n, k, ("nvfp4",), seed=5)
+        bf = measure(layer, 1, "bf16", "forward")
+        b4, b16 = weight_bytes("nvfp4", n, k), weight_bytes("bf16", n, k)
+        log(f"  N={n} K={k}: bf16 cuBLAS M=1 {bf:.1f} us ({b16 / bf / 1e3:.0f} GB/s)")
+        for cfg in STREAM_CFGS:
+            if time.time() > deadline:
+                break
+            name = "/".join(f"{a}{v}" for a, v in cfg.items())
+            try:
+                u4 = stream_us([(st["words"], st["scale"]) for st in layer.states["nvfp4"]], False, **cfg)
+                u16 = stream_us([(w, None) for w in layer.bf16], False, **cfg)
+                log(f"    {name}: 4-bit {u4:.1f} us {b4 / u4 / 1e3:.0f} GB/s (x{bf / u4:.2f} of bf16) | bf16 bytes {u16:.1f} us {b16 / u16 / 1e3:.0f} GB/s")
+                rows.append(dict(n=n, k=k, cfg=name, us4=u4, us16=u16, bf16_us=bf))
+            except Exception as e:
+                log(f"    {name}: ERR {type(e).__name__}: {str(e)[:200]}")
+        dump_rows(out_path, rows)
+        del layer
+        torch.cuda.empty_cache()
+    return rows
+
+
+def pdl_explore(deadline: float, out_path: str | None, ms=PDL_MS):
+    """`--pdl`: programmatic dependent launch against plain launches, plus the streaming floor.
+
+    Per shape: bf16 cuBLAS; the default dispatch; the same with PDL=True; at M = 1 also the GEMV
+    with its weights loaded a step ahead (PF) and with PDL on every shape (the 40M threshold with
+    PDL), and the fused kernel with PDL; and the time one streaming kernel needs to read the
+    layer's nvfp4 bytes (words + scales) without / with PDL, and its bf16 bytes: the speedup a
+    perfect single kernel could reach is bf16 cuBLAS time / 4-bit streaming time. Every
+    candidate is checked against the fp32 reference first."""
+    from qerl.kernels import reference, state_tensors
+    from qerl.kernels import w4a16_triton as W
+
+    shapes = sorted({(n, k) for _, _, n, k in linear_shapes(QWEN25)}, key=lambda s: s[0] * s[1])
+    rows = []
+    log("\n## PDL explore (us per call; x = bf16 cuBLAS time / this)")
+    for n, k in shapes:
+        if time.time() > deadline:
+            log("  (time budget reached)")
+            break
+        layer = Layer(n, k, ("nvfp4", "mxfp4"), seed=5)
+        floor = {}
+        try:
+            floor["stream4"] = stream_us([(st["words"], st["scale"]) for st in layer.states["nvfp4"]], False)
+            floor["stream4-pdl"] = stream_us([(st["words"], st["scale"]) for st in layer.states["nvfp4"]], True)
+            floor["stream16"] = stream_us([(w, None) for w in layer.bf16], False)
+        except Exception as e:
+            log(f"  stream ERR {type(e).__name__}: {str(e)[:200]}")
+        for m in ms:
+            if time.time() > deadline:
+                break
+            bf = measure(layer, m, "bf16", "forward")
+            cands = [("default", None), ("pdl", {"PDL": True})]
+            if m == 1:
+                cands += [("gemv-pf", {"PATH": "gemv", "PF": True}), ("gemv-pdl", {"PATH": "gemv", "PDL": True}),
+                          ("fused-pdl", {"PATH": "fused", "PDL": True})]
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            for fmt in ("nvfp4", "mxfp4"):
+                st = layer.states[fmt][0]
+                ref = x.float() @ reference.dequant(fmt, state_tensors(st), torch.float32).T
+                parts = []
+                for name, cfg in cands:
+                    if fmt == "mxfp4" and name not in ("default", "pdl"):
+                        continue
+                    try:
+                        y = W.forward(x, st, config=cfg)
+                        err = ((y.float() - ref).norm() / ref.norm()).item()
+                        us = measure(layer, m, fmt, "forward", config=cfg)
+                        gb = moved_bytes(fmt, n, k, m) / us / 1e3
+                        parts.append(f"{name} {us:.1f} x{bf / us:.2f}" + ("" if err < 1e-2 else f" BAD{err:.2g}"))
+                        rows.append(dict(n=n, k=k, m=m, fmt=fmt, cfg=name, us=us, bf16_us=bf, err=err, gbps=gb))
+                    except Exception as e:
+                        parts.append(f"{name} ERR {type(e).__name__}: {str(e)[:200]}")
+                if m == 1 and fmt == "nvfp4":
+                    for name, us in floor.items():
+                        parts.append(f"{name} {us:.1f} x{bf / us:.2f}")
+                        rows.append(dict(n=n, k=k, m=m, fmt=fmt, cfg=name, us=us, bf16_us=bf, err=0.0,
+                                         gbps=(weight_bytes("bf16" if name == "stream16" else "nvfp4", n, k)) / us / 1e3))
+                log(f"  N={n} K={k} M={m} {fmt} bf16 {bf:.1f}: " + " | ".join(parts))
+                dump_rows(out_path, rows)
+        del layer
+        torch.cuda.empty_cache()
+    # medians over the 16 shapes (duplicates counted as in the sweep)
+    count = {}
+    for _, _, n, k in linear_shapes(QWEN25):
+        count[(n, k)] = count.get((n, k), 0) + 1
+    log("\n  median speedup over the 16 shapes:")
+    for fmt in ("nvfp4", "mxfp4"):
+        for m in ms:
+            for name in ("default", "pdl", "gemv-pdl", "stream4", "stream4-pdl"):
+                v = [r["bf16_us"] / r["us"] for r in rows if r["fmt"] == fmt and r["m"] == m and r["cfg"] == name
+                     for _ in range(count[(r["n"], r["k"])])]
+                if v:
+                    log(f"    {fmt} M={m} {name}: {statistics.median(v):.2f} ({len(v)} shapes)")
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default=",".join(QWEN25), help="comma list of " + ",".join(QWEN25))
@@ -514,6 +692,11 @@ def main(argv=None) -> int:
     ap.add_argument("--explore", action="store_true", help="only time candidate configs on a few shapes (tuning)")
     ap.add_argument("--gemv", action="store_true", help="only time the CUDA-core GEMV against v3 and bf16 at M=1, 8")
     ap.add_argument("--overlap", action="store_true", help="only time the large-M cuBLAS paths (dequant vs overlapped chunks)")
+    ap.add_argument("--pdl", action="store_true", help="only time programmatic dependent launch and the streaming floor")
+    ap.add_argument("--stream", action="store_true", help="only time the streaming floor by launch shape")
+    ap.add_argument("--cands", default=None, help='only time these configs: JSON [["name", {config} or null], ...]')
+    ap.add_argument("--cand-shapes", default="37888x3584,7168x5120,3584x3584", help="NxK,... for --cands")
+    ap.add_argument("--cand-ms", default="1,16", help="M values for --cands")
     ap.add_argument("--time-budget-s", type=float, default=330.0, help="stop starting new work after this")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "w4a16.json"))
     args = ap.parse_args(argv)
@@ -547,10 +730,26 @@ def main(argv=None) -> int:
     log(f"{result['gpu']} torch {result['torch']} triton {result['triton']}  SMs {torch.cuda.get_device_properties(0).multi_processor_count}")
     result["copy_gbps"] = copy_gbps = copy_bandwidth_gbps()
     log(f"copy bandwidth: {copy_gbps:.0f} GB/s")
+    META.update({k: v for k, v in result.items() if k != "rows"})
 
     if args.overlap:
         overlap_explore(deadline, args.out)
         log(f"overlap explore done in {time.time() - t0:.0f} s")
+        return 0
+    if args.cands:
+        cands = [(name, cfg) for name, cfg in json.loads(args.cands)]
+        shapes_ = [tuple(int(v) for v in sh.split("x")) for sh in args.cand_shapes.split(",") if sh]
+        gemv_explore(deadline, args.out, ms=[int(v) for v in args.cand_ms.split(",") if v], cands=cands,
+                     shapes=shapes_, all_formats=("default",))
+        log(f"candidate explore done in {time.time() - t0:.0f} s")
+        return 0
+    if args.stream:
+        stream_explore(deadline, args.out)
+        log(f"stream explore done in {time.time() - t0:.0f} s")
+        return 0
+    if args.pdl:
+        pdl_explore(deadline, args.out)
+        log(f"pdl explore done in {time.time() - t0:.0f} s")
         return 0
     if args.gemv:
         gemv_explore(deadline, args.out)

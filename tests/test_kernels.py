@@ -210,7 +210,9 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
         # the CUDA-core GEMV (w4a16_gemv.py): tiny M, split-K fixup (uneven S), partial row
         # block, K not a multiple of 256, bias, M = 1 with the end-of-loop reduction (ACC2D)
         for m, n, k, cfg in ((1, 64, 256, {}), (1, 100, 1280, {"S": 3, "BN": 16}), (3, 100, 1280, {"S": 3}),
-                             (4, 96, 800, {"BN": 64}), (8, 40, 768, {"S": 2}), (1, 64, 800, {"ACC2D": False})):
+                             (4, 96, 800, {"BN": 64}), (8, 40, 768, {"S": 2}), (1, 64, 800, {"ACC2D": False}),
+                             # PF: weights loaded one step ahead (the PDL path's loop), uneven S
+                             (1, 100, 1280, {"S": 3, "PF": 1}), (3, 64, 768, {"S": 2, "PF": 2}), (1, 64, 1536, {"S": 2, "PF": 3})):
             t = quantize_weight((torch.randn(n, k) * 0.02).to(torch.bfloat16), fmt)
             st = prepare(fmt, t)
             x = (torch.randn(m, k) * 2).to(torch.bfloat16)

@@ -34,12 +34,15 @@ from qerl.kernels import w4a16_triton as W
 
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr,
+    x_ptr, w_ptr, s_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_desc, s_desc,
     M, N, K, stride_xm, stride_cm, KB, exp_bias, S,
     FMT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, PACKED: tl.constexpr,
-    ACC2D: tl.constexpr = False, CH: tl.constexpr = 32,
+    ACC2D: tl.constexpr = False, CH: tl.constexpr = 32, PDL: tl.constexpr = False, PF: tl.constexpr = 0,
+    TMA: tl.constexpr = False,
 ):
+    if PDL:
+        W.gdc_launch_dependents()
     p = tl.program_id(0)
     blk = p // S
     j = p - blk * S
@@ -56,20 +59,42 @@ def _gemv_kernel(
     # summed inside a thread), one cross-thread reduction at the end; otherwise a full tl.sum over
     # K every step (slow: ~2x at M = 1, far worse at M > 1; kept for M > 1 correctness only).
     acc2 = tl.zeros([BN, BK // CH], dtype=tl.float32)
+    # PF = D > 0: the weight of step kk + D is loaded while step kk is decoded (D raw tiles in
+    # registers per program: more bytes in flight per SM, which is what bounds a GEMV's
+    # bandwidth; benchmarks/NOTES_w4a16.md section 10), the first D before the PDL wait: weights
+    # never depend on the previous kernel. PF = 0: Triton's own scheduling of the loop.
+    if PF >= 1:
+        r0w, r0s = W._w_raw_at(w_ptr, s_ptr, offs_n, k0 * (BK // 8), KB, k0 < k1, FMT, BK, F32, PACKED)
+    if PF >= 2:
+        r1w, r1s = W._w_raw_at(w_ptr, s_ptr, offs_n, (k0 + 1) * (BK // 8), KB, k0 + 1 < k1, FMT, BK, F32, PACKED)
+    if PF >= 3:
+        r2w, r2s = W._w_raw_at(w_ptr, s_ptr, offs_n, (k0 + 2) * (BK // 8), KB, k0 + 2 < k1, FMT, BK, F32, PACKED)
+    if PDL:
+        W.gdc_wait()
     for kk in range(k0, k1):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
         else:
             x = tl.load(x_ptrs, mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-        if ACC2D:  # BM == 1
+        if TMA:  # nvfp4: words / scales as 2-D [tile rows, 32] / [tile rows, 16] TMA boxes
+            trow = (blk * BN) // 64 * (KB * 64) + (blk * BN) % 64 + kk * 64
+            w = W._decode_raw(w_desc.load([trow, 0]), s_desc.load([trow, 0]), exp_bias, FMT, BN, BK, F32, PACKED)
+        elif PF >= 1:
+            nw, ns = W._w_raw_at(w_ptr, s_ptr, offs_n, (kk + PF) * (BK // 8), KB, kk + PF < k1, FMT, BK, F32, PACKED)
+            w = W._decode_raw(r0w, r0s, exp_bias, FMT, BN, BK, F32, PACKED)
+            if PF == 1:
+                r0w, r0s = nw, ns
+            elif PF == 2:
+                r0w, r0s, r1w, r1s = r1w, r1s, nw, ns
+            else:
+                r0w, r0s, r1w, r1s, r2w, r2s = r1w, r1s, r2w, r2s, nw, ns
+        else:
             w = W._w_tile_at(w_ptr, s_ptr, offs_n, offs_n < N, kk * (BK // 8), KB, exp_bias, FMT, BN, BK,
                              False, F32, PACKED)
+        if ACC2D:  # BM == 1
             prod = w.to(tl.float32) * tl.sum(x.to(tl.float32), axis=0)[None, :]
             acc2 += tl.sum(prod.reshape(BN, BK // CH, CH), axis=2)
-        else:
-            # rows past N exist (zero padding of the 64-row tiles): no load mask needed
-            w = W._w_tile_at(w_ptr, s_ptr, offs_n, offs_n < N, kk * (BK // 8), KB, exp_bias, FMT, BN, BK,
-                             False, F32, PACKED)
+        else:  # rows past N exist (zero padding of the 64-row tiles): no load mask needed
             w = w.to(tl.float32)
             acc += tl.sum(w[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
         x_ptrs += BK
@@ -102,6 +127,7 @@ def _gemv_kernel(
 # section 9): 32 rows x 256 K per step, 4 warps, in-thread sums of 32 K, ~7 programs per SM.
 # M > 1 runs the per-step tl.sum path (correct, but 3-20x slower than the fused kernel).
 DEFAULT = dict(BN=32, num_warps=4, PER_SM=7, ACC2D=True, CH=32)
+PF_DEPTH = 1  # weight prefetch depth (steps) used with PDL unless the config names PF
 _RESIDENT: dict = {}
 
 
@@ -115,7 +141,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, config: dict | None = None,
     m = x.shape[0]
     cfg = dict(DEFAULT)
     cfg.update({key: v for key, v in (config or {}).items() if key in ("BN", "num_warps", "PER_SM", "S", "WAVES",
-                                                                        "PACKED", "DECODE_F32", "num_stages", "ACC2D", "CH")})
+                                                                        "PACKED", "DECODE_F32", "num_stages", "ACC2D", "CH", "PDL", "PF", "TMA")})
     bn, per_sm = cfg.pop("BN"), cfg.pop("PER_SM")
     if 64 % bn:
         raise ValueError(f"BN must divide 64, got {bn}")
@@ -123,13 +149,15 @@ def forward(x: torch.Tensor, state: dict, bias=None, config: dict | None = None,
     decode_f32 = bool(cfg.pop("DECODE_F32", W.DECODE_F32))
     packed = bool(cfg.pop("PACKED", W.PACKED_DECODE)) and not W.INTERPRETED and not decode_f32
     acc2d = bool(cfg.pop("ACC2D", False)) and m == 1
+    pdl = bool(cfg.pop("PDL", W.PDL)) and not W.INTERPRETED
+    cfg["PF"] = min(3, int(cfg.get("PF", PF_DEPTH if pdl else 0)))
     cfg["CH"] = int(cfg.get("CH", 32))
     bk = 256
     bm = max(1, triton.next_power_of_2(m))
     blocks = triton.cdiv(n, bn)
     ki = triton.cdiv(k, bk)
     flags = dict(FMT=W.FMT_ID[state["fmt"]], HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BM=bm, BN=bn, BK=bk,
-                 F32=W.INTERPRETED or decode_f32, PACKED=packed, ACC2D=acc2d, **cfg)
+                 F32=W.INTERPRETED or decode_f32, PACKED=packed, ACC2D=acc2d, PDL=pdl, **cfg)
     key = tuple(sorted(flags.items()))
     if s_forced is not None:
         s = max(1, min(int(s_forced), ki))
@@ -144,9 +172,17 @@ def forward(x: torch.Tensor, state: dict, bias=None, config: dict | None = None,
     c = torch.empty(m, n, device=x.device, dtype=torch.bfloat16) if out is None else out
     grid = blocks * s
     ws = torch.empty(grid * bm * bn if s > 1 else 1, device=x.device, dtype=torch.float32)
+    w_desc = s_desc = None
+    if cfg.get("TMA"):
+        if state["fmt"] != "nvfp4" or W.INTERPRETED:
+            raise ValueError("TMA loads: nvfp4 on a GPU only (mxfp4 scale rows are 8 bytes, under TMA's 16)")
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        w_desc = TensorDescriptor.from_tensor(state["words"].view(-1, 32), [bn, 32])
+        s_desc = TensorDescriptor.from_tensor(state["scale"].view(-1, 16), [bn, 16])
     kernel = _gemv_kernel[(grid,)](
-        x, state["words"], state["scale"], state["alpha"], bias if bias is not None else c, c, ws, locks,
-        m, n, k, x.stride(0), c.stride(0), state["kb"], state["exp_bias"], s, **flags,
+        x, state["words"], state["scale"], state["alpha"], bias if bias is not None else c, c, ws, locks, w_desc, s_desc,
+        m, n, k, x.stride(0), c.stride(0), state["kb"], state["exp_bias"], s, launch_pdl=pdl, **flags,
     )
     if key not in _RESIDENT:
         _RESIDENT[key] = _resident(kernel) or per_sm

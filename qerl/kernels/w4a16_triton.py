@@ -33,6 +33,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from qerl.kernels import layout
 
@@ -79,6 +80,12 @@ OVERLAP_CHUNKS = int(os.environ.get("QERL_W4A16_CHUNKS", "0"))
 # PATH="fused" or a tile config (BO key) the tensor-core kernel.
 GEMV_MAX_M = int(os.environ.get("QERL_W4A16_GEMV_MAX_M", "1"))
 GEMV_MAX_NK = int(os.environ.get("QERL_W4A16_GEMV_MAX_NK", "40000000"))
+# Programmatic dependent launch (sm_90+): each kernel lets the next one in the stream launch as
+# soon as all its programs are running (griddepcontrol.launch_dependents) and waits for the
+# previous kernel (griddepcontrol.wait) only before it touches activations, outputs or the
+# workspace, so launch latency and - in the GEMV - the first weight loads overlap the previous
+# kernel's tail. Config key PDL overrides. Never under the interpreter.
+PDL = os.environ.get("QERL_W4A16_PDL", "0") == "1"
 if INTERPRETED:
     _patch_interpreter()
 
@@ -199,6 +206,13 @@ def _load_w_tile(w_ptrs, s_ptrs, row_mask, exp_bias, FMT: tl.constexpr, R: tl.co
     else:
         words = tl.load(w_ptrs)
         sraw = tl.load(s_ptrs)
+    return _decode_raw(words, sraw, exp_bias, FMT, R, BK, F32, PACKED)
+
+
+@triton.jit
+def _decode_raw(words, sraw, exp_bias, FMT: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr,
+                PACKED: tl.constexpr = False):
+    """Loaded words [R, BK/8] and raw scales -> the decoded tile [R, BK] (see _load_w_tile)."""
     sc = _scales(sraw, exp_bias, FMT)
     if PACKED and not F32:
         w = _decode_tile_packed(words.to(tl.uint32, bitcast=True), sc, 16 if FMT == 0 else 32, R, BK)
@@ -247,9 +261,10 @@ def _k_off(j, PER_ROW: tl.constexpr):
 
 
 @triton.jit
-def _w_tile_at(w_ptr, s_ptr, rows, row_mask, kw0, KB, exp_bias, FMT: tl.constexpr, R: tl.constexpr,
-               BK: tl.constexpr, MASKED: tl.constexpr, F32: tl.constexpr, PACKED: tl.constexpr = False):
-    """Decoded weight tile [R, BK] for `rows` (1-D, length R) and K = 8*kw0 .. 8*kw0 + BK."""
+def _w_ptrs(w_ptr, s_ptr, rows, kw0, KB, FMT: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr,
+            PACKED: tl.constexpr = False):
+    """Pointers to the words [R, BK/8] and scales of the weight tile of `rows` (1-D, length R)
+    and K = 8*kw0 .. 8*kw0 + BK."""
     SPT: tl.constexpr = 16 if FMT == 0 else 8
     kw = kw0 + tl.arange(0, BK // 8)
     g16 = kw0 // 2 + tl.arange(0, BK // 16)  # one scale per 16 weights (mxfp4: each read twice)
@@ -261,7 +276,25 @@ def _w_tile_at(w_ptr, s_ptr, rows, row_mask, kw0, KB, exp_bias, FMT: tl.constexp
         g = g16 // 2
     w_ptrs = w_ptr + _row_base(rows, KB, 32)[:, None] + _k_off(kw, 32)[None, :]
     s_ptrs = s_ptr + _row_base(rows, KB, SPT)[:, None] + _k_off(g, SPT)[None, :]
+    return w_ptrs, s_ptrs
+
+
+@triton.jit
+def _w_tile_at(w_ptr, s_ptr, rows, row_mask, kw0, KB, exp_bias, FMT: tl.constexpr, R: tl.constexpr,
+               BK: tl.constexpr, MASKED: tl.constexpr, F32: tl.constexpr, PACKED: tl.constexpr = False):
+    """Decoded weight tile [R, BK] for `rows` (1-D, length R) and K = 8*kw0 .. 8*kw0 + BK."""
+    w_ptrs, s_ptrs = _w_ptrs(w_ptr, s_ptr, rows, kw0, KB, FMT, BK, F32, PACKED)
     return _load_w_tile(w_ptrs, s_ptrs, row_mask, exp_bias, FMT, R, BK, MASKED, F32, PACKED)
+
+
+@triton.jit
+def _w_raw_at(w_ptr, s_ptr, rows, kw0, KB, valid, FMT: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr,
+              PACKED: tl.constexpr = False):
+    """The undecoded words and raw scales of _w_tile_at's tile (rows inside the zero-padded
+    tiles), so a step can be loaded ahead of its decode (_decode_raw); `valid` (a scalar)
+    false: nothing is read (zeros)."""
+    w_ptrs, s_ptrs = _w_ptrs(w_ptr, s_ptr, rows, kw0, KB, FMT, BK, F32, PACKED)
+    return tl.load(w_ptrs, mask=valid, other=0), tl.load(s_ptrs, mask=valid, other=0)
 
 
 @triton.jit
@@ -321,6 +354,7 @@ def _w4a16_kernel(
     BWD: tl.constexpr, FMT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_O: tl.constexpr, EVEN_R: tl.constexpr,
     BM: tl.constexpr, BO: tl.constexpr, BR: tl.constexpr, GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr,
     DECODE_F32: tl.constexpr, SWAP: tl.constexpr, SPLIT: tl.constexpr, PACKED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """C[M, NOUT] = A[M, RED] @ (weight as [RED, NOUT]) * alpha (+ bias), bf16 out.
 
@@ -335,6 +369,9 @@ def _w4a16_kernel(
     writes its fp32 partial to its own workspace slot, bumps the tile's counter, and the last
     one sums all partials in program order (deterministic), writes bf16 and resets the counter
     for the next launch."""
+    if PDL:  # the next kernel may launch now; ours waits for the previous one (see PDL)
+        gdc_launch_dependents()
+        gdc_wait()
     P = tl.num_programs(0)
     p = tl.program_id(0)
     KI = tl.cdiv(RED, BR)  # reduction steps per tile
@@ -534,6 +571,7 @@ def _launch(a: torch.Tensor, state: dict, bwd: bool, bias, cfg: dict, out):
     swap = bool(cfg.pop("SWAP", False)) and not bwd
     packed = bool(cfg.pop("PACKED", PACKED_DECODE)) and not INTERPRETED
     decode_f32 = bool(cfg.pop("DECODE_F32", DECODE_F32))
+    pdl = bool(cfg.pop("PDL", PDL)) and not INTERPRETED
     if cfg.get("maxnreg") is None or INTERPRETED:
         cfg.pop("maxnreg", None)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n_out, bo)
@@ -543,14 +581,14 @@ def _launch(a: torch.Tensor, state: dict, bwd: bool, bias, cfg: dict, out):
     c = torch.empty(m, n_out, device=a.device, dtype=torch.bfloat16) if out is None else out
     flags = dict(BWD=bwd, FMT=FMT_ID[state["fmt"]], HAS_BIAS=bias is not None, EVEN_O=n_out % bo == 0,
                  EVEN_R=red % br == 0, BM=bm, BO=bo, BR=br, GROUP_M=8, INTERPRETED=INTERPRETED,
-                 DECODE_F32=decode_f32, SWAP=swap, PACKED=packed, **cfg)
+                 DECODE_F32=decode_f32, SWAP=swap, PACKED=packed, PDL=pdl, **cfg)
     key = tuple(sorted(flags.items()))
     grid, split = _grid(m, tiles, triton.cdiv(red, br), _RESIDENT.get(key, per_sm), a.device, programs, schedule, waves)
     ws = torch.empty(grid * 2 * bm * bo, device=a.device, dtype=torch.float32)
     kernel = _w4a16_kernel[(grid,)](
         a, state["words"], state["scale"], state["alpha"], bias if bias is not None else c, c, ws, locks,
         m, n_out, red, a.stride(0), c.stride(0), state["kb"], state["exp_bias"], max(split, 1),
-        SPLIT=split > 0, **flags,
+        SPLIT=split > 0, launch_pdl=pdl, **flags,
     )
     if key not in _RESIDENT:
         _RESIDENT[key] = _resident_per_sm(kernel) or per_sm
@@ -677,14 +715,18 @@ def _path(m: int, config: dict | None) -> str:
 
 
 def _kernel_config(config: dict | None, default: dict) -> dict:
-    cfg = dict(default if config is None or set(config) <= _PATH_KEYS else config)
-    for key in _PATH_KEYS:
+    """The tile config: `config` if it names tile keys, else the heuristic's default; modifier
+    keys (PDL) apply on top of either."""
+    cfg = dict(default if config is None or set(config) <= _PATH_KEYS | _MOD_KEYS else config)
+    cfg.update({key: v for key, v in (config or {}).items() if key in _MOD_KEYS})
+    for key in _PATH_KEYS | {"PF"}:
         cfg.pop(key, None)
     return cfg
 
 
 _PATH_KEYS = {"PATH", "CHUNKS", "SIDE"}
-_GEMV_KEYS = {"BN", "num_warps", "PER_SM", "S", "WAVES", "PACKED", "DECODE_F32", "num_stages", "ACC2D", "CH"}
+_MOD_KEYS = {"PDL", "PF"}  # launch modifiers: never replace the tile heuristic
+_GEMV_KEYS = {"BN", "num_warps", "PER_SM", "S", "WAVES", "PACKED", "DECODE_F32", "num_stages", "ACC2D", "CH", "PDL", "PF", "TMA"}
 
 
 def _dense(a: torch.Tensor, state: dict, bwd: bool, bias, config: dict | None, out):
@@ -715,6 +757,7 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
     path = _path(m, config)
     if (path == "fused" and m <= GEMV_MAX_M and state["n"] * state["k"] <= GEMV_MAX_NK
             and not (config and ("PATH" in config or "BO" in config))):  # a tile config keeps its kernel
+        # (modifier keys such as PDL keep the dispatch)
         path = "gemv"
     if path in ("dequant", "overlap"):
         return _dense(x, state, False, bias, config, out)
