@@ -158,11 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch_size", type=int, default=16)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--tolerance", type=float, default=1.0, help="allowed difference in points (default 1)")
+    ap.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars on stderr")
     args = ap.parse_args(argv)
     try:
         report = run_crosscheck(
             args.n, checkpoint=args.checkpoint, adapter=args.adapter, data_dir=args.data_dir,
             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, device=args.device,
+            progress=args.progress,
         )
     except (HarnessError, DataError) as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
