@@ -398,6 +398,31 @@ def explore(deadline: float, out_path: str | None):
 GEMV_SHAPES = [(n, k) for n, k in dict.fromkeys((n, k) for _, _, n, k in linear_shapes())]
 
 
+def time_candidates(layer: Layer, x: torch.Tensor, st: dict, fmt: str, cands, bf: float, rows: list,
+                    deadline: float | None = None) -> list[str]:
+    """Check each (name, config) of the forward against the fp32 reference on x, then time it
+    like the sweep; append one row per candidate, return the log pieces."""
+    from qerl.kernels import reference, state_tensors
+    from qerl.kernels import w4a16_triton as W
+
+    n, k, m = layer.n, layer.k, x.shape[0]
+    ref = x.float() @ reference.dequant(fmt, state_tensors(st), torch.float32).T
+    parts = []
+    for name, cfg in cands:
+        if deadline is not None and time.time() > deadline:
+            break
+        try:
+            y = W.forward(x, st, config=cfg)
+            err = ((y.float() - ref).norm() / ref.norm()).item()
+            us = measure(layer, m, fmt, "forward", config=cfg)
+            gb = moved_bytes(fmt, n, k, m) / us / 1e3
+            parts.append(f"{name} {us:.1f} x{bf / us:.2f} {gb:.0f}GB/s" + ("" if err < 1e-2 else f" BAD{err:.2g}"))
+            rows.append(dict(n=n, k=k, m=m, fmt=fmt, cfg=name, us=us, bf16_us=bf, err=err, gbps=gb))
+        except Exception as e:
+            parts.append(f"{name} ERR {type(e).__name__}: {str(e)[:200]}")
+    return parts
+
+
 GEMV_CANDS = [("v3", None),
               ("g32w4C32", dict(PATH="gemv", BN=32, num_warps=4, ACC2D=True, CH=32)),
               ("g64w8C32", dict(PATH="gemv", BN=64, num_warps=8, ACC2D=True, CH=32)),
@@ -407,9 +432,7 @@ GEMV_CANDS = [("v3", None),
 def gemv_explore(deadline: float, out_path: str | None, ms=(1,), cands=None, shapes=None, all_formats=("v3", "g32w4C32")):
     """Candidate configs against bf16 (`--gemv`: the CUDA-core GEMV against the v3 tensor-core
     kernel; `--cands`: any list of (name, config)); each checked against the fp32 reference."""
-    from qerl.kernels import reference, state_tensors
     from qerl.kernels import w4a16_gemv as G
-    from qerl.kernels import w4a16_triton as W
 
     cands = cands or GEMV_CANDS
     rows = []
@@ -424,20 +447,8 @@ def gemv_explore(deadline: float, out_path: str | None, ms=(1,), cands=None, sha
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             for fmt in ("nvfp4", "mxfp4"):
                 st = layer.states[fmt][0]
-                ref = x.float() @ reference.dequant(fmt, state_tensors(st), torch.float32).T
-                parts = []
-                for name, cfg in cands:
-                    if time.time() > deadline or (fmt == "mxfp4" and name not in all_formats):
-                        continue
-                    try:
-                        y = W.forward(x, st, config=cfg)
-                        err = ((y.float() - ref).norm() / ref.norm()).item()
-                        us = measure(layer, m, fmt, "forward", config=cfg)
-                        gb = moved_bytes(fmt, n, k, m) / us / 1e3
-                        parts.append(f"{name} {us:.1f} x{bf / us:.2f} {gb:.0f}GB/s" + ("" if err < 1e-2 else f" BAD{err:.2g}"))
-                        rows.append(dict(n=n, k=k, m=m, fmt=fmt, cfg=name, us=us, bf16_us=bf, err=err, gbps=gb))
-                    except Exception as e:
-                        parts.append(f"{name} ERR {type(e).__name__}: {str(e)[:200]}")
+                chosen = [(a, c) for a, c in cands if fmt == "nvfp4" or a in all_formats]
+                parts = time_candidates(layer, x, st, fmt, chosen, bf, rows, deadline)
                 log(f"  N={n} K={k} M={m} {fmt} bf16 {bf:.1f}: " + " | ".join(parts))
                 dump_rows(out_path, rows)
         del layer
@@ -614,9 +625,6 @@ def pdl_explore(deadline: float, out_path: str | None, ms=PDL_MS):
     layer's nvfp4 bytes (words + scales) without / with PDL, and its bf16 bytes: the speedup a
     perfect single kernel could reach is bf16 cuBLAS time / 4-bit streaming time. Every
     candidate is checked against the fp32 reference first."""
-    from qerl.kernels import reference, state_tensors
-    from qerl.kernels import w4a16_triton as W
-
     shapes = sorted({(n, k) for _, _, n, k in linear_shapes(QWEN25)}, key=lambda s: s[0] * s[1])
     rows = []
     log("\n## PDL explore (us per call; x = bf16 cuBLAS time / this)")
@@ -643,20 +651,8 @@ def pdl_explore(deadline: float, out_path: str | None, ms=PDL_MS):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             for fmt in ("nvfp4", "mxfp4"):
                 st = layer.states[fmt][0]
-                ref = x.float() @ reference.dequant(fmt, state_tensors(st), torch.float32).T
-                parts = []
-                for name, cfg in cands:
-                    if fmt == "mxfp4" and name not in ("default", "pdl"):
-                        continue
-                    try:
-                        y = W.forward(x, st, config=cfg)
-                        err = ((y.float() - ref).norm() / ref.norm()).item()
-                        us = measure(layer, m, fmt, "forward", config=cfg)
-                        gb = moved_bytes(fmt, n, k, m) / us / 1e3
-                        parts.append(f"{name} {us:.1f} x{bf / us:.2f}" + ("" if err < 1e-2 else f" BAD{err:.2g}"))
-                        rows.append(dict(n=n, k=k, m=m, fmt=fmt, cfg=name, us=us, bf16_us=bf, err=err, gbps=gb))
-                    except Exception as e:
-                        parts.append(f"{name} ERR {type(e).__name__}: {str(e)[:200]}")
+                chosen = [(a, c) for a, c in cands if fmt == "nvfp4" or a in ("default", "pdl")]
+                parts = time_candidates(layer, x, st, fmt, chosen, bf, rows)
                 if m == 1 and fmt == "nvfp4":
                     for name, us in floor.items():
                         parts.append(f"{name} {us:.1f} x{bf / us:.2f}")
@@ -732,33 +728,21 @@ def main(argv=None) -> int:
     log(f"copy bandwidth: {copy_gbps:.0f} GB/s")
     META.update({k: v for k, v in result.items() if k != "rows"})
 
-    if args.overlap:
-        overlap_explore(deadline, args.out)
-        log(f"overlap explore done in {time.time() - t0:.0f} s")
-        return 0
-    if args.cands:
-        cands = [(name, cfg) for name, cfg in json.loads(args.cands)]
-        shapes_ = [tuple(int(v) for v in sh.split("x")) for sh in args.cand_shapes.split(",") if sh]
-        gemv_explore(deadline, args.out, ms=[int(v) for v in args.cand_ms.split(",") if v], cands=cands,
-                     shapes=shapes_, all_formats=("default",))
-        log(f"candidate explore done in {time.time() - t0:.0f} s")
-        return 0
-    if args.stream:
-        stream_explore(deadline, args.out)
-        log(f"stream explore done in {time.time() - t0:.0f} s")
-        return 0
-    if args.pdl:
-        pdl_explore(deadline, args.out)
-        log(f"pdl explore done in {time.time() - t0:.0f} s")
-        return 0
-    if args.gemv:
-        gemv_explore(deadline, args.out)
-        log(f"gemv explore done in {time.time() - t0:.0f} s")
-        return 0
-    if args.explore:
-        explore(deadline, args.out)
-        log(f"explore done in {time.time() - t0:.0f} s")
-        return 0
+    modes = {"overlap": lambda: overlap_explore(deadline, args.out),
+             "cands": lambda: gemv_explore(
+                 deadline, args.out, ms=[int(v) for v in args.cand_ms.split(",") if v],
+                 cands=[(name, cfg) for name, cfg in json.loads(args.cands)],
+                 shapes=[tuple(int(v) for v in sh.split("x")) for sh in args.cand_shapes.split(",") if sh],
+                 all_formats=("default",)),
+             "stream": lambda: stream_explore(deadline, args.out),
+             "pdl": lambda: pdl_explore(deadline, args.out),
+             "gemv": lambda: gemv_explore(deadline, args.out),
+             "explore": lambda: explore(deadline, args.out)}
+    for mode, run_mode in modes.items():  # the explore modes: one study each, then stop
+        if getattr(args, mode):
+            run_mode()
+            log(f"{mode} explore done in {time.time() - t0:.0f} s")
+            return 0
 
     shapes = [s for s in linear_shapes(models)]
     unique = {}
