@@ -453,6 +453,9 @@ def gemv_explore(deadline: float, out_path: str | None, ms=(1,), cands=None, sha
                 dump_rows(out_path, rows)
         del layer
         torch.cuda.empty_cache()
+    ws_mod = sys.modules.get("qerl.kernels.w4a16_ws")
+    if ws_mod is not None:
+        log(f"  resident programs per SM (ws: NS, warps, maxnreg, CPT): {ws_mod._RESIDENT}")
     log("  resident programs per SM (gemv): " + "; ".join(f"{dict(k_).get('BN')}/{dict(k_).get('num_warps')}/"
                                                          f"{'f32' if dict(k_).get('F32') else 'pk'}/BM{dict(k_).get('BM')}: {v}"
                                                          for k_, v in G._RESIDENT.items()))

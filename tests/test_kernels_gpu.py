@@ -358,3 +358,34 @@ def test_pdl_chain_waits_for_its_input(fmt, m):
         assert _rel(eager, ref) < 1e-2
     for st in layers:
         assert st["locks"].abs().sum().item() == 0
+
+
+@pytest.mark.parametrize("cfg", ({}, {"NS": 2}, {"NS": 8, "S": 1}, {"S": 3}, {"CPT": 4, "maxnreg": 128, "NS": 6},
+                                 {"num_warps": 8, "CPT": 2, "maxnreg": 80}, {"num_warps": 16, "CPT": 2, "maxnreg": 56}),
+                         ids=("default", "ns2", "ns8-s1", "s3", "cpt4", "w8-cpt2", "w16-cpt2"))
+@pytest.mark.parametrize("name,n,k", [("3B.o", 2048, 2048), ("7B.qkv", 4608, 3584), ("32B.qkv", 7168, 5120),
+                                      ("7B.down", 3584, 18944)], ids=("3B.o", "7B.qkv", "32B.qkv", "7B.down"))
+def test_warp_specialised_gemv(name, n, k, cfg):
+    """The experimental Gluon GEMV (PATH="ws"): fp32 reference within 1e-2 on a NaN-poisoned
+    output, with bias, deterministic, counters back at 0, and a CUDA-graph replay on new data."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_triton as W
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs Hopper (TMA, warp specialisation)")
+    t, st, w32 = _layer("nvfp4", n, k, seed=11)
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    conf = dict(cfg, PATH="ws")
+    y = torch.full((1, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    W.forward(x, st, bias=bias, config=conf, out=y)
+    ref = x.float() @ w32.T + bias.float()
+    assert not y.isnan().any() and _rel(y, ref) < TOL
+    assert torch.equal(W.forward(x, st, bias=bias, config=conf), y)
+    assert st["locks"].abs().sum().item() == 0
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = W.forward(x, st, config=conf)
+    x.copy_(torch.randn(1, k, device="cuda").to(torch.bfloat16))
+    g.replay()
+    assert _rel(out, x.float() @ w32.T) < TOL

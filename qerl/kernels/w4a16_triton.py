@@ -765,6 +765,10 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
         from qerl.kernels import w4a16_gemv
 
         return w4a16_gemv.forward(x, state, bias, {k_: v for k_, v in (config or {}).items() if k_ in _GEMV_KEYS}, out)
+    if path == "ws":  # experimental warp-specialised Gluon GEMV (nvfp4, M = 1), opt-in only
+        from qerl.kernels import w4a16_ws
+
+        return w4a16_ws.forward(x, state, bias, config, out)
     cfg = _kernel_config(config, _fwd_config(m, state["n"], state["k"], state["fmt"]))
     return _launch(x, state, False, bias, cfg, out)
 

@@ -1,0 +1,221 @@
+"""Warp-specialised M = 1 GEMV for nvfp4 on Hopper (Gluon): y[1, N] = x[1, K] @ dequant(W)[N, K]^T.
+
+Experimental, opt-in (`config={"PATH": "ws"}`), never the default dispatch until it wins on the
+H100 (benchmarks/NOTES_w4a16.md section 11).
+
+Why: the Triton GEMV (w4a16_gemv.py) keeps only ~4.5 KB of weight loads in flight per program,
+because every byte in flight is a register; a kernel that only streams the same bytes needs
+~128 KB in flight per SM to reach 2.7 TB/s (section 10). Here one producer warp per program copies
+whole 64-row x 256-K weight tiles (8 KB of words + 1 KB of scales) from global to shared memory
+with TMA into a ring of NS stages (mbarriers "ready" / "empty"), so the bytes in flight cost
+shared memory, not registers; four consumer warps wait for a stage, read it into registers,
+decode (the exact packed bf16x2 decode of w4a16_triton), multiply by x in fp32 and free the
+stage.
+
+Decode without reshapes: word c of a row holds the 8 codes of K = 8c .. 8c+7 in the layout's
+order; the four packed registers P0..P3 carry the K pairs (0, 1), (4, 5), (2, 3), (6, 7) in their
+(low, high) bf16 halves, so each half is widened to fp32 by a shift or a mask and multiplied by
+x at its K offset: the [64, 32]-word tile never becomes a [64, 256] tensor.
+
+Schedule and fixup as the GEMV: program p owns row tile p // S (64 rows) and the reduction steps
+[j*KB//S, (j+1)*KB//S), j = p % S; a tile shared by several programs goes through the fp32
+workspace and a per-tile counter, the last arrival sums the partials in program order
+(deterministic) and writes bf16. One launch, no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from qerl.kernels import layout
+from qerl.kernels import w4a16_triton as W
+
+_R1 = gl.constexpr(layout.ROT_MAG[1])
+_R2 = gl.constexpr(layout.ROT_MAG[2])
+_R3 = gl.constexpr(layout.ROT_MAG[3])
+_S0 = gl.constexpr(layout.ROT_SIGN[0])
+_S3 = gl.constexpr(layout.ROT_SIGN[3])
+_KM = gl.constexpr(layout.MAG_MASK)
+_KS = gl.constexpr(layout.SIGN_MASK)
+_KA = gl.constexpr(layout.MAG_MASK | layout.SIGN_MASK)
+
+
+@gluon.jit
+def _rotr(w, r: gl.constexpr):
+    return (w >> r) | (w << (32 - r))
+
+
+@gluon.jit
+def _mul2(p, s2):
+    return gl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [p, s2], dtype=gl.uint32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _lo(p):
+    return (p << 16).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _hi(p):
+    return (p & 0xFFFF0000).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _producer(w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, NS: gl.constexpr):
+    for kk in range(k0, k1):
+        i = kk - k0
+        idx = i % NS
+        phase = (i // NS) & 1
+        mbarrier.wait(empty.index(idx), phase ^ 1)  # barriers start with phase 1 complete
+        mbarrier.expect(ready.index(idx), w_desc.block_type.nbytes + s_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(w_desc, [trow0 + kk * 64, 0], ready.index(idx), w_bufs.index(idx))
+        tma.async_copy_global_to_shared(s_desc, [trow0 + kk * 64, 0], ready.index(idx), s_bufs.index(idx))
+
+
+@gluon.jit
+def _consumer(x_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_bufs, ready, empty,
+              p, blk, N, k0, k1, S, NS: gl.constexpr, HAS_BIAS: gl.constexpr, LW: gl.constexpr,
+              LS: gl.constexpr):
+    LX: gl.constexpr = gl.SliceLayout(0, LW)
+    LR: gl.constexpr = gl.SliceLayout(1, LW)
+    cols8 = gl.arange(0, 32, layout=LX) * 8
+    acc = gl.zeros([64, 32], gl.float32, LW)
+    for kk in range(k0, k1):
+        i = kk - k0
+        idx = i % NS
+        phase = (i // NS) & 1
+        xb = x_ptr + kk * 256 + cols8
+        x0 = gl.load(xb + 0).to(gl.float32)[None, :]
+        x1 = gl.load(xb + 1).to(gl.float32)[None, :]
+        x2 = gl.load(xb + 2).to(gl.float32)[None, :]
+        x3 = gl.load(xb + 3).to(gl.float32)[None, :]
+        x4 = gl.load(xb + 4).to(gl.float32)[None, :]
+        x5 = gl.load(xb + 5).to(gl.float32)[None, :]
+        x6 = gl.load(xb + 6).to(gl.float32)[None, :]
+        x7 = gl.load(xb + 7).to(gl.float32)[None, :]
+        mbarrier.wait(ready.index(idx), phase)
+        words = w_bufs.index(idx).load(LW).to(gl.uint32, bitcast=True)
+        sraw = s_bufs.index(idx).load(LS)
+        fence_async_shared()
+        mbarrier.arrive(empty.index(idx), count=1)
+        # nvfp4 group scale (FP8-E4M3) as the bf16 multiplier s * 2^118, in both halves of a word
+        s = (sraw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 3.3230699894622897e35).to(gl.bfloat16)
+        s16 = s.to(gl.uint16, bitcast=True).to(gl.uint32)
+        s2 = s16 | (s16 << 16)
+        s2 = gl.convert_layout(gl.reshape(gl.join(s2, s2), [64, 32]), LW)  # one scale per 2 words
+        p0 = _mul2((words & _KM) | (_rotr(words, _S0) & _KS), s2)
+        p1 = _mul2(_rotr(words, _R1) & _KA, s2)
+        p2 = _mul2(_rotr(words, _R2) & _KA, s2)
+        p3 = _mul2((_rotr(words, _R3) & _KM) | (_rotr(words, _S3) & _KS), s2)
+        acc += _lo(p0) * x0 + _hi(p0) * x1 + _lo(p2) * x2 + _hi(p2) * x3
+        acc += _lo(p1) * x4 + _hi(p1) * x5 + _lo(p3) * x6 + _hi(p3) * x7
+    part = gl.sum(acc, axis=1)  # [64] in LR
+    rows = gl.arange(0, 64, layout=LR)
+    offs_n = blk * 64 + rows
+    done = k1 > k0
+    if S > 1:
+        gl.store(ws_ptr + p * 64 + rows, part)
+        gl.thread_barrier()
+        count = gl.atomic_add(lock_ptr + blk, 1, sem="acq_rel", scope="gpu")
+        done = count == S - 1
+        if done:
+            part = gl.zeros([64], gl.float32, LR)
+            for q in range(blk * S, blk * S + S):
+                part += gl.load(ws_ptr + q * 64 + rows, cache_modifier=".cg")
+            gl.atomic_xchg(lock_ptr + blk, 0)
+    if done:
+        out = part * gl.load(alpha_ptr)
+        if HAS_BIAS:
+            out += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
+        gl.store(c_ptr + offs_n, out.to(gl.bfloat16), mask=offs_n < N)
+
+
+@gluon.jit
+def _ws_gemv_kernel(x_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, N, KB, S,
+                    NS: gl.constexpr, HAS_BIAS: gl.constexpr, CPT: gl.constexpr, num_warps: gl.constexpr):
+    # consumer layout of the [64 rows, 32 words] tile: CPT words per thread along K (each needs
+    # 8 activations in registers), the rest of the 64 rows over the lanes and warps
+    TPC: gl.constexpr = 32 // CPT
+    TPR: gl.constexpr = 32 // TPC
+    RPT: gl.constexpr = 64 // (TPR * num_warps)
+    LW: gl.constexpr = gl.BlockedLayout([RPT, CPT], [TPR, TPC], [num_warps, 1], [1, 0])
+    LS: gl.constexpr = gl.BlockedLayout([RPT, CPT // 2], [TPR, TPC], [num_warps, 1], [1, 0])
+    p = gl.program_id(0)
+    blk = p // S
+    j = p - blk * S
+    k0 = (j * KB) // S
+    k1 = ((j + 1) * KB) // S
+    trow0 = blk * (KB * 64)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NS] + w_desc.block_type.shape, w_desc.layout)
+    s_bufs = gl.allocate_shared_memory(s_desc.dtype, [NS] + s_desc.block_type.shape, s_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_consumer, (x_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_bufs, ready, empty,
+                     p, blk, N, k0, k1, S, NS, HAS_BIAS, LW, LS)),
+        (_producer, (w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, NS)),
+    ], [1], [24])
+
+
+DEFAULT = dict(NS=3, num_warps=4, PER_SM=3, maxnreg=72, CPT=2)  # best of 20 configs on the H100 (section 11)
+_RESIDENT: dict = {}
+
+
+def forward(x: torch.Tensor, state: dict, bias=None, config: dict | None = None, out=None) -> torch.Tensor:
+    """y = x @ dequant(W)^T (+ bias) for x [1, K] bf16 and an nvfp4 `state` (qerl.kernels.prepare)."""
+    if state["fmt"] != "nvfp4" or x.shape[0] != 1:
+        raise ValueError("the warp-specialised GEMV takes nvfp4 weights and M = 1")
+    cfg = dict(DEFAULT)
+    cfg.update({k: v for k, v in (config or {}).items() if k in ("NS", "num_warps", "PER_SM", "S", "maxnreg", "CPT")})
+    n, kb = state["n"], state["kb"]
+    if state["k"] != kb * 256:
+        raise ValueError("the warp-specialised GEMV needs K a multiple of 256")
+    ns, per_sm = int(cfg.pop("NS")), int(cfg.pop("PER_SM"))
+    key = (ns, cfg["num_warps"], cfg.get("maxnreg"), cfg["CPT"])
+    blocks = triton.cdiv(n, 64)
+    if cfg.get("S") is not None:
+        s = max(1, min(int(cfg.pop("S")), kb))
+    else:
+        cfg.pop("S", None)
+        slots = _RESIDENT.get(key, per_sm) * W._num_sms(x.device.index or 0)
+        s_max = max(1, min(kb, slots // blocks))
+        steps = -(-kb // s_max)
+        s = -(-kb // steps)
+    wl = gl.NVMMASharedLayout.get_default_for([64, 32], gl.int32)
+    sl = gl.NVMMASharedLayout.get_default_for([64, 16], gl.uint8)
+    w_desc = TensorDescriptor.from_tensor(state["words"].view(-1, 32), [64, 32], wl)
+    s_desc = TensorDescriptor.from_tensor(state["scale"].view(-1, 16), [64, 16], sl)
+    c = torch.empty(1, n, device=x.device, dtype=torch.bfloat16) if out is None else out
+    locks = state["locks"]
+    if blocks > locks.numel():
+        locks = torch.zeros(blocks, dtype=torch.int32, device=x.device)
+    grid = blocks * s
+    ws = torch.empty(grid * 64 if s > 1 else 1, device=x.device, dtype=torch.float32)
+    kernel = _ws_gemv_kernel[(grid,)](
+        x, w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws, locks, n, kb, s,
+        NS=ns, HAS_BIAS=bias is not None, **cfg,
+    )
+    if key not in _RESIDENT:
+        _RESIDENT[key] = _resident(kernel, cfg) or per_sm
+    return c
+
+
+def _resident(kernel, cfg: dict) -> int | None:
+    """Programs per SM: registers are given per warpgroup (consumer warps + one worker warpgroup,
+    each at maxnreg), shared memory from the compiled kernel."""
+    try:
+        smem = kernel.metadata.shared
+    except AttributeError:
+        return None
+    warps = -(-cfg["num_warps"] // 4) * 4 + 4
+    by_regs = 65536 // (cfg.get("maxnreg", 256) * warps * 32)
+    return max(1, min(by_regs, 233472 // (smem + 1024)))
