@@ -32,17 +32,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from qerl.kernels import layout
 from qerl.kernels import w4a16_triton as W
-
-_R1 = gl.constexpr(layout.ROT_MAG[1])
-_R2 = gl.constexpr(layout.ROT_MAG[2])
-_R3 = gl.constexpr(layout.ROT_MAG[3])
-_S0 = gl.constexpr(layout.ROT_SIGN[0])
-_S3 = gl.constexpr(layout.ROT_SIGN[3])
-_KM = gl.constexpr(layout.MAG_MASK)
-_KS = gl.constexpr(layout.SIGN_MASK)
-_KA = gl.constexpr(layout.MAG_MASK | layout.SIGN_MASK)
+from qerl.kernels.w4a16_triton import _KA, _KM, _KS, _R1, _R2, _R3, _S0, _S3  # the bit layout's constexprs
 
 
 @gluon.jit
