@@ -24,12 +24,15 @@ def main():
     ap.add_argument("--k", type=int, default=3584)
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--path", default=None, help="force a forward path (gemv, fused, ws) instead of the dispatch")
     a = ap.parse_args()
     w = (torch.randn(a.n, a.k, device="cuda") * 0.02).to(torch.bfloat16)
     state = prepare(a.fmt, quantize_weight(w, a.fmt))
     x = torch.randn(a.m, a.k, device="cuda", dtype=torch.bfloat16)
+    from qerl.kernels import w4a16_triton as W
+
     for _ in range(a.reps):
-        y = linear(x, state, a.fmt)
+        y = linear(x, state, a.fmt) if a.path is None else W.forward(x, state, config={"PATH": a.path})
     torch.cuda.synchronize()
     print("ok", tuple(y.shape))
 
