@@ -129,7 +129,8 @@ def _consumer(x_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_buf
 
 @gluon.jit
 def _ws_gemv_kernel(x_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, N, KB, S,
-                    NS: gl.constexpr, HAS_BIAS: gl.constexpr, CPT: gl.constexpr, num_warps: gl.constexpr):
+                    NS: gl.constexpr, HAS_BIAS: gl.constexpr, CPT: gl.constexpr, WREGS: gl.constexpr,
+                    num_warps: gl.constexpr):
     # consumer layout of the [64 rows, 32 words] tile: CPT words per thread along K (each needs
     # 8 activations in registers), the rest of the 64 rows over the lanes and warps
     TPC: gl.constexpr = 32 // CPT
@@ -154,7 +155,7 @@ def _ws_gemv_kernel(x_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, l
         (_consumer, (x_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_bufs, ready, empty,
                      p, blk, N, k0, k1, S, NS, HAS_BIAS, LW, LS)),
         (_producer, (w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, NS)),
-    ], [1], [24])
+    ], [1], [WREGS])  # the producer keeps WREGS registers and hands the rest to the consumers (setmaxnreg)
 
 
 DEFAULT = dict(NS=3, num_warps=4, PER_SM=3, maxnreg=72, CPT=2)  # best of 20 configs on the H100 (section 11)
@@ -166,12 +167,13 @@ def forward(x: torch.Tensor, state: dict, bias=None, config: dict | None = None,
     if state["fmt"] != "nvfp4" or x.shape[0] != 1:
         raise ValueError("the warp-specialised GEMV takes nvfp4 weights and M = 1")
     cfg = dict(DEFAULT)
-    cfg.update({k: v for k, v in (config or {}).items() if k in ("NS", "num_warps", "PER_SM", "S", "maxnreg", "CPT")})
+    cfg.update({k: v for k, v in (config or {}).items() if k in ("NS", "num_warps", "PER_SM", "S", "maxnreg", "CPT", "WREGS")})
+    cfg["WREGS"] = int(cfg.get("WREGS", 24))
     n, kb = state["n"], state["kb"]
     if state["k"] != kb * 256:
         raise ValueError("the warp-specialised GEMV needs K a multiple of 256")
     ns, per_sm = int(cfg.pop("NS")), int(cfg.pop("PER_SM"))
-    key = (ns, cfg["num_warps"], cfg.get("maxnreg"), cfg["CPT"])
+    key = (ns, cfg["num_warps"], cfg.get("maxnreg"), cfg["CPT"], cfg["WREGS"])
     blocks = triton.cdiv(n, 64)
     if cfg.get("S") is not None:
         s = max(1, min(int(cfg.pop("S")), kb))
