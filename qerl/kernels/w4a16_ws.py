@@ -58,6 +58,12 @@ def _hi(p):
 
 
 @gluon.jit
+def _gdc(op: gl.constexpr):
+    """griddepcontrol.wait / .launch_dependents (programmatic dependent launch, w4a16_triton.PDL)."""
+    gl.inline_asm_elementwise("griddepcontrol." + op + "; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _producer(w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, NS: gl.constexpr):
     for kk in range(k0, k1):
         i = kk - k0
@@ -72,11 +78,13 @@ def _producer(w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, NS: g
 @gluon.jit
 def _consumer(x_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_bufs, ready, empty,
               p, blk, N, k0, k1, S, NS: gl.constexpr, HAS_BIAS: gl.constexpr, LW: gl.constexpr,
-              LS: gl.constexpr):
+              LS: gl.constexpr, PDL: gl.constexpr):
     LX: gl.constexpr = gl.SliceLayout(0, LW)
     LR: gl.constexpr = gl.SliceLayout(1, LW)
     cols8 = gl.arange(0, 32, layout=LX) * 8
     acc = gl.zeros([64, 32], gl.float32, LW)
+    if PDL:  # x, the output and the workspace only after the previous kernel (the producer needs no wait)
+        _gdc("wait")
     for kk in range(k0, k1):
         i = kk - k0
         idx = i % NS
@@ -130,7 +138,7 @@ def _consumer(x_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_buf
 @gluon.jit
 def _ws_gemv_kernel(x_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, N, KB, S,
                     NS: gl.constexpr, HAS_BIAS: gl.constexpr, CPT: gl.constexpr, WREGS: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    PDL: gl.constexpr, num_warps: gl.constexpr):
     # consumer layout of the [64 rows, 32 words] tile: CPT words per thread along K (each needs
     # 8 activations in registers), the rest of the 64 rows over the lanes and warps
     TPC: gl.constexpr = 32 // CPT
@@ -138,6 +146,8 @@ def _ws_gemv_kernel(x_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, l
     RPT: gl.constexpr = 64 // (TPR * num_warps)
     LW: gl.constexpr = gl.BlockedLayout([RPT, CPT], [TPR, TPC], [num_warps, 1], [1, 0])
     LS: gl.constexpr = gl.BlockedLayout([RPT, CPT // 2], [TPR, TPC], [num_warps, 1], [1, 0])
+    if PDL:
+        _gdc("launch_dependents")
     p = gl.program_id(0)
     blk = p // S
     j = p - blk * S
@@ -153,7 +163,7 @@ def _ws_gemv_kernel(x_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, l
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
         (_consumer, (x_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_bufs, ready, empty,
-                     p, blk, N, k0, k1, S, NS, HAS_BIAS, LW, LS)),
+                     p, blk, N, k0, k1, S, NS, HAS_BIAS, LW, LS, PDL)),
         (_producer, (w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, NS)),
     ], [1], [WREGS])  # the producer keeps WREGS registers and hands the rest to the consumers (setmaxnreg)
 
@@ -167,13 +177,14 @@ def forward(x: torch.Tensor, state: dict, bias=None, config: dict | None = None,
     if state["fmt"] != "nvfp4" or x.shape[0] != 1:
         raise ValueError("the warp-specialised GEMV takes nvfp4 weights and M = 1")
     cfg = dict(DEFAULT)
-    cfg.update({k: v for k, v in (config or {}).items() if k in ("NS", "num_warps", "PER_SM", "S", "maxnreg", "CPT", "WREGS")})
+    cfg.update({k: v for k, v in (config or {}).items() if k in ("NS", "num_warps", "PER_SM", "S", "maxnreg", "CPT", "WREGS", "PDL")})
     cfg["WREGS"] = int(cfg.get("WREGS", 24))
+    cfg["PDL"] = bool(cfg.get("PDL", W.PDL))
     n, kb = state["n"], state["kb"]
     if state["k"] != kb * 256:
         raise ValueError("the warp-specialised GEMV needs K a multiple of 256")
     ns, per_sm = int(cfg.pop("NS")), int(cfg.pop("PER_SM"))
-    key = (ns, cfg["num_warps"], cfg.get("maxnreg"), cfg["CPT"], cfg["WREGS"])
+    key = (ns, cfg["num_warps"], cfg.get("maxnreg"), cfg["CPT"], cfg["WREGS"], cfg["PDL"])
     blocks = triton.cdiv(n, 64)
     if cfg.get("S") is not None:
         s = max(1, min(int(cfg.pop("S")), kb))
@@ -195,7 +206,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, config: dict | None = None,
     ws = torch.empty(grid * 64 if s > 1 else 1, device=x.device, dtype=torch.float32)
     kernel = _ws_gemv_kernel[(grid,)](
         x, w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws, locks, n, kb, s,
-        NS=ns, HAS_BIAS=bias is not None, **cfg,
+        NS=ns, HAS_BIAS=bias is not None, launch_pdl=cfg["PDL"], **cfg,
     )
     if key not in _RESIDENT:
         _RESIDENT[key] = _resident(kernel, cfg) or per_sm
