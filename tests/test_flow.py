@@ -70,8 +70,10 @@ def client_for(tmp_path: Path):
 
 
 def children(client, parent_id: str) -> list:
+    """The parent's child runs, oldest first (MLflow's search returns newest first)."""
     exp = client.get_run(parent_id).info.experiment_id
-    return client.search_runs([exp], filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    runs = client.search_runs([exp], filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    return sorted(runs, key=lambda r: (r.info.start_time, r.info.end_time or 0))
 
 
 def artifact_paths(client, run_id: str, path: str | None = None) -> set[str]:
