@@ -394,3 +394,36 @@ def test_warp_specialised_gemv(name, n, k, cfg):
     x.copy_(torch.randn(1, k, device="cuda").to(torch.bfloat16))
     g.replay()
     assert _rel(out, x.float() @ w32.T) < TOL
+
+
+@pytest.mark.parametrize("cfg", ({}, {"NUM_STAGES": 3}, {"S": 1}, {"S": 3}, {"num_warps": 8}, {"PDL": True},
+                                 {"maxnreg": 80}),
+                         ids=("default", "ns3", "s1", "s3", "w8", "pdl", "r80"))
+@pytest.mark.parametrize("name,n,k", [("3B.o", 2048, 2048), ("7B.qkv", 4608, 3584), ("32B.qkv", 7168, 5120),
+                                      ("7B.down", 3584, 18944), ("odd-n", 1000, 1024)],
+                         ids=("3B.o", "7B.qkv", "32B.qkv", "7B.down", "odd-n"))
+def test_warp_specialised_mma_gemv(name, n, k, cfg):
+    """The Gluon GEMV with the reduction on the tensor cores (PATH="wsmma"): as
+    test_warp_specialised_gemv, plus N not a multiple of 64."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_triton as W
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs Hopper (TMA, warp specialisation)")
+    t, st, w32 = _layer("nvfp4", n, k, seed=12)
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    conf = dict(cfg, PATH="wsmma")
+    W.forward(x, st, config=conf)  # the first launch measures occupancy, which may change the split
+    y = torch.full((1, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    W.forward(x, st, bias=bias, config=conf, out=y)
+    ref = x.float() @ w32.T + bias.float()
+    assert not y.isnan().any() and _rel(y, ref) < TOL, _rel(y, ref)
+    assert torch.equal(W.forward(x, st, bias=bias, config=conf), y)
+    assert st["locks"].abs().sum().item() == 0
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = W.forward(x, st, config=conf)
+    x.copy_(torch.randn(1, k, device="cuda").to(torch.bfloat16))
+    g.replay()
+    assert _rel(out, x.float() @ w32.T) < TOL

@@ -80,6 +80,11 @@ OVERLAP_CHUNKS = int(os.environ.get("QERL_W4A16_CHUNKS", "0"))
 # PATH="fused" or a tile config (BO key) the tensor-core kernel.
 GEMV_MAX_M = int(os.environ.get("QERL_W4A16_GEMV_MAX_M", "1"))
 GEMV_MAX_NK = int(os.environ.get("QERL_W4A16_GEMV_MAX_NK", "40000000"))
+# Forward with M = 1, nvfp4, on Hopper (sm_90) layers with N*K >= WSMMA_MIN_NK: the warp-specialised
+# Gluon GEMV with the reduction on the tensor cores (w4a16_gluon.py): on the H100 5-14% faster
+# than the GEMV / fused kernel on the four layers with N*K >= 67M it was timed on (55296x5120
+# 65.7 vs 77.5 us), slower below ~40M (NOTES_w4a16.md section 12). 0 disables it.
+WSMMA_MIN_NK = int(os.environ.get("QERL_W4A16_WSMMA_MIN_NK", "60000000"))
 # Programmatic dependent launch (sm_90+): each kernel lets the next one in the stream launch as
 # soon as all its programs are running (griddepcontrol.launch_dependents) and waits for the
 # previous kernel (griddepcontrol.wait) only before it touches activations, outputs or the
@@ -714,6 +719,17 @@ def _path(m: int, config: dict | None) -> str:
     return "dequant" if m >= DEQUANT_MIN_M else "fused"
 
 
+@functools.lru_cache(maxsize=None)
+def _hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def _wsmma_ok(device: torch.device, state: dict) -> bool:
+    """The Gluon kernel runs on sm_90 only (TMA, warp specialisation) and needs K % 256 == 0."""
+    return (not INTERPRETED and device.type == "cuda" and state["k"] % 256 == 0
+            and _hopper(device.index if device.index is not None else 0))
+
+
 def _kernel_config(config: dict | None, default: dict) -> dict:
     """The tile config: `config` if it names tile keys, else the heuristic's default; modifier
     keys (PDL) apply on top of either."""
@@ -755,10 +771,13 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
         x = x.contiguous()
     m = x.shape[0]
     path = _path(m, config)
-    if (path == "fused" and m <= GEMV_MAX_M and state["n"] * state["k"] <= GEMV_MAX_NK
-            and not (config and ("PATH" in config or "BO" in config))):  # a tile config keeps its kernel
+    if path == "fused" and not (config and ("PATH" in config or "BO" in config)):  # a tile config keeps its kernel
         # (modifier keys such as PDL keep the dispatch)
-        path = "gemv"
+        nk = state["n"] * state["k"]
+        if m <= GEMV_MAX_M and nk <= GEMV_MAX_NK:
+            path = "gemv"
+        elif m == 1 and state["fmt"] == "nvfp4" and 0 < WSMMA_MIN_NK <= nk and _wsmma_ok(x.device, state):
+            path = "wsmma"
     if path in ("dequant", "overlap"):
         return _dense(x, state, False, bias, config, out)
     if path == "gemv":
@@ -769,6 +788,10 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
         from qerl.kernels import w4a16_ws
 
         return w4a16_ws.forward(x, state, bias, config, out)
+    if path == "wsmma":  # the same with the reduction on the tensor cores (mma.sync), opt-in only
+        from qerl.kernels import w4a16_gluon
+
+        return w4a16_gluon.forward(x, state, bias, out=out, config=config)
     cfg = _kernel_config(config, _fwd_config(m, state["n"], state["k"], state["fmt"]))
     return _launch(x, state, False, bias, cfg, out)
 

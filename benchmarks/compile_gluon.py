@@ -1,0 +1,188 @@
+"""Compile the Gluon warp-specialised GEMV (qerl/kernels/w4a16_gluon.py) offline for sm_90a, no GPU.
+
+    .venv/bin/python benchmarks/compile_gluon.py [--n 7168] [--k 5120] [--stages 6] [--warps 4]
+        [--maxnreg R (default 64, 0 = none)] [--producer-regs 24] [--bias] [--pdl] [--dump DIR]
+
+Builds the kernel's GluonASTSource with a concrete signature (TMA descriptor types from CPU
+tensors), runs triton.compile for GPUTarget("cuda", 90, 32) (ptxas included), and prints
+registers, shared memory, the stage count, the split (S) the wrapper would pick on a 132-SM H100,
+the PTX barrier / mma / mbarrier counts, and SASS instruction counts of the consumer main loop
+(nvdisasm/cuobjdump from triton/backends/nvidia/bin).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+from triton.runtime.jit import mangle_type  # noqa: E402
+
+from qerl.kernels import w4a16_gluon as G  # noqa: E402
+
+
+def _signature(n: int, k: int, has_bias: bool):
+    kb = k // 256
+    state = {"words": torch.zeros(triton.cdiv(n, 64), kb, 64, 32, dtype=torch.int32),
+             "scale": torch.zeros(triton.cdiv(n, 64), kb, 64, 16, dtype=torch.uint8)}
+    w_desc, s_desc = G.descriptors(state)
+    return {
+        "xw_ptr": "*i32", "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc), "alpha_ptr": "*fp32",
+        "bias_ptr": "*bf16", "c_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
+        "N": "i32", "KB": "i32", "S": "i32",
+    }
+
+
+def compile_kernel(n: int, k: int, stages: int, warps: int, maxnreg, producer_regs: int, bias: bool, pdl: bool):
+    fn = G._gluon_gemv_kernel
+    sig = _signature(n, k, bias)
+    l5, l2w, l2s = G._layouts(warps)
+    constexprs = {"NUM_STAGES": stages, "HAS_BIAS": bias, "PDL": pdl, "PRODUCER_REGS": producer_regs,
+                  "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
+    for name in constexprs:
+        sig[name] = "constexpr"
+    # pointers 16-byte aligned, as the JIT would specialise them on a GPU
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
+             for a in ("xw_ptr", "alpha_ptr", "bias_ptr", "c_ptr", "ws_ptr", "lock_ptr")}
+    src = GluonASTSource(fn, sig, constexprs, attrs)
+    opts = {"num_warps": warps}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def _sass(cubin: bytes) -> str | None:
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    tool = os.path.join(bindir, "nvdisasm")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        return subprocess.run([tool, "-c", path], capture_output=True,
+                              text=True, check=True).stdout
+    finally:
+        os.unlink(path)
+
+
+def _resources(cubin: bytes):
+    """(registers, spill bytes) of the kernel from cuobjdump -res-usage (CompiledKernel.n_regs needs a GPU)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(path)
+    regs = re.search(r"REG:(\d+)", out)
+    spill = re.search(r"STACK:(\d+)", out)
+    return (int(regs.group(1)) if regs else -1), (int(spill.group(1)) if spill else -1)
+
+
+def _loops(sass: str):
+    """Backward branches (BRA to an earlier label) -> (label, lines of the loop body)."""
+    lines = sass.splitlines()
+    labels = {}
+    for i, line in enumerate(lines):
+        m = re.match(r"^\s*(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = i
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.search(r"\bBRA\b[^;]*?(\.L_x_\d+)", line)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:
+            loops.append((m.group(1), lines[labels[m.group(1)]:i + 1]))
+    return loops
+
+
+def _opcodes(body):
+    ops = collections.Counter()
+    for line in body:
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m:
+            ops[m.group(2).split(".")[0]] += 1
+    return ops
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=7168)
+    ap.add_argument("--k", type=int, default=5120)
+    ap.add_argument("--stages", type=int, default=G.DEFAULT["NUM_STAGES"])
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--maxnreg", type=int, default=G.DEFAULT["maxnreg"], help="0: no cap")
+    ap.add_argument("--producer-regs", type=int, default=24)
+    ap.add_argument("--bias", action="store_true")
+    ap.add_argument("--pdl", action="store_true")
+    ap.add_argument("--dump", default=None, help="write ttgir / llir / ptx / sass here")
+    a = ap.parse_args()
+    try:
+        ck = compile_kernel(a.n, a.k, a.stages, a.warps, a.maxnreg, a.producer_regs, a.bias, a.pdl)
+    except Exception as e:  # noqa: BLE001
+        print(f"compile FAILED: {type(e).__name__}: {e}")
+        sys.exit(1)
+    md = ck.metadata
+    n_regs, n_spills = _resources(ck.asm["cubin"])
+    print(f"ptxas: OK (sm_90a)  N={a.n} K={a.k} stages={a.stages} consumer warps={a.warps} "
+          f"maxnreg={a.maxnreg} producer regs={a.producer_regs} bias={a.bias} pdl={a.pdl}")
+    print(f"registers/thread (kernel): {n_regs}  spills: {n_spills}  shared memory: {md.shared} B  "
+          f"(ring {a.stages} x {64 * 32 * 4 + 64 * 16} B)  num_warps (total): {md.num_warps}")
+    warps_total = -(-a.warps // 4) * 4 + 4  # registers are handed out per warpgroup
+    regs = a.maxnreg or n_regs
+    by_regs = 65536 // (max(regs, 24) * warps_total * 32)
+    by_smem = 233472 // (md.shared + 1024)
+    per_sm = max(1, min(by_regs, by_smem))
+    blocks, kb = triton.cdiv(a.n, 64), a.k // 256
+    s_max = max(1, min(kb, per_sm * 132 // blocks))
+    steps = -(-kb // s_max)
+    s = -(-kb // steps)
+    print(f"programs/SM: {per_sm} (by regs {by_regs}, by smem {by_smem}); H100 split S={s}, grid={blocks * s}, "
+          f"steps/program <= {steps}, weight bytes in flight/SM <= {per_sm * a.stages * 9216}")
+    ptx = ck.asm["ptx"]
+    for pat in ("mma.sync", "mul.rn.bf16x2", "bar.sync", "barrier.sync", "bar.arrive", "mbarrier.try_wait",
+                "mbarrier.arrive", "cp.async.bulk.tensor", "setmaxnreg", "st.shared", "ld.shared"):
+        print(f"  ptx {pat:22s} {ptx.count(pat)}")
+    sass = _sass(ck.asm["cubin"])
+    if sass is None:
+        print("nvdisasm not found: no SASS counts")
+    else:
+        # the shortest backward-branch span holding an HMMA is the consumer main loop, one holding a
+        # UTMALDG the producer loop (longer spans are the mbarrier try-wait retry branches)
+        for name, op in (("consumer main loop", "HMMA"), ("producer loop", "UTMALDG")):
+            cands = [(label, body) for label, body in _loops(sass) if _opcodes(body).get(op)]
+            if not cands:
+                print(f"SASS {name}: not found")
+                continue
+            label, body = min(cands, key=lambda lb: len(lb[1]))
+            ops = _opcodes(body)
+            top = ", ".join(f"{o} {c}" for o, c in ops.most_common(20))
+            print(f"SASS {name} ({label}): {sum(ops.values())} instructions per step: {top}")
+    if a.dump:
+        os.makedirs(a.dump, exist_ok=True)
+        for ext in ("ttgir", "llir", "ptx"):
+            with open(os.path.join(a.dump, f"gemv.{ext}"), "w") as f:
+                f.write(ck.asm[ext])
+        if sass:
+            with open(os.path.join(a.dump, "gemv.sass"), "w") as f:
+                f.write(sass)
+        print(f"dumped to {a.dump}")
+
+
+if __name__ == "__main__":
+    if shutil.which("ptxas") is None:
+        os.environ.setdefault("TRITON_PTXAS_PATH", os.path.join(os.path.dirname(triton.__file__), "backends",
+                                                                 "nvidia", "bin", "ptxas"))
+    main()

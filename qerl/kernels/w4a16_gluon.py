@@ -1,0 +1,331 @@
+"""Warp-specialised M = 1 GEMV for nvfp4 on Hopper (Gluon), tensor-core reduction:
+y[1, N] = x[1, K] @ dequant(W)[N, K]^T, bf16 in / out, fp32 accumulate.
+
+Sibling of `w4a16_ws.py` (same ring, same schedule and fixup); `benchmarks/compile_gluon.py`
+compiles it offline. The default for M = 1 nvfp4 on Hopper layers with N*K >= WSMMA_MIN_NK
+(w4a16_triton), where it beat the other kernels on the H100 (NOTES_w4a16.md section 12);
+PATH="wsmma" forces it.
+
+Pipeline (per program = one 64-row block x one K slice):
+- producer partition (1 warp): TMA copies of whole 64 x 256 weight tiles (8 KB of words, 1 KB of
+  FP8 scales, `layout.py`'s tiled order viewed as 2-D [N/64*KB*64, 32] / [.., 16]) into a ring of
+  NUM_STAGES shared-memory stages; `ready[s]` (count 1, expect-tx 9216 bytes) / `empty[s]`.
+- consumer partition (default, 4 warps): wait `ready`, read the stage into registers, release it
+  (`empty`), decode with the exact packed bf16x2 decode of `w4a16_triton._decode_tile_packed`
+  (P0..P3 = q * s * 2^-J, bf16x2), and reduce with `mma.sync.m16n8k16` (inline PTX): the decoded
+  registers are used as the A fragment as they are, x as the B fragment (all 8 columns of B equal
+  x, so every column of C holds the same row sums). This replaces the 8 widen + 8 FFMA per word
+  of the CUDA-core reduction (`w4a16_ws.py`, NOTES_w4a16.md section 11: issue bound at ~4
+  instructions per weight) by 2 MMAs per thread-word.
+
+Why this is exact to reorder: a thread of an m16n8k16 MMA holds, for its lane (g = lane // 4,
+t = lane % 4), A rows g and g + 8 at K slots (2t, 2t+1) and (2t+8, 2t+9), and B at the same K
+slots. Which true K index a slot stands for is free as long as A and B agree and it does not
+depend on g. Thread (g, t) of warp w takes word column c = 8w + 2t + i (i = 0, 1) of rows
+16m + g and 16m + 8 + g (m = 0..3): one word holds K = 8c .. 8c+7 as P0 = (0, 1), P1 = (4, 5),
+P2 = (2, 3), P3 = (6, 7) (layout._slot), so
+    MMA 1: a = (P0[g], P0[g+8], P1[g], P1[g+8]), b = (x pair (8c, 8c+1), x pair (8c+4, 8c+5))
+    MMA 2: a = (P2[g], P2[g+8], P3[g], P3[g+8]), b = (x pair (8c+2, 8c+3), x pair (8c+6, 8c+7))
+and x is read as int32 pairs (x.view(int32)). The two word columns of a thread share one scale
+(16 weights per FP8 scale). Products of two bf16 are exact in fp32; the tensor core adds them
+in fp32 (as the fused tensor-core kernel does).
+
+Register tensors are 5-D [m 4, h 2, g 8, sc 16, i 2] (row = 16m + 8h + g, word column
+c = 2 sc + i, sc = 4w + t) in the blocked layout L5; the h = 0 / 1 halves (A rows g, g+8) are
+split off last, so each MMA is one element of a [4, 8, 16, 2] tensor: 8 elements (m, i) per
+thread, 16 MMAs per thread per 64 x 256 step (a warp: 64 rows x 8 word columns = 4096 weights).
+Offline sm_90a build (benchmarks/compile_gluon.py, N=7168, K=5120, 6 stages, maxnreg 64): no
+spills, 55.9 KB shared, consumer loop 345 SASS instructions per step = 21.6 per word (11 decode
+LOP3/SHF + 4 HMUL2 + 1 HMMA per word; ~32 in w4a16_ws).
+
+Schedule and fixup as `w4a16_gemv.py`: program p owns row block p // S and reduction steps
+[j*KB//S, (j+1)*KB//S), j = p % S; a block covered by several programs goes through the fp32
+workspace [grid, 64] and the block's counter; the last arrival sums the partials in program
+order (deterministic), writes bf16 and resets the counter. One launch, no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from qerl.kernels import w4a16_triton as W
+from qerl.kernels.w4a16_triton import _KA, _KM, _KS, _R1, _R2, _R3, _S0, _S3  # the bit layout (layout.py)
+
+# nvfp4 group scale: FP8-E4M3 value times 2^(126 - J), J = layout.NVFP4_EXP_OFFSET = 8 (w4a16_triton._scales)
+_SCALE_MUL = gl.constexpr(3.3230699894622897e35)  # 2^118
+_TILE_BYTES = gl.constexpr(64 * 32 * 4 + 64 * 16)  # words + scales of one 64 x 256 tile (TMA expect-tx)
+
+
+def _layouts(num_warps: int):
+    """(L5, L2W, L2S): the consumer's 5-D register layout of a tile and the 2-D layouts of the
+    shared-memory reads that reshape into it without data movement (checked at compile time with
+    convert_layout(assert_trivial=True)). WM = num_warps // 4 warps split the four 16-row MMA
+    tiles; the other factor 4 of the warps splits the word columns."""
+    wm = num_warps // 4
+    l5 = gl.BlockedLayout([1, 1, 1, 1, 2], [1, 1, 8, 4, 1], [wm, 1, 1, 4, 1], [4, 3, 2, 1, 0])
+    # 2-D [64 rows, 32 words]: row = 16m + 8h + g (bits: g 0-2, h 3, m 4-5), col = 8w + 2t + i
+    lanes_w = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
+    warps_w = [[0, 8], [0, 16]] + ([[16, 0]] if wm == 2 else [])
+    regs_w = [[0, 1], [8, 0]] + ([[32, 0]] if wm == 2 else [[16, 0], [32, 0]])
+    l2w = gl.DistributedLinearLayout(regs_w, lanes_w, warps_w, [], [64, 32])
+    # 2-D [64 rows, 16 scales]: scale column sc = 4w + t (both words of a thread share it)
+    lanes_s = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
+    warps_s = [[0, 4], [0, 8]] + ([[16, 0]] if wm == 2 else [])
+    regs_s = [[8, 0]] + ([[32, 0]] if wm == 2 else [[16, 0], [32, 0]])
+    l2s = gl.DistributedLinearLayout(regs_s, lanes_s, warps_s, [], [64, 16])
+    return l5, l2w, l2s
+
+
+@gluon.jit
+def _rotr(w, r: gl.constexpr):
+    return (w >> r) | (w << (32 - r))
+
+
+@gluon.jit
+def _mul2(p, s2):
+    """Packed bf16x2 product (exact here, as w4a16_triton._bf16x2_mul)."""
+    return gl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [p, s2], dtype=gl.uint32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _mma(c0, c1, c2, c3, a0, a1, a2, a3, b0, b1):
+    """One warp-wide mma.sync m16n8k16 (bf16 x bf16 -> fp32) per element: every thread of the
+    warp holds the same number of elements in the same order, so the warp executes them together."""
+    return gl.inline_asm_elementwise(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+        "{$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+        dtype=(gl.float32, gl.float32, gl.float32, gl.float32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _halves(v):
+    """[4, 2, 8, 16, 2] (m, h, g, sc, i) -> the h = 0 and h = 1 halves, each [4, 8, 16, 2]."""
+    return gl.split(gl.permute(v, (0, 2, 3, 4, 1)))
+
+
+@gluon.jit
+def _gdc(op: gl.constexpr):
+    """griddepcontrol.wait / .launch_dependents (programmatic dependent launch, w4a16_triton.PDL)."""
+    gl.inline_asm_elementwise("griddepcontrol." + op + "; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _producer(w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, NUM_STAGES: gl.constexpr):
+    for kk in range(k0, k1):
+        i = kk - k0
+        idx = i % NUM_STAGES
+        # empty[idx] completes a phase when the consumers release the stage; a fresh barrier counts
+        # as having completed the phase before phase 0, so round 0 (parity 1) passes at once
+        mbarrier.wait(empty.index(idx), ((i // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(idx), _TILE_BYTES)
+        trow = trow0 + kk * 64
+        tma.async_copy_global_to_shared(w_desc, [trow, 0], ready.index(idx), w_bufs.index(idx))
+        tma.async_copy_global_to_shared(s_desc, [trow, 0], ready.index(idx), s_bufs.index(idx))
+
+
+@gluon.jit
+def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_bufs, ready, empty,
+              p, blk, N, k0, k1, S, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
+              L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr, num_warps: gl.constexpr):
+    # activations: x as int32 pairs, element (sc, i) of the 5-D tile needs word column c = 2 sc + i
+    LSC: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4, L5))))
+    LI: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L5))))
+    sc1 = gl.arange(0, 16, layout=LSC)
+    i1 = gl.arange(0, 2, layout=LI)
+    sc5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(sc1, 0), 0), 0), 4)
+    i5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(i1, 0), 0), 0), 0)
+    xoff = sc5 * 8 + i5 * 4  # [1, 1, 1, 16, 2]: int32 pair index of K = 8c
+    zero5 = gl.zeros([4, 2, 8, 16, 2], gl.int32, L5)
+
+    cz, _unused = _halves(gl.zeros([4, 2, 8, 16, 2], gl.float32, L5))
+    acc0 = cz
+    acc1 = cz
+    acc2 = cz
+    acc3 = cz
+    if PDL:  # x, the output and the workspace only after the previous kernel (the producer needs no wait)
+        _gdc("wait")
+    for kk in range(k0, k1):
+        i = kk - k0
+        idx = i % NUM_STAGES
+        xb = xw_ptr + kk * 128 + xoff
+        x01 = gl.load(xb + 0) + zero5  # pairs (8c, 8c+1), (8c+2, 8c+3), (8c+4, 8c+5), (8c+6, 8c+7)
+        x23 = gl.load(xb + 1) + zero5
+        x45 = gl.load(xb + 2) + zero5
+        x67 = gl.load(xb + 3) + zero5
+        mbarrier.wait(ready.index(idx), (i // NUM_STAGES) & 1)
+        w2 = w_bufs.index(idx).load(L2W)
+        s2d = s_bufs.index(idx).load(L2S)
+        mbarrier.arrive(empty.index(idx))
+        words = gl.convert_layout(gl.reshape(w2, [4, 2, 8, 16, 2]), L5, assert_trivial=True).to(gl.uint32,
+                                                                                                   bitcast=True)
+        sraw = gl.convert_layout(gl.reshape(s2d, [4, 2, 8, 16]), gl.SliceLayout(4, L5), assert_trivial=True)
+        s = (sraw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_MUL).to(gl.bfloat16)
+        s16 = s.to(gl.uint16, bitcast=True).to(gl.uint32)
+        s2 = gl.expand_dims(s16 | (s16 << 16), 4)  # [4, 2, 8, 16, 1]: the scale in both halves
+        p0 = _mul2((words & _KM) | (_rotr(words, _S0) & _KS), s2)
+        p1 = _mul2(_rotr(words, _R1) & _KA, s2)
+        p2 = _mul2(_rotr(words, _R2) & _KA, s2)
+        p3 = _mul2((_rotr(words, _R3) & _KM) | (_rotr(words, _S3) & _KS), s2)
+        p0g, p0h = _halves(p0.to(gl.int32, bitcast=True))
+        p1g, p1h = _halves(p1.to(gl.int32, bitcast=True))
+        p2g, p2h = _halves(p2.to(gl.int32, bitcast=True))
+        p3g, p3h = _halves(p3.to(gl.int32, bitcast=True))
+        b01, _u0 = _halves(x01)
+        b23, _u1 = _halves(x23)
+        b45, _u2 = _halves(x45)
+        b67, _u3 = _halves(x67)
+        acc0, acc1, acc2, acc3 = _mma(acc0, acc1, acc2, acc3, p0g, p0h, p1g, p1h, b01, b45)
+        acc0, acc1, acc2, acc3 = _mma(acc0, acc1, acc2, acc3, p2g, p2h, p3g, p3h, b23, b67)
+
+    # acc0 (= acc1): row 16m + g, acc2 (= acc3): row 16m + 8 + g, for every lane t of the quad
+    # (all B columns equal x): keep lane t = 0 (sc % 4 == 0), sum the word columns and the warps.
+    LR: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, num_warps], [0, 1])  # [8 (g), 4 (m)] per half
+    sc4, _u4 = _halves(sc5 + zero5)
+    keep = (sc4 % 4) == 0
+    lo = gl.sum(gl.sum(gl.where(keep, acc0, 0.0), axis=3), axis=2)  # [m, g]
+    hi = gl.sum(gl.sum(gl.where(keep, acc2, 0.0), axis=3), axis=2)
+    lo = gl.convert_layout(gl.permute(lo, (1, 0)), LR)  # [g, m]
+    hi = gl.convert_layout(gl.permute(hi, (1, 0)), LR)
+    g1 = gl.arange(0, 8, layout=gl.SliceLayout(1, LR))
+    m1 = gl.arange(0, 4, layout=gl.SliceLayout(0, LR))
+    rows_lo = gl.expand_dims(g1, 1) + gl.expand_dims(m1, 0) * 16  # [8, 4]
+    rows_hi = rows_lo + 8
+    done = k1 > k0
+    if S > 1:
+        gl.store(ws_ptr + p * 64 + rows_lo, lo)
+        gl.store(ws_ptr + p * 64 + rows_hi, hi)
+        gl.thread_barrier()  # all threads' partials are written before the counter moves
+        count = gl.atomic_add(lock_ptr + blk, 1, sem="acq_rel", scope="gpu")
+        done = count == S - 1
+        if done:
+            lo = gl.zeros([8, 4], gl.float32, LR)
+            hi = gl.zeros([8, 4], gl.float32, LR)
+            for q in range(blk * S, blk * S + S):
+                lo += gl.load(ws_ptr + q * 64 + rows_lo, cache_modifier=".cg")
+                hi += gl.load(ws_ptr + q * 64 + rows_hi, cache_modifier=".cg")
+            gl.atomic_xchg(lock_ptr + blk, 0)  # ready for the next launch
+    if done:
+        alpha = gl.load(alpha_ptr)
+        n_lo = blk * 64 + rows_lo
+        n_hi = blk * 64 + rows_hi
+        out_lo = lo * alpha
+        out_hi = hi * alpha
+        if HAS_BIAS:
+            out_lo += gl.load(bias_ptr + n_lo, mask=n_lo < N, other=0.0).to(gl.float32)
+            out_hi += gl.load(bias_ptr + n_hi, mask=n_hi < N, other=0.0).to(gl.float32)
+        gl.store(c_ptr + n_lo, out_lo.to(gl.bfloat16), mask=n_lo < N)
+        gl.store(c_ptr + n_hi, out_hi.to(gl.bfloat16), mask=n_hi < N)
+
+
+@gluon.jit
+def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, N, KB, S,
+                       NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
+                       PRODUCER_REGS: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr,
+                       num_warps: gl.constexpr):
+    if PDL:
+        _gdc("launch_dependents")
+    p = gl.program_id(0)
+    blk = p // S
+    j = p - blk * S
+    k0 = (j * KB) // S
+    k1 = ((j + 1) * KB) // S
+    trow0 = blk * (KB * 64)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES] + w_desc.block_type.shape, w_desc.layout)
+    s_bufs = gl.allocate_shared_memory(s_desc.dtype, [NUM_STAGES] + s_desc.block_type.shape, s_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(st), count=1)
+        mbarrier.init(empty.index(st), count=1)
+    gl.warp_specialize([
+        (_consumer, (xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_bufs, ready, empty,
+                     p, blk, N, k0, k1, S, NUM_STAGES, HAS_BIAS, PDL, L5, L2W, L2S, num_warps)),
+        (_producer, (w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, NUM_STAGES)),
+    ], [1], [PRODUCER_REGS])
+
+
+# 6 stages x 9 KB and 64 registers: 4 programs (16 consumer warps) per SM by both limits (offline build)
+# NUM_STAGES 3: best of 3 / 6 on the H100 (results/gemv_warp_specialised_mma.json)
+DEFAULT = dict(NUM_STAGES=3, num_warps=4, PER_SM=4, maxnreg=64, PRODUCER_REGS=24, PDL=None)
+_RESIDENT: dict = {}
+
+
+def descriptors(state: dict):
+    """TMA descriptors of the tiled words / scales viewed as 2-D [N/64*KB*64, 32] / [.., 16]."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    wl = gl.NVMMASharedLayout.get_default_for([64, 32], gl.int32)
+    sl = gl.NVMMASharedLayout.get_default_for([64, 16], gl.uint8)
+    return (TensorDescriptor.from_tensor(state["words"].view(-1, 32), [64, 32], wl),
+            TensorDescriptor.from_tensor(state["scale"].view(-1, 16), [64, 16], sl))
+
+
+def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | None = None) -> torch.Tensor:
+    """y = x @ dequant(W)^T (+ bias) for x [1, K] bf16 (contiguous) and an nvfp4 `state` (qerl.kernels.prepare).
+
+    config: NUM_STAGES (ring depth), PER_SM (programs per SM assumed before the first launch
+    measures it), S (forced K slices per row block), num_warps (consumer warps: 4 or 8),
+    maxnreg (register cap per thread), PRODUCER_REGS, PDL."""
+    if state["fmt"] != "nvfp4":
+        raise ValueError(f"the Gluon GEMV takes nvfp4 weights, got {state['fmt']}")
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"the Gluon GEMV takes M = 1, got x of shape {tuple(x.shape)}")
+    n, k, kb = state["n"], state["k"], state["kb"]
+    if k != kb * 256:
+        raise ValueError("the Gluon GEMV needs K a multiple of 256")
+    if x.shape[1] != k or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bf16 [1, {k}]")
+    cfg = dict(DEFAULT)
+    cfg.update({key: v for key, v in (config or {}).items() if key in DEFAULT or key == "S"})
+    nw = int(cfg["num_warps"])
+    if nw not in (4, 8):
+        raise ValueError(f"num_warps must be 4 or 8, got {nw}")
+    ns, per_sm = int(cfg["NUM_STAGES"]), int(cfg["PER_SM"])
+    pdl = bool(W.PDL if cfg["PDL"] is None else cfg["PDL"])
+    preg = int(cfg["PRODUCER_REGS"])
+    key = (ns, nw, cfg["maxnreg"], preg, pdl)
+    blocks = triton.cdiv(n, 64)
+    if cfg.get("S") is not None:
+        s = max(1, min(int(cfg["S"]), kb))
+    else:
+        slots = _RESIDENT.get(key, per_sm) * W._num_sms(x.device.index or 0)
+        s_max = max(1, min(kb, slots // blocks))
+        steps = -(-kb // s_max)
+        s = -(-kb // steps)  # fewest slices with the same longest slice
+    w_desc, s_desc = descriptors(state)
+    c = torch.empty(1, n, device=x.device, dtype=torch.bfloat16) if out is None else out
+    locks = state["locks"]
+    if blocks > locks.numel():
+        locks = torch.zeros(blocks, dtype=torch.int32, device=x.device)
+    grid = blocks * s
+    ws = torch.empty(grid * 64 if s > 1 else 1, device=x.device, dtype=torch.float32)
+    l5, l2w, l2s = _layouts(nw)
+    extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
+    kernel = _gluon_gemv_kernel[(grid,)](
+        x.contiguous().view(torch.int32), w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws,
+        locks, n, kb, s, NUM_STAGES=ns, HAS_BIAS=bias is not None, PDL=pdl, PRODUCER_REGS=preg,
+        L5=l5, L2W=l2w, L2S=l2s, num_warps=nw, launch_pdl=pdl, **extra,
+    )
+    if key not in _RESIDENT:
+        _RESIDENT[key] = _resident(kernel, nw, cfg["maxnreg"]) or per_sm
+    return c
+
+
+def _resident(kernel, num_warps: int, maxnreg) -> int | None:
+    """Programs per SM: registers per warpgroup (the consumer warps at the kernel's register count
+    or maxnreg, plus one worker warpgroup), shared memory from the compiled kernel."""
+    try:
+        smem = kernel.metadata.shared
+        regs = maxnreg or kernel.n_regs
+    except AttributeError:
+        return None
+    warps = -(-num_warps // 4) * 4 + 4
+    by_regs = 65536 // (max(int(regs), 24) * warps * 32)
+    return max(1, min(by_regs, 233472 // (smem + 1024)))
