@@ -363,15 +363,23 @@ def test_pdl_chain_waits_for_its_input(fmt, m):
         assert st["locks"].abs().sum().item() == 0
 
 
-@pytest.mark.parametrize("cfg", ({}, {"NS": 2}, {"NS": 8, "S": 1}, {"S": 3}, {"CPT": 4, "maxnreg": 128, "NS": 6},
-                                 {"num_warps": 8, "CPT": 2, "maxnreg": 80}, {"num_warps": 16, "CPT": 2, "maxnreg": 56},
-                                 {"PDL": True}),
-                         ids=("default", "ns2", "ns8-s1", "s3", "cpt4", "w8-cpt2", "w16-cpt2", "pdl"))
+WS_CASES = [("ws", {}), ("ws", {"NS": 2}), ("ws", {"NS": 8, "S": 1}), ("ws", {"S": 3}),
+            ("ws", {"CPT": 4, "maxnreg": 128, "NS": 6}), ("ws", {"num_warps": 8, "CPT": 2, "maxnreg": 80}),
+            ("ws", {"num_warps": 16, "CPT": 2, "maxnreg": 56}), ("ws", {"PDL": True}),
+            ("wsmma", {}), ("wsmma", {"NUM_STAGES": 6}), ("wsmma", {"S": 1}), ("wsmma", {"S": 3}),
+            ("wsmma", {"num_warps": 8}), ("wsmma", {"PDL": True}), ("wsmma", {"maxnreg": 80})]
+
+
+@pytest.mark.parametrize("path,cfg", WS_CASES, ids=[f"{p}-{'-'.join(f'{k}{v}' for k, v in c.items()) or 'default'}"
+                                                   for p, c in WS_CASES])
 @pytest.mark.parametrize("name,n,k", [("3B.o", 2048, 2048), ("7B.qkv", 4608, 3584), ("32B.qkv", 7168, 5120),
-                                      ("7B.down", 3584, 18944)], ids=("3B.o", "7B.qkv", "32B.qkv", "7B.down"))
-def test_warp_specialised_gemv(name, n, k, cfg):
-    """The experimental Gluon GEMV (PATH="ws"): fp32 reference within 1e-2 on a NaN-poisoned
-    output, with bias, deterministic, counters back at 0, and a CUDA-graph replay on new data."""
+                                      ("7B.down", 3584, 18944), ("odd-n", 1000, 1024)],
+                         ids=("3B.o", "7B.qkv", "32B.qkv", "7B.down", "odd-n"))
+def test_warp_specialised_gemv(name, n, k, path, cfg):
+    """The Gluon GEMVs (PATH="ws": CUDA-core reduction; "wsmma": tensor-core reduction, the
+    default for M = 1 nvfp4 layers >= 60M on Hopper): fp32 reference within 1e-2 on a
+    NaN-poisoned output with bias, N not a multiple of 64, bit-identical re-run, counters back at
+    0, and a CUDA-graph replay on new data."""
     pytest.importorskip("triton.experimental.gluon")
     from qerl.kernels import w4a16_triton as W
 
@@ -380,40 +388,7 @@ def test_warp_specialised_gemv(name, n, k, cfg):
     t, st, w32 = _layer("nvfp4", n, k, seed=11)
     x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
     bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-    conf = dict(cfg, PATH="ws")
-    W.forward(x, st, config=conf)  # the first launch measures occupancy, which may change the split
-    y = torch.full((1, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    W.forward(x, st, bias=bias, config=conf, out=y)
-    ref = x.float() @ w32.T + bias.float()
-    assert not y.isnan().any() and _rel(y, ref) < TOL
-    assert torch.equal(W.forward(x, st, bias=bias, config=conf), y)
-    assert st["locks"].abs().sum().item() == 0
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = W.forward(x, st, config=conf)
-    x.copy_(torch.randn(1, k, device="cuda").to(torch.bfloat16))
-    g.replay()
-    assert _rel(out, x.float() @ w32.T) < TOL
-
-
-@pytest.mark.parametrize("cfg", ({}, {"NUM_STAGES": 3}, {"S": 1}, {"S": 3}, {"num_warps": 8}, {"PDL": True},
-                                 {"maxnreg": 80}),
-                         ids=("default", "ns3", "s1", "s3", "w8", "pdl", "r80"))
-@pytest.mark.parametrize("name,n,k", [("3B.o", 2048, 2048), ("7B.qkv", 4608, 3584), ("32B.qkv", 7168, 5120),
-                                      ("7B.down", 3584, 18944), ("odd-n", 1000, 1024)],
-                         ids=("3B.o", "7B.qkv", "32B.qkv", "7B.down", "odd-n"))
-def test_warp_specialised_mma_gemv(name, n, k, cfg):
-    """The Gluon GEMV with the reduction on the tensor cores (PATH="wsmma"): as
-    test_warp_specialised_gemv, plus N not a multiple of 64."""
-    pytest.importorskip("triton.experimental.gluon")
-    from qerl.kernels import w4a16_triton as W
-
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("needs Hopper (TMA, warp specialisation)")
-    t, st, w32 = _layer("nvfp4", n, k, seed=12)
-    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
-    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-    conf = dict(cfg, PATH="wsmma")
+    conf = dict(cfg, PATH=path)
     W.forward(x, st, config=conf)  # the first launch measures occupancy, which may change the split
     y = torch.full((1, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     W.forward(x, st, bias=bias, config=conf, out=y)

@@ -50,14 +50,14 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels.w4a16_triton import _KA, _KM, _KS, _R1, _R2, _R3, _S0, _S3  # the bit layout (layout.py)
+from qerl.kernels.w4a16_ws import _gdc, _mul2, _producer, _rotr  # the ring's producer, PDL, decode helpers
 
 # nvfp4 group scale: FP8-E4M3 value times 2^(126 - J), J = layout.NVFP4_EXP_OFFSET = 8 (w4a16_triton._scales)
 _SCALE_MUL = gl.constexpr(3.3230699894622897e35)  # 2^118
-_TILE_BYTES = gl.constexpr(64 * 32 * 4 + 64 * 16)  # words + scales of one 64 x 256 tile (TMA expect-tx)
 
 
 def _layouts(num_warps: int):
@@ -81,18 +81,6 @@ def _layouts(num_warps: int):
 
 
 @gluon.jit
-def _rotr(w, r: gl.constexpr):
-    return (w >> r) | (w << (32 - r))
-
-
-@gluon.jit
-def _mul2(p, s2):
-    """Packed bf16x2 product (exact here, as w4a16_triton._bf16x2_mul)."""
-    return gl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [p, s2], dtype=gl.uint32,
-                                     is_pure=True, pack=1)
-
-
-@gluon.jit
 def _mma(c0, c1, c2, c3, a0, a1, a2, a3, b0, b1):
     """One warp-wide mma.sync m16n8k16 (bf16 x bf16 -> fp32) per element: every thread of the
     warp holds the same number of elements in the same order, so the warp executes them together."""
@@ -108,26 +96,6 @@ def _mma(c0, c1, c2, c3, a0, a1, a2, a3, b0, b1):
 def _halves(v):
     """[4, 2, 8, 16, 2] (m, h, g, sc, i) -> the h = 0 and h = 1 halves, each [4, 8, 16, 2]."""
     return gl.split(gl.permute(v, (0, 2, 3, 4, 1)))
-
-
-@gluon.jit
-def _gdc(op: gl.constexpr):
-    """griddepcontrol.wait / .launch_dependents (programmatic dependent launch, w4a16_triton.PDL)."""
-    gl.inline_asm_elementwise("griddepcontrol." + op + "; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _producer(w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, NUM_STAGES: gl.constexpr):
-    for kk in range(k0, k1):
-        i = kk - k0
-        idx = i % NUM_STAGES
-        # empty[idx] completes a phase when the consumers release the stage; a fresh barrier counts
-        # as having completed the phase before phase 0, so round 0 (parity 1) passes at once
-        mbarrier.wait(empty.index(idx), ((i // NUM_STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(idx), _TILE_BYTES)
-        trow = trow0 + kk * 64
-        tma.async_copy_global_to_shared(w_desc, [trow, 0], ready.index(idx), w_bufs.index(idx))
-        tma.async_copy_global_to_shared(s_desc, [trow, 0], ready.index(idx), s_bufs.index(idx))
 
 
 @gluon.jit
