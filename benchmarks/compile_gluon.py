@@ -30,13 +30,14 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 from qerl.kernels import w4a16_gluon as G  # noqa: E402
+from qerl.kernels import w4a16_ws as WS  # noqa: E402
 
 
 def _signature(n: int, k: int, has_bias: bool):
     kb = k // 256
     state = {"words": torch.zeros(triton.cdiv(n, 64), kb, 64, 32, dtype=torch.int32),
              "scale": torch.zeros(triton.cdiv(n, 64), kb, 64, 16, dtype=torch.uint8)}
-    w_desc, s_desc = G.descriptors(state)
+    w_desc, s_desc = WS.descriptors(state)
     return {
         "xw_ptr": "*i32", "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc), "alpha_ptr": "*fp32",
         "bias_ptr": "*bf16", "c_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",

@@ -47,14 +47,13 @@ order (deterministic), writes bf16 and resets the counter. One launch, no host s
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels.w4a16_triton import _KA, _KM, _KS, _R1, _R2, _R3, _S0, _S3  # the bit layout (layout.py)
-from qerl.kernels.w4a16_ws import _gdc, _mul2, _producer, _rotr  # the ring's producer, PDL, decode helpers
+from qerl.kernels.w4a16_ws import _gdc, _mul2, _plan, _producer, _rotr, _setup  # ring, producer, launch plan, PDL, decode
 
 # nvfp4 group scale: FP8-E4M3 value times 2^(126 - J), J = layout.NVFP4_EXP_OFFSET = 8 (w4a16_triton._scales)
 _SCALE_MUL = gl.constexpr(3.3230699894622897e35)  # 2^118
@@ -197,21 +196,7 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_pt
                        NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr,
                        num_warps: gl.constexpr):
-    if PDL:
-        _gdc("launch_dependents")
-    p = gl.program_id(0)
-    blk = p // S
-    j = p - blk * S
-    k0 = (j * KB) // S
-    k1 = ((j + 1) * KB) // S
-    trow0 = blk * (KB * 64)
-    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES] + w_desc.block_type.shape, w_desc.layout)
-    s_bufs = gl.allocate_shared_memory(s_desc.dtype, [NUM_STAGES] + s_desc.block_type.shape, s_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for st in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(st), count=1)
-        mbarrier.init(empty.index(st), count=1)
+    p, blk, k0, k1, trow0, w_bufs, s_bufs, ready, empty = _setup(w_desc, s_desc, KB, S, NUM_STAGES, PDL)
     gl.warp_specialize([
         (_consumer, (xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_bufs, ready, empty,
                      p, blk, N, k0, k1, S, NUM_STAGES, HAS_BIAS, PDL, L5, L2W, L2S, num_warps)),
@@ -223,16 +208,6 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_pt
 # NUM_STAGES 3: best of 3 / 6 on the H100 (results/gemv_warp_specialised_mma.json)
 DEFAULT = dict(NUM_STAGES=3, num_warps=4, PER_SM=4, maxnreg=64, PRODUCER_REGS=24, PDL=None)
 _RESIDENT: dict = {}
-
-
-def descriptors(state: dict):
-    """TMA descriptors of the tiled words / scales viewed as 2-D [N/64*KB*64, 32] / [.., 16]."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    wl = gl.NVMMASharedLayout.get_default_for([64, 32], gl.int32)
-    sl = gl.NVMMASharedLayout.get_default_for([64, 16], gl.uint8)
-    return (TensorDescriptor.from_tensor(state["words"].view(-1, 32), [64, 32], wl),
-            TensorDescriptor.from_tensor(state["scale"].view(-1, 16), [64, 16], sl))
 
 
 def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | None = None) -> torch.Tensor:
@@ -259,21 +234,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     pdl = bool(W.PDL if cfg["PDL"] is None else cfg["PDL"])
     preg = int(cfg["PRODUCER_REGS"])
     key = (ns, nw, cfg["maxnreg"], preg, pdl)
-    blocks = triton.cdiv(n, 64)
-    if cfg.get("S") is not None:
-        s = max(1, min(int(cfg["S"]), kb))
-    else:
-        slots = _RESIDENT.get(key, per_sm) * W._num_sms(x.device.index or 0)
-        s_max = max(1, min(kb, slots // blocks))
-        steps = -(-kb // s_max)
-        s = -(-kb // steps)  # fewest slices with the same longest slice
-    w_desc, s_desc = descriptors(state)
-    c = torch.empty(1, n, device=x.device, dtype=torch.bfloat16) if out is None else out
-    locks = state["locks"]
-    if blocks > locks.numel():
-        locks = torch.zeros(blocks, dtype=torch.int32, device=x.device)
-    grid = blocks * s
-    ws = torch.empty(grid * 64 if s > 1 else 1, device=x.device, dtype=torch.float32)
+    s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), _RESIDENT.get(key, per_sm))
     l5, l2w, l2s = _layouts(nw)
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
     kernel = _gluon_gemv_kernel[(grid,)](

@@ -136,6 +136,27 @@ def _consumer(x_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_buf
 
 
 @gluon.jit
+def _setup(w_desc, s_desc, KB, S, NS: gl.constexpr, PDL: gl.constexpr):
+    """Common start of the warp-specialised GEMVs: PDL trigger, this program's row block and K
+    slice (split schedule), and the NS-stage ring with its ready / empty mbarriers."""
+    if PDL:
+        _gdc("launch_dependents")
+    p = gl.program_id(0)
+    blk = p // S
+    j = p - blk * S
+    k0 = (j * KB) // S
+    k1 = ((j + 1) * KB) // S
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NS] + w_desc.block_type.shape, w_desc.layout)
+    s_bufs = gl.allocate_shared_memory(s_desc.dtype, [NS] + s_desc.block_type.shape, s_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return p, blk, k0, k1, blk * (KB * 64), w_bufs, s_bufs, ready, empty
+
+
+@gluon.jit
 def _ws_gemv_kernel(x_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, N, KB, S,
                     NS: gl.constexpr, HAS_BIAS: gl.constexpr, CPT: gl.constexpr, WREGS: gl.constexpr,
                     PDL: gl.constexpr, num_warps: gl.constexpr):
@@ -146,21 +167,7 @@ def _ws_gemv_kernel(x_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, l
     RPT: gl.constexpr = 64 // (TPR * num_warps)
     LW: gl.constexpr = gl.BlockedLayout([RPT, CPT], [TPR, TPC], [num_warps, 1], [1, 0])
     LS: gl.constexpr = gl.BlockedLayout([RPT, CPT // 2], [TPR, TPC], [num_warps, 1], [1, 0])
-    if PDL:
-        _gdc("launch_dependents")
-    p = gl.program_id(0)
-    blk = p // S
-    j = p - blk * S
-    k0 = (j * KB) // S
-    k1 = ((j + 1) * KB) // S
-    trow0 = blk * (KB * 64)
-    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NS] + w_desc.block_type.shape, w_desc.layout)
-    s_bufs = gl.allocate_shared_memory(s_desc.dtype, [NS] + s_desc.block_type.shape, s_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NS):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    p, blk, k0, k1, trow0, w_bufs, s_bufs, ready, empty = _setup(w_desc, s_desc, KB, S, NS, PDL)
     gl.warp_specialize([
         (_consumer, (x_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_bufs, ready, empty,
                      p, blk, N, k0, k1, S, NS, HAS_BIAS, LW, LS, PDL)),
@@ -185,25 +192,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, config: dict | None = None,
         raise ValueError("the warp-specialised GEMV needs K a multiple of 256")
     ns, per_sm = int(cfg.pop("NS")), int(cfg.pop("PER_SM"))
     key = (ns, cfg["num_warps"], cfg.get("maxnreg"), cfg["CPT"], cfg["WREGS"], cfg["PDL"])
-    blocks = triton.cdiv(n, 64)
-    if cfg.get("S") is not None:
-        s = max(1, min(int(cfg.pop("S")), kb))
-    else:
-        cfg.pop("S", None)
-        slots = _RESIDENT.get(key, per_sm) * W._num_sms(x.device.index or 0)
-        s_max = max(1, min(kb, slots // blocks))
-        steps = -(-kb // s_max)
-        s = -(-kb // steps)
-    wl = gl.NVMMASharedLayout.get_default_for([64, 32], gl.int32)
-    sl = gl.NVMMASharedLayout.get_default_for([64, 16], gl.uint8)
-    w_desc = TensorDescriptor.from_tensor(state["words"].view(-1, 32), [64, 32], wl)
-    s_desc = TensorDescriptor.from_tensor(state["scale"].view(-1, 16), [64, 16], sl)
-    c = torch.empty(1, n, device=x.device, dtype=torch.bfloat16) if out is None else out
-    locks = state["locks"]
-    if blocks > locks.numel():
-        locks = torch.zeros(blocks, dtype=torch.int32, device=x.device)
-    grid = blocks * s
-    ws = torch.empty(grid * 64 if s > 1 else 1, device=x.device, dtype=torch.float32)
+    s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.pop("S", None), _RESIDENT.get(key, per_sm))
     kernel = _ws_gemv_kernel[(grid,)](
         x, w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws, locks, n, kb, s,
         NS=ns, HAS_BIAS=bias is not None, launch_pdl=cfg["PDL"], **cfg,
@@ -211,6 +200,37 @@ def forward(x: torch.Tensor, state: dict, bias=None, config: dict | None = None,
     if key not in _RESIDENT:
         _RESIDENT[key] = _resident(kernel, cfg) or per_sm
     return c
+
+
+def descriptors(state: dict):
+    """TMA descriptors of the tiled words / scales viewed as 2-D [N/64*KB*64, 32] / [.., 16]."""
+    wl = gl.NVMMASharedLayout.get_default_for([64, 32], gl.int32)
+    sl = gl.NVMMASharedLayout.get_default_for([64, 16], gl.uint8)
+    return (TensorDescriptor.from_tensor(state["words"].view(-1, 32), [64, 32], wl),
+            TensorDescriptor.from_tensor(state["scale"].view(-1, 16), [64, 16], sl))
+
+
+def _plan(x: torch.Tensor, state: dict, out, s_forced, per_sm: int):
+    """Host side of a warp-specialised GEMV launch: K slices per 64-row block (the fewest with
+    the longest slice that fills per_sm programs on every SM, or s_forced), TMA descriptors,
+    output, counters and workspace -> (S, grid, w_desc, s_desc, c, locks, ws)."""
+    n, kb = state["n"], state["kb"]
+    blocks = triton.cdiv(n, 64)
+    if s_forced is not None:
+        s = max(1, min(int(s_forced), kb))
+    else:
+        slots = per_sm * W._num_sms(x.device.index or 0)
+        s_max = max(1, min(kb, slots // blocks))
+        steps = -(-kb // s_max)
+        s = -(-kb // steps)  # fewest slices with the same longest slice
+    w_desc, s_desc = descriptors(state)
+    c = torch.empty(1, n, device=x.device, dtype=torch.bfloat16) if out is None else out
+    locks = state["locks"]
+    if blocks > locks.numel():
+        locks = torch.zeros(blocks, dtype=torch.int32, device=x.device)
+    grid = blocks * s
+    ws = torch.empty(grid * 64 if s > 1 else 1, device=x.device, dtype=torch.float32)
+    return s, grid, w_desc, s_desc, c, locks, ws
 
 
 def _resident(kernel, cfg: dict) -> int | None:
