@@ -337,9 +337,6 @@ EXPLORE_SHAPES = [(7168, 5120), (3584, 3584), (4608, 3584), (5120, 13824), (2560
 def explore(deadline: float, out_path: str | None):
     """Candidate configs (tile, stages, register cap, packed decode, schedule) on a few shapes,
     each checked against the fp32 reference once, then timed like the sweep (`--explore`)."""
-    from qerl.kernels import reference
-    from qerl.kernels import w4a16_triton as W
-
     d16 = dict(BM=16, BO=64, BR=256, num_warps=4, num_stages=4, PER_SM=4)
     cands = {
         1: [("p16x64x256s4", dict(d16)),
@@ -361,33 +358,33 @@ def explore(deadline: float, out_path: str | None):
               ("p64x128x64s4", dict(BM=64, BO=128, BR=64, num_warps=4, num_stages=4, PER_SM=2))],
     }
     cands[16] = cands[1]
-    rows = []
+
+    def pick(n, k, m, fmt):
+        if fmt == "mxfp4" and (m in (16, 64, 256) or (n, k) != (7168, 5120)):
+            return []
+        return cands[m]
+
     log("\n## explore (us per call, x = speedup vs bf16 in this process)")
-    for n, k in EXPLORE_SHAPES:
+    return candidate_sweep(deadline, out_path, EXPLORE_SHAPES, (1, 16, 64, 256), pick)
+
+
+def candidate_sweep(deadline: float, out_path: str | None, shapes, ms, pick) -> list[dict]:
+    """For each shape and M: bf16 once, then the candidates pick(n, k, m, fmt) returns for nvfp4
+    and mxfp4 (time_candidates); rows written as they come."""
+    rows = []
+    for n, k in shapes:
         layer = Layer(n, k, ("nvfp4", "mxfp4"), seed=3)
-        for m in (1, 16, 64, 256):
+        for m in ms:
             if time.time() > deadline:
                 log("  (time budget reached)")
                 break
             bf = measure(layer, m, "bf16", "forward")
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             for fmt in ("nvfp4", "mxfp4"):
-                if fmt == "mxfp4" and (m in (16, 64, 256) or (n, k) != (7168, 5120)):
+                chosen = pick(n, k, m, fmt)
+                if not chosen:
                     continue
-                st = layer.states[fmt][0]
-                ref = x.float() @ reference.dequant(fmt, __import__("qerl.kernels", fromlist=["x"]).state_tensors(st), torch.float32).T
-                parts = []
-                for name, cfg in cands[m]:
-                    if time.time() > deadline:
-                        break
-                    try:
-                        y = W.forward(x, st, config=cfg)
-                        err = ((y.float() - ref).norm() / ref.norm()).item()
-                        us = measure(layer, m, fmt, "forward", config=cfg)
-                        parts.append(f"{name} {us:.1f} x{bf / us:.2f}" + ("" if err < 1e-2 else f" BAD{err:.2g}"))
-                        rows.append(dict(n=n, k=k, m=m, fmt=fmt, cfg=name, us=us, bf16_us=bf, err=err))
-                    except Exception as e:
-                        parts.append(f"{name} ERR {type(e).__name__}: {str(e)[:120]}")
+                parts = time_candidates(layer, x, layer.states[fmt][0], fmt, chosen, bf, rows, deadline)
                 log(f"  N={n} K={k} M={m} {fmt} bf16 {bf:.1f}: " + " | ".join(parts))
                 dump_rows(out_path, rows)
         del layer
@@ -435,24 +432,9 @@ def gemv_explore(deadline: float, out_path: str | None, ms=(1,), cands=None, sha
     from qerl.kernels import w4a16_gemv as G
 
     cands = cands or GEMV_CANDS
-    rows = []
     log("\n## candidate explore (us per call, x = speedup vs bf16 in this process)")
-    for n, k in shapes or GEMV_SHAPES:
-        layer = Layer(n, k, ("nvfp4", "mxfp4"), seed=3)
-        for m in ms:
-            if time.time() > deadline:
-                log("  (time budget reached)")
-                break
-            bf = measure(layer, m, "bf16", "forward")
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            for fmt in ("nvfp4", "mxfp4"):
-                st = layer.states[fmt][0]
-                chosen = [(a, c) for a, c in cands if fmt == "nvfp4" or a in all_formats]
-                parts = time_candidates(layer, x, st, fmt, chosen, bf, rows, deadline)
-                log(f"  N={n} K={k} M={m} {fmt} bf16 {bf:.1f}: " + " | ".join(parts))
-                dump_rows(out_path, rows)
-        del layer
-        torch.cuda.empty_cache()
+    rows = candidate_sweep(deadline, out_path, shapes or GEMV_SHAPES, ms,
+                           lambda n, k, m, fmt: [(a, c) for a, c in cands if fmt == "nvfp4" or a in all_formats])
     ws_mod = sys.modules.get("qerl.kernels.w4a16_ws")
     if ws_mod is not None:
         log(f"  resident programs per SM (ws: NS, warps, maxnreg, CPT): {ws_mod._RESIDENT}")
@@ -486,8 +468,8 @@ def overlap_explore(deadline: float, out_path: str | None, ms=OVERLAP_MS):
         st = layer.states["nvfp4"][0]
         w32 = reference.dequant("nvfp4", state_tensors(st), torch.float32)
         torch.cuda.synchronize()
-        t_dq = time_per_call(lambda i: W.dequant_bf16(layer.states["nvfp4"][i % len(layer.states["nvfp4"])]),
-                             len(layer.states["nvfp4"]))
+        copies_ = layer.states["nvfp4"]
+        t_dq = time_per_call(lambda i: W.dequant_bf16(copies_[i % len(copies_)]), len(copies_))
         log(f"  N={n} K={k}: dequant_bf16 alone {t_dq:.1f} us ({(n * k * 2.5625) / t_dq / 1e3:.0f} GB/s)")
         for m in ms:
             for op in ("forward", "backward"):

@@ -34,12 +34,11 @@ from qerl.kernels import w4a16_triton as W
 
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_desc, s_desc,
+    x_ptr, w_ptr, s_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr,
     M, N, K, stride_xm, stride_cm, KB, exp_bias, S,
     FMT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, PACKED: tl.constexpr,
     ACC2D: tl.constexpr = False, CH: tl.constexpr = 32, PDL: tl.constexpr = False, PF: tl.constexpr = 0,
-    TMA: tl.constexpr = False,
 ):
     if PDL:
         W.gdc_launch_dependents()
@@ -76,10 +75,7 @@ def _gemv_kernel(
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
         else:
             x = tl.load(x_ptrs, mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-        if TMA:  # nvfp4: words / scales as 2-D [tile rows, 32] / [tile rows, 16] TMA boxes
-            trow = (blk * BN) // 64 * (KB * 64) + (blk * BN) % 64 + kk * 64
-            w = W._decode_raw(w_desc.load([trow, 0]), s_desc.load([trow, 0]), exp_bias, FMT, BN, BK, F32, PACKED)
-        elif PF >= 1:
+        if PF >= 1:
             nw, ns = W._w_raw_at(w_ptr, s_ptr, offs_n, (kk + PF) * (BK // 8), KB, kk + PF < k1, FMT, BK, F32, PACKED)
             w = W._decode_raw(r0w, r0s, exp_bias, FMT, BN, BK, F32, PACKED)
             if PF == 1:
@@ -117,10 +113,7 @@ def _gemv_kernel(
                 acc += tl.load(ws_ptr + q * (BM * BN) + ws_tile, cache_modifier=".cg")
             tl.atomic_xchg(lock_ptr + blk, 0)  # ready for the next launch
     if done:
-        out = acc * alpha
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask)
+        W._store_out(acc, alpha, bias_ptr, c_ptrs, mask, offs_n, N, HAS_BIAS)
 
 
 # Default for M = 1 on layers with N*K <= w4a16_triton.GEMV_MAX_NK (benchmarks/NOTES_w4a16.md
@@ -141,7 +134,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, config: dict | None = None,
     m = x.shape[0]
     cfg = dict(DEFAULT)
     cfg.update({key: v for key, v in (config or {}).items() if key in ("BN", "num_warps", "PER_SM", "S", "WAVES",
-                                                                        "PACKED", "DECODE_F32", "num_stages", "ACC2D", "CH", "PDL", "PF", "TMA")})
+                                                                        "PACKED", "DECODE_F32", "num_stages", "ACC2D", "CH", "PDL", "PF")})
     bn, per_sm = cfg.pop("BN"), cfg.pop("PER_SM")
     if 64 % bn:
         raise ValueError(f"BN must divide 64, got {bn}")
@@ -172,16 +165,8 @@ def forward(x: torch.Tensor, state: dict, bias=None, config: dict | None = None,
     c = torch.empty(m, n, device=x.device, dtype=torch.bfloat16) if out is None else out
     grid = blocks * s
     ws = torch.empty(grid * bm * bn if s > 1 else 1, device=x.device, dtype=torch.float32)
-    w_desc = s_desc = None
-    if cfg.get("TMA"):
-        if state["fmt"] != "nvfp4" or W.INTERPRETED:
-            raise ValueError("TMA loads: nvfp4 on a GPU only (mxfp4 scale rows are 8 bytes, under TMA's 16)")
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        w_desc = TensorDescriptor.from_tensor(state["words"].view(-1, 32), [bn, 32])
-        s_desc = TensorDescriptor.from_tensor(state["scale"].view(-1, 16), [bn, 16])
     kernel = _gemv_kernel[(grid,)](
-        x, state["words"], state["scale"], state["alpha"], bias if bias is not None else c, c, ws, locks, w_desc, s_desc,
+        x, state["words"], state["scale"], state["alpha"], bias if bias is not None else c, c, ws, locks,
         m, n, k, x.stride(0), c.stride(0), state["kb"], state["exp_bias"], s, launch_pdl=pdl, **flags,
     )
     if key not in _RESIDENT:

@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels.w4a16_triton import _KA, _KM, _KS, _R1, _R2, _R3, _S0, _S3  # the bit layout (layout.py)
-from qerl.kernels.w4a16_ws import _gdc, _mul2, _plan, _producer, _rotr, _setup  # ring, producer, launch plan, PDL, decode
+from qerl.kernels.w4a16_ws import _gdc, _mul2, _plan, _producer, _resident, _rotr, _setup  # shared with w4a16_ws
 
 # nvfp4 group scale: FP8-E4M3 value times 2^(126 - J), J = layout.NVFP4_EXP_OFFSET = 8 (w4a16_triton._scales)
 _SCALE_MUL = gl.constexpr(3.3230699894622897e35)  # 2^118
@@ -245,16 +245,3 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     if key not in _RESIDENT:
         _RESIDENT[key] = _resident(kernel, nw, cfg["maxnreg"]) or per_sm
     return c
-
-
-def _resident(kernel, num_warps: int, maxnreg) -> int | None:
-    """Programs per SM: registers per warpgroup (the consumer warps at the kernel's register count
-    or maxnreg, plus one worker warpgroup), shared memory from the compiled kernel."""
-    try:
-        smem = kernel.metadata.shared
-        regs = maxnreg or kernel.n_regs
-    except AttributeError:
-        return None
-    warps = -(-num_warps // 4) * 4 + 4
-    by_regs = 65536 // (max(int(regs), 24) * warps * 32)
-    return max(1, min(by_regs, 233472 // (smem + 1024)))

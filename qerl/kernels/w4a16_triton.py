@@ -352,6 +352,16 @@ def _mainloop(a_ptr, w_ptr, s_ptr, pid_m, pid_o, k0, k1, M, NOUT, RED, stride_am
     return acc
 
 
+@triton.jit
+def _store_out(acc, alpha, bias_ptr, c_ptrs, mask, offs_o, NOUT, HAS_BIAS: tl.constexpr):
+    """Finished fp32 tile [rows, outputs] -> acc * alpha (+ bias over the outputs), stored in the
+    output's dtype under `mask` (the fused kernel and the GEMV)."""
+    out = acc * alpha
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_o, mask=offs_o < NOUT, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptrs, out.to(c_ptrs.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile for every M in a bucket (M=1 included)
 def _w4a16_kernel(
     a_ptr, w_ptr, s_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr,
@@ -428,10 +438,7 @@ def _w4a16_kernel(
                     acc += tl.load(ws_ptr + (q * 2 + q_slot) * (BM * BO) + ws_tile, cache_modifier=".cg")
                 tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch
         if done:
-            out = acc * alpha
-            if HAS_BIAS:
-                out += tl.load(bias_ptr + offs_o, mask=offs_o < NOUT, other=0.0).to(tl.float32)[None, :]
-            tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask)
+            _store_out(acc, alpha, bias_ptr, c_ptrs, mask, offs_o, NOUT, HAS_BIAS)
         it += k1 - k0
 
 
@@ -742,7 +749,7 @@ def _kernel_config(config: dict | None, default: dict) -> dict:
 
 _PATH_KEYS = {"PATH", "CHUNKS", "SIDE"}
 _MOD_KEYS = {"PDL", "PF"}  # launch modifiers: never replace the tile heuristic
-_GEMV_KEYS = {"BN", "num_warps", "PER_SM", "S", "WAVES", "PACKED", "DECODE_F32", "num_stages", "ACC2D", "CH", "PDL", "PF", "TMA"}
+_GEMV_KEYS = {"BN", "num_warps", "PER_SM", "S", "WAVES", "PACKED", "DECODE_F32", "num_stages", "ACC2D", "CH", "PDL", "PF"}
 
 
 def _dense(a: torch.Tensor, state: dict, bwd: bool, bias, config: dict | None, out):

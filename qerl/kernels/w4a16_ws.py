@@ -198,7 +198,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, config: dict | None = None,
         NS=ns, HAS_BIAS=bias is not None, launch_pdl=cfg["PDL"], **cfg,
     )
     if key not in _RESIDENT:
-        _RESIDENT[key] = _resident(kernel, cfg) or per_sm
+        _RESIDENT[key] = _resident(kernel, cfg["num_warps"], cfg.get("maxnreg")) or per_sm
     return c
 
 
@@ -233,13 +233,15 @@ def _plan(x: torch.Tensor, state: dict, out, s_forced, per_sm: int):
     return s, grid, w_desc, s_desc, c, locks, ws
 
 
-def _resident(kernel, cfg: dict) -> int | None:
-    """Programs per SM: registers are given per warpgroup (consumer warps + one worker warpgroup,
-    each at maxnreg), shared memory from the compiled kernel."""
+def _resident(kernel, num_warps: int, maxnreg) -> int | None:
+    """Programs per SM of a warp-specialised kernel: registers are given per warpgroup (the
+    consumer warps at maxnreg, or the kernel's register count without a cap, plus one worker
+    warpgroup), shared memory from the compiled kernel."""
     try:
         smem = kernel.metadata.shared
+        regs = maxnreg or kernel.n_regs
     except AttributeError:
         return None
-    warps = -(-cfg["num_warps"] // 4) * 4 + 4
-    by_regs = 65536 // (cfg.get("maxnreg", 256) * warps * 32)
+    warps = -(-num_warps // 4) * 4 + 4
+    by_regs = 65536 // (max(int(regs), 24) * warps * 32)
     return max(1, min(by_regs, 233472 // (smem + 1024)))
