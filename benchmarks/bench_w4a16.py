@@ -268,8 +268,9 @@ def summarize(rows: list[dict], copy_gbps: float) -> str:
         return statistics.median(v) if v else float("nan")
 
     big = [r for r in fwd if r["n"] * r["k"] >= 50_000_000 and r["m"] == 1]
-    out += ["", f"(nvfp4/mxfp4 = default dispatch: fused kernel below M={DEQUANT_MIN_M}, bf16 weight + cuBLAS from there;"
-            " the -fused columns time the fused kernel at those M.)",
+    out += ["", "(nvfp4/mxfp4 = default dispatch: GEMVs at M = 1, the fused Triton kernel up to M = 64, on Hopper"
+            f" the warp-specialised Gluon GEMM (w4a16_wgmma) from M = 65, bf16 weight + cuBLAS from M={DEQUANT_MIN_M};"
+            " the -fused columns time the fused Triton kernel at those M.)",
             f"copy bandwidth {copy_gbps:.0f} GB/s (read+write, 1 GiB D2D)."]
     for f in ("nvfp4", "mxfp4"):
         v = [r["gbps"] for r in big if r["format"] == f]
@@ -426,18 +427,32 @@ GEMV_CANDS = [("v3", None),
               ("g16w2C32", dict(PATH="gemv", BN=16, num_warps=2, ACC2D=True, CH=32))]
 
 
+NVFP4_ONLY_PATHS = ("ws", "wsmma")  # the Gluon GEMVs read FP8 scale rows of 16 bytes
+
+
 def gemv_explore(deadline: float, out_path: str | None, ms=(1,), cands=None, shapes=None, all_formats=("v3", "g32w4C32")):
     """Candidate configs against bf16 (`--gemv`: the CUDA-core GEMV against the v3 tensor-core
-    kernel; `--cands`: any list of (name, config)); each checked against the fp32 reference."""
+    kernel; `--cands`: any list of (name, config), mxfp4 too unless the config's PATH is an
+    nvfp4-only kernel); each checked against the fp32 reference."""
     from qerl.kernels import w4a16_gemv as G
+
+    explicit = cands is not None
+
+    def runs(name, cfg, fmt):
+        if fmt == "nvfp4" or name in all_formats:
+            return True
+        return explicit and (cfg or {}).get("PATH") not in NVFP4_ONLY_PATHS
 
     cands = cands or GEMV_CANDS
     log("\n## candidate explore (us per call, x = speedup vs bf16 in this process)")
     rows = candidate_sweep(deadline, out_path, shapes or GEMV_SHAPES, ms,
-                           lambda n, k, m, fmt: [(a, c) for a, c in cands if fmt == "nvfp4" or a in all_formats])
+                           lambda n, k, m, fmt: [(a, c) for a, c in cands if runs(a, c, fmt)])
     ws_mod = sys.modules.get("qerl.kernels.w4a16_ws")
     if ws_mod is not None:
         log(f"  resident programs per SM (ws: NS, warps, maxnreg, CPT): {ws_mod._RESIDENT}")
+    wg_mod = sys.modules.get("qerl.kernels.w4a16_wgmma")
+    if wg_mod is not None:
+        log(f"  resident programs per SM (wgmma: BN, BM, NSW, NSD, NSX, warps, DEC_REGS, maxnreg, PDL): {wg_mod._RESIDENT}")
     log("  resident programs per SM (gemv): " + "; ".join(f"{dict(k_).get('BN')}/{dict(k_).get('num_warps')}/"
                                                          f"{'f32' if dict(k_).get('F32') else 'pk'}/BM{dict(k_).get('BM')}: {v}"
                                                          for k_, v in G._RESIDENT.items()))

@@ -1,7 +1,11 @@
-"""Compile the Gluon warp-specialised GEMV (qerl/kernels/w4a16_gluon.py) offline for sm_90a, no GPU.
+"""Compile the Gluon kernels offline for sm_90a, no GPU: the warp-specialised GEMV
+(qerl/kernels/w4a16_gluon.py, default) or the warp-specialised GEMM (--kernel wgmma,
+qerl/kernels/w4a16_wgmma.py).
 
     .venv/bin/python benchmarks/compile_gluon.py [--n 7168] [--k 5120] [--stages 6] [--warps 4]
         [--maxnreg R (default 64, 0 = none)] [--producer-regs 24] [--bias] [--pdl] [--dump DIR]
+    .venv/bin/python benchmarks/compile_gluon.py --kernel wgmma [--fmt nvfp4] [--m 64]
+        [--config '{"CPS": 4, "NSD": 2}'] [--bias] [--dump DIR]
 
 Builds the kernel's GluonASTSource with a concrete signature (TMA descriptor types from CPU
 tensors), runs triton.compile for GPUTarget("cuda", 90, 32) (ptxas included), and prints
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import shutil
@@ -118,8 +123,41 @@ def _opcodes(body):
     return ops
 
 
+def main_wgmma(a):
+    from qerl.kernels import w4a16_wgmma as WG
+
+    config = json.loads(a.config) if a.config else {}
+    if a.pdl:
+        config["PDL"] = True
+    try:
+        ck = WG.compile_offline(a.fmt, a.m, a.n, a.k, config=config, bias=a.bias)
+    except Exception as e:  # noqa: BLE001
+        print(f"compile FAILED: {type(e).__name__}: {e}")
+        sys.exit(1)
+    consts, _ = WG.kernel_args(a.fmt, a.m, config)
+    n_regs, n_spills = _resources(ck.asm["cubin"])
+    print(f"ptxas: OK (sm_90a)  {a.fmt} N={a.n} K={a.k} M={a.m} " +
+          " ".join(f"{key}={consts[key]}" for key in ("BM", "NSW", "NSD", "CPS", "NSX", "LAG", "DW", "PDL")))
+    print(f"registers/thread (kernel): {n_regs}  spills: {n_spills}  shared memory: {ck.metadata.shared} B  "
+          f"num_warps (total): {ck.metadata.num_warps}")
+    ptx = ck.asm["ptx"]
+    for pat in ("wgmma.mma_async", "mul.rn.bf16x2", "fence.proxy.async", "bar.sync", "mbarrier.try_wait",
+                "mbarrier.arrive", "cp.async.bulk.tensor", "setmaxnreg", "ldmatrix", "st.shared.v4", "ld.shared"):
+        print(f"  ptx {pat:22s} {ptx.count(pat)}")
+    if a.dump:
+        os.makedirs(a.dump, exist_ok=True)
+        for ext in ("ttgir", "ptx"):
+            with open(os.path.join(a.dump, f"wgmma.{ext}"), "w") as f:
+                f.write(ck.asm[ext])
+        print(f"dumped to {a.dump}")
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--kernel", choices=("gemv", "wgmma"), default="gemv")
+    ap.add_argument("--fmt", default="nvfp4", help="wgmma: nvfp4 or mxfp4")
+    ap.add_argument("--m", type=int, default=64, help="wgmma: tokens")
+    ap.add_argument("--config", default=None, help="wgmma: JSON config (w4a16_wgmma.forward keys)")
     ap.add_argument("--n", type=int, default=7168)
     ap.add_argument("--k", type=int, default=5120)
     ap.add_argument("--stages", type=int, default=G.DEFAULT["NUM_STAGES"])
@@ -130,6 +168,8 @@ def main():
     ap.add_argument("--pdl", action="store_true")
     ap.add_argument("--dump", default=None, help="write ttgir / llir / ptx / sass here")
     a = ap.parse_args()
+    if a.kernel == "wgmma":
+        return main_wgmma(a)
     try:
         ck = compile_kernel(a.n, a.k, a.stages, a.warps, a.maxnreg, a.producer_regs, a.bias, a.pdl)
     except Exception as e:  # noqa: BLE001

@@ -273,3 +273,33 @@ def test_triton_kernels_under_interpreter():
     bad = [r for r in results if r["nan"] or (r["op"] == "locks" and r["rel"] != 0) or r["rel"] > 1e-2]
     assert not bad, bad
     assert len(results) > 40
+
+
+WGMMA_BUILDS = [("nvfp4", 64, None), ("mxfp4", 256, None), ("nvfp4", 16, {"CPS": 4, "NSD": 2, "DW": 8}),
+                ("mxfp4", 128, {"CPS": 1, "NSD": 4, "LAG": 2, "PDL": True})]
+
+
+@pytest.mark.parametrize("fmt,m,cfg", WGMMA_BUILDS, ids=[f"{f}-M{m}-{c or 'default'}" for f, m, c in WGMMA_BUILDS])
+def test_wgmma_kernel_builds_for_hopper(fmt, m, cfg):
+    """Offline sm_90a build of the Gluon GEMM (w4a16_wgmma, no GPU needed): the decoder's register
+    layouts convert trivially (assert_trivial fails the build otherwise), ptxas accepts it without
+    spills, the rings fit in an H100's shared memory, and the PTX holds one proxy fence per decoded
+    stage (4 / CPS per weight step) and four wgmmas (one per 16-K slice of a chunk)."""
+    pytest.importorskip("triton.experimental.gluon")
+    import importlib.util
+
+    from qerl.kernels import w4a16_wgmma as G
+
+    ck = G.compile_offline(fmt, m, config=cfg, bias=True)
+    consts, _ = G.kernel_args(fmt, m, cfg)
+    spec = importlib.util.spec_from_file_location(
+        "compile_gluon", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "compile_gluon.py"))
+    cg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cg)
+    regs, spills = cg._resources(ck.asm["cubin"])
+    assert spills == 0 and 0 < regs <= 168
+    assert ck.metadata.shared <= 232448
+    ptx = ck.asm["ptx"]
+    assert ptx.count("fence.proxy.async") == 4 // consts["CPS"]
+    assert ptx.count("wgmma.mma_async") == 4
+    assert ptx.count("griddepcontrol") == (3 if consts["PDL"] else 0)

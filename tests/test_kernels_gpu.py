@@ -337,6 +337,7 @@ def test_pdl_chain_waits_for_its_input(fmt, m):
 
     # the default dispatch with PDL; at M = 1 (nvfp4) also the warp-specialised GEMV with PDL
     configs = [{"PDL": True}] + ([{"PDL": True, "PATH": "ws"}] if m == 1 and fmt == "nvfp4" else [])
+    configs += [{"PDL": True, "PATH": "wgmma"}] if m >= 16 and torch.cuda.get_device_capability()[0] == 9 else []
     for cfg in configs:
         def chain_pdl(x):
             y = x
@@ -400,5 +401,46 @@ def test_warp_specialised_gemv(name, n, k, path, cfg):
     with torch.cuda.graph(g):
         out = W.forward(x, st, config=conf)
     x.copy_(torch.randn(1, k, device="cuda").to(torch.bfloat16))
+    g.replay()
+    assert _rel(out, x.float() @ w32.T) < TOL
+
+
+WG_CASES = [{}, {"NSW": 2, "NSD": 2, "NSX": 2}, {"S": 1}, {"S": 3}, {"BM": 16}, {"PDL": True}, {"DW": 8, "LAG": 2},
+            {"CPS": 2, "NSD": 3}, {"CPS": 4, "NSD": 2, "NSX": 3}, {"CPS": 4, "NSD": 2, "DW": 8}]
+
+
+@pytest.mark.parametrize("cfg", WG_CASES, ids=["-".join(f"{k}{v}" for k, v in c.items()) or "default" for c in WG_CASES])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_wgmma_kernel(fmt, cfg):
+    """The warp-specialised Gluon GEMM (PATH="wgmma": TMA loaders, decoder warps, async wgmma):
+    for M from 2 to 512 (the default config; two M for the others) over shapes with N not a multiple of 64 or 128 and one K slice per
+    program or several: fp32 reference within 1e-2 on a NaN-poisoned output with bias, a
+    bit-identical re-run, counters back at 0, and a CUDA-graph replay on new data."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_triton as W
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs Hopper (TMA, wgmma, warp specialisation)")
+    conf = dict(cfg, PATH="wgmma")
+    failures = []
+    for n, k in ((1000, 1024), (4608, 3584), (7168, 5120)):
+        t, st, w32 = _layer(fmt, n, k, seed=n + k)
+        bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+        for m in (2, 16, 33, 64, 100, 256, 300, 512) if not cfg else (33, 100 if cfg.get("DW") == 8 else 300):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            W.forward(x, st, config=conf)  # the first launch measures occupancy, which may change the split
+            y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            W.forward(x, st, bias=bias, config=conf, out=y)
+            err = _rel(y, x.float() @ w32.T + bias.float())
+            same = torch.equal(W.forward(x, st, bias=bias, config=conf), y)
+            if not (err <= TOL) or y.isnan().any() or not same:
+                failures.append((n, k, m, err, bool(y.isnan().any()), same))
+        assert st["locks"].abs().sum().item() == 0
+    assert not failures, f"{fmt} {cfg}: (N, K, M, rel err, NaN, deterministic) {failures}"
+    x = torch.randn(64, k, device="cuda").to(torch.bfloat16)  # the last layer
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = W.forward(x, st, config=conf)
+    x.copy_(torch.randn(64, k, device="cuda").to(torch.bfloat16))
     g.replay()
     assert _rel(out, x.float() @ w32.T) < TOL

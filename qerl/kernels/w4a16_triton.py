@@ -85,6 +85,11 @@ GEMV_MAX_NK = int(os.environ.get("QERL_W4A16_GEMV_MAX_NK", "40000000"))
 # than the GEMV / fused kernel on the four layers with N*K >= 67M it was timed on (55296x5120
 # 65.7 vs 77.5 us), slower below ~40M (NOTES_w4a16.md section 12). 0 disables it.
 WSMMA_MIN_NK = int(os.environ.get("QERL_W4A16_WSMMA_MIN_NK", "60000000"))
+# Forward with WGMMA_MIN_M <= M < DEQUANT_MIN_M, nvfp4 / mxfp4, on Hopper with K % 256 == 0: the
+# warp-specialised Gluon GEMM (w4a16_wgmma.py: TMA loaders, decoder warps, async wgmma), which
+# overlaps decoding with the tensor cores; on the H100 1.6-2x faster than the fused Triton kernel
+# at M = 128 / 256 and even with it at M = 64 (NOTES_w4a16.md section 13). 0 disables it.
+WGMMA_MIN_M = int(os.environ.get("QERL_W4A16_WGMMA_MIN_M", "65"))
 # Programmatic dependent launch (sm_90+): each kernel lets the next one in the stream launch as
 # soon as all its programs are running (griddepcontrol.launch_dependents) and waits for the
 # previous kernel (griddepcontrol.wait) only before it touches activations, outputs or the
@@ -732,7 +737,7 @@ def _hopper(device_index: int) -> bool:
 
 
 def _wsmma_ok(device: torch.device, state: dict) -> bool:
-    """The Gluon kernel runs on sm_90 only (TMA, warp specialisation) and needs K % 256 == 0."""
+    """The Gluon kernels run on sm_90 only (TMA, warp specialisation) and need K % 256 == 0."""
     return (not INTERPRETED and device.type == "cuda" and state["k"] % 256 == 0
             and _hopper(device.index if device.index is not None else 0))
 
@@ -785,6 +790,8 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
             path = "gemv"
         elif m == 1 and state["fmt"] == "nvfp4" and 0 < WSMMA_MIN_NK <= nk and _wsmma_ok(x.device, state):
             path = "wsmma"
+        elif 0 < WGMMA_MIN_M <= m and _wsmma_ok(x.device, state):
+            path = "wgmma"
     if path in ("dequant", "overlap"):
         return _dense(x, state, False, bias, config, out)
     if path == "gemv":
@@ -799,6 +806,10 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
         from qerl.kernels import w4a16_gluon
 
         return w4a16_gluon.forward(x, state, bias, out=out, config=config)
+    if path == "wgmma":  # warp-specialised Gluon GEMM (TMA, decoder warps, async wgmma), sm_90, M <= 512
+        from qerl.kernels import w4a16_wgmma
+
+        return w4a16_wgmma.forward(x, state, bias, out=out, config=config)
     cfg = _kernel_config(config, _fwd_config(m, state["n"], state["k"], state["fmt"]))
     return _launch(x, state, False, bias, cfg, out)
 

@@ -1,0 +1,458 @@
+"""Warp-specialised fused 4-bit GEMM for Hopper (Gluon): y[M, N] = x[M, K] @ dequant(W)[N, K]^T.
+
+nvfp4 and mxfp4 weights in the tiled kernel layout (layout.py), bf16 activations, fp32
+accumulation on the tensor cores (async wgmma), bf16 out. The default on Hopper for
+65 <= M < 512 (w4a16_triton.WGMMA_MIN_M), where the Triton kernel makes decoding and the tensor
+cores take turns inside each program (M = 256 at 0.59x of bf16 there, 0.93x here; NOTES_w4a16.md
+section 13). Here the three jobs run in separate warps of one program (64 weight rows x BM
+tokens) and overlap:
+
+- loaders (two 1-warp partitions): TMA copies of the packed weight tiles (64 rows x 256 K: 8 KB
+  of words + 1 KB / 512 B of scales) into a ring of NSW stages, and of the activation chunks
+  x[m0 : m0 + BM, 64-wide K chunk] (bf16, 128-byte swizzle) into a ring of NSX stages. Separate
+  warps, so the weight stream runs ahead of the activations.
+- decoder (one partition of DW = 4 or 8 warps): waits for a weight stage, reads it into
+  registers (ldmatrix), frees it, decodes each 64-K chunk with the exact packed bf16x2 decode of
+  w4a16_triton (P0..P3 = q * s * 2^-J) and stores the bf16 chunk [64, 64] into a ring of NSD
+  decoded stages of CPS chunks each, in the wgmma operand layout (NVMMA 128-byte swizzle), one
+  16-byte store per word: a word holds K = 8c .. 8c+7 as the pairs P0 = (0, 1), P2 = (2, 3),
+  P1 = (4, 5), P3 = (6, 7), so the four registers joined in that order are the word's 8 weights
+  in natural K order. One proxy fence and one mbarrier arrive per decoded stage.
+- default partition (one warpgroup): per chunk, waits for its decoded stage and an activation
+  stage and issues `acc[64, BM] += W_chunk[64, 64] @ x_chunk[BM, 64]^T` as an async wgmma (A =
+  the decoded weights, B = the activations, K-major), keeps LAG in flight, and frees the stages
+  of the chunk that retired. Then the epilogue.
+
+Decoder register layouts (4 warps, a [64 rows, 32 words] tile): lane (row bits 1-2, word bits
+0-2), warp (row bits 0 and 3), registers (row bits 4-5 and word bits 3-4 = the chunk). Every
+thread thus holds one word of each 64-K chunk for 4 rows, so a chunk is split off in registers;
+rows 2 apart share a warp instruction, which keeps the 4-byte reads of the swizzled tile free of
+bank conflicts. The scale of a word is loaded into the lanes of its words (zero lane bases in
+the layout) so the multiply broadcasts without data movement (checked at compile time with
+convert_layout(assert_trivial=True)).
+
+Schedule: program p owns output tile p // S (64 weight rows x BM tokens; tokens vary fastest so
+programs on the same weight rows run together) and reduction steps [j*KB//S, (j+1)*KB//S),
+j = p % S. A tile split over several programs goes through an fp32 workspace and a per-tile
+counter; the last arrival sums the partials in program order (deterministic) and writes bf16.
+One launch, no host sync, CUDA-graph capturable. `benchmarks/compile_gluon.py --kernel wgmma`
+compiles it offline for sm_90a.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from qerl.kernels import w4a16_triton as W
+from qerl.kernels.w4a16_triton import _KA, _KM, _KS, _R1, _R2, _R3, _S0, _S3  # the bit layout (layout.py)
+from qerl.kernels.w4a16_ws import _gdc, _mul2, _rotr
+
+_NVFP4_SCALE_MUL = gl.constexpr(3.3230699894622897e35)  # 2^118: FP8-E4M3 scale times 2^(126 - J), J = 8
+
+
+def decoder_layouts(fmt: str, dw: int = 4):
+    """(L2W, L2S, L3) of the decoder's dw warps (4 or 8): the [64, 32] word tile, the [64, SPT]
+    scale tile (SPT = 16 nvfp4, 8 mxfp4) and one chunk's words as [64, SPC, WPS] (SPC scales per
+    64-K chunk, WPS words per scale), word t = WPS * u + e of the chunk. 8 warps take row bit 4
+    from the registers (two rows per thread instead of four)."""
+    rows_r = [[16, 0], [32, 0]] if dw == 4 else [[32, 0]]
+    warps = [[1, 0], [8, 0]] + ([] if dw == 4 else [[16, 0]])
+    l2w = gl.DistributedLinearLayout([[0, 8], [0, 16]] + rows_r, [[0, 1], [0, 2], [0, 4], [2, 0], [4, 0]], warps, [],
+                                     [64, 32])
+    if fmt == "nvfp4":  # scale g = 4c + t // 2
+        l2s = gl.DistributedLinearLayout([[0, 4], [0, 8]] + rows_r,
+                                         [[0, 0], [0, 1], [0, 2], [2, 0], [4, 0]], warps, [], [64, 16])
+        lanes3 = [[0, 0, 1], [0, 1, 0], [0, 2, 0], [2, 0, 0], [4, 0, 0]]
+        shape3 = [64, 4, 2]
+    else:  # mxfp4: scale g = 2c + t // 4
+        l2s = gl.DistributedLinearLayout([[0, 2], [0, 4]] + rows_r,
+                                         [[0, 0], [0, 0], [0, 1], [2, 0], [4, 0]], warps, [], [64, 8])
+        lanes3 = [[0, 0, 1], [0, 0, 2], [0, 1, 0], [2, 0, 0], [4, 0, 0]]
+        shape3 = [64, 2, 4]
+    l3 = gl.DistributedLinearLayout([r + [0] for r in rows_r], lanes3, [w + [0] for w in warps], [], shape3)
+    return l2w, l2s, l3
+
+
+@gluon.jit
+def _quarters(v, X: gl.constexpr):
+    """[64, 4 * X] with the chunk c = column // X held in registers -> the four chunks [64, X]."""
+    t = gl.reshape(gl.permute(gl.reshape(v, [64, 4, X]), (0, 2, 1)), [64, X, 2, 2])
+    a, b = gl.split(t)  # c = 2 i + 0 / 2 i + 1
+    c0, c2 = gl.split(a)
+    c1, c3 = gl.split(b)
+    return c0, c1, c2, c3
+
+
+@gluon.jit
+def _decode_chunk(wc, sc, exp_bias, FMT: gl.constexpr, L3: gl.constexpr):
+    """One row tile's chunk: words [64, 8] + raw scales [64, SPC] -> [64, 32] int32, the 64 bf16
+    weights of each row in natural K order (two per int32)."""
+    SPC: gl.constexpr = L3.shape[1]
+    WPS: gl.constexpr = L3.shape[2]
+    words = gl.convert_layout(gl.reshape(wc, [64, SPC, WPS]), L3, assert_trivial=True).to(gl.uint32, bitcast=True)
+    sraw = gl.convert_layout(sc, gl.SliceLayout(2, L3), assert_trivial=True)
+    if FMT == 0:
+        s = (sraw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _NVFP4_SCALE_MUL).to(gl.bfloat16)
+    else:
+        s = gl.exp2(sraw.to(gl.float32) + (exp_bias - 127).to(gl.float32)).to(gl.bfloat16)
+    s16 = s.to(gl.uint16, bitcast=True).to(gl.uint32)
+    s2 = gl.expand_dims(s16 | (s16 << 16), 2)  # the scale in both halves, broadcast over its words
+    p0 = _mul2((words & _KM) | (_rotr(words, _S0) & _KS), s2)
+    p1 = _mul2(_rotr(words, _R1) & _KA, s2)
+    p2 = _mul2(_rotr(words, _R2) & _KA, s2)
+    p3 = _mul2((_rotr(words, _R3) & _KM) | (_rotr(words, _S3) & _KS), s2)
+    v = gl.join(gl.join(p0, p1), gl.join(p2, p3))  # [64, SPC, WPS, 2, 2]: flat order P0, P2, P1, P3
+    return gl.reshape(v, [64, 32]).to(gl.int32, bitcast=True)
+
+
+@gluon.jit
+def _load_tile(w_bufs, s_bufs, idx, L2W: gl.constexpr, L2S: gl.constexpr, FMT: gl.constexpr):
+    """A stage's row tile -> its four chunks of words [64, 8] and raw scales [64, SPC]."""
+    words = w_bufs.index(idx).load(L2W)
+    if FMT == 0:
+        sraw = s_bufs.index(idx).load(L2S)
+    else:  # mxfp4: the 512-byte scale tile was copied as [32, 16] (TMA needs 16-byte rows)
+        sraw = s_bufs.index(idx)._reinterpret(gl.uint8, [64, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).load(L2S)
+    w0, w1, w2, w3 = _quarters(words, 8)
+    s0, s1, s2, s3 = _quarters(sraw, L2S.shape[1] // 4)
+    return w0, w1, w2, w3, s0, s1, s2, s3
+
+
+@gluon.jit
+def _put(d32, slot, v):
+    d32.index(slot).store(v)
+
+
+@gluon.jit
+def _publish(d_ready, stage):
+    fence_async_shared()  # generic-proxy stores -> visible to the wgmma (async proxy)
+    mbarrier.arrive(d_ready.index(stage), count=1)
+
+
+@gluon.jit
+def _decoder(w_bufs, s_bufs, d_bufs, w_ready, w_empty, d_ready, d_empty, exp_bias, k0, k1,
+             NSW: gl.constexpr, NSD: gl.constexpr, CPS: gl.constexpr, FMT: gl.constexpr,
+             L2W: gl.constexpr, L2S: gl.constexpr, L3: gl.constexpr):
+    """Per weight step: read the raw stage, free it, decode its four 64-K chunks and publish them
+    in decoded stages of CPS chunks (one fence and one mbarrier arrive per decoded stage)."""
+    d32 = d_bufs._reinterpret(gl.int32, [NSD * CPS, 64, 32], gl.NVMMASharedLayout(128, 32))
+    G: gl.constexpr = 4 // CPS  # decoded stages per weight step
+    for kk in range(k0, k1):
+        i = kk - k0
+        iw = i % NSW
+        mbarrier.wait(w_ready.index(iw), (i // NSW) & 1)
+        w0, w1, w2, w3, s0, s1, s2, s3 = _load_tile(w_bufs, s_bufs, iw, L2W, L2S, FMT)
+        mbarrier.arrive(w_empty.index(iw), count=1)  # the raw stage is in registers now
+        v0 = _decode_chunk(w0, s0, exp_bias, FMT, L3)
+        v1 = _decode_chunk(w1, s1, exp_bias, FMT, L3)
+        q = i * G
+        st = q % NSD
+        mbarrier.wait(d_empty.index(st), ((q // NSD) & 1) ^ 1)  # stages start free
+        _put(d32, st * CPS, v0)
+        if CPS == 1:
+            _publish(d_ready, st)
+            st = (q + 1) % NSD
+            mbarrier.wait(d_empty.index(st), (((q + 1) // NSD) & 1) ^ 1)
+            _put(d32, st, v1)
+            _publish(d_ready, st)
+        else:
+            _put(d32, st * CPS + 1, v1)
+        v2 = _decode_chunk(w2, s2, exp_bias, FMT, L3)
+        v3 = _decode_chunk(w3, s3, exp_bias, FMT, L3)
+        if CPS == 4:
+            _put(d32, st * 4 + 2, v2)
+            _put(d32, st * 4 + 3, v3)
+            _publish(d_ready, st)
+        else:
+            if CPS == 2:
+                _publish(d_ready, st)
+            q2 = q + 2 // CPS  # the stage of chunk 2 (and 3 when CPS == 2)
+            st = q2 % NSD
+            mbarrier.wait(d_empty.index(st), ((q2 // NSD) & 1) ^ 1)
+            _put(d32, st * CPS, v2)
+            if CPS == 2:
+                _put(d32, st * 2 + 1, v3)
+                _publish(d_ready, st)
+            else:
+                _publish(d_ready, st)
+                st = (q2 + 1) % NSD
+                mbarrier.wait(d_empty.index(st), (((q2 + 1) // NSD) & 1) ^ 1)
+                _put(d32, st, v3)
+                _publish(d_ready, st)
+
+
+@gluon.jit
+def _w_loader(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, SROWS: gl.constexpr,
+              NSW: gl.constexpr):
+    for kk in range(k0, k1):
+        i = kk - k0
+        iw = i % NSW
+        mbarrier.wait(w_empty.index(iw), ((i // NSW) & 1) ^ 1)
+        mbarrier.expect(w_ready.index(iw), w_desc.block_type.nbytes + s_desc.block_type.nbytes)
+        row = trow0 + kk * 64
+        tma.async_copy_global_to_shared(w_desc, [row, 0], w_ready.index(iw), w_bufs.index(iw))
+        tma.async_copy_global_to_shared(s_desc, [(row // 64) * SROWS, 0], w_ready.index(iw), s_bufs.index(iw))
+
+
+@gluon.jit
+def _x_loader(x_desc, x_bufs, x_ready, x_empty, m0, k0, k1, NSX: gl.constexpr, PDL: gl.constexpr):
+    if PDL:  # x is the previous kernel's output (the weights need no wait)
+        _gdc("wait")
+    for q in range(k0 * 4, k1 * 4):
+        i = q - k0 * 4
+        ix = i % NSX
+        mbarrier.wait(x_empty.index(ix), ((i // NSX) & 1) ^ 1)
+        mbarrier.expect(x_ready.index(ix), x_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(x_desc, [m0, q * 64], x_ready.index(ix), x_bufs.index(ix))
+
+
+@gluon.jit
+def _mma(d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr,
+         p, tile, n0, m0, M, N, k0, k1, S, NSD: gl.constexpr, CPS: gl.constexpr, NSX: gl.constexpr,
+         BM: gl.constexpr, LAG: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
+         num_warps: gl.constexpr):
+    BN: gl.constexpr = 64
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BM, 16])
+    acc = gl.zeros([BN, BM], gl.float32, ACC)
+    nq = (k1 - k0) * 4
+    for i in range(nq):
+        g = i // CPS
+        st = g % NSD
+        ix = i % NSX
+        if i % CPS == 0:
+            mbarrier.wait(d_ready.index(st), (g // NSD) & 1)
+        mbarrier.wait(x_ready.index(ix), (i // NSX) & 1)
+        acc = warpgroup_mma(d_bufs.index(st * CPS + i % CPS), x_bufs.index(ix).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=LAG, deps=(acc,))
+        # the wgmma of chunk i - LAG has retired: its activation stage is free, and its decoded
+        # stage too if it was that stage's last chunk
+        r = i - LAG
+        mbarrier.arrive(x_empty.index((r + NSX) % NSX), count=1, pred=r >= 0)
+        mbarrier.arrive(d_empty.index(((r + CPS * NSD) // CPS) % NSD), count=1, pred=(r >= 0) & (r % CPS == CPS - 1))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+    # epilogue: lanes along the weight rows (n), which are contiguous in the output y[M, N]
+    LO: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, num_warps], [0, 1])
+    part = gl.convert_layout(acc, LO)
+    rows = gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, LO)), 1)  # [BN, 1]
+    cols = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(0, LO)), 0)  # [1, BM]
+    tile_off = cols * BN + rows
+    if PDL:  # the output and the workspace only after the previous kernel
+        _gdc("wait")
+    done = k1 > k0
+    if S > 1:
+        gl.store(ws_ptr + p * (BN * BM) + tile_off, part)
+        gl.thread_barrier()  # every warp's partial is written before the counter moves
+        count = gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        done = count == S - 1
+        if done:
+            part = gl.zeros([BN, BM], gl.float32, LO)
+            for r in range(tile * S, tile * S + S):
+                part += gl.load(ws_ptr + r * (BN * BM) + tile_off, cache_modifier=".cg")
+            gl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch
+    if done:
+        n = n0 + rows
+        m = m0 + cols
+        out = part * gl.load(alpha_ptr)
+        if HAS_BIAS:
+            out += gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)
+        gl.store(c_ptr + m * N + n, out.to(gl.bfloat16), mask=(n < N) & (m < M))
+
+
+@gluon.jit
+def _wgmma_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, M, N, KB, S, MT,
+                  exp_bias, BM: gl.constexpr, NSW: gl.constexpr, NSD: gl.constexpr, CPS: gl.constexpr,
+                  NSX: gl.constexpr, LAG: gl.constexpr, DW: gl.constexpr, FMT: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, PDL: gl.constexpr, DEC_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+                  L2W: gl.constexpr, L2S: gl.constexpr, L3: gl.constexpr, num_warps: gl.constexpr):
+    SROWS: gl.constexpr = s_desc.block_type.shape[0]  # 64 (nvfp4) or 32 (mxfp4) rows of 16 bytes per tile
+    if PDL:
+        _gdc("launch_dependents")
+    p = gl.program_id(0)
+    tile = p // S
+    j = p - tile * S
+    nt = tile // MT
+    mt = tile - nt * MT
+    k0 = (j * KB) // S
+    k1 = ((j + 1) * KB) // S
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NSW] + w_desc.block_type.shape, w_desc.layout)
+    s_bufs = gl.allocate_shared_memory(s_desc.dtype, [NSW] + s_desc.block_type.shape, s_desc.layout)
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [NSX] + x_desc.block_type.shape, x_desc.layout)
+    d_bufs = gl.allocate_shared_memory(gl.bfloat16, [NSD * CPS, 64, 64], gl.NVMMASharedLayout(128, 16))
+    w_ready = gl.allocate_shared_memory(gl.int64, [NSW, 1], mbarrier.MBarrierLayout())
+    w_empty = gl.allocate_shared_memory(gl.int64, [NSW, 1], mbarrier.MBarrierLayout())
+    x_ready = gl.allocate_shared_memory(gl.int64, [NSX, 1], mbarrier.MBarrierLayout())
+    x_empty = gl.allocate_shared_memory(gl.int64, [NSX, 1], mbarrier.MBarrierLayout())
+    d_ready = gl.allocate_shared_memory(gl.int64, [NSD, 1], mbarrier.MBarrierLayout())
+    d_empty = gl.allocate_shared_memory(gl.int64, [NSD, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NSW):
+        mbarrier.init(w_ready.index(s), count=1)
+        mbarrier.init(w_empty.index(s), count=1)
+    for s in gl.static_range(NSX):
+        mbarrier.init(x_ready.index(s), count=1)
+        mbarrier.init(x_empty.index(s), count=1)
+    for s in gl.static_range(NSD):
+        mbarrier.init(d_ready.index(s), count=1)
+        mbarrier.init(d_empty.index(s), count=1)
+    gl.warp_specialize([
+        (_mma, (d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr,
+                lock_ptr, p, tile, nt * 64, mt * BM, M, N, k0, k1, S, NSD, CPS, NSX, BM, LAG, HAS_BIAS, PDL,
+                num_warps)),
+        (_decoder, (w_bufs, s_bufs, d_bufs, w_ready, w_empty, d_ready, d_empty, exp_bias, k0, k1, NSW, NSD,
+                    CPS, FMT, L2W, L2S, L3)),
+        (_w_loader, (w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, nt * KB * 64, k0, k1, SROWS, NSW)),
+        (_x_loader, (x_desc, x_bufs, x_ready, x_empty, mt * BM, k0, k1, NSX, PDL)),
+    ], [DW, 1, 1], [DEC_REGS, LOAD_REGS, LOAD_REGS])
+
+
+# CPS 2 x NSD 3: best or even of the ring shapes timed on the H100 (NOTES_w4a16.md section 13)
+DEFAULT = dict(BM=None, NSW=4, NSD=3, CPS=2, NSX=4, LAG=1, DW=4, DEC_REGS=96, LOAD_REGS=24, PER_SM=None,
+               maxnreg=None, PDL=None)
+_RESIDENT: dict = {}
+_KEYS = set(DEFAULT) | {"S"}
+
+
+def block_m(m: int) -> int:
+    """Tokens per tile: the wgmma N extent (16 .. 256)."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128 if m <= 128 else 256
+
+
+def descriptors(x: torch.Tensor, state: dict, bm: int):
+    """TMA descriptors: x [M, K] in [BM, 64] boxes; words [NB*KB*64, 32] in [64, 32]; scales in
+    one box per 64 x 256 tile ([64, 16] nvfp4; mxfp4's 512-byte tile as [32, 16])."""
+    xl = gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)
+    wl = gl.NVMMASharedLayout.get_default_for([64, 32], gl.int32)
+    srows = 64 if state["fmt"] == "nvfp4" else 32
+    sl = gl.NVMMASharedLayout(0, 8)  # 16-byte rows: no swizzle
+    return (TensorDescriptor.from_tensor(x, [bm, 64], xl),
+            TensorDescriptor.from_tensor(state["words"].view(-1, 32), [64, 32], wl),
+            TensorDescriptor.from_tensor(state["scale"].view(-1, 16), [srows, 16], sl))
+
+
+def smem_bytes(bm: int, nsw: int, nsd: int, cps: int, nsx: int) -> int:
+    """Shared memory of the rings: raw weight steps, decoded stages, activation chunks (+ barriers)."""
+    return nsw * (8192 + 1024) + nsd * cps * 8192 + nsx * bm * 128 + 1024
+
+
+def kernel_args(fmt: str, m: int, config: dict | None = None) -> tuple[dict, dict]:
+    """(constexpr arguments of _wgmma_kernel, the resolved config) for M tokens of a `fmt` layer."""
+    cfg = dict(DEFAULT)
+    cfg.update({key: v for key, v in (config or {}).items() if key in _KEYS})
+    nsw, nsd, cps, nsx, lag, dw = (int(cfg[key]) for key in ("NSW", "NSD", "CPS", "NSX", "LAG", "DW"))
+    bm = int(cfg["BM"] or block_m(m))
+    if bm not in (16, 32, 64, 128, 256):
+        raise ValueError(f"BM must be 16, 32, 64, 128 or 256, got {bm}")
+    if not 1 <= lag < min(nsd, nsx) or dw not in (4, 8) or cps not in (1, 2, 4):
+        raise ValueError(f"need 1 <= LAG < NSD, NSX, DW in (4, 8), CPS in (1, 2, 4); got LAG={lag} DW={dw} CPS={cps}")
+    if dw == 8 and bm > 128:  # 16 warps: ptxas caps the kernel at 128 registers, a [64, 256] accumulator needs 128
+        raise ValueError("DW=8 needs BM <= 128")
+    cfg["PDL"] = bool(W.PDL if cfg["PDL"] is None else cfg["PDL"])
+    l2w, l2s, l3 = decoder_layouts(fmt, dw)
+    consts = dict(BM=bm, NSW=nsw, NSD=nsd, CPS=cps, NSX=nsx, LAG=lag, DW=dw, FMT=0 if fmt == "nvfp4" else 1,
+                  PDL=cfg["PDL"], DEC_REGS=int(cfg["DEC_REGS"]), LOAD_REGS=int(cfg["LOAD_REGS"]),
+                  L2W=l2w, L2S=l2s, L3=l3, num_warps=4)
+    return consts, cfg
+
+
+def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | None = None) -> torch.Tensor:
+    """y = x @ dequant(W)^T (+ bias) for x [M, K] bf16 and an nvfp4 / mxfp4 `state`
+    (qerl.kernels.prepare); 64 weight rows per program.
+
+    config: BM (tokens per program, default block_m(M)), NSW (raw weight steps in flight), NSD x
+    CPS (decoded stages of CPS 64-K chunks each: one fence + mbarrier hand-off per stage), NSX
+    (activation chunks), LAG (wgmma groups in flight), DW (decoder warps: 4 or 8), DEC_REGS /
+    LOAD_REGS (setmaxnreg of the decoder and loader warps), S (forced K slices per tile), PER_SM,
+    maxnreg, PDL."""
+    fmt = state["fmt"]
+    if fmt not in ("nvfp4", "mxfp4"):
+        raise ValueError(f"the wgmma kernel takes nvfp4 / mxfp4 weights, got {fmt}")
+    n, k, kb = state["n"], state["k"], state["kb"]
+    if k != kb * 256:
+        raise ValueError("the wgmma kernel needs K a multiple of 256")
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bf16 [M, {k}]")
+    if x.stride(1) != 1 or x.stride(0) != k or x.data_ptr() % 16:  # TMA: unit inner stride, 16-byte aligned
+        x = x.contiguous().clone() if x.data_ptr() % 16 else x.contiguous()
+    m = x.shape[0]
+    consts, cfg = kernel_args(fmt, m, config)
+    bm = consts["BM"]
+    nt, mt = triton.cdiv(n, 64), triton.cdiv(m, bm)
+    tiles = nt * mt
+    key = tuple(consts[name] for name in ("BM", "NSW", "NSD", "CPS", "NSX", "LAG", "DW", "DEC_REGS", "PDL")) + (cfg["maxnreg"],)
+    smem = smem_bytes(bm, consts["NSW"], consts["NSD"], consts["CPS"], consts["NSX"])
+    per_sm = cfg["PER_SM"] or _RESIDENT.get(key) or max(1, min(2, 232448 // smem))
+    if cfg.get("S") is not None:
+        s = max(1, min(int(cfg["S"]), kb))
+    else:
+        slots = int(per_sm) * W._num_sms(x.device.index or 0)
+        s_max = max(1, min(kb, slots // tiles))
+        steps = -(-kb // s_max)
+        s = -(-kb // steps)  # fewest slices with the same longest slice
+    x_desc, w_desc, s_desc = descriptors(x, state, bm)
+    direct = out is not None and out.is_contiguous() and tuple(out.shape) == (m, n) and out.dtype == torch.bfloat16
+    c = out if direct else torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
+    locks = state["locks"]
+    if tiles > locks.numel():
+        locks = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+    grid = tiles * s
+    ws = torch.empty(grid * 64 * bm if s > 1 else 1, device=x.device, dtype=torch.float32)
+    extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
+    kernel = _wgmma_kernel[(grid,)](
+        x_desc, w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws, locks, m, n, kb, s, mt,
+        int(state.get("exp_bias", 0)), HAS_BIAS=bias is not None, launch_pdl=consts["PDL"], **consts, **extra,
+    )
+    if key not in _RESIDENT:
+        _RESIDENT[key] = _resident(kernel, 4) or per_sm
+    if out is not None and not direct:  # the kernel writes a dense [M, N]
+        return out.copy_(c)
+    return c
+
+
+def compile_offline(fmt: str = "nvfp4", m: int = 64, n: int = 7168, k: int = 5120, config: dict | None = None,
+                    bias: bool = False):
+    """Compile the kernel for sm_90a without a GPU (ptxas included) -> triton CompiledKernel.
+    benchmarks/compile_gluon.py --kernel wgmma prints its resources; tests/test_kernels.py checks it."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    consts, cfg = kernel_args(fmt, m, config)
+    state = {"fmt": fmt, "words": torch.zeros(triton.cdiv(n, 64), k // 256, 64, 32, dtype=torch.int32),
+             "scale": torch.zeros(triton.cdiv(n, 64), k // 256, 64, 16 if fmt == "nvfp4" else 8, dtype=torch.uint8)}
+    x_desc, w_desc, s_desc = descriptors(torch.zeros(m, k, dtype=torch.bfloat16), state, consts["BM"])
+    fn = _wgmma_kernel
+    sig = {"x_desc": mangle_type(x_desc), "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc),
+           "alpha_ptr": "*fp32", "bias_ptr": "*bf16", "c_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
+           "M": "i32", "N": "i32", "KB": "i32", "S": "i32", "MT": "i32", "exp_bias": "i32"}
+    consts = dict(consts, HAS_BIAS=bias)
+    sig.update({name: "constexpr" for name in consts})
+    # pointers 16-byte aligned, as the JIT specialises them on a GPU
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
+             for a in ("alpha_ptr", "bias_ptr", "c_ptr", "ws_ptr", "lock_ptr")}
+    opts = {"num_warps": 4} | ({} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])})
+    return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def _resident(kernel, num_warps: int) -> int | None:
+    """Programs per SM: registers (every warp at the kernel's count: setmaxnreg only moves
+    registers between the partitions) and shared memory of the compiled kernel."""
+    try:
+        smem = kernel.metadata.shared
+        regs = kernel.n_regs
+        warps = kernel.metadata.num_warps
+    except AttributeError:
+        return None
+    by_regs = 65536 // (max(int(regs), 24) * max(int(warps), num_warps) * 32)
+    return max(1, min(by_regs, 233472 // (smem + 1024)))
