@@ -44,9 +44,9 @@ from qerl.kernels import prepare  # noqa: E402
 from qerl.kernels.shapes import M_SWEEP, QWEN25, linear_shapes  # noqa: E402
 
 try:  # the threshold where the default dispatch switches to bf16 weight + cuBLAS
-    from qerl.kernels.w4a16_triton import DEQUANT_MIN_M  # noqa: E402
+    from qerl.kernels.w4a16_triton import DEQUANT_MIN_M, WGMMA_MAX_M  # noqa: E402
 except Exception:  # no triton
-    DEQUANT_MIN_M = 512
+    DEQUANT_MIN_M, WGMMA_MAX_M = 512, 2048
 
 ROTATE_BYTES = 192 << 20
 MAX_COPIES = 96
@@ -269,7 +269,8 @@ def summarize(rows: list[dict], copy_gbps: float) -> str:
 
     big = [r for r in fwd if r["n"] * r["k"] >= 50_000_000 and r["m"] == 1]
     out += ["", "(nvfp4/mxfp4 = default dispatch: GEMVs at M = 1, the fused Triton kernel up to M = 64, on Hopper"
-            f" the warp-specialised Gluon GEMM (w4a16_wgmma) from M = 65, bf16 weight + cuBLAS from M={DEQUANT_MIN_M};"
+            f" the warp-specialised Gluon GEMM (w4a16_wgmma) from M = 65 (from M={DEQUANT_MIN_M} to"
+            f" {WGMMA_MAX_M - 1} only on layers whose tiles fill the SMs), else bf16 weight + cuBLAS from M={DEQUANT_MIN_M};"
             " the -fused columns time the fused Triton kernel at those M.)",
             f"copy bandwidth {copy_gbps:.0f} GB/s (read+write, 1 GiB D2D)."]
     for f in ("nvfp4", "mxfp4"):
@@ -369,9 +370,9 @@ def explore(deadline: float, out_path: str | None):
     return candidate_sweep(deadline, out_path, EXPLORE_SHAPES, (1, 16, 64, 256), pick)
 
 
-def candidate_sweep(deadline: float, out_path: str | None, shapes, ms, pick) -> list[dict]:
-    """For each shape and M: bf16 once, then the candidates pick(n, k, m, fmt) returns for nvfp4
-    and mxfp4 (time_candidates); rows written as they come."""
+def candidate_sweep(deadline: float, out_path: str | None, shapes, ms, pick, formats=("nvfp4", "mxfp4")) -> list[dict]:
+    """For each shape and M: bf16 once, then the candidates pick(n, k, m, fmt) returns for each
+    of `formats` (nvfp4, mxfp4; time_candidates); rows written as they come."""
     rows = []
     for n, k in shapes:
         layer = Layer(n, k, ("nvfp4", "mxfp4"), seed=3)
@@ -381,7 +382,7 @@ def candidate_sweep(deadline: float, out_path: str | None, shapes, ms, pick) -> 
                 break
             bf = measure(layer, m, "bf16", "forward")
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            for fmt in ("nvfp4", "mxfp4"):
+            for fmt in formats:
                 chosen = pick(n, k, m, fmt)
                 if not chosen:
                     continue
@@ -430,7 +431,8 @@ GEMV_CANDS = [("v3", None),
 NVFP4_ONLY_PATHS = ("ws", "wsmma")  # the Gluon GEMVs read FP8 scale rows of 16 bytes
 
 
-def gemv_explore(deadline: float, out_path: str | None, ms=(1,), cands=None, shapes=None, all_formats=("v3", "g32w4C32")):
+def gemv_explore(deadline: float, out_path: str | None, ms=(1,), cands=None, shapes=None, all_formats=("v3", "g32w4C32"),
+                 formats=("nvfp4", "mxfp4")):
     """Candidate configs against bf16 (`--gemv`: the CUDA-core GEMV against the v3 tensor-core
     kernel; `--cands`: any list of (name, config), mxfp4 too unless the config's PATH is an
     nvfp4-only kernel); each checked against the fp32 reference."""
@@ -446,7 +448,7 @@ def gemv_explore(deadline: float, out_path: str | None, ms=(1,), cands=None, sha
     cands = cands or GEMV_CANDS
     log("\n## candidate explore (us per call, x = speedup vs bf16 in this process)")
     rows = candidate_sweep(deadline, out_path, shapes or GEMV_SHAPES, ms,
-                           lambda n, k, m, fmt: [(a, c) for a, c in cands if runs(a, c, fmt)])
+                           lambda n, k, m, fmt: [(a, c) for a, c in cands if runs(a, c, fmt)], formats)
     ws_mod = sys.modules.get("qerl.kernels.w4a16_ws")
     if ws_mod is not None:
         log(f"  resident programs per SM (ws: NS, warps, maxnreg, CPT): {ws_mod._RESIDENT}")
@@ -681,7 +683,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default=",".join(QWEN25), help="comma list of " + ",".join(QWEN25))
     ap.add_argument("--ms", default=",".join(map(str, M_SWEEP)))
-    ap.add_argument("--formats", default="nvfp4,mxfp4,nf4")
+    ap.add_argument("--formats", default="nvfp4,mxfp4,nf4", help="the sweep's formats; --cands times its nvfp4 / mxfp4")
     ap.add_argument("--bwd-ms", default=",".join(map(str, BWD_MS)))
     ap.add_argument("--quick", action="store_true", help="7B only, M in 1,16,64,256,4096")
     ap.add_argument("--variants", action="store_true", help="also time alternative tile configs (if time is left)")
@@ -733,7 +735,8 @@ def main(argv=None) -> int:
                  deadline, args.out, ms=[int(v) for v in args.cand_ms.split(",") if v],
                  cands=[(name, cfg) for name, cfg in json.loads(args.cands)],
                  shapes=[tuple(int(v) for v in sh.split("x")) for sh in args.cand_shapes.split(",") if sh],
-                 all_formats=("default",)),
+                 all_formats=("default",),
+                 formats=tuple(f for f in args.formats.split(",") if f in ("nvfp4", "mxfp4")) or ("nvfp4", "mxfp4")),
              "stream": lambda: stream_explore(deadline, args.out),
              "pdl": lambda: pdl_explore(deadline, args.out),
              "gemv": lambda: gemv_explore(deadline, args.out),

@@ -276,7 +276,9 @@ def test_triton_kernels_under_interpreter():
 
 
 WGMMA_BUILDS = [("nvfp4", 64, None), ("mxfp4", 256, None), ("nvfp4", 16, {"CPS": 4, "NSD": 2, "DW": 8}),
-                ("mxfp4", 128, {"CPS": 1, "NSD": 4, "LAG": 2, "PDL": True})]
+                ("mxfp4", 128, {"CPS": 1, "NSD": 4, "LAG": 2, "PDL": True}),
+                ("nvfp4", 256, {"BN": 128, "LOADS": 1, "NSD": 2, "NSX": 3, "PDL": True}),
+                ("mxfp4", 256, {"DW": 8, "LOADS": 1})]
 
 
 @pytest.mark.parametrize("fmt,m,cfg", WGMMA_BUILDS, ids=[f"{f}-M{m}-{c or 'default'}" for f, m, c in WGMMA_BUILDS])
@@ -303,3 +305,19 @@ def test_wgmma_kernel_builds_for_hopper(fmt, m, cfg):
     assert ptx.count("fence.proxy.async") == 4 // consts["CPS"]
     assert ptx.count("wgmma.mma_async") == 4
     assert ptx.count("griddepcontrol") == (3 if consts["PDL"] else 0)
+
+
+def test_large_m_wgmma_rule_and_split():
+    """The large-M dispatch picks the 128-row wgmma tiles where they fill >= 84% of the last wave,
+    64-row ones where those fill >= 80%, else dequant + cuBLAS (None); the split rule."""
+    from qerl.kernels import w4a16_triton as W
+    from qerl.kernels.w4a16_wgmma import split
+
+    assert W._large_m_wgmma(55296, 1024, 132) == W.WGMMA_BN128  # 1728 tiles: 14 waves, 94% full
+    assert W._large_m_wgmma(7168, 1024, 132) == W.WGMMA_BN128  # 224 tiles: 2 waves, 85%
+    assert W._large_m_wgmma(2048, 1024, 132) == {}  # 128-row: 64 tiles (48%); 64-row: 128 (97%)
+    assert W._large_m_wgmma(5120, 1024, 132) == {}  # 64-row: 320 tiles, 3 waves, 81%
+    assert W._large_m_wgmma(2560, 1024, 132) is None  # 160 / 80 tiles: 61% either way
+    assert W._large_m_wgmma(4608, 512, 132) is None
+    assert split(112, 20, 132) == 1 and split(32, 43, 132) == 4 and split(40, 8, 132) == 3
+    assert split(80, 20, 132, c0=2.0) == 3 and split(864, 20, 132, c0=2.0) == 1

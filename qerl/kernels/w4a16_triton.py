@@ -16,7 +16,8 @@ One persistent kernel (`_w4a16_kernel`) for both directions; tile shape by M buc
   the last program sums the partials in a fixed order and writes bf16 - one launch,
   deterministic, no host sync, CUDA-graph capturable.
 - 64 < M < DEQUANT_MIN_M: 128 x 128 wgmma tiles, same schedule.
-- M >= DEQUANT_MIN_M (512): `dequant_bf16` writes the layer's bf16 weight once (transient) and
+- M >= DEQUANT_MIN_M (512) (on Hopper up to WGMMA_MAX_M only where the wgmma GEMM's tiles do not
+  fill the SMs, _large_m_wgmma): `dequant_bf16` writes the layer's bf16 weight once (transient) and
   cuBLAS multiplies; faster than the fused kernel there (benchmarks/NOTES_w4a16.md, section 3).
   Opt-in PATH="overlap": the same in weight slices, decoded on a side stream while cuBLAS runs
   the previous slice; measured slower on the H100, not the default (NOTES_w4a16.md, section 8).
@@ -90,6 +91,15 @@ WSMMA_MIN_NK = int(os.environ.get("QERL_W4A16_WSMMA_MIN_NK", "60000000"))
 # overlaps decoding with the tensor cores; on the H100 1.6-2x faster than the fused Triton kernel
 # at M = 128 / 256 and even with it at M = 64 (NOTES_w4a16.md section 13). 0 disables it.
 WGMMA_MIN_M = int(os.environ.get("QERL_W4A16_WGMMA_MIN_M", "65"))
+# Forward with DEQUANT_MIN_M <= M < WGMMA_MAX_M on the same layers: the same GEMM instead of
+# dequant + cuBLAS where its tiles fill the SMs' waves (_large_m_wgmma): 128 weight rows per
+# program (two MMA warpgroups, half the activation traffic per weight) where those tiles fill
+# >= 84% of their last wave, else 64 rows where >= 80%, else dequant + cuBLAS. On the H100 at
+# M = 512 / 1024: 0.60 -> 0.83-0.91x of bf16 and 0.74 -> 0.81-0.89x on the layers it takes
+# (NOTES_w4a16.md section 14); at M = 4096 dequant + cuBLAS stays faster. 0 disables it.
+WGMMA_MAX_M = int(os.environ.get("QERL_W4A16_WGMMA_MAX_M", "2048"))
+# the 128-row configuration: TMA issued by the MMA warps (12 warps in all), one chunk per decoded stage
+WGMMA_BN128 = {"BN": 128, "LOADS": 1, "CPS": 1, "NSD": 4, "NSX": 3}
 # Programmatic dependent launch (sm_90+): each kernel lets the next one in the stream launch as
 # soon as all its programs are running (griddepcontrol.launch_dependents) and waits for the
 # previous kernel (griddepcontrol.wait) only before it touches activations, outputs or the
@@ -736,6 +746,23 @@ def _hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
+def _large_m_wgmma(n: int, m: int, slots: int) -> dict | None:
+    """The wgmma GEMM's config for a large-M forward (DEQUANT_MIN_M <= M < WGMMA_MAX_M), or None
+    for dequant + cuBLAS: the wave fill of a layer's tiles decides (a tile is BN weight rows x 256
+    tokens, one program per SM; `slots` = SMs)."""
+    mt = -(-m // 256)
+
+    def fill(bn: int) -> float:
+        tiles = -(-n // bn) * mt
+        return tiles / (-(-tiles // slots) * slots)
+
+    if fill(128) >= 0.84:
+        return dict(WGMMA_BN128)
+    if fill(64) >= 0.8:
+        return {}
+    return None
+
+
 def _wsmma_ok(device: torch.device, state: dict) -> bool:
     """The Gluon kernels run on sm_90 only (TMA, warp specialisation) and need K % 256 == 0."""
     return (not INTERPRETED and device.type == "cuda" and state["k"] % 256 == 0
@@ -792,6 +819,11 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
             path = "wsmma"
         elif 0 < WGMMA_MIN_M <= m and _wsmma_ok(x.device, state):
             path = "wgmma"
+    if (path == "dequant" and PREFILL not in ("fused", "dequant", "overlap") and not (config and "PATH" in config)
+            and m < WGMMA_MAX_M and WGMMA_MIN_M > 0 and _wsmma_ok(x.device, state)):
+        large = _large_m_wgmma(state["n"], m, _num_sms(x.device.index if x.device.index is not None else 0))
+        if large is not None:
+            path, config = "wgmma", {**large, **(config or {})}
     if path in ("dequant", "overlap"):
         return _dense(x, state, False, bias, config, out)
     if path == "gemv":
@@ -806,7 +838,7 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
         from qerl.kernels import w4a16_gluon
 
         return w4a16_gluon.forward(x, state, bias, out=out, config=config)
-    if path == "wgmma":  # warp-specialised Gluon GEMM (TMA, decoder warps, async wgmma), sm_90, M <= 512
+    if path == "wgmma":  # warp-specialised Gluon GEMM (TMA, decoder warps, async wgmma), sm_90
         from qerl.kernels import w4a16_wgmma
 
         return w4a16_wgmma.forward(x, state, bias, out=out, config=config)

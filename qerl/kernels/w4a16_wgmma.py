@@ -4,7 +4,8 @@ nvfp4 and mxfp4 weights in the tiled kernel layout (layout.py), bf16 activations
 accumulation on the tensor cores (async wgmma), bf16 out. The default on Hopper for
 65 <= M < 512 (w4a16_triton.WGMMA_MIN_M), where the Triton kernel makes decoding and the tensor
 cores take turns inside each program (M = 256 at 0.59x of bf16 there, 0.93x here; NOTES_w4a16.md
-section 13). Here the three jobs run in separate warps of one program (64 weight rows x BM
+section 13), and for 512 <= M < 2048 on layers whose tiles fill the SMs (w4a16_triton.
+_large_m_wgmma; there with BN = 128, section 14). Here the three jobs run in separate warps of one program (64 weight rows x BM
 tokens) and overlap:
 
 - loaders (two 1-warp partitions): TMA copies of the packed weight tiles (64 rows x 256 K: 8 KB
@@ -22,6 +23,14 @@ tokens) and overlap:
   stage and issues `acc[64, BM] += W_chunk[64, 64] @ x_chunk[BM, 64]^T` as an async wgmma (A =
   the decoded weights, B = the activations, K-major), keeps LAG in flight, and frees the stages
   of the chunk that retired. Then the epilogue.
+
+BN = 128 (the large-M form): two MMA warpgroups and two 64-row weight tiles per program, decoded
+into the two row halves of each decoded stage, so each activation chunk read from L2 feeds twice
+the weight rows. It needs LOADS = 1: the MMA warps issue the TMA copies themselves (x chunk
+r + NSX once chunk r retired, the raw tiles NSW ahead once a step retired) and the loader warps
+go, because 8 MMA + 4 decoder + loader warps make 16 warps, where ptxas caps every thread at 128
+registers and the [128, 256] accumulator needs more (and the 16-warp BN = 128 kernel with BM <= 128
+gave wrong results on the H100; NOTES_w4a16.md section 14).
 
 Decoder register layouts (4 warps, a [64 rows, 32 words] tile): lane (row bits 1-2, word bits
 0-2), warp (row bits 0 and 3), registers (row bits 4-5 and word bits 3-4 = the chunk). Every
@@ -142,91 +151,161 @@ def _publish(d_ready, stage):
 
 @gluon.jit
 def _decoder(w_bufs, s_bufs, d_bufs, w_ready, w_empty, d_ready, d_empty, exp_bias, k0, k1,
-             NSW: gl.constexpr, NSD: gl.constexpr, CPS: gl.constexpr, FMT: gl.constexpr,
+             NSW: gl.constexpr, NSD: gl.constexpr, CPS: gl.constexpr, FMT: gl.constexpr, R: gl.constexpr,
              L2W: gl.constexpr, L2S: gl.constexpr, L3: gl.constexpr):
     """Per weight step: read the raw stage, free it, decode its four 64-K chunks and publish them
-    in decoded stages of CPS chunks (one fence and one mbarrier arrive per decoded stage)."""
-    d32 = d_bufs._reinterpret(gl.int32, [NSD * CPS, 64, 32], gl.NVMMASharedLayout(128, 32))
+    in decoded stages of CPS chunks (one fence and one mbarrier arrive per decoded stage).
+    R = 2 (128 weight rows per program): a step is two raw stages, one per 64-row tile, decoded
+    into the two row halves of the same decoded stages."""
+    d32 = d_bufs._reinterpret(gl.int32, [NSD * CPS, 64 * R, 32], gl.NVMMASharedLayout(128, 32))
     G: gl.constexpr = 4 // CPS  # decoded stages per weight step
-    for kk in range(k0, k1):
-        i = kk - k0
-        iw = i % NSW
-        mbarrier.wait(w_ready.index(iw), (i // NSW) & 1)
-        w0, w1, w2, w3, s0, s1, s2, s3 = _load_tile(w_bufs, s_bufs, iw, L2W, L2S, FMT)
-        mbarrier.arrive(w_empty.index(iw), count=1)  # the raw stage is in registers now
-        v0 = _decode_chunk(w0, s0, exp_bias, FMT, L3)
-        v1 = _decode_chunk(w1, s1, exp_bias, FMT, L3)
-        q = i * G
-        st = q % NSD
-        mbarrier.wait(d_empty.index(st), ((q // NSD) & 1) ^ 1)  # stages start free
-        _put(d32, st * CPS, v0)
-        if CPS == 1:
-            _publish(d_ready, st)
-            st = (q + 1) % NSD
-            mbarrier.wait(d_empty.index(st), (((q + 1) // NSD) & 1) ^ 1)
-            _put(d32, st, v1)
-            _publish(d_ready, st)
-        else:
-            _put(d32, st * CPS + 1, v1)
-        v2 = _decode_chunk(w2, s2, exp_bias, FMT, L3)
-        v3 = _decode_chunk(w3, s3, exp_bias, FMT, L3)
-        if CPS == 4:
-            _put(d32, st * 4 + 2, v2)
-            _put(d32, st * 4 + 3, v3)
-            _publish(d_ready, st)
-        else:
-            if CPS == 2:
+    if R > 1:
+        _decoder_rows(d32, w_bufs, s_bufs, w_ready, w_empty, d_ready, d_empty, exp_bias, k0, k1, NSW, NSD, CPS,
+                      FMT, R, L2W, L2S, L3)
+    else:
+        for kk in range(k0, k1):
+            i = kk - k0
+            iw = i % NSW
+            mbarrier.wait(w_ready.index(iw), (i // NSW) & 1)
+            w0, w1, w2, w3, s0, s1, s2, s3 = _load_tile(w_bufs, s_bufs, iw, L2W, L2S, FMT)
+            mbarrier.arrive(w_empty.index(iw), count=1)  # the raw stage is in registers now
+            v0 = _decode_chunk(w0, s0, exp_bias, FMT, L3)
+            v1 = _decode_chunk(w1, s1, exp_bias, FMT, L3)
+            q = i * G
+            st = q % NSD
+            mbarrier.wait(d_empty.index(st), ((q // NSD) & 1) ^ 1)  # stages start free
+            _put(d32, st * CPS, v0)
+            if CPS == 1:
                 _publish(d_ready, st)
-            q2 = q + 2 // CPS  # the stage of chunk 2 (and 3 when CPS == 2)
-            st = q2 % NSD
-            mbarrier.wait(d_empty.index(st), ((q2 // NSD) & 1) ^ 1)
-            _put(d32, st * CPS, v2)
-            if CPS == 2:
-                _put(d32, st * 2 + 1, v3)
+                st = (q + 1) % NSD
+                mbarrier.wait(d_empty.index(st), (((q + 1) // NSD) & 1) ^ 1)
+                _put(d32, st, v1)
                 _publish(d_ready, st)
             else:
+                _put(d32, st * CPS + 1, v1)
+            v2 = _decode_chunk(w2, s2, exp_bias, FMT, L3)
+            v3 = _decode_chunk(w3, s3, exp_bias, FMT, L3)
+            if CPS == 4:
+                _put(d32, st * 4 + 2, v2)
+                _put(d32, st * 4 + 3, v3)
                 _publish(d_ready, st)
-                st = (q2 + 1) % NSD
-                mbarrier.wait(d_empty.index(st), (((q2 + 1) // NSD) & 1) ^ 1)
-                _put(d32, st, v3)
-                _publish(d_ready, st)
+            else:
+                if CPS == 2:
+                    _publish(d_ready, st)
+                q2 = q + 2 // CPS  # the stage of chunk 2 (and 3 when CPS == 2)
+                st = q2 % NSD
+                mbarrier.wait(d_empty.index(st), ((q2 // NSD) & 1) ^ 1)
+                _put(d32, st * CPS, v2)
+                if CPS == 2:
+                    _put(d32, st * 2 + 1, v3)
+                    _publish(d_ready, st)
+                else:
+                    _publish(d_ready, st)
+                    st = (q2 + 1) % NSD
+                    mbarrier.wait(d_empty.index(st), (((q2 + 1) // NSD) & 1) ^ 1)
+                    _put(d32, st, v3)
+                    _publish(d_ready, st)
 
 
 @gluon.jit
-def _w_loader(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, SROWS: gl.constexpr,
-              NSW: gl.constexpr):
+def _decoder_rows(d32, w_bufs, s_bufs, w_ready, w_empty, d_ready, d_empty, exp_bias, k0, k1,
+                  NSW: gl.constexpr, NSD: gl.constexpr, CPS: gl.constexpr, FMT: gl.constexpr, R: gl.constexpr,
+                  L2W: gl.constexpr, L2S: gl.constexpr, L3: gl.constexpr):
+    """The decoder for two row tiles per program (R = 2): per weight step, read both raw stages
+    into registers and free them, then chunk by chunk decode the two row tiles into rows [0, 64)
+    and [64, 128) of the chunk's decoded slot, waiting for a stage just before its first chunk
+    and publishing it after its last (as the one-tile decoder does)."""
+    gl.static_assert(R == 2, "two row tiles per program")
     for kk in range(k0, k1):
         i = kk - k0
-        iw = i % NSW
-        mbarrier.wait(w_empty.index(iw), ((i // NSW) & 1) ^ 1)
-        mbarrier.expect(w_ready.index(iw), w_desc.block_type.nbytes + s_desc.block_type.nbytes)
-        row = trow0 + kk * 64
-        tma.async_copy_global_to_shared(w_desc, [row, 0], w_ready.index(iw), w_bufs.index(iw))
-        tma.async_copy_global_to_shared(s_desc, [(row // 64) * SROWS, 0], w_ready.index(iw), s_bufs.index(iw))
+        ia = (2 * i) % NSW
+        ib = (2 * i + 1) % NSW
+        mbarrier.wait(w_ready.index(ia), ((2 * i) // NSW) & 1)
+        a0, a1, a2, a3, sa0, sa1, sa2, sa3 = _load_tile(w_bufs, s_bufs, ia, L2W, L2S, FMT)
+        mbarrier.arrive(w_empty.index(ia), count=1)
+        mbarrier.wait(w_ready.index(ib), ((2 * i + 1) // NSW) & 1)
+        b0, b1, b2, b3, sb0, sb1, sb2, sb3 = _load_tile(w_bufs, s_bufs, ib, L2W, L2S, FMT)
+        mbarrier.arrive(w_empty.index(ib), count=1)
+        _chunk_rows(d32, d_ready, d_empty, 4 * i + 0, a0, sa0, b0, sb0, exp_bias, NSD, CPS, FMT, L3)
+        _chunk_rows(d32, d_ready, d_empty, 4 * i + 1, a1, sa1, b1, sb1, exp_bias, NSD, CPS, FMT, L3)
+        _chunk_rows(d32, d_ready, d_empty, 4 * i + 2, a2, sa2, b2, sb2, exp_bias, NSD, CPS, FMT, L3)
+        _chunk_rows(d32, d_ready, d_empty, 4 * i + 3, a3, sa3, b3, sb3, exp_bias, NSD, CPS, FMT, L3)
+
+
+@gluon.jit
+def _chunk_rows(d32, d_ready, d_empty, c, wa, sa, wb, sb, exp_bias, NSD: gl.constexpr, CPS: gl.constexpr,
+                FMT: gl.constexpr, L3: gl.constexpr):
+    """Decoded chunk c (counted from the program's first) of both row tiles into its slot."""
+    g = c // CPS
+    st = g % NSD
+    if c % CPS == 0:
+        mbarrier.wait(d_empty.index(st), ((g // NSD) & 1) ^ 1)  # stages start free
+    slot = d32.index(st * CPS + c % CPS)
+    slot.slice(0, 64).store(_decode_chunk(wa, sa, exp_bias, FMT, L3))
+    slot.slice(64, 64).store(_decode_chunk(wb, sb, exp_bias, FMT, L3))
+    if c % CPS == CPS - 1:
+        _publish(d_ready, st)
+
+
+@gluon.jit
+def _w_issue(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, KB, i, SROWS: gl.constexpr,
+             NSW: gl.constexpr, R: gl.constexpr):
+    """Raw tile i of this program (step k0 + i // R, row tile i % R; a row tile past the last one
+    reads as zeros: TMA fills out-of-bounds boxes) into ring stage i % NSW, once it is free."""
+    iw = i % NSW
+    mbarrier.wait(w_empty.index(iw), ((i // NSW) & 1) ^ 1)  # stages start free
+    mbarrier.expect(w_ready.index(iw), w_desc.block_type.nbytes + s_desc.block_type.nbytes)
+    row = trow0 + ((i % R) * KB + k0 + i // R) * 64
+    tma.async_copy_global_to_shared(w_desc, [row, 0], w_ready.index(iw), w_bufs.index(iw))
+    tma.async_copy_global_to_shared(s_desc, [(row // 64) * SROWS, 0], w_ready.index(iw), s_bufs.index(iw))
+
+
+@gluon.jit
+def _x_issue(x_desc, x_bufs, x_ready, m0, k0, i, NSX: gl.constexpr):
+    """Activation chunk i of this program (K = 64 (4 k0 + i) ...) into ring stage i % NSX."""
+    ix = i % NSX
+    mbarrier.expect(x_ready.index(ix), x_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(x_desc, [m0, (k0 * 4 + i) * 64], x_ready.index(ix), x_bufs.index(ix))
+
+
+@gluon.jit
+def _w_loader(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, KB, SROWS: gl.constexpr,
+              NSW: gl.constexpr, R: gl.constexpr):
+    """Raw tiles in the decoder's order: step by step, and within a step the R row tiles."""
+    for i in range((k1 - k0) * R):
+        _w_issue(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, KB, i, SROWS, NSW, R)
 
 
 @gluon.jit
 def _x_loader(x_desc, x_bufs, x_ready, x_empty, m0, k0, k1, NSX: gl.constexpr, PDL: gl.constexpr):
     if PDL:  # x is the previous kernel's output (the weights need no wait)
         _gdc("wait")
-    for q in range(k0 * 4, k1 * 4):
-        i = q - k0 * 4
-        ix = i % NSX
-        mbarrier.wait(x_empty.index(ix), ((i // NSX) & 1) ^ 1)
-        mbarrier.expect(x_ready.index(ix), x_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [m0, q * 64], x_ready.index(ix), x_bufs.index(ix))
+    for i in range((k1 - k0) * 4):
+        mbarrier.wait(x_empty.index(i % NSX), ((i // NSX) & 1) ^ 1)
+        _x_issue(x_desc, x_bufs, x_ready, m0, k0, i, NSX)
 
 
 @gluon.jit
 def _mma(d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr,
-         p, tile, n0, m0, M, N, k0, k1, S, NSD: gl.constexpr, CPS: gl.constexpr, NSX: gl.constexpr,
-         BM: gl.constexpr, LAG: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
-         num_warps: gl.constexpr):
-    BN: gl.constexpr = 64
+         p, tile, n0, m0, M, N, k0, k1, S, x_desc, w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, KB,
+         NSD: gl.constexpr, CPS: gl.constexpr, NSX: gl.constexpr, NSW: gl.constexpr, SROWS: gl.constexpr,
+         R: gl.constexpr, BM: gl.constexpr, LAG: gl.constexpr, LOADS: gl.constexpr, HAS_BIAS: gl.constexpr,
+         PDL: gl.constexpr, num_warps: gl.constexpr):
+    """LOADS: this partition also issues the TMA copies (no loader warps): x chunk r + NSX once
+    chunk r's wgmma retired, the raw tiles of step s + NSW / R once step s's did (the decoder
+    read those stages before it decoded step s, so the empty waits never block)."""
+    BN: gl.constexpr = 16 * num_warps  # weight rows: 64 per warpgroup
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BM, 16])
     acc = gl.zeros([BN, BM], gl.float32, ACC)
     nq = (k1 - k0) * 4
+    if LOADS:
+        for t in range(min(NSW, (k1 - k0) * R)):
+            _w_issue(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, KB, t, SROWS, NSW, R)
+        if PDL:  # x is the previous kernel's output (the weights need no wait)
+            _gdc("wait")
+        for t in range(min(NSX, nq)):
+            _x_issue(x_desc, x_bufs, x_ready, m0, k0, t, NSX)
     for i in range(nq):
         g = i // CPS
         st = g % NSD
@@ -239,8 +318,17 @@ def _mma(d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, alpha_ptr, bias_ptr
         # the wgmma of chunk i - LAG has retired: its activation stage is free, and its decoded
         # stage too if it was that stage's last chunk
         r = i - LAG
-        mbarrier.arrive(x_empty.index((r + NSX) % NSX), count=1, pred=r >= 0)
         mbarrier.arrive(d_empty.index(((r + CPS * NSD) // CPS) % NSD), count=1, pred=(r >= 0) & (r % CPS == CPS - 1))
+        if LOADS:
+            if (r >= 0) & (r + NSX < nq):
+                _x_issue(x_desc, x_bufs, x_ready, m0, k0, r + NSX, NSX)
+            if (r >= 0) & (r % 4 == 3):
+                for j in gl.static_range(R):
+                    t = (r // 4) * R + NSW + j
+                    if t < (k1 - k0) * R:
+                        _w_issue(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, KB, t, SROWS, NSW, R)
+        else:
+            mbarrier.arrive(x_empty.index((r + NSX) % NSX), count=1, pred=r >= 0)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     # epilogue: lanes along the weight rows (n), which are contiguous in the output y[M, N]
@@ -274,10 +362,11 @@ def _mma(d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, alpha_ptr, bias_ptr
 @gluon.jit
 def _wgmma_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, M, N, KB, S, MT,
                   exp_bias, BM: gl.constexpr, NSW: gl.constexpr, NSD: gl.constexpr, CPS: gl.constexpr,
-                  NSX: gl.constexpr, LAG: gl.constexpr, DW: gl.constexpr, FMT: gl.constexpr,
+                  NSX: gl.constexpr, LAG: gl.constexpr, DW: gl.constexpr, FMT: gl.constexpr, LOADS: gl.constexpr,
                   HAS_BIAS: gl.constexpr, PDL: gl.constexpr, DEC_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
                   L2W: gl.constexpr, L2S: gl.constexpr, L3: gl.constexpr, num_warps: gl.constexpr):
     SROWS: gl.constexpr = s_desc.block_type.shape[0]  # 64 (nvfp4) or 32 (mxfp4) rows of 16 bytes per tile
+    R: gl.constexpr = num_warps // 4  # 64-row weight tiles per program: one per MMA warpgroup
     if PDL:
         _gdc("launch_dependents")
     p = gl.program_id(0)
@@ -290,7 +379,7 @@ def _wgmma_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lo
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NSW] + w_desc.block_type.shape, w_desc.layout)
     s_bufs = gl.allocate_shared_memory(s_desc.dtype, [NSW] + s_desc.block_type.shape, s_desc.layout)
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [NSX] + x_desc.block_type.shape, x_desc.layout)
-    d_bufs = gl.allocate_shared_memory(gl.bfloat16, [NSD * CPS, 64, 64], gl.NVMMASharedLayout(128, 16))
+    d_bufs = gl.allocate_shared_memory(gl.bfloat16, [NSD * CPS, 64 * R, 64], gl.NVMMASharedLayout(128, 16))
     w_ready = gl.allocate_shared_memory(gl.int64, [NSW, 1], mbarrier.MBarrierLayout())
     w_empty = gl.allocate_shared_memory(gl.int64, [NSW, 1], mbarrier.MBarrierLayout())
     x_ready = gl.allocate_shared_memory(gl.int64, [NSX, 1], mbarrier.MBarrierLayout())
@@ -306,19 +395,30 @@ def _wgmma_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lo
     for s in gl.static_range(NSD):
         mbarrier.init(d_ready.index(s), count=1)
         mbarrier.init(d_empty.index(s), count=1)
-    gl.warp_specialize([
-        (_mma, (d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr,
-                lock_ptr, p, tile, nt * 64, mt * BM, M, N, k0, k1, S, NSD, CPS, NSX, BM, LAG, HAS_BIAS, PDL,
-                num_warps)),
-        (_decoder, (w_bufs, s_bufs, d_bufs, w_ready, w_empty, d_ready, d_empty, exp_bias, k0, k1, NSW, NSD,
-                    CPS, FMT, L2W, L2S, L3)),
-        (_w_loader, (w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, nt * KB * 64, k0, k1, SROWS, NSW)),
-        (_x_loader, (x_desc, x_bufs, x_ready, x_empty, mt * BM, k0, k1, NSX, PDL)),
-    ], [DW, 1, 1], [DEC_REGS, LOAD_REGS, LOAD_REGS])
+    trow0 = nt * R * KB * 64
+    # (the argument tuples are spelled out twice: layouts cannot live in a tuple variable)
+    if LOADS:  # the MMA partition issues the copies: MMA + decoder warps only (12 warps: 168 registers)
+        gl.warp_specialize([
+            (_mma, (d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr,
+                    p, tile, nt * 64 * R, mt * BM, M, N, k0, k1, S, x_desc, w_desc, s_desc, w_bufs, s_bufs, w_ready,
+                    w_empty, trow0, KB, NSD, CPS, NSX, NSW, SROWS, R, BM, LAG, LOADS, HAS_BIAS, PDL, num_warps)),
+            (_decoder, (w_bufs, s_bufs, d_bufs, w_ready, w_empty, d_ready, d_empty, exp_bias, k0, k1, NSW, NSD,
+                        CPS, FMT, R, L2W, L2S, L3)),
+        ], [DW], [DEC_REGS])
+    else:
+        gl.warp_specialize([
+            (_mma, (d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr,
+                    p, tile, nt * 64 * R, mt * BM, M, N, k0, k1, S, x_desc, w_desc, s_desc, w_bufs, s_bufs, w_ready,
+                    w_empty, trow0, KB, NSD, CPS, NSX, NSW, SROWS, R, BM, LAG, LOADS, HAS_BIAS, PDL, num_warps)),
+            (_decoder, (w_bufs, s_bufs, d_bufs, w_ready, w_empty, d_ready, d_empty, exp_bias, k0, k1, NSW, NSD,
+                        CPS, FMT, R, L2W, L2S, L3)),
+            (_w_loader, (w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, KB, SROWS, NSW, R)),
+            (_x_loader, (x_desc, x_bufs, x_ready, x_empty, mt * BM, k0, k1, NSX, PDL)),
+        ], [DW, 1, 1], [DEC_REGS, LOAD_REGS, LOAD_REGS])
 
 
 # CPS 2 x NSD 3: best or even of the ring shapes timed on the H100 (NOTES_w4a16.md section 13)
-DEFAULT = dict(BM=None, NSW=4, NSD=3, CPS=2, NSX=4, LAG=1, DW=4, DEC_REGS=96, LOAD_REGS=24, PER_SM=None,
+DEFAULT = dict(BM=None, BN=64, LOADS=0, C0=None, NSW=4, NSD=3, CPS=2, NSX=4, LAG=1, DW=4, DEC_REGS=96, LOAD_REGS=24, PER_SM=None,
                maxnreg=None, PDL=None)
 _RESIDENT: dict = {}
 _KEYS = set(DEFAULT) | {"S"}
@@ -327,6 +427,28 @@ _KEYS = set(DEFAULT) | {"S"}
 def block_m(m: int) -> int:
     """Tokens per tile: the wgmma N extent (16 .. 256)."""
     return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128 if m <= 128 else 256
+
+
+def split(tiles: int, kb: int, slots: int, c0: float | None = None) -> int:
+    """K slices per output tile. c0 None (the default): the most slices that still fit one wave.
+    Else the count minimising waves x (steps per slice + c0), c0 = a program's fixed cost in
+    weight steps: 80 tiles of 20 steps on 132 slots would take 1 x 22 as one slice each but
+    2 x (7 + 2) = 18 as three. Measured at M = 256 (NOTES_w4a16.md section 14), that model is
+    wrong in the median: the fp32 partials (S x M x N x 4 bytes) cost more than the idle SMs
+    (5120^2: 30.7 us with one slice, 45.9 with three; only 5120x27648 gained, 146.9 -> 129.6)."""
+    if c0 is None:
+        s_max = max(1, min(kb, slots // tiles))
+        steps = -(-kb // s_max)
+        return -(-kb // steps)  # fewest slices with the same longest slice
+    best, best_cost = 1, None
+    for s in range(1, min(kb, 32) + 1):
+        steps = -(-kb // s)
+        if s > 1 and -(-kb // (s - 1)) == steps:
+            continue  # same longest slice as s - 1: more programs for nothing
+        cost = -(-tiles * s // slots) * (steps + float(c0))
+        if best_cost is None or cost < best_cost - 1e-9:
+            best, best_cost = s, cost
+    return best
 
 
 def descriptors(x: torch.Tensor, state: dict, bm: int):
@@ -341,39 +463,55 @@ def descriptors(x: torch.Tensor, state: dict, bm: int):
             TensorDescriptor.from_tensor(state["scale"].view(-1, 16), [srows, 16], sl))
 
 
-def smem_bytes(bm: int, nsw: int, nsd: int, cps: int, nsx: int) -> int:
-    """Shared memory of the rings: raw weight steps, decoded stages, activation chunks (+ barriers)."""
-    return nsw * (8192 + 1024) + nsd * cps * 8192 + nsx * bm * 128 + 1024
+def smem_bytes(bm: int, nsw: int, nsd: int, cps: int, nsx: int, bn: int = 64) -> int:
+    """Shared memory of the rings: raw weight tiles, decoded stages, activation chunks (+ barriers)."""
+    return nsw * (8192 + 1024) + nsd * cps * bn * 128 + nsx * bm * 128 + 1024
 
 
 def kernel_args(fmt: str, m: int, config: dict | None = None) -> tuple[dict, dict]:
     """(constexpr arguments of _wgmma_kernel, the resolved config) for M tokens of a `fmt` layer."""
     cfg = dict(DEFAULT)
     cfg.update({key: v for key, v in (config or {}).items() if key in _KEYS})
-    nsw, nsd, cps, nsx, lag, dw = (int(cfg[key]) for key in ("NSW", "NSD", "CPS", "NSX", "LAG", "DW"))
+    nsw, nsd, cps, nsx, lag, dw, bn = (int(cfg[key]) for key in ("NSW", "NSD", "CPS", "NSX", "LAG", "DW", "BN"))
     bm = int(cfg["BM"] or block_m(m))
+    loads = int(cfg["LOADS"])
+    if bn not in (64, 128) or (bn == 128 and not loads):
+        # BN=128 with loader warps = 16 warps with an 8-warp MMA partition: wrong, nondeterministic
+        # results on the H100 at K >= 3584 (triton 3.6; not understood), so only the 12-warp form
+        raise ValueError(f"BN must be 64, or 128 with LOADS=1; got BN={bn} LOADS={loads}")
+    if loads and nsw < 2 * (bn // 64):
+        # the MMA warps refill the raw ring after a step retired, and the last chunk of step s
+        # retires only once step s + 1 is decoded: the ring must hold two steps (NSW=2 at BN=128 hung)
+        raise ValueError(f"LOADS=1 needs NSW >= 2 steps of raw tiles ({2 * (bn // 64)}), got NSW={nsw}")
     if bm not in (16, 32, 64, 128, 256):
         raise ValueError(f"BM must be 16, 32, 64, 128 or 256, got {bm}")
     if not 1 <= lag < min(nsd, nsx) or dw not in (4, 8) or cps not in (1, 2, 4):
         raise ValueError(f"need 1 <= LAG < NSD, NSX, DW in (4, 8), CPS in (1, 2, 4); got LAG={lag} DW={dw} CPS={cps}")
-    if dw == 8 and bm > 128:  # 16 warps: ptxas caps the kernel at 128 registers, a [64, 256] accumulator needs 128
-        raise ValueError("DW=8 needs BM <= 128")
+    if (dw // 4 + bn // 64 + (1 - loads)) > 3 and bm > 128:
+        # 16 warps: ptxas caps the kernel at 128 registers, a [64, 256] accumulator needs 128
+        raise ValueError("BM=256 fits 12 warps only: DW=8 or BN=128 need LOADS=1 (no loader warps)")
+    if smem_bytes(bm, nsw, nsd, cps, nsx, bn) > 232448:
+        raise ValueError(f"rings need {smem_bytes(bm, nsw, nsd, cps, nsx, bn)} B of shared memory (H100: 232448); "
+                         "lower NSW / NSD / NSX")
     cfg["PDL"] = bool(W.PDL if cfg["PDL"] is None else cfg["PDL"])
     l2w, l2s, l3 = decoder_layouts(fmt, dw)
-    consts = dict(BM=bm, NSW=nsw, NSD=nsd, CPS=cps, NSX=nsx, LAG=lag, DW=dw, FMT=0 if fmt == "nvfp4" else 1,
+    consts = dict(BM=bm, LOADS=loads, NSW=nsw, NSD=nsd, CPS=cps, NSX=nsx, LAG=lag, DW=dw, FMT=0 if fmt == "nvfp4" else 1,
                   PDL=cfg["PDL"], DEC_REGS=int(cfg["DEC_REGS"]), LOAD_REGS=int(cfg["LOAD_REGS"]),
-                  L2W=l2w, L2S=l2s, L3=l3, num_warps=4)
+                  L2W=l2w, L2S=l2s, L3=l3, num_warps=bn // 16)
     return consts, cfg
 
 
 def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | None = None) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for x [M, K] bf16 and an nvfp4 / mxfp4 `state`
-    (qerl.kernels.prepare); 64 weight rows per program.
+    (qerl.kernels.prepare); BN weight rows per program.
 
-    config: BM (tokens per program, default block_m(M)), NSW (raw weight steps in flight), NSD x
+    config: BM (tokens per program, default block_m(M)), BN (weight rows per program: 64, or 128
+    with two MMA warpgroups, which halves the activation traffic per weight row), NSW (raw weight steps in flight), NSD x
     CPS (decoded stages of CPS 64-K chunks each: one fence + mbarrier hand-off per stage), NSX
     (activation chunks), LAG (wgmma groups in flight), DW (decoder warps: 4 or 8), DEC_REGS /
-    LOAD_REGS (setmaxnreg of the decoder and loader warps), S (forced K slices per tile), PER_SM,
+    LOAD_REGS (setmaxnreg of the decoder and loader warps), S (forced K slices per tile), C0 (the
+    split rule's fixed cost per program, split(); None = the one-wave rule), LOADS (1: the MMA
+    warps issue the TMA copies, no loader warps), PER_SM,
     maxnreg, PDL."""
     fmt = state["fmt"]
     if fmt not in ("nvfp4", "mxfp4"):
@@ -387,19 +525,17 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         x = x.contiguous().clone() if x.data_ptr() % 16 else x.contiguous()
     m = x.shape[0]
     consts, cfg = kernel_args(fmt, m, config)
-    bm = consts["BM"]
-    nt, mt = triton.cdiv(n, 64), triton.cdiv(m, bm)
+    bm, bn = consts["BM"], consts["num_warps"] * 16
+    nt, mt = triton.cdiv(n, bn), triton.cdiv(m, bm)
     tiles = nt * mt
-    key = tuple(consts[name] for name in ("BM", "NSW", "NSD", "CPS", "NSX", "LAG", "DW", "DEC_REGS", "PDL")) + (cfg["maxnreg"],)
-    smem = smem_bytes(bm, consts["NSW"], consts["NSD"], consts["CPS"], consts["NSX"])
+    key = tuple(consts[name] for name in ("BM", "LOADS", "NSW", "NSD", "CPS", "NSX", "LAG", "DW", "DEC_REGS", "PDL",
+                                          "num_warps")) + (cfg["maxnreg"],)
+    smem = smem_bytes(bm, consts["NSW"], consts["NSD"], consts["CPS"], consts["NSX"], bn)
     per_sm = cfg["PER_SM"] or _RESIDENT.get(key) or max(1, min(2, 232448 // smem))
     if cfg.get("S") is not None:
         s = max(1, min(int(cfg["S"]), kb))
     else:
-        slots = int(per_sm) * W._num_sms(x.device.index or 0)
-        s_max = max(1, min(kb, slots // tiles))
-        steps = -(-kb // s_max)
-        s = -(-kb // steps)  # fewest slices with the same longest slice
+        s = split(tiles, kb, int(per_sm) * W._num_sms(x.device.index or 0), cfg["C0"])
     x_desc, w_desc, s_desc = descriptors(x, state, bm)
     direct = out is not None and out.is_contiguous() and tuple(out.shape) == (m, n) and out.dtype == torch.bfloat16
     c = out if direct else torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
@@ -407,14 +543,14 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     if tiles > locks.numel():
         locks = torch.zeros(tiles, dtype=torch.int32, device=x.device)
     grid = tiles * s
-    ws = torch.empty(grid * 64 * bm if s > 1 else 1, device=x.device, dtype=torch.float32)
+    ws = torch.empty(grid * bn * bm if s > 1 else 1, device=x.device, dtype=torch.float32)
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
     kernel = _wgmma_kernel[(grid,)](
         x_desc, w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws, locks, m, n, kb, s, mt,
         int(state.get("exp_bias", 0)), HAS_BIAS=bias is not None, launch_pdl=consts["PDL"], **consts, **extra,
     )
     if key not in _RESIDENT:
-        _RESIDENT[key] = _resident(kernel, 4) or per_sm
+        _RESIDENT[key] = _resident(kernel, consts["num_warps"]) or per_sm
     if out is not None and not direct:  # the kernel writes a dense [M, N]
         return out.copy_(c)
     return c
@@ -441,7 +577,7 @@ def compile_offline(fmt: str = "nvfp4", m: int = 64, n: int = 7168, k: int = 512
     # pointers 16-byte aligned, as the JIT specialises them on a GPU
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
              for a in ("alpha_ptr", "bias_ptr", "c_ptr", "ws_ptr", "lock_ptr")}
-    opts = {"num_warps": 4} | ({} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])})
+    opts = {"num_warps": consts["num_warps"]} | ({} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])})
     return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
 
 
