@@ -396,7 +396,7 @@ def _wgmma_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lo
         mbarrier.init(d_ready.index(s), count=1)
         mbarrier.init(d_empty.index(s), count=1)
     trow0 = nt * R * KB * 64
-    # (the argument tuples are spelled out twice: layouts cannot live in a tuple variable)
+    # (the argument tuples are spelled out twice: layouts and constexprs do not survive a tuple variable)
     if LOADS:  # the MMA partition issues the copies: MMA + decoder warps only (12 warps: 168 registers)
         gl.warp_specialize([
             (_mma, (d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr,
