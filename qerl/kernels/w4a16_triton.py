@@ -94,9 +94,10 @@ WGMMA_MIN_M = int(os.environ.get("QERL_W4A16_WGMMA_MIN_M", "65"))
 # Forward with DEQUANT_MIN_M <= M < WGMMA_MAX_M on the same layers: the same GEMM instead of
 # dequant + cuBLAS where its tiles fill the SMs' waves (_large_m_wgmma): 128 weight rows per
 # program (two MMA warpgroups, half the activation traffic per weight) where those tiles fill
-# >= 84% of their last wave, else 64 rows where >= 80%, else dequant + cuBLAS. On the H100 at
-# M = 512 / 1024: 0.60 -> 0.83-0.91x of bf16 and 0.74 -> 0.81-0.89x on the layers it takes
-# (NOTES_w4a16.md section 14); at M = 4096 dequant + cuBLAS stays faster. 0 disables it.
+# >= 84% of their last wave, else 64 rows where >= 80%, else dequant + cuBLAS. On the H100, of
+# bf16: M = 512 0.58-0.61 -> 0.83-0.91x on the large layers; M = 1024 0.68-0.77 -> 0.84-0.93x on
+# six layers, 5120^2 0.77 -> 0.73x (NOTES_w4a16.md section 14); at M = 4096 dequant + cuBLAS stays
+# faster. 0 disables it.
 WGMMA_MAX_M = int(os.environ.get("QERL_W4A16_WGMMA_MAX_M", "2048"))
 # the 128-row configuration: TMA issued by the MMA warps (12 warps in all), one chunk per decoded stage
 WGMMA_BN128 = {"BN": 128, "LOADS": 1, "CPS": 1, "NSD": 4, "NSX": 3}
