@@ -4,9 +4,9 @@ nvfp4 and mxfp4 weights in the tiled kernel layout (layout.py), bf16 activations
 accumulation on the tensor cores (async wgmma), bf16 out. The default on Hopper for
 65 <= M < 512 (w4a16_triton.WGMMA_MIN_M), where the Triton kernel makes decoding and the tensor
 cores take turns inside each program (M = 256 at 0.59x of bf16 there, 0.93x here; NOTES_w4a16.md
-section 13), and for 512 <= M < 2048 on layers whose tiles fill the SMs (w4a16_triton.
-_large_m_wgmma; there with BN = 128, section 14). Here the three jobs run in separate warps of one program (64 weight rows x BM
-tokens) and overlap:
+section 13), and for 512 <= M < 2048 on layers whose tiles fill the SMs
+(w4a16_triton._large_m_wgmma; there with BN = 128, section 14). Here the three jobs run in
+separate warps of one program (64 weight rows x BM tokens) and overlap:
 
 - loaders (two 1-warp partitions): TMA copies of the packed weight tiles (64 rows x 256 K: 8 KB
   of words + 1 KB / 512 B of scales) into a ring of NSW stages, and of the activation chunks
@@ -418,8 +418,8 @@ def _wgmma_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lo
 
 
 # CPS 2 x NSD 3: best or even of the ring shapes timed on the H100 (NOTES_w4a16.md section 13)
-DEFAULT = dict(BM=None, BN=64, LOADS=0, C0=None, NSW=4, NSD=3, CPS=2, NSX=4, LAG=1, DW=4, DEC_REGS=96, LOAD_REGS=24, PER_SM=None,
-               maxnreg=None, PDL=None)
+DEFAULT = dict(BM=None, BN=64, LOADS=0, C0=None, NSW=4, NSD=3, CPS=2, NSX=4, LAG=1, DW=4, DEC_REGS=96, LOAD_REGS=24,
+               PER_SM=None, maxnreg=None, PDL=None)
 _RESIDENT: dict = {}
 _KEYS = set(DEFAULT) | {"S"}
 
