@@ -116,7 +116,9 @@ def _empty_model(config) -> nn.Module:
         from transformers.initialization import no_init_weights
     except ImportError:  # older transformers
         from transformers.modeling_utils import no_init_weights
-    with no_init_weights():
+    from qerl.threads import INIT_LOCK
+
+    with INIT_LOCK, no_init_weights():  # the window patches torch.nn.init in every thread
         return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
 
 

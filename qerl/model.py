@@ -22,6 +22,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from qerl.threads import INIT_LOCK
+
 EMBEDDED = "embedded"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -93,7 +95,8 @@ def _load_embedded(spec: ModelSpec):
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         try:
-            model = AutoModelForCausalLM.from_pretrained(d, gguf_file=EMBEDDED_GGUF, dtype=torch_dtype(spec))
+            with INIT_LOCK:
+                model = AutoModelForCausalLM.from_pretrained(d, gguf_file=EMBEDDED_GGUF, dtype=torch_dtype(spec))
         finally:
             hf_logging.set_verbosity(verbosity)
         tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
@@ -152,7 +155,7 @@ def build_random(preset: str, dtype: torch.dtype = torch.bfloat16, device="cpu",
     from transformers import AutoModelForCausalLM
 
     cfg = random_config(preset)
-    with torch.random.fork_rng(devices=[]):
+    with INIT_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -187,7 +190,8 @@ def _load_pretrained(spec: ModelSpec):
     kwargs = dict(revision=spec.revision, trust_remote_code=spec.trust_remote_code)
     try:
         tok = AutoTokenizer.from_pretrained(spec.name, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(spec.name, dtype=torch_dtype(spec), use_safetensors=True, **kwargs)
+        with INIT_LOCK:  # from_pretrained patches torch.nn.init in every thread (qerl.threads)
+            model = AutoModelForCausalLM.from_pretrained(spec.name, dtype=torch_dtype(spec), use_safetensors=True, **kwargs)
     except OSError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"cannot load model {spec.name!r}: {first}") from None

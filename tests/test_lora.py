@@ -180,3 +180,45 @@ def test_first_forward_in_inference_mode_then_training_backward(fmt):
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
     assert any(g.abs().sum() > 0 for g in grads)
     assert torch.allclose(model(_ids()).logits.detach(), ref)
+
+
+def test_adapters_built_while_another_thread_loads_a_checkpoint_are_initialised():
+    """transformers' no_init_weights patches torch.nn.init in every thread while a checkpoint
+    skeleton is built; LoRA injected in another thread at that moment kept torch.empty garbage
+    (NaN rollouts in the flow). Both now hold qerl.threads.INIT_LOCK: a loader thread builds
+    skeletons in a loop while this thread wraps fresh models, and every lora_A is initialised
+    (kaiming uniform: nonzero, finite, within 1/sqrt(fan_in))."""
+    import threading
+
+    from qerl.checkpoint import _empty_model
+    from qerl.model import random_config
+    from qerl.threads import INIT_LOCK
+
+    cfg = random_config("tiny-llama")
+    stop = threading.Event()
+
+    def loader():
+        while not stop.is_set():
+            _empty_model(cfg)
+
+    t = threading.Thread(target=loader, daemon=True)
+    t.start()
+    try:
+        for _ in range(12):
+            peft_model = apply_lora(build_random("tiny-llama", torch.float32))
+            for name, p in peft_model.named_parameters():
+                if "lora_A" in name:
+                    bound = 1.0 / p.shape[1] ** 0.5
+                    assert torch.isfinite(p).all() and p.abs().max() > 0 and p.abs().max() <= bound + 1e-6, name
+    finally:
+        stop.set()
+        t.join()
+
+    # and a holder of the lock really holds off an adapter build in another thread
+    done = threading.Event()
+    with INIT_LOCK:
+        w = threading.Thread(target=lambda: (apply_lora(build_random("tiny-llama", torch.float32)), done.set()))
+        w.start()
+        assert not done.wait(0.5)
+    w.join(60)
+    assert done.is_set()

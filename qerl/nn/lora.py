@@ -39,6 +39,7 @@ from torch import nn
 
 from qerl.nn.lora_settings import DEFAULT_NORM_MODULES, DEFAULT_TARGET_MODULES, LoraSettings
 from qerl.nn.quant_linear import QuantLinear
+from qerl.threads import INIT_LOCK
 
 __all__ = [
     "DEFAULT_NORM_MODULES",
@@ -176,7 +177,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings | None = None, adapter_n
     settings = settings or LoraSettings()
     _check_targets(model, settings)
     cfg = lora_config(settings)
-    with _peft_injection(model), warnings.catch_warnings():
+    with INIT_LOCK, _peft_injection(model), warnings.catch_warnings():  # qerl.threads: why the lock
         warnings.filterwarnings("ignore", message=".*custom.*", category=UserWarning)
         peft_model = get_peft_model(model, cfg, adapter_name=adapter_name)
     _freeze_base(peft_model)
@@ -193,7 +194,7 @@ def load_lora(
     cfg = LoraConfig.from_pretrained(str(path))
     cfg._register_custom_module({QuantLinear: QuantLoraLinear})
     cfg.inference_mode = not is_trainable
-    with _peft_injection(model):
+    with INIT_LOCK, _peft_injection(model):
         peft_model = PeftModel.from_pretrained(
             model, str(path), adapter_name=adapter_name, is_trainable=is_trainable, config=cfg
         )
