@@ -168,6 +168,7 @@ def _decoder(w_bufs, s_bufs, d_bufs, w_ready, w_empty, d_ready, d_empty, exp_bia
             iw = i % NSW
             mbarrier.wait(w_ready.index(iw), (i // NSW) & 1)
             w0, w1, w2, w3, s0, s1, s2, s3 = _load_tile(w_bufs, s_bufs, iw, L2W, L2S, FMT)
+            fence_async_shared()  # the generic reads of the stage are done before TMA (async proxy) refills it
             mbarrier.arrive(w_empty.index(iw), count=1)  # the raw stage is in registers now
             v0 = _decode_chunk(w0, s0, exp_bias, FMT, L3)
             v1 = _decode_chunk(w1, s1, exp_bias, FMT, L3)
@@ -222,9 +223,11 @@ def _decoder_rows(d32, w_bufs, s_bufs, w_ready, w_empty, d_ready, d_empty, exp_b
         ib = (2 * i + 1) % NSW
         mbarrier.wait(w_ready.index(ia), ((2 * i) // NSW) & 1)
         a0, a1, a2, a3, sa0, sa1, sa2, sa3 = _load_tile(w_bufs, s_bufs, ia, L2W, L2S, FMT)
+        fence_async_shared()  # generic reads before the async-proxy refill (see _decoder)
         mbarrier.arrive(w_empty.index(ia), count=1)
         mbarrier.wait(w_ready.index(ib), ((2 * i + 1) // NSW) & 1)
         b0, b1, b2, b3, sb0, sb1, sb2, sb3 = _load_tile(w_bufs, s_bufs, ib, L2W, L2S, FMT)
+        fence_async_shared()
         mbarrier.arrive(w_empty.index(ib), count=1)
         _chunk_rows(d32, d_ready, d_empty, 4 * i + 0, a0, sa0, b0, sb0, exp_bias, NSD, CPS, FMT, L3)
         _chunk_rows(d32, d_ready, d_empty, 4 * i + 1, a1, sa1, b1, sb1, exp_bias, NSD, CPS, FMT, L3)
