@@ -712,7 +712,8 @@ def main(argv=None) -> int:
     result = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
               "torch": torch.__version__, "triton": triton.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "copy_gbps": None, "rows": []}
+              "command": " ".join([f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("QERL_W4A16_")]
+                                  + [os.path.basename(sys.executable)] + sys.argv), "copy_gbps": None, "rows": []}
     rows = result["rows"]
 
     def write():

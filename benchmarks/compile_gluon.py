@@ -46,15 +46,16 @@ def _signature(n: int, k: int, has_bias: bool):
     return {
         "xw_ptr": "*i32", "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc), "alpha_ptr": "*fp32",
         "bias_ptr": "*bf16", "c_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
-        "N": "i32", "KB": "i32", "S": "i32",
+        "M": "i32", "N": "i32", "KB": "i32", "S": "i32",
     }
 
 
-def compile_kernel(n: int, k: int, stages: int, warps: int, maxnreg, producer_regs: int, bias: bool, pdl: bool):
+def compile_kernel(n: int, k: int, stages: int, warps: int, maxnreg, producer_regs: int, bias: bool, pdl: bool,
+                   mt: int = 1):
     fn = G._gluon_gemv_kernel
     sig = _signature(n, k, bias)
     l5, l2w, l2s = G._layouts(warps)
-    constexprs = {"NUM_STAGES": stages, "HAS_BIAS": bias, "PDL": pdl, "PRODUCER_REGS": producer_regs,
+    constexprs = {"NUM_STAGES": stages, "HAS_BIAS": bias, "PDL": pdl, "MT": mt, "PRODUCER_REGS": producer_regs,
                   "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
     for name in constexprs:
         sig[name] = "constexpr"
@@ -127,6 +128,7 @@ def main_wgmma(a):
     from qerl.kernels import w4a16_wgmma as WG
 
     config = json.loads(a.config) if a.config else {}
+    a.m = a.m or 64
     if a.pdl:
         config["PDL"] = True
     try:
@@ -156,7 +158,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernel", choices=("gemv", "wgmma"), default="gemv")
     ap.add_argument("--fmt", default="nvfp4", help="wgmma: nvfp4 or mxfp4")
-    ap.add_argument("--m", type=int, default=64, help="wgmma: tokens")
+    ap.add_argument("--m", type=int, default=None, help="tokens (wgmma: default 64; gemv: 1, or 2..8)")
     ap.add_argument("--config", default=None, help="wgmma: JSON config (w4a16_wgmma.forward keys)")
     ap.add_argument("--n", type=int, default=7168)
     ap.add_argument("--k", type=int, default=5120)
@@ -171,7 +173,8 @@ def main():
     if a.kernel == "wgmma":
         return main_wgmma(a)
     try:
-        ck = compile_kernel(a.n, a.k, a.stages, a.warps, a.maxnreg, a.producer_regs, a.bias, a.pdl)
+        ck = compile_kernel(a.n, a.k, a.stages, a.warps, a.maxnreg, a.producer_regs, a.bias, a.pdl,
+                            1 if (a.m or 1) == 1 else G.MAX_M)
     except Exception as e:  # noqa: BLE001
         print(f"compile FAILED: {type(e).__name__}: {e}")
         sys.exit(1)

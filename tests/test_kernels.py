@@ -309,6 +309,36 @@ def test_wgmma_kernel_builds_for_hopper(fmt, m, cfg):
     assert ptx.count("griddepcontrol") == (3 if consts["PDL"] else 0)
 
 
+@pytest.mark.parametrize("mt", [1, 8])
+def test_gluon_gemv_builds_for_hopper(mt):
+    """Offline sm_90a build of the tensor-core Gluon GEMV (w4a16_gluon; MT = 8: one token per MMA
+    column): no spills at its 64-register cap and 16 mma.sync per 64 x 256 step."""
+    pytest.importorskip("triton.experimental.gluon")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "compile_gluon", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "compile_gluon.py"))
+    cg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cg)
+    ck = cg.compile_kernel(7168, 5120, 3, 4, 64, 24, True, False, mt)
+    regs, spills = cg._resources(ck.asm["cubin"])
+    assert spills == 0 and regs <= 64
+    assert ck.asm["ptx"].count("mma.sync.aligned.m16n8k16") == 16
+
+
+def test_small_m_wgmma_rule():
+    """M = 17..64: the wgmma GEMM with one program per SM on the small layers, two per SM at
+    M = 33..64 on the others up to N = 8192, else (None) the fused Triton kernel."""
+    from qerl.kernels import w4a16_triton as W
+
+    assert W._small_m_wgmma(2048, 2048, 32) == {} and W._small_m_wgmma(2048, 11008, 64) == {}
+    assert W._small_m_wgmma(3584, 3584, 17) == {}
+    assert W._small_m_wgmma(4608, 3584, 32) is None and W._small_m_wgmma(4608, 3584, 33) == W.WGMMA_TWO_PER_SM
+    assert W._small_m_wgmma(7168, 5120, 64) == W.WGMMA_TWO_PER_SM
+    assert W._small_m_wgmma(3584, 18944, 64) == W.WGMMA_TWO_PER_SM  # N*K 68M: not a small layer
+    assert W._small_m_wgmma(22016, 2048, 64) is None and W._small_m_wgmma(55296, 5120, 48) is None
+
+
 def test_large_m_wgmma_rule_and_split():
     """The large-M dispatch picks the 128-row wgmma tiles where they fill >= 84% of the last wave,
     64-row ones where those fill >= 80%, else dequant + cuBLAS (None); the split rule."""

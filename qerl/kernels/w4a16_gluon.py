@@ -1,10 +1,12 @@
-"""Warp-specialised M = 1 GEMV for nvfp4 on Hopper (Gluon), tensor-core reduction:
-y[1, N] = x[1, K] @ dequant(W)[N, K]^T, bf16 in / out, fp32 accumulate.
+"""Warp-specialised GEMV for nvfp4 on Hopper (Gluon), tensor-core reduction, M = 1..8:
+y[M, N] = x[M, K] @ dequant(W)[N, K]^T, bf16 in / out, fp32 accumulate.
 
 Sibling of `w4a16_ws.py` (same ring, same schedule and fixup); `benchmarks/compile_gluon.py`
 compiles it offline. The default for M = 1 nvfp4 on Hopper layers with N*K >= WSMMA_MIN_NK
-(w4a16_triton), where it beat the other kernels on the H100 (NOTES_w4a16.md section 12);
-PATH="wsmma" forces it.
+(w4a16_triton), where it beat the other kernels on the H100 (NOTES_w4a16.md section 12), and for
+M = 2..8 on layers with N >= WSMMA_TOKENS_MIN_N and K >= 4096 (section 15); PATH="wsmma" forces it.
+M = 1 puts x in all 8 columns of the MMA's B (MT = 1); M = 2..8 puts token g in column g (MT = 8,
+rows of x past M read as zeros), which costs the same MMAs and 4 more instructions per step.
 
 Pipeline (per program = one 64-row block x one K slice):
 - producer partition (1 warp): TMA copies of whole 64 x 256 weight tiles (8 KB of words, 1 KB of
@@ -49,7 +51,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels.w4a16_triton import _KA, _KM, _KS, _R1, _R2, _R3, _S0, _S3  # the bit layout (layout.py)
@@ -99,17 +101,23 @@ def _halves(v):
 
 @gluon.jit
 def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_bufs, ready, empty,
-              p, blk, N, k0, k1, S, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
-              L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr, num_warps: gl.constexpr):
+              p, blk, M, N, KB, k0, k1, S, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
+              MT: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr, num_warps: gl.constexpr):
     # activations: x as int32 pairs, element (sc, i) of the 5-D tile needs word column c = 2 sc + i
     LSC: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4, L5))))
     LI: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L5))))
+    LG: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, L5))))
     sc1 = gl.arange(0, 16, layout=LSC)
     i1 = gl.arange(0, 2, layout=LI)
     sc5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(sc1, 0), 0), 0), 4)
     i5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(i1, 0), 0), 0), 0)
     xoff = sc5 * 8 + i5 * 4  # [1, 1, 1, 16, 2]: int32 pair index of K = 8c
     zero5 = gl.zeros([4, 2, 8, 16, 2], gl.int32, L5)
+    # MT = 8: B column g (lane // 4) is token g, so x row g (rows >= M read as 0); MT = 1: x in every column
+    g5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=LG), 0), 1), 3), 4)
+    if MT > 1:
+        xoff = xoff + g5 * (KB * 128)
+    xmask = (g5 < M) & (xoff >= 0)  # [1, 1, 8, 16, 2]
 
     cz, _unused = _halves(gl.zeros([4, 2, 8, 16, 2], gl.float32, L5))
     acc0 = cz
@@ -122,13 +130,23 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_bu
         i = kk - k0
         idx = i % NUM_STAGES
         xb = xw_ptr + kk * 128 + xoff
-        x01 = gl.load(xb + 0) + zero5  # pairs (8c, 8c+1), (8c+2, 8c+3), (8c+4, 8c+5), (8c+6, 8c+7)
-        x23 = gl.load(xb + 1) + zero5
-        x45 = gl.load(xb + 2) + zero5
-        x67 = gl.load(xb + 3) + zero5
+        if MT > 1:
+            x01 = gl.load(xb + 0, mask=xmask, other=0) + zero5  # pairs (8c, 8c+1), (8c+2, 8c+3), (8c+4, ...
+            x23 = gl.load(xb + 1, mask=xmask, other=0) + zero5
+            x45 = gl.load(xb + 2, mask=xmask, other=0) + zero5
+            x67 = gl.load(xb + 3, mask=xmask, other=0) + zero5
+        else:
+            x01 = gl.load(xb + 0) + zero5
+            x23 = gl.load(xb + 1) + zero5
+            x45 = gl.load(xb + 2) + zero5
+            x67 = gl.load(xb + 3) + zero5
         mbarrier.wait(ready.index(idx), (i // NUM_STAGES) & 1)
         w2 = w_bufs.index(idx).load(L2W)
         s2d = s_bufs.index(idx).load(L2S)
+        # order these generic-proxy reads before the producer's TMA (async proxy) refills the stage:
+        # without the fence the refill overtook in-flight reads on the H100 (rows of 7168x5120 at
+        # M = 2..3 wrong by ~2% in 2 of 3 launches, NOTES_w4a16.md section 15)
+        fence_async_shared()
         mbarrier.arrive(empty.index(idx))
         words = gl.convert_layout(gl.reshape(w2, [4, 2, 8, 16, 2]), L5, assert_trivial=True).to(gl.uint32,
                                                                                                    bitcast=True)
@@ -151,55 +169,124 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_bu
         acc0, acc1, acc2, acc3 = _mma(acc0, acc1, acc2, acc3, p0g, p0h, p1g, p1h, b01, b45)
         acc0, acc1, acc2, acc3 = _mma(acc0, acc1, acc2, acc3, p2g, p2h, p3g, p3h, b23, b67)
 
-    # acc0 (= acc1): row 16m + g, acc2 (= acc3): row 16m + 8 + g, for every lane t of the quad
-    # (all B columns equal x): keep lane t = 0 (sc % 4 == 0), sum the word columns and the warps.
-    LR: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, num_warps], [0, 1])  # [8 (g), 4 (m)] per half
-    sc4, _u4 = _halves(sc5 + zero5)
-    keep = (sc4 % 4) == 0
-    lo = gl.sum(gl.sum(gl.where(keep, acc0, 0.0), axis=3), axis=2)  # [m, g]
-    hi = gl.sum(gl.sum(gl.where(keep, acc2, 0.0), axis=3), axis=2)
-    lo = gl.convert_layout(gl.permute(lo, (1, 0)), LR)  # [g, m]
-    hi = gl.convert_layout(gl.permute(hi, (1, 0)), LR)
-    g1 = gl.arange(0, 8, layout=gl.SliceLayout(1, LR))
-    m1 = gl.arange(0, 4, layout=gl.SliceLayout(0, LR))
-    rows_lo = gl.expand_dims(g1, 1) + gl.expand_dims(m1, 0) * 16  # [8, 4]
-    rows_hi = rows_lo + 8
+    if MT == 1:
+        # acc0 (= acc1): row 16m + g, acc2 (= acc3): row 16m + 8 + g, for every lane t of the quad
+        # (all B columns equal x): keep lane t = 0 (sc % 4 == 0), sum the word columns and the warps.
+        LR: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, num_warps], [0, 1])  # [8 (g), 4 (m)] per half
+        sc4, _u4 = _halves(sc5 + zero5)
+        keep = (sc4 % 4) == 0
+        lo = gl.sum(gl.sum(gl.where(keep, acc0, 0.0), axis=3), axis=2)  # [m, g]
+        hi = gl.sum(gl.sum(gl.where(keep, acc2, 0.0), axis=3), axis=2)
+        lo = gl.convert_layout(gl.permute(lo, (1, 0)), LR)  # [g, m]
+        hi = gl.convert_layout(gl.permute(hi, (1, 0)), LR)
+        g1 = gl.arange(0, 8, layout=gl.SliceLayout(1, LR))
+        m1 = gl.arange(0, 4, layout=gl.SliceLayout(0, LR))
+        rows_lo = gl.expand_dims(g1, 1) + gl.expand_dims(m1, 0) * 16  # [8, 4]
+        rows_hi = rows_lo + 8
+        done = k1 > k0
+        if S > 1:
+            gl.store(ws_ptr + p * 64 + rows_lo, lo)
+            gl.store(ws_ptr + p * 64 + rows_hi, hi)
+            gl.thread_barrier()  # all threads' partials are written before the counter moves
+            count = gl.atomic_add(lock_ptr + blk, 1, sem="acq_rel", scope="gpu")
+            done = count == S - 1
+            if done:
+                lo = gl.zeros([8, 4], gl.float32, LR)
+                hi = gl.zeros([8, 4], gl.float32, LR)
+                for q in range(blk * S, blk * S + S):
+                    lo += gl.load(ws_ptr + q * 64 + rows_lo, cache_modifier=".cg")
+                    hi += gl.load(ws_ptr + q * 64 + rows_hi, cache_modifier=".cg")
+                gl.atomic_xchg(lock_ptr + blk, 0)  # ready for the next launch
+        if done:
+            alpha = gl.load(alpha_ptr)
+            n_lo = blk * 64 + rows_lo
+            n_hi = blk * 64 + rows_hi
+            out_lo = lo * alpha
+            out_hi = hi * alpha
+            if HAS_BIAS:
+                out_lo += gl.load(bias_ptr + n_lo, mask=n_lo < N, other=0.0).to(gl.float32)
+                out_hi += gl.load(bias_ptr + n_hi, mask=n_hi < N, other=0.0).to(gl.float32)
+            gl.store(c_ptr + n_lo, out_lo.to(gl.bfloat16), mask=n_lo < N)
+            gl.store(c_ptr + n_hi, out_hi.to(gl.bfloat16), mask=n_hi < N)
+    else:
+        _epilogue_tokens(alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
+                         p, blk, M, N, k0, k1, S, HAS_BIAS, num_warps)
+
+
+@gluon.jit
+def _per_token(acc):
+    """[4 m, 8 g, 16 sc, 2 i] accumulators (sc = 4w + t) -> [4 m, 8 g, 4 t]: summed over the warps'
+    word columns w and the two words i of a thread (the K slots those MMAs covered)."""
+    return gl.sum(gl.sum(gl.reshape(acc, [4, 8, 4, 4, 2]), axis=4), axis=2)
+
+
+@gluon.jit
+def _epilogue_tokens(alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
+                     p, blk, M, N, k0, k1, S, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
+    """MT = 8: C of an m16n8k16 MMA holds rows g / g + 8 (acc0, acc1 / acc2, acc3) and tokens 2t,
+    2t + 1 (acc0, acc2 / acc1, acc3) of thread (g, t). Reduce each to [m, g, t], then the same
+    deterministic split fixup as M = 1 over a [8 tokens, 64 rows] fp32 workspace per program, and
+    y[token, row] for token < M."""
+    LR3: gl.constexpr = gl.BlockedLayout([4, 1, 1], [1, 8, 4], [1, 1, num_warps], [2, 1, 0])
+    v00 = gl.convert_layout(_per_token(acc0), LR3)
+    v01 = gl.convert_layout(_per_token(acc1), LR3)
+    v10 = gl.convert_layout(_per_token(acc2), LR3)
+    v11 = gl.convert_layout(_per_token(acc3), LR3)
+    m1 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, LR3)))
+    g1 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, LR3)))
+    t1 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LR3)))
+    row = gl.expand_dims(gl.expand_dims(m1 * 16, 1) + gl.expand_dims(g1, 0), 2)  # [4, 8, 1]: 16m + g
+    tok = gl.expand_dims(gl.expand_dims(t1 * 2, 0), 1)  # [1, 1, 4]: 2t
+    o00 = tok * 64 + row  # workspace offsets [token, row] of the four
+    o01 = o00 + 64
+    o10 = o00 + 8
+    o11 = o00 + 72
     done = k1 > k0
     if S > 1:
-        gl.store(ws_ptr + p * 64 + rows_lo, lo)
-        gl.store(ws_ptr + p * 64 + rows_hi, hi)
+        base = ws_ptr + p * 512
+        gl.store(base + o00, v00)
+        gl.store(base + o01, v01)
+        gl.store(base + o10, v10)
+        gl.store(base + o11, v11)
         gl.thread_barrier()  # all threads' partials are written before the counter moves
         count = gl.atomic_add(lock_ptr + blk, 1, sem="acq_rel", scope="gpu")
         done = count == S - 1
         if done:
-            lo = gl.zeros([8, 4], gl.float32, LR)
-            hi = gl.zeros([8, 4], gl.float32, LR)
+            v00 = gl.zeros([4, 8, 4], gl.float32, LR3)
+            v01 = v00
+            v10 = v00
+            v11 = v00
             for q in range(blk * S, blk * S + S):
-                lo += gl.load(ws_ptr + q * 64 + rows_lo, cache_modifier=".cg")
-                hi += gl.load(ws_ptr + q * 64 + rows_hi, cache_modifier=".cg")
+                v00 += gl.load(ws_ptr + q * 512 + o00, cache_modifier=".cg")
+                v01 += gl.load(ws_ptr + q * 512 + o01, cache_modifier=".cg")
+                v10 += gl.load(ws_ptr + q * 512 + o10, cache_modifier=".cg")
+                v11 += gl.load(ws_ptr + q * 512 + o11, cache_modifier=".cg")
             gl.atomic_xchg(lock_ptr + blk, 0)  # ready for the next launch
     if done:
         alpha = gl.load(alpha_ptr)
-        n_lo = blk * 64 + rows_lo
-        n_hi = blk * 64 + rows_hi
-        out_lo = lo * alpha
-        out_hi = hi * alpha
-        if HAS_BIAS:
-            out_lo += gl.load(bias_ptr + n_lo, mask=n_lo < N, other=0.0).to(gl.float32)
-            out_hi += gl.load(bias_ptr + n_hi, mask=n_hi < N, other=0.0).to(gl.float32)
-        gl.store(c_ptr + n_lo, out_lo.to(gl.bfloat16), mask=n_lo < N)
-        gl.store(c_ptr + n_hi, out_hi.to(gl.bfloat16), mask=n_hi < N)
+        _store_tokens(c_ptr, bias_ptr, v00 * alpha, tok, blk * 64 + row, M, N, HAS_BIAS)
+        _store_tokens(c_ptr, bias_ptr, v01 * alpha, tok + 1, blk * 64 + row, M, N, HAS_BIAS)
+        _store_tokens(c_ptr, bias_ptr, v10 * alpha, tok, blk * 64 + 8 + row, M, N, HAS_BIAS)
+        _store_tokens(c_ptr, bias_ptr, v11 * alpha, tok + 1, blk * 64 + 8 + row, M, N, HAS_BIAS)
 
 
 @gluon.jit
-def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, N, KB, S,
-                       NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
+def _store_tokens(c_ptr, bias_ptr, v, tok, n, M, N, HAS_BIAS: gl.constexpr):
+    ok = (n < N) & (tok < M)
+    if HAS_BIAS:
+        v += gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)
+    gl.store(c_ptr + tok * N + n, v.to(gl.bfloat16), mask=ok)
+
+
+@gluon.jit
+def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, M, N, KB, S,
+                       NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr, MT: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr,
                        num_warps: gl.constexpr):
     p, blk, k0, k1, trow0, w_bufs, s_bufs, ready, empty = _setup(w_desc, s_desc, KB, S, NUM_STAGES, PDL)
     gl.warp_specialize([
         (_consumer, (xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_bufs, ready, empty,
-                     p, blk, N, k0, k1, S, NUM_STAGES, HAS_BIAS, PDL, L5, L2W, L2S, num_warps)),
+                     p, blk, M, N, KB, k0, k1, S, NUM_STAGES, HAS_BIAS, PDL, MT, L5, L2W, L2S, num_warps)),
         (_producer, (w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, NUM_STAGES)),
     ], [1], [PRODUCER_REGS])
 
@@ -208,23 +295,27 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_pt
 # NUM_STAGES 3: best of 3 / 6 on the H100 (results/gemv_warp_specialised_mma.json)
 DEFAULT = dict(NUM_STAGES=3, num_warps=4, PER_SM=4, maxnreg=64, PRODUCER_REGS=24, PDL=None)
 _RESIDENT: dict = {}
+MAX_M = 8  # tokens per launch: the 8 columns of an m16n8k16 MMA
 
 
 def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | None = None) -> torch.Tensor:
-    """y = x @ dequant(W)^T (+ bias) for x [1, K] bf16 (contiguous) and an nvfp4 `state` (qerl.kernels.prepare).
+    """y = x @ dequant(W)^T (+ bias) for x [M, K] bf16 (contiguous, M <= 8) and an nvfp4 `state`
+    (qerl.kernels.prepare). M = 1 puts x in every column of the MMA's B; M = 2..8 puts token g in
+    column g (MT = 8), at the same MMA count per weight.
 
     config: NUM_STAGES (ring depth), PER_SM (programs per SM assumed before the first launch
     measures it), S (forced K slices per row block), num_warps (consumer warps: 4 or 8),
     maxnreg (register cap per thread), PRODUCER_REGS, PDL."""
     if state["fmt"] != "nvfp4":
         raise ValueError(f"the Gluon GEMV takes nvfp4 weights, got {state['fmt']}")
-    if x.dim() != 2 or x.shape[0] != 1:
-        raise ValueError(f"the Gluon GEMV takes M = 1, got x of shape {tuple(x.shape)}")
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_M:
+        raise ValueError(f"the Gluon GEMV takes 1 <= M <= {MAX_M}, got x of shape {tuple(x.shape)}")
     n, k, kb = state["n"], state["k"], state["kb"]
     if k != kb * 256:
         raise ValueError("the Gluon GEMV needs K a multiple of 256")
+    m = x.shape[0]
     if x.shape[1] != k or x.dtype != torch.bfloat16:
-        raise ValueError(f"x must be bf16 [1, {k}]")
+        raise ValueError(f"x must be bf16 [{m}, {k}]")
     cfg = dict(DEFAULT)
     cfg.update({key: v for key, v in (config or {}).items() if key in DEFAULT or key == "S"})
     nw = int(cfg["num_warps"])
@@ -233,13 +324,14 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     ns, per_sm = int(cfg["NUM_STAGES"]), int(cfg["PER_SM"])
     pdl = bool(W.PDL if cfg["PDL"] is None else cfg["PDL"])
     preg = int(cfg["PRODUCER_REGS"])
-    key = (ns, nw, cfg["maxnreg"], preg, pdl)
-    s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), _RESIDENT.get(key, per_sm))
+    mt = 1 if m == 1 else MAX_M
+    key = (ns, nw, cfg["maxnreg"], preg, pdl, mt)
+    s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), _RESIDENT.get(key, per_sm), mt)
     l5, l2w, l2s = _layouts(nw)
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
     kernel = _gluon_gemv_kernel[(grid,)](
         x.contiguous().view(torch.int32), w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws,
-        locks, n, kb, s, NUM_STAGES=ns, HAS_BIAS=bias is not None, PDL=pdl, PRODUCER_REGS=preg,
+        locks, m, n, kb, s, NUM_STAGES=ns, HAS_BIAS=bias is not None, PDL=pdl, MT=mt, PRODUCER_REGS=preg,
         L5=l5, L2W=l2w, L2S=l2s, num_warps=nw, launch_pdl=pdl, **extra,
     )
     if key not in _RESIDENT:

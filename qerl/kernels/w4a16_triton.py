@@ -91,6 +91,17 @@ WSMMA_MIN_NK = int(os.environ.get("QERL_W4A16_WSMMA_MIN_NK", "60000000"))
 # overlaps decoding with the tensor cores; on the H100 1.6-2x faster than the fused Triton kernel
 # at M = 128 / 256 and even with it at M = 64 (NOTES_w4a16.md section 13). 0 disables it.
 WGMMA_MIN_M = int(os.environ.get("QERL_W4A16_WGMMA_MIN_M", "65"))
+# Forward with 2 <= M <= 8, nvfp4, on Hopper layers with N >= WSMMA_TOKENS_MIN_N and K >= 4096: the
+# same Gluon GEMV with one token per column of its MMA (w4a16_gluon MT = 8) in place of the fused
+# Triton kernel. On the H100 it won only on the two layers of that kind (27648x5120 44.7 -> 39.7 us,
+# 55296x5120 78.3 -> 71.8 at M = 2) and lost 4-60% on the other 14 (NOTES_w4a16.md section 15).
+# 0 disables it.
+WSMMA_TOKENS_MIN_N = int(os.environ.get("QERL_W4A16_WSMMA_TOKENS_MIN_N", "16384"))
+# Forward with WGMMA_SMALL_M <= M < WGMMA_MIN_M on Hopper: the wgmma GEMM where it beat the fused
+# Triton kernel on the H100 (_small_m_wgmma; NOTES_w4a16.md section 15). 0 disables it.
+WGMMA_SMALL_M = int(os.environ.get("QERL_W4A16_WGMMA_SMALL_M", "17"))
+# its two-programs-per-SM form (80 registers per thread, shallower rings: 93 KB of shared memory)
+WGMMA_TWO_PER_SM = {"maxnreg": 80, "DEC_REGS": 96, "NSW": 3, "NSD": 2, "NSX": 3, "BM": 64}
 # Forward with DEQUANT_MIN_M <= M < WGMMA_MAX_M on the same layers: the same GEMM instead of
 # dequant + cuBLAS where its tiles fill the SMs' waves (_large_m_wgmma): 128 weight rows per
 # program (two MMA warpgroups, half the activation traffic per weight) where those tiles fill
@@ -764,6 +775,19 @@ def _large_m_wgmma(n: int, m: int, slots: int) -> dict | None:
     return None
 
 
+def _small_m_wgmma(n: int, k: int, m: int) -> dict | None:
+    """The wgmma GEMM's config for WGMMA_SMALL_M <= M < WGMMA_MIN_M, or None for the fused Triton
+    kernel. Measured on the H100 at M = 16 / 32 / 64, all 16 layers (results/wgmma_two_per_sm.json):
+    one program per SM wins at M = 17..64 on the small layers (N <= 3584 and N*K <= 23M: 2048^2
+    at M = 32 8.4 vs 12.7 us); two per SM at M = 33..64 on the other layers with N <= 8192
+    (7168x5120 24.3 vs 26.4 us); the fused kernel everywhere at M <= 16 and on N > 8192."""
+    if n <= 3584 and n * k <= 23_000_000:
+        return {}
+    if m > 32 and n <= 8192:
+        return dict(WGMMA_TWO_PER_SM)
+    return None
+
+
 def _wsmma_ok(device: torch.device, state: dict) -> bool:
     """The Gluon kernels run on sm_90 only (TMA, warp specialisation) and need K % 256 == 0."""
     return (not INTERPRETED and device.type == "cuda" and state["k"] % 256 == 0
@@ -818,8 +842,15 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
             path = "gemv"
         elif m == 1 and state["fmt"] == "nvfp4" and 0 < WSMMA_MIN_NK <= nk and _wsmma_ok(x.device, state):
             path = "wsmma"
+        elif (2 <= m <= 8 and state["fmt"] == "nvfp4" and 0 < WSMMA_TOKENS_MIN_N <= state["n"]
+              and state["k"] >= 4096 and _wsmma_ok(x.device, state)):
+            path = "wsmma"
         elif 0 < WGMMA_MIN_M <= m and _wsmma_ok(x.device, state):
             path = "wgmma"
+        elif 0 < WGMMA_SMALL_M <= m and WGMMA_MIN_M > 0 and _wsmma_ok(x.device, state):
+            small = _small_m_wgmma(state["n"], state["k"], m)
+            if small is not None:
+                path, config = "wgmma", {**small, **(config or {})}
     if (path == "dequant" and PREFILL not in ("fused", "dequant", "overlap") and not (config and "PATH" in config)
             and m < WGMMA_MAX_M and WGMMA_MIN_M > 0 and _wsmma_ok(x.device, state)):
         large = _large_m_wgmma(state["n"], m, _num_sms(x.device.index if x.device.index is not None else 0))

@@ -210,10 +210,11 @@ def descriptors(state: dict):
             TensorDescriptor.from_tensor(state["scale"].view(-1, 16), [64, 16], sl))
 
 
-def _plan(x: torch.Tensor, state: dict, out, s_forced, per_sm: int):
+def _plan(x: torch.Tensor, state: dict, out, s_forced, per_sm: int, tokens: int = 1):
     """Host side of a warp-specialised GEMV launch: K slices per 64-row block (the fewest with
     the longest slice that fills per_sm programs on every SM, or s_forced), TMA descriptors,
-    output, counters and workspace -> (S, grid, w_desc, s_desc, c, locks, ws)."""
+    output [M, N], counters and workspace (tokens x 64 fp32 per program) -> (S, grid, w_desc,
+    s_desc, c, locks, ws)."""
     n, kb = state["n"], state["kb"]
     blocks = triton.cdiv(n, 64)
     if s_forced is not None:
@@ -224,12 +225,12 @@ def _plan(x: torch.Tensor, state: dict, out, s_forced, per_sm: int):
         steps = -(-kb // s_max)
         s = -(-kb // steps)  # fewest slices with the same longest slice
     w_desc, s_desc = descriptors(state)
-    c = torch.empty(1, n, device=x.device, dtype=torch.bfloat16) if out is None else out
+    c = torch.empty(x.shape[0], n, device=x.device, dtype=torch.bfloat16) if out is None else out
     locks = state["locks"]
     if blocks > locks.numel():
         locks = torch.zeros(blocks, dtype=torch.int32, device=x.device)
     grid = blocks * s
-    ws = torch.empty(grid * 64 if s > 1 else 1, device=x.device, dtype=torch.float32)
+    ws = torch.empty(grid * 64 * tokens if s > 1 else 1, device=x.device, dtype=torch.float32)
     return s, grid, w_desc, s_desc, c, locks, ws
 
 
