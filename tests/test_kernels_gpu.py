@@ -414,7 +414,8 @@ WG_CASES = [{}, {"NSW": 2, "NSD": 2, "NSX": 2}, {"S": 1}, {"S": 3}, {"BM": 16}, 
             {"BN": 128, "LOADS": 1, "NSD": 2, "NSX": 3, "S": 3, "PDL": True},
             {"BN": 128, "LOADS": 1, "BM": 64, "NSD": 2, "NSX": 3, "C0": 2},
             {"BN": 128, "LOADS": 1, "CPS": 1, "NSD": 4, "NSX": 3, "S": 2},
-            {"maxnreg": 80, "DEC_REGS": 96, "NSW": 3, "NSD": 2, "NSX": 3, "BM": 64}]
+            {"maxnreg": 80, "DEC_REGS": 96, "NSW": 3, "NSD": 2, "NSX": 3, "BM": 64},
+            {"BN": 128, "NSD": 2, "NSX": 3, "BM": 128}]
 
 
 @pytest.mark.parametrize("cfg", WG_CASES, ids=["-".join(f"{k}{v}" for k, v in c.items()) or "default" for c in WG_CASES])

@@ -26,11 +26,12 @@ separate warps of one program (64 weight rows x BM tokens) and overlap:
 
 BN = 128 (the large-M form): two MMA warpgroups and two 64-row weight tiles per program, decoded
 into the two row halves of each decoded stage, so each activation chunk read from L2 feeds twice
-the weight rows. It needs LOADS = 1: the MMA warps issue the TMA copies themselves (x chunk
-r + NSX once chunk r retired, the raw tiles NSW ahead once a step retired) and the loader warps
-go, because 8 MMA + 4 decoder + loader warps make 16 warps, where ptxas caps every thread at 128
-registers and the [128, 256] accumulator needs more (and the 16-warp BN = 128 kernel with BM <= 128
-gave wrong results on the H100; NOTES_w4a16.md section 14).
+the weight rows. At BM = 256 it needs LOADS = 1: the MMA warps issue the TMA copies themselves
+(x chunk r + NSX once chunk r retired, the raw tiles NSW ahead once a step retired) and the loader
+warps go, because 8 MMA + 4 decoder + loader warps make 16 warps, where ptxas caps every thread at
+128 registers and the [128, 256] accumulator needs more. The 16-warp form (BM <= 128, loader
+warps) gave wrong results until the decoder fenced its raw-ring releases (NOTES_w4a16.md
+sections 14-15); it is correct now, and slower than BM = 256 with LOADS at M = 256 / 1024.
 
 Decoder register layouts (4 warps, a [64 rows, 32 words] tile): lane (row bits 1-2, word bits
 0-2), warp (row bits 0 and 3), registers (row bits 4-5 and word bits 3-4 = the chunk). Every
@@ -478,10 +479,8 @@ def kernel_args(fmt: str, m: int, config: dict | None = None) -> tuple[dict, dic
     nsw, nsd, cps, nsx, lag, dw, bn = (int(cfg[key]) for key in ("NSW", "NSD", "CPS", "NSX", "LAG", "DW", "BN"))
     bm = int(cfg["BM"] or block_m(m))
     loads = int(cfg["LOADS"])
-    if bn not in (64, 128) or (bn == 128 and not loads):
-        # BN=128 with loader warps = 16 warps with an 8-warp MMA partition: wrong, nondeterministic
-        # results on the H100 at K >= 3584 (triton 3.6; not understood), so only the 12-warp form
-        raise ValueError(f"BN must be 64, or 128 with LOADS=1; got BN={bn} LOADS={loads}")
+    if bn not in (64, 128):
+        raise ValueError(f"BN must be 64 or 128, got {bn}")
     if loads and nsw < 2 * (bn // 64):
         # the MMA warps refill the raw ring after a step retired, and the last chunk of step s
         # retires only once step s + 1 is decoded: the ring must hold two steps (NSW=2 at BN=128 hung)
