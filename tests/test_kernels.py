@@ -339,6 +339,17 @@ def test_small_m_wgmma_rule():
     assert W._small_m_wgmma(22016, 2048, 64) is None and W._small_m_wgmma(55296, 5120, 48) is None
 
 
+def test_wgmma_config_errors_are_one_line():
+    """Configs the wgmma kernel cannot build are refused before compiling, with the reason."""
+    from qerl.kernels.w4a16_wgmma import kernel_args
+
+    with pytest.raises(ValueError, match="BM=256 needs maxnreg"):
+        kernel_args("nvfp4", 300, {"maxnreg": 80})
+    with pytest.raises(ValueError, match="BN must be 64 or 128"):
+        kernel_args("nvfp4", 64, {"BN": 96})
+    assert kernel_args("nvfp4", 64, {"maxnreg": 80})[0]["BM"] == 64  # the two-per-SM form builds
+
+
 def test_large_m_wgmma_rule_and_split():
     """The large-M dispatch picks the 128-row wgmma tiles where they fill >= 84% of the last wave,
     64-row ones where those fill >= 80%, else dequant + cuBLAS (None); the split rule."""

@@ -492,6 +492,10 @@ def kernel_args(fmt: str, m: int, config: dict | None = None) -> tuple[dict, dic
     if (dw // 4 + bn // 64 + (1 - loads)) > 3 and bm > 128:
         # 16 warps: ptxas caps the kernel at 128 registers, a [64, 256] accumulator needs 128
         raise ValueError("BM=256 fits 12 warps only: DW=8 or BN=128 need LOADS=1 (no loader warps)")
+    if bm == 256 and cfg["maxnreg"] is not None and int(cfg["maxnreg"]) < 128:
+        # the MMA warps' [64, 256] fp32 accumulator alone is 128 registers per thread; below that
+        # triton 3.6's compiler crashed (maxnreg 80, section 15 of NOTES_w4a16.md)
+        raise ValueError(f"BM=256 needs maxnreg >= 128, got {cfg['maxnreg']}; use BM <= 128 with it")
     if smem_bytes(bm, nsw, nsd, cps, nsx, bn) > 232448:
         raise ValueError(f"rings need {smem_bytes(bm, nsw, nsd, cps, nsx, bn)} B of shared memory (H100: 232448); "
                          "lower NSW / NSD / NSX")
