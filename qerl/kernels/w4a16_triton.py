@@ -94,7 +94,7 @@ WGMMA_MIN_M = int(os.environ.get("QERL_W4A16_WGMMA_MIN_M", "65"))
 # Forward with 2 <= M <= 8, nvfp4, on Hopper layers with N >= WSMMA_TOKENS_MIN_N and K >= 4096: the
 # same Gluon GEMV with one token per column of its MMA (w4a16_gluon MT = 8) in place of the fused
 # Triton kernel. On the H100 it won only on the two layers of that kind (27648x5120 44.7 -> 39.7 us,
-# 55296x5120 78.3 -> 71.8 at M = 2) and lost 4-60% on the other 14 (NOTES_w4a16.md section 15).
+# 55296x5120 78.3 -> 71.8 at M = 2) and lost 4-66% on the other 12 (NOTES_w4a16.md section 15).
 # 0 disables it.
 WSMMA_TOKENS_MIN_N = int(os.environ.get("QERL_W4A16_WSMMA_TOKENS_MIN_N", "16384"))
 # Forward with WGMMA_SMALL_M <= M < WGMMA_MIN_M on Hopper: the wgmma GEMM where it beat the fused
