@@ -85,12 +85,15 @@ def quantize_(
             f"({len(bad)} such layers); set allow_bf16_fallback to keep them bf16"
         )
     gscales = _fused_global_scales(linears) if fmt == "nvfp4" else {}
-    items = list(linears.items())
+    names = list(linears)
     if progress:
         from tqdm.auto import tqdm
 
-        items = tqdm(items, desc=f"quantize {fmt}", unit="layer", leave=False)
-    for name, lin in items:
+        names = tqdm(names, desc=f"quantize {fmt}", unit="layer", leave=False)
+    for name in names:
+        # popped, so the bf16 layer is freed once replaced: peak memory = the model + one layer
+        # (a 32B bf16 model that fills most of an 80 GB GPU can be quantised in place)
+        lin = linears.pop(name)
         if name in bad:
             summary.layers_skipped.append(name)
             continue

@@ -152,19 +152,9 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
 
 def _sample(logits: torch.Tensor, settings: GenerationSettings, generator) -> torch.Tensor:
     """Draw one token per row from softmax(logits / T) after top-k / top-p truncation."""
-    scores = logits / settings.temperature
-    vocab = scores.shape[-1]
-    if 0 < settings.top_k < vocab:
-        kth = torch.topk(scores, settings.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if settings.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
-        probs = torch.softmax(sorted_scores, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        remove_sorted = mass_before >= settings.top_p  # keep the smallest set with mass >= top_p
-        remove_sorted[..., 0] = False
-        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
-        scores = scores.masked_fill(remove, float("-inf"))
+    from qerl.rollout.sampling import truncate
+
+    scores = truncate(logits / settings.temperature, settings.top_k, settings.top_p)
     probs = torch.softmax(scores, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 

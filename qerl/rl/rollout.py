@@ -32,6 +32,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from qerl.rollout.sampling import sample_next
+
 __all__ = [
     "RolloutBatch",
     "RolloutFn",
@@ -127,21 +129,6 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def _truncate(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    vocab = scores.shape[-1]
-    if 0 < top_k < vocab:
-        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
-        probs = torch.softmax(sorted_scores, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs
-        drop = before >= top_p  # keep the smallest prefix whose mass reaches top_p
-        drop[..., 0] = False
-        scores = scores.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-    return scores
-
-
 def _prefill(model, ids: torch.Tensor, mask: torch.Tensor, keep_last: bool):
     kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True)
     if keep_last and "logits_to_keep" in _base_forward_params(model):
@@ -182,20 +169,12 @@ def sample_rollouts(
         attention = p_mask[index].to(device)
         next_pos = attention.sum(-1, keepdim=True)  # real prompt length = position of the first new token
         n = attention.shape[0]
-        greedy = settings.temperature == 0.0
-        temp = 1.0 if greedy else settings.temperature
         finished = torch.zeros(n, dtype=torch.bool, device=device)
         toks, lps, ents, alive = [], [], [], []
         for step in range(settings.max_new_tokens):
-            scaled = logits.float() / temp
-            logp = torch.log_softmax(scaled, dim=-1)
-            ents.append(-(logp.exp() * logp).nan_to_num().sum(-1))
-            if greedy:
-                tok = scaled.argmax(-1)
-            else:
-                probs = torch.softmax(_truncate(scaled, settings.top_k, settings.top_p), dim=-1)
-                tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-            lps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
+            tok, lp, ent = sample_next(logits, settings.temperature, settings.top_k, settings.top_p, generator)
+            ents.append(ent)
+            lps.append(lp)
             tok = tok.masked_fill(finished, settings.pad_id)
             toks.append(tok)
             alive.append(~finished)

@@ -1,0 +1,179 @@
+"""The rollout engine (qerl/rollout/engine.py) against Hugging Face on CPU.
+
+- greedy: token for token equal to `model.generate` for 64 new tokens, on the embedded
+  SmolLM2-135M-Instruct (real weights: clear logit margins) in float32, on left-padded prompts of
+  different lengths, for the bf16 weights and for the nvfp4-quantised model (the same QuantLinear
+  modules in both);
+- sampled: the recorded logprobs equal a fresh forward over prompt + completion
+  (`policy_logprobs`), with LoRA adapters and AQN noise applied;
+- AQN: noisy norms change the rollout logits, clean norms give back the clean rollout;
+- fusion: q/k/v and gate/up become one product over one copy of the weights.
+
+GPU runs (CUDA graphs, bf16) are covered by benchmarks/bench_rollout.py --check.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from qerl.rl.rollout import RolloutSettings, policy_logprobs
+from qerl.rollout.engine import EngineError, RolloutEngine, engine_rollouts
+
+PROMPTS = [
+    "<|im_start|>user\nWhat is 17 + 25? Answer with a number.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from qerl.model import ModelSpec, load_model, to_inference
+
+    model, tok = load_model(ModelSpec(name="embedded"))
+    return to_inference(model), tok
+
+
+def _hf_greedy(model, tok, prompts, new_tokens):
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    width = max(map(len, ids))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    inp = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+    att = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    out = model.generate(input_ids=inp, attention_mask=att, max_new_tokens=new_tokens, do_sample=False,
+                         min_new_tokens=new_tokens, pad_token_id=pad, eos_token_id=None)
+    return ids, out[:, width:]
+
+
+def _greedy_settings(n, pad):
+    # a stop id that is never produced: all 64 tokens are compared
+    return RolloutSettings(num_generations=1, max_new_tokens=n, temperature=0.0, stop_ids=[10**9], pad_id=pad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_greedy_equals_hf_generate(embedded, fmt):
+    model, tok = embedded
+    model = copy.deepcopy(model)
+    if fmt != "bf16":
+        from qerl.quantize import quantize_
+
+        quantize_(model, fmt, progress=False)
+    ids, ref = _hf_greedy(model, tok, PROMPTS, 64)
+    engine = RolloutEngine(model, max_batch=4, max_len=256)
+    batch = engine.generate(ids, _greedy_settings(64, tok.eos_token_id))
+    assert batch.completion_ids.shape == (2, 64)
+    assert torch.equal(batch.completion_ids, ref), (batch.completion_ids, ref)
+    assert batch.completion_mask.all()
+    assert not batch.finished.any()
+
+
+def test_fusion_shares_one_copy(tiny_model):
+    from qerl.quantize import quantize_
+
+    for fmt in ("bf16", "nvfp4", "mxfp4"):
+        model = copy.deepcopy(tiny_model)
+        if fmt != "bf16":
+            quantize_(model, fmt, progress=False)
+        attn = model.model.layers[0].self_attn
+        before = attn.k_proj(torch.randn(3, 64)) if fmt == "bf16" else None
+        engine = RolloutEngine(model, max_batch=2, max_len=64)
+        group = engine.layers[0].qkv
+        assert group.fused is not None, fmt
+        name = "weight" if fmt == "bf16" else "weight_packed"
+        fused = getattr(group.fused, name)
+        for mod in (attn.q_proj, attn.k_proj, attn.v_proj):
+            t = getattr(mod, name)
+            assert t.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr(), (fmt, mod)
+        x = torch.randn(5, 64)
+        q, k, v = group(x)
+        torch.testing.assert_close(k, attn.k_proj(x), rtol=0, atol=0)
+        torch.testing.assert_close(q, attn.q_proj(x), rtol=0, atol=0)
+        if before is not None:
+            assert before.shape == (3, attn.k_proj.out_features)
+
+
+def _lora_model(tiny_model, fmt="nvfp4"):
+    from qerl.nn.lora import LoraSettings, apply_lora
+    from qerl.quantize import quantize_
+
+    model = copy.deepcopy(tiny_model)
+    quantize_(model, fmt, progress=False)
+    model = apply_lora(model, LoraSettings(r=8, lora_alpha=16, train_norms=True))
+    with torch.no_grad():  # non-zero B, so the adapters change the policy
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return model.eval()
+
+
+def test_sampled_logprobs_match_a_fresh_forward_with_lora_and_aqn(tiny_model, tiny_tokenizer):
+    from qerl.nn.aqn import AdaptiveQuantNoise, AQNSettings
+
+    model = _lora_model(tiny_model)
+    aqn = AdaptiveQuantNoise(model, AQNSettings(enabled=True, sigma_start=0.05, sigma_end=0.01), total_steps=10)
+    aqn.resample(5)
+    prompts = [tiny_tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    settings = RolloutSettings(num_generations=3, max_new_tokens=12, temperature=1.0, top_p=1.0,
+                               stop_ids=[151645], pad_id=151643)
+    gen = torch.Generator().manual_seed(0)
+    with aqn.applied():
+        batch = engine_rollouts(model, prompts, settings, gen)
+        fresh = policy_logprobs(model, batch, temperature=1.0)
+    assert batch.num_rows == 6
+    m = batch.completion_mask.bool()
+    torch.testing.assert_close(batch.logprobs[m], fresh.detach()[m], rtol=1e-4, atol=1e-4)
+    # the same engine is reused, and without noise the recorded logprobs are those of the clean policy
+    engine = model.__dict__["_qerl_rollout_engine"]
+    clean = engine_rollouts(model, prompts, settings, torch.Generator().manual_seed(0))
+    assert model.__dict__["_qerl_rollout_engine"] is engine
+    fresh_clean = policy_logprobs(model, clean, temperature=1.0).detach()
+    mc = clean.completion_mask.bool()
+    torch.testing.assert_close(clean.logprobs[mc], fresh_clean[mc], rtol=1e-4, atol=1e-4)
+
+
+def test_aqn_noise_reaches_the_engine_logits(tiny_model, tiny_tokenizer):
+    """The noise must change what the engine samples from by the expected amount: the same
+    logits as Hugging Face's forward with the noisy norms, and different from the clean ones."""
+    from qerl.nn.aqn import AdaptiveQuantNoise, AQNSettings
+
+    model = _lora_model(tiny_model)
+    engine = RolloutEngine(model, max_batch=2, max_len=64)
+    aqn = AdaptiveQuantNoise(model, AQNSettings(enabled=True, sigma_start=0.1, sigma_end=0.05), total_steps=10)
+    aqn.resample(5)
+    ids = torch.tensor([tiny_tokenizer(PROMPTS[1], add_special_tokens=False)["input_ids"]])
+    mask = torch.ones_like(ids)
+    source = torch.zeros(1, dtype=torch.long)
+    with torch.no_grad():
+        engine.refresh()
+        clean = engine._prefill(ids, mask, source)
+        with aqn.applied():
+            engine.refresh()
+            noisy = engine._prefill(ids, mask, source)
+            hf_noisy = model(input_ids=ids).logits[:, -1]
+        engine.refresh()
+        clean_again = engine._prefill(ids, mask, source)
+    torch.testing.assert_close(noisy, hf_noisy, rtol=1e-4, atol=1e-4)
+    assert torch.equal(clean, clean_again)
+    assert (noisy - clean).abs().max() > 1e-3
+
+
+def test_stop_tokens_and_bad_requests(tiny_model):
+    model = copy.deepcopy(tiny_model)
+    engine = RolloutEngine(model, max_batch=4, max_len=64)
+    prompt = [[5, 6, 7, 8]]
+    # make the stop token the greedy choice from the first step: one token, finished
+    first = engine._prefill(torch.tensor(prompt), torch.ones(1, 4, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    stop = int(first.argmax(-1))
+    batch = engine.generate(prompt, RolloutSettings(max_new_tokens=10, temperature=0.0, stop_ids=[stop], pad_id=0))
+    assert batch.completion_ids.shape == (1, 1) and batch.finished.tolist() == [True]
+    with pytest.raises(EngineError, match="max_batch"):
+        engine.generate(prompt * 5, RolloutSettings(max_new_tokens=4, stop_ids=[1]))
+    with pytest.raises(EngineError, match="max_len"):
+        engine.generate(prompt, RolloutSettings(max_new_tokens=100, stop_ids=[1]))
+    with pytest.raises(EngineError, match="model types"):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        RolloutEngine(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)))
