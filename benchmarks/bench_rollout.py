@@ -96,7 +96,29 @@ def check(args) -> dict:
 
     cfg = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=2, initializer_range=0.3, rope_theta=1e6)
+    from qerl.kernels import decode_ops as ops
+
     out = {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h, d = (torch.randn(8, 3584, device="cuda", generator=g).bfloat16() for _ in range(2))
+    w = (torch.rand(3584, device="cuda", generator=g) + 0.5).bfloat16()
+    qkv = torch.randn(8, 36 * 128, device="cuda", generator=g).bfloat16()
+    ang = torch.rand(8, 64, device="cuda", generator=g) * 100
+    cos, sin = (torch.cat([f(ang), f(ang)], -1).bfloat16() for f in (torch.cos, torch.sin))
+    caches = [torch.randn(8, 4, 300, 128, device="cuda", generator=g).bfloat16() for _ in range(4)]
+    slot = torch.tensor([123], device="cuda")
+    gu = torch.randn(8, 2 * 18944, device="cuda", generator=g).bfloat16() * 3
+    pairs = {
+        "add_rms_norm": (ops.add_rms_norm_triton(d, h, w, 1e-6), ops.add_rms_norm_reference(d, h, w, 1e-6)),
+        "rope_to_cache": ((ops.rope_to_cache_triton(qkv, cos, sin, caches[0], caches[1], slot, 28, 4), caches[0], caches[1]),
+                          (ops.rope_to_cache_reference(qkv, cos, sin, caches[2], caches[3], slot, 28, 4), caches[2], caches[3])),
+        "silu_mul": ((ops.silu_mul_triton(gu),), (ops.silu_mul_reference(gu),)),
+    }
+    for name, (got, ref) in pairs.items():
+        diffs = [float((a.float() - b.float()).abs().max()) for a, b in zip(got, ref)]
+        unequal = sum(int((a != b).sum()) for a, b in zip(got, ref))
+        out[f"decode_ops_{name}"] = {"max_abs_diff": max(diffs), "elements_differing": unequal}
+        log(f"check {name}: triton vs torch (bf16) max |diff| {max(diffs):.3g}, {unequal} elements differ")
     for fmt in ("bf16", "nvfp4"):
         torch.manual_seed(0)
         with torch.device("cuda"):

@@ -88,7 +88,7 @@ def test_fusion_shares_one_copy(tiny_model):
             t = getattr(mod, name)
             assert t.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr(), (fmt, mod)
         x = torch.randn(5, 64)
-        q, k, v = group(x)
+        q, k, v = group(x).split(group.sizes, -1)
         torch.testing.assert_close(k, attn.k_proj(x), rtol=0, atol=0)
         torch.testing.assert_close(q, attn.q_proj(x), rtol=0, atol=0)
         if before is not None:
@@ -107,6 +107,29 @@ def _lora_model(tiny_model, fmt="nvfp4"):
             if "lora_B" in name:
                 p.normal_(0, 0.05)
     return model.eval()
+
+
+def test_lora_groups_equal_peft_forward(tiny_model):
+    """Two GEMMs per group (stacked A, block-diagonal scaled B) = PEFT's per-module LoRA forward,
+    and an optimiser-style in-place update of the adapters is seen after refresh()."""
+    model = _lora_model(tiny_model)
+    engine = RolloutEngine(model, max_batch=2, max_len=64)
+    layer = engine.layers[1]
+    x = torch.randn(7, 64)
+    for group in (layer.qkv, layer.gate_up):
+        got = group(x).split(group.sizes, -1)
+        for out, mod in zip(got, group.modules):
+            torch.testing.assert_close(out, mod(x), rtol=1e-5, atol=1e-5)
+    h = torch.randn(7, layer.o.in_features)
+    torch.testing.assert_close(layer.o(h), layer.o.modules[0](h), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        layer.qkv.modules[1].lora_B["default"].weight.add_(0.5)
+    stale = layer.qkv(x).split(layer.qkv.sizes, -1)[1]
+    engine.refresh()
+    fresh = layer.qkv(x).split(layer.qkv.sizes, -1)[1]
+    want = layer.qkv.modules[1](x)
+    torch.testing.assert_close(fresh, want, rtol=1e-5, atol=1e-5)
+    assert (stale - want).abs().max() > 1e-2
 
 
 def test_sampled_logprobs_match_a_fresh_forward_with_lora_and_aqn(tiny_model, tiny_tokenizer):

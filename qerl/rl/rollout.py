@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from qerl.rollout.sampling import sample_next
+from qerl.rollout.sampling import draw_uniform, sample_next
 
 __all__ = [
     "RolloutBatch",
@@ -172,7 +172,8 @@ def sample_rollouts(
         finished = torch.zeros(n, dtype=torch.bool, device=device)
         toks, lps, ents, alive = [], [], [], []
         for step in range(settings.max_new_tokens):
-            tok, lp, ent = sample_next(logits, settings.temperature, settings.top_k, settings.top_p, generator)
+            u = draw_uniform(n, generator, device) if settings.temperature else None
+            tok, lp, ent = sample_next(logits, settings.temperature, settings.top_k, settings.top_p, u)
             ents.append(ent)
             lps.append(lp)
             tok = tok.masked_fill(finished, settings.pad_id)

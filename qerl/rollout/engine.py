@@ -16,12 +16,15 @@ window), i.e. Hugging Face's `model.model.layers[i].self_attn / mlp / *_layernor
 How a call runs.
 - Prefill: each distinct prompt once (left padded, causal + padding mask), its K/V written to
   the preallocated cache rows of its `num_generations` samples.
-- Decode: one token per row per step. The step reads only device buffers (token, position, cache
-  slot, valid-key mask), so on a GPU it is captured once per (rows, key-length bucket) in a CUDA
-  graph and replayed; attention reads only the first `bucket` cache slots (buckets of 256).
-- Sampling (qerl.rollout.sampling) runs on the GPU between replays with no host sync; a row
-  finishes at a stop token (kept) or at max_new_tokens; the host checks "all finished" once
-  every `check_every` steps, not per token.
+- Decode: one token per row per step, the whole step on the device: forward, sampling
+  (qerl.rollout.sampling, from uniforms drawn for the whole rollout up front), the writes of the
+  token / logprob / entropy, the finished flags and the advance of position and cache slot. On a
+  GPU the step is captured in a CUDA graph once per (rows, key-length bucket, sampling settings)
+  and replayed; attention reads only the first `bucket` cache slots (buckets of 256). The host
+  only replays, and checks "all finished" once every `check_every` steps, not per token.
+- The element-wise work of a layer is 3 kernels (qerl.kernels.decode_ops: residual add + RMSNorm,
+  RoPE + KV-cache write, SiLU gate); LoRA is two small GEMMs per linear group (fuse.py).
+- A row finishes at a stop token (kept) or at max_new_tokens.
 - AQN: the norm weights are read into the engine's buffers at the start of every call, so noise
   swapped in by `AdaptiveQuantNoise.applied()` (or trained norms) is what the rollout samples
   with, and the graphs stay valid.
@@ -34,7 +37,6 @@ Greedy output equals Hugging Face `generate` token for token; logprobs equal a f
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Sequence
 
@@ -42,9 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qerl.nn.quant_linear import _outside_inference_mode
+from qerl.kernels.decode_ops import add_rms_norm, rope_to_cache, silu_mul
 from qerl.rl.rollout import RolloutBatch, RolloutSettings, pad_prompts
 from qerl.rollout.fuse import LinearGroup
-from qerl.rollout.sampling import sample_next
+from qerl.rollout.sampling import draw_uniform, sample_next
 
 __all__ = ["EngineError", "RolloutEngine", "engine_rollouts"]
 
@@ -68,8 +72,8 @@ def _active_norm(mod: nn.Module) -> nn.Module:
 
 
 class _Norm:
-    """RMSNorm with the engine's own copy of the weight (refreshed per call), computed exactly
-    as Hugging Face's Llama / Qwen2 RMSNorm: fp32 statistics, cast back, times the weight."""
+    """An RMSNorm's epsilon and the engine's copy of its weight (re-read per call: AQN noise and
+    trained norms), applied together with the residual add by decode_ops.add_rms_norm."""
 
     def __init__(self, mod: nn.Module):
         self.mod = mod
@@ -85,10 +89,9 @@ class _Norm:
         with torch.no_grad():
             self.weight.copy_(_active_norm(self.mod).weight)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def __call__(self, delta: torch.Tensor | None, h: torch.Tensor):
+        """(h + delta, norm(h + delta))."""
+        return add_rms_norm(delta, h, self.weight, self.eps)
 
 
 class _Layer:
@@ -97,31 +100,26 @@ class _Layer:
         self.attn_norm = _Norm(layer.input_layernorm)
         self.mlp_norm = _Norm(layer.post_attention_layernorm)
         self.qkv = LinearGroup([attn.q_proj, attn.k_proj, attn.v_proj], fuse=fuse)
-        self.o = attn.o_proj
+        self.o = LinearGroup([attn.o_proj])
         self.gate_up = LinearGroup([mlp.gate_proj, mlp.up_proj], fuse=fuse)
-        self.down = mlp.down_proj
+        self.down = LinearGroup([mlp.down_proj])
         self.act = mlp.act_fn
+        self.silu = isinstance(self.act, nn.SiLU) or type(self.act).__name__ == "SiLUActivation"
         self.q_norm = _Norm(attn.q_norm) if getattr(attn, "q_norm", None) is not None else None
         self.k_norm = _Norm(attn.k_norm) if getattr(attn, "k_norm", None) is not None else None
 
     def norms(self) -> list[_Norm]:
         return [n for n in (self.attn_norm, self.mlp_norm, self.q_norm, self.k_norm) if n is not None]
 
+    def groups(self) -> list[LinearGroup]:
+        return [self.qkv, self.o, self.gate_up, self.down]
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
-
-def _outside_inference_mode():
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.inference_mode(False))
-    stack.enter_context(torch.no_grad())
-    return stack
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up(x)
+        if self.silu:
+            return self.down(silu_mul(gu))
+        gate, up = gu.chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)
 
 
 class RolloutEngine:
@@ -150,48 +148,39 @@ class RolloutEngine:
         self.max_batch, self.max_len = int(max_batch), int(max_len)
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs and self.device.type == "cuda")
         self.check_every = int(check_every) if self.device.type == "cuda" else 1
+        dev, mb, ml = self.device, self.max_batch, self.max_len
         with _outside_inference_mode():
             self.layers = [_Layer(layer, fuse) for layer in inner.layers]
             self.final_norm = _Norm(inner.norm)
-            positions = torch.arange(self.max_len, device=self.device)[None]
-            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
-            cos, sin = inner.rotary_emb(probe, positions)
+            probe = torch.zeros(1, dtype=self.dtype, device=dev)
+            cos, sin = inner.rotary_emb(probe, torch.arange(ml, device=dev)[None])
             self._cos, self._sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [max_len, head_dim]
-            shape = (self.max_batch, self.n_kv, self.max_len, self.head_dim)
+            shape = (mb, self.n_kv, ml, self.head_dim)
             # zeros, not empty: a masked key still multiplies its value by 0, and 0 * NaN = NaN
-            self._k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-            self._v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-            self._tok = torch.zeros(self.max_batch, dtype=torch.long, device=self.device)
-            self._pos = torch.zeros(self.max_batch, dtype=torch.long, device=self.device)
-            self._slot = torch.zeros(1, dtype=torch.long, device=self.device)
-            self._valid = torch.zeros(self.max_batch, self.max_len, dtype=torch.bool, device=self.device)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+            self._k = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in self.layers]
+            self._v = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in self.layers]
+            # the decode state the CUDA graphs read and advance (all on the device)
+            self._tok = torch.zeros(mb, dtype=torch.long, device=dev)  # last sampled token
+            self._pos = torch.zeros(mb, dtype=torch.long, device=dev)  # its RoPE position
+            self._slot = torch.zeros(1, dtype=torch.long, device=dev)  # its cache slot
+            self._step = torch.zeros(1, dtype=torch.long, device=dev)  # index of the token to sample
+            self._valid = torch.zeros(mb, ml, dtype=torch.bool, device=dev)  # keys a row may attend
+            self._finished = torch.zeros(mb, dtype=torch.bool, device=dev)
+            self._uniform = torch.zeros(ml, mb, dtype=torch.float32, device=dev)
+            self._out_tok = torch.zeros(mb, ml, dtype=torch.long, device=dev)
+            self._out_lp = torch.zeros(mb, ml, dtype=torch.float32, device=dev)
+            self._out_ent = torch.zeros(mb, ml, dtype=torch.float32, device=dev)
+            self._out_alive = torch.zeros(mb, ml, dtype=torch.bool, device=dev)
+            self._stops = torch.zeros(0, dtype=torch.long, device=dev)
+            self._pad = torch.zeros(1, dtype=torch.long, device=dev)
+        self._graphs: dict[tuple, object] = {}
         self._pool = None
         self.stats: dict = {}
 
     # ------------------------------------------------------------------ forward pieces
 
-    def _qkv(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """h [B, L, H] -> q [B, heads, L, D], k / v [B, kv_heads, L, D] (RoPE applied)."""
-        b, length = h.shape[:2]
-        q, k, v = layer.qkv(layer.attn_norm(h))
-        q = q.view(b, length, self.n_heads, self.head_dim)
-        k = k.view(b, length, self.n_kv, self.head_dim)
-        if layer.q_norm is not None:
-            q, k = layer.q_norm(q), layer.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = v.view(b, length, self.n_kv, self.head_dim).transpose(1, 2)
-        cos, sin = cos[:, None], sin[:, None]
-        return _rope(q, cos, sin), _rope(k, cos, sin), v
-
-    def _finish_layer(self, layer: _Layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """attn [B, L, heads * D] -> the layer's output (o_proj, residual, MLP, residual)."""
-        h = h + layer.o(attn)
-        gate, up = layer.gate_up(layer.mlp_norm(h))
-        return h + layer.down(layer.act(gate) * up)
-
-    def _logits(self, h_last: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.final_norm(h_last))
+    def _logits(self, delta: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.final_norm(delta, h)[1])
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         """Run the prompts [P, Lp] (left padded); cache row r gets the K/V of prompt source[r].
@@ -199,62 +188,99 @@ class RolloutEngine:
         p, length = ids.shape
         rows = torch.arange(source.shape[0], device=ids.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cos, sin = self._cos[positions], self._sin[positions]
+        cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
         keys = mask.bool()[:, None, None, :]
         causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
         eye = torch.eye(length, dtype=torch.bool, device=ids.device)
         attn_mask = (causal & keys) | eye  # a pad query sees itself: no all-masked row, no NaN
-        h = self.embed(ids)
+        h, delta = self.embed(ids), None
+        d, nq, nk = self.head_dim, self.n_heads, self.n_kv
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, h, cos, sin)
+            h, x = layer.attn_norm(delta, h)
+            q, k, v = layer.qkv(x).split([nq * d, nk * d, nk * d], dim=-1)
+            q, k, v = (t.view(p, length, -1, d) for t in (q, k, v))
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(None, q)[1], layer.k_norm(None, k)[1]
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
             self._k[i][rows, :, :length] = k[source]
             self._v[i][rows, :, :length] = v[source]
-            k = k.repeat_interleave(self.group, dim=1) if self.group > 1 else k
-            v = v.repeat_interleave(self.group, dim=1) if self.group > 1 else v
+            if self.group > 1:
+                k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scaling)
-            h = self._finish_layer(layer, h, attn.transpose(1, 2).reshape(p, length, -1))
-        return self._logits(h[:, -1])
+            h, x = layer.mlp_norm(layer.o(attn.transpose(1, 2).reshape(p, length, -1)), h)
+            delta = layer.mlp(x)
+        return self._logits(delta[:, -1], h[:, -1])
 
-    def _decode_step(self, rows: int, keys: int) -> torch.Tensor:
-        """One token for rows [0, rows) from the device buffers; attends cache slots [0, keys)."""
+    def _decode_logits(self, rows: int, keys: int) -> torch.Tensor:
+        """Logits [rows, V] for the tokens in self._tok at self._pos / self._slot; attends cache
+        slots [0, keys)."""
         tok, pos = self._tok[:rows], self._pos[:rows]
-        cos, sin = self._cos[pos][:, None], self._sin[pos][:, None]
+        cos, sin = self._cos[pos], self._sin[pos]
         valid = self._valid[:rows, None, None, :keys]
-        h = self.embed(tok)[:, None]
+        h, delta = self.embed(tok), None
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, h, cos, sin)
+            h, x = layer.attn_norm(delta, h)
             kc, vc = self._k[i][:rows], self._v[i][:rows]
-            kc.index_copy_(2, self._slot, k)
-            vc.index_copy_(2, self._slot, v)
+            qkv = layer.qkv(x)
+            if layer.q_norm is None:
+                q = rope_to_cache(qkv, cos, sin, kc, vc, self._slot, self.n_heads, self.n_kv)
+            else:  # Qwen3: per-head norms on q and k before RoPE
+                d = self.head_dim
+                q, k, v = qkv.view(rows, -1, d).split([self.n_heads, self.n_kv, self.n_kv], dim=1)
+                q, k = layer.q_norm(None, q)[1], layer.k_norm(None, k)[1]
+                q = rope_to_cache(torch.cat([q, k, v], 1).reshape(rows, -1), cos, sin, kc, vc, self._slot, self.n_heads, self.n_kv)
             # grouped-query attention without repeating K/V: the `group` query heads that share a
             # KV head take the place of query positions (heads h = kv * group + g, as in HF)
-            qg = q.reshape(rows, self.n_kv, self.group, self.head_dim)
+            qg = q.view(rows, self.n_kv, self.group, self.head_dim)
             attn = F.scaled_dot_product_attention(qg, kc[:, :, :keys], vc[:, :, :keys], attn_mask=valid, scale=self.scaling)
-            h = self._finish_layer(layer, h, attn.reshape(rows, 1, -1))
-        return self._logits(h[:, 0])
+            h, x = layer.mlp_norm(layer.o(attn.reshape(rows, -1)), h)
+            delta = layer.mlp(x)
+        return self._logits(delta, h)
 
-    def _decode(self, rows: int, keys: int) -> torch.Tensor:
+    def _sample_and_advance(self, logits: torch.Tensor, rows: int, sampling: tuple) -> None:
+        """Sample token self._step for every row, record it, and move the state one token on.
+        Device work only (no host sync): part of the captured step."""
+        temperature, top_k, top_p = sampling
+        step = self._step
+        u = self._uniform.index_select(0, step)[0, :rows]
+        tok, lp, ent = sample_next(logits, temperature, top_k, top_p, u)
+        finished = self._finished[:rows]
+        tok = torch.where(finished, self._pad, tok)
+        self._out_tok[:rows].index_copy_(1, step, tok[:, None])
+        self._out_lp[:rows].index_copy_(1, step, lp[:, None])
+        self._out_ent[:rows].index_copy_(1, step, ent[:, None])
+        self._out_alive[:rows].index_copy_(1, step, ~finished[:, None])
+        finished.logical_or_(torch.isin(tok, self._stops))
+        self._tok[:rows].copy_(tok)
+        self._pos[:rows].add_(1)
+        self._slot.add_(1)
+        self._step.add_(1)
+        self._valid[:rows].index_fill_(1, self._slot, True)
+
+    def _decode_step(self, rows: int, keys: int, sampling: tuple) -> None:
+        self._sample_and_advance(self._decode_logits(rows, keys), rows, sampling)
+
+    def _run_step(self, rows: int, keys: int, sampling: tuple) -> None:
+        """One decode step: eager on a CPU; on a GPU the first step of a key runs eagerly (it is
+        also the warm-up), the second is captured and every later one replays the graph."""
         if not self.cuda_graphs:
-            return self._decode_step(rows, keys)
-        key = (rows, keys)
-        if key not in self._graphs:
-            # The step is idempotent (it rewrites the same cache slot from the same inputs), so
-            # the warm-up runs on the live buffers.
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._decode_step(rows, keys)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+            return self._decode_step(rows, keys, sampling)
+        key = (rows, keys, sampling)
+        graph = self._graphs.get(key)
+        if graph is None:
+            self._decode_step(rows, keys, sampling)
+            self._graphs[key] = "warm"
+            return
+        if graph == "warm":
             graph = torch.cuda.CUDAGraph()
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self._decode_step(rows, keys)
-            self._graphs[key] = (graph, out)
-        graph, out = self._graphs[key]
+                self._decode_step(rows, keys, sampling)
+            self._graphs[key] = graph
         graph.replay()
-        return out
 
     def _bucket(self, slot: int) -> int:
         return min(self.max_len, -(-(slot + 1) // LENGTH_BUCKET) * LENGTH_BUCKET)
@@ -262,10 +288,13 @@ class RolloutEngine:
     # ------------------------------------------------------------------ public
 
     def refresh(self) -> None:
-        """Re-read the norm weights (AQN noise, trained norms); generate() calls this."""
+        """Re-read the norm weights (AQN noise, trained norms) and the LoRA adapters; generate()
+        calls this first."""
         for layer in self.layers:
             for norm in layer.norms():
                 norm.refresh()
+            for group in layer.groups():
+                group.refresh(self.dtype)
         self.final_norm.refresh()
 
     def release_graphs(self) -> None:
@@ -277,8 +306,7 @@ class RolloutEngine:
                  generator: torch.Generator | None = None) -> RolloutBatch:
         t0 = time.perf_counter()
         g = settings.num_generations
-        stops = torch.as_tensor(list(settings.stop_ids), dtype=torch.long, device=self.device)
-        if stops.numel() == 0:
+        if not list(settings.stop_ids):
             raise ValueError("rollouts need at least one stop token id")
         p_ids, p_mask = pad_prompts(prompt_ids, settings.pad_id)
         n_prompts, plen = p_ids.shape
@@ -288,8 +316,15 @@ class RolloutEngine:
             raise EngineError(f"{n_prompts} prompts x {g} generations = {n} rows > the engine's max_batch {self.max_batch}")
         if plen + steps > self.max_len:
             raise EngineError(f"prompt {plen} + {steps} new tokens > the engine's max_len {self.max_len}")
-        gen = _device_generator(generator, self.device)
+        sampling = (float(settings.temperature), int(settings.top_k), float(settings.top_p))
         self.refresh()
+        stops = tuple(int(s) for s in settings.stop_ids)
+        if tuple(self._stops.tolist()) != stops or int(self._pad) != settings.pad_id:
+            self._stops = torch.tensor(stops, dtype=torch.long, device=self.device)
+            self._pad.fill_(settings.pad_id)
+            self._graphs.clear()  # the graphs read the old stop tensor
+        if settings.temperature:
+            self._uniform[:steps, :n] = draw_uniform((steps, n), generator, self.device)
         index = torch.arange(n_prompts).repeat_interleave(g)
         dev_index = index.to(self.device)
         ids, mask = p_ids.to(self.device), p_mask.to(self.device)
@@ -301,60 +336,47 @@ class RolloutEngine:
         self._valid[:n].zero_()
         self._valid[:n, :plen] = mask[source].bool()
         t_prefill = time.perf_counter()
-        logits = self._prefill(ids, mask, source)
-        if settings.share_prompt:
-            logits = logits[dev_index]
-        real_len = self._valid[:n, :plen].sum(-1)
-
-        tokens = torch.full((n, steps), settings.pad_id, dtype=torch.long, device=self.device)
-        logprobs = torch.zeros(n, steps, dtype=torch.float32, device=self.device)
-        entropies = torch.zeros(n, steps, dtype=torch.float32, device=self.device)
-        alive = torch.zeros(n, steps, dtype=torch.bool, device=self.device)
-        finished = torch.zeros(n, dtype=torch.bool, device=self.device)
+        logits = self._prefill(ids, mask, source)[source if settings.share_prompt else slice(None)]
+        # state for the first token: it is sampled from the prefill logits, then goes in slot plen
+        self._pos[:n] = self._valid[:n, :plen].sum(-1) - 1
+        self._slot.fill_(plen - 1)
+        self._step.zero_()
+        self._finished[:n] = False
+        self._sample_and_advance(logits, n, sampling)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t_decode = time.perf_counter()
-        done = 0
-        for step in range(steps):
-            tok, lp, ent = sample_next(logits, settings.temperature, settings.top_k, settings.top_p, gen)
-            tok = tok.masked_fill(finished, settings.pad_id)
-            tokens[:, step], logprobs[:, step], entropies[:, step] = tok, lp, ent
-            alive[:, step] = ~finished
-            finished |= torch.isin(tok, stops)
-            done = step + 1
-            if step == steps - 1 or ((step + 1) % self.check_every == 0 and bool(finished.all())):
+        done = 1
+        while done < steps:
+            if done % self.check_every == 0 and bool(self._finished[:n].all()):
                 break
-            slot = plen + step
-            self._tok[:n].copy_(tok)
-            torch.add(real_len, step, out=self._pos[:n])
-            self._valid[:n, slot] = True
-            self._slot.fill_(slot)
-            logits = self._decode(n, self._bucket(slot))
-        mask_out = alive[:, :done].cpu()
-        comp = tokens[:, :done].cpu()
+            self._run_step(n, self._bucket(plen + done - 1), sampling)
+            done += 1
+        alive = self._out_alive[:n, :done].cpu()
+        comp = self._out_tok[:n, :done].cpu()
+        logprobs = self._out_lp[:n, :done].cpu()
+        entropies = self._out_ent[:n, :done].cpu()
         t_end = time.perf_counter()
-        lengths = mask_out.sum(-1)
+        # trim the steps after every row finished (up to check_every - 1 of them)
+        last = int(alive.any(0).nonzero().max()) + 1 if alive.any() else 1
+        alive, comp, logprobs, entropies = alive[:, :last], comp[:, :last], logprobs[:, :last], entropies[:, :last]
+        lengths = alive.sum(-1)
         has = lengths > 0
-        last = comp[torch.arange(n), (lengths - 1).clamp(min=0)]
+        final = comp[torch.arange(n), (lengths - 1).clamp(min=0)]
         fin = torch.zeros(n, dtype=torch.bool)
-        fin[has] = torch.isin(last[has], stops.cpu())
+        fin[has] = torch.isin(final[has], torch.tensor(stops))
         self.stats = {"prefill_s": t_decode - t_prefill, "decode_s": t_end - t_decode, "steps": done,
                       "rows": n, "tokens": int(lengths.sum()), "graphs": len(self._graphs)}
         return RolloutBatch(
             prompt_ids=p_ids, prompt_mask=p_mask, prompt_index=index, completion_ids=comp,
-            completion_mask=mask_out.long(), logprobs=logprobs[:, :done].cpu() * mask_out,
-            entropies=entropies[:, :done].cpu() * mask_out, finished=fin, elapsed_s=time.perf_counter() - t0,
-            extra={"engine": dict(self.stats)},
+            completion_mask=alive.long(), logprobs=logprobs * alive, entropies=entropies * alive,
+            finished=fin, elapsed_s=time.perf_counter() - t0, extra={"engine": dict(self.stats)},
         )
 
 
-def _device_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
-    """The generator to sample with on `device`: the caller's if it lives there, else one seeded
-    from it (deterministic: a resumed run that restores the caller's state draws the same)."""
-    if generator is None or generator.device.type == device.type:
-        return generator
-    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-    return torch.Generator(device=device).manual_seed(seed)
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def engine_rollouts(model, prompt_ids: Sequence[Sequence[int]], settings: RolloutSettings,
@@ -364,7 +386,8 @@ def engine_rollouts(model, prompt_ids: Sequence[Sequence[int]], settings: Rollou
     rows = len(prompt_ids) * settings.num_generations
     length = max(len(p) for p in prompt_ids) + settings.max_new_tokens
     engine = model.__dict__.get("_qerl_rollout_engine")
-    first_q = model.get_base_model().model.layers[0].self_attn.q_proj if hasattr(model, "get_base_model") else model.model.layers[0].self_attn.q_proj
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    first_q = base.model.layers[0].self_attn.q_proj
     if engine is None or engine.max_batch < rows or engine.max_len < length or engine.layers[0].qkv.modules[0] is not first_q:
         model.__dict__.pop("_qerl_rollout_engine", None)
         engine = RolloutEngine(model, max_batch=rows, max_len=-(-length // LENGTH_BUCKET) * LENGTH_BUCKET)

@@ -1,20 +1,24 @@
 """Next-token sampling on the logits' device, with no host synchronisation.
 
-    tok, logprob, entropy = sample_next(logits, temperature=1.0, top_k=0, top_p=1.0, generator=g)
+    u = torch.rand(batch, generator=g)                 # one uniform per row, drawn by the caller
+    tok, logprob, entropy = sample_next(logits, temperature=1.0, top_k=0, top_p=1.0, uniform=u)
 
 - the recorded logprob is log softmax(logits / T) at the chosen token, before top-k / top-p
   truncation (the quantity the trainer recomputes, as in TRL); the entropy is that
   distribution's entropy in nats; temperature 0 means greedy (argmax, T treated as 1);
-- a token is drawn as argmax(p / E) with E ~ Exp(1) i.i.d., which picks i with probability p_i.
-  It is the algorithm torch.multinomial uses for one sample, without multinomial's validity check
-  that reads a value back to the host on every call (a sync per token on a GPU).
+- a token is drawn by inverting the CDF of the truncated distribution at (1 - u) * total mass:
+  the first token whose cumulative probability reaches it. (1 - u) is in (0, 1], so a token of
+  probability 0 is never chosen (a guard falls back to the argmax should float rounding of the
+  parallel cumsum ever land on one). One uniform per row means the random numbers of a whole
+  rollout can be drawn up front (T x B values), so a decode step captured in a CUDA graph needs
+  no generator, and a resumed run that restores the generator draws the same tokens.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["sample_next", "truncate"]
+__all__ = ["draw_uniform", "sample_next", "truncate"]
 
 
 def truncate(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -38,9 +42,9 @@ def sample_next(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits [B, V] -> (token [B] long, logprob [B] float32, entropy [B] float32)."""
+    """logits [B, V], uniform [B] in [0, 1) -> (token [B] long, logprob [B] float32, entropy [B] float32)."""
     greedy = temperature == 0.0
     scaled = logits.float() if greedy or temperature == 1.0 else logits.float() / temperature
     logp = torch.log_softmax(scaled, dim=-1)
@@ -48,6 +52,17 @@ def sample_next(
     if greedy:
         tok = scaled.argmax(-1)
     else:
-        probs = torch.softmax(truncate(scaled, top_k, top_p), dim=-1)
-        tok = (probs / torch.empty_like(probs).exponential_(1.0, generator=generator)).argmax(-1)
+        if uniform is None:
+            raise ValueError("sampling needs one uniform random number per row (temperature > 0)")
+        probs = torch.softmax(truncate(scaled, top_k, top_p), dim=-1) if (top_k or top_p < 1.0) else logp.exp()
+        cdf = probs.cumsum(-1)
+        target = (1.0 - uniform.to(cdf.dtype))[:, None] * cdf[:, -1:]
+        tok = torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+        tok = torch.where(probs.gather(-1, tok[:, None]).squeeze(-1) > 0, tok, probs.argmax(-1))
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1), entropy
+
+
+def draw_uniform(shape, generator: torch.Generator | None, device) -> torch.Tensor:
+    """U[0, 1) float32 of `shape` from `generator` (on the generator's own device), moved to `device`."""
+    gen_device = generator.device if generator is not None else "cpu"
+    return torch.rand(shape, generator=generator, device=gen_device).to(device)

@@ -1,0 +1,91 @@
+"""qerl.kernels.decode_ops: the Triton kernels (run by Triton's interpreter in a subprocess, on
+CPU float32 tensors) against their torch references on fresh random inputs, and the references
+against Hugging Face's own modules (RMSNorm, apply_rotary_pos_emb, the SwiGLU MLP gate).
+
+float32 in the interpreter (its bf16 arithmetic works on raw bits and truncates); the bf16
+rounding points are exercised on the GPU by benchmarks/bench_rollout.py --check. Tolerance 1e-5:
+fp32 arithmetic with a different summation order in the norm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from qerl.kernels import decode_ops as ops
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, torch
+    from qerl.kernels import decode_ops as ops
+    torch.manual_seed(int(__import__("os").environ.get("SEED", "0")))
+    out = []
+    def err(a, b):
+        return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+    for rows, n in ((1, 64), (3, 96), (2, 576)):
+        h, d, w = torch.randn(rows, n), torch.randn(rows, n), torch.rand(n) + 0.5
+        for delta in (d, None):
+            h_t, x_t = ops.add_rms_norm_triton(delta, h, w, 1e-6)
+            h_r, x_r = ops.add_rms_norm_reference(delta, h, w, 1e-6)
+            out.append(("norm", rows, n, delta is None, max(err(h_t, h_r), err(x_t, x_r))))
+    for b, heads, kv, dim in ((1, 4, 2, 16), (3, 6, 2, 32), (2, 4, 4, 64)):
+        qkv = torch.randn(b, (heads + 2 * kv) * dim)
+        ang = torch.rand(b, dim // 2) * 6.28
+        cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+        kc_t, vc_t = torch.randn(b + 1, kv, 10, dim), torch.randn(b + 1, kv, 10, dim)
+        kc_r, vc_r = kc_t.clone(), vc_t.clone()
+        slot = torch.tensor([7])
+        q_t = ops.rope_to_cache_triton(qkv, cos, sin, kc_t[:b], vc_t[:b], slot, heads, kv)
+        q_r = ops.rope_to_cache_reference(qkv, cos, sin, kc_r[:b], vc_r[:b], slot, heads, kv)
+        out.append(("rope", b, heads, kv, max(err(q_t, q_r), err(kc_t, kc_r), err(vc_t, vc_r))))
+    for rows, inter in ((1, 128), (5, 1500)):
+        gu = torch.randn(rows, 2 * inter) * 3
+        out.append(("silu", rows, inter, 0, err(ops.silu_mul_triton(gu), ops.silu_mul_reference(gu))))
+    print("RESULTS" + json.dumps(out))
+    """
+)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_triton_decode_ops_under_interpreter(seed):
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", SEED=str(seed))
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULTS")][-1][len("RESULTS"):])
+    assert len(results) == 11
+    bad = [r for r in results if not r[-1] <= 1e-5]
+    assert not bad, bad
+
+
+def test_references_equal_hugging_face_modules():
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
+    from transformers import LlamaConfig
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+        h, d = torch.randn(4, 96, dtype=dtype), torch.randn(4, 96, dtype=dtype)
+        h_sum, x = ops.add_rms_norm(d, h, norm.weight.detach(), 1e-5)
+        assert torch.equal(h_sum, h + d)
+        assert torch.equal(x, norm(h + d))
+        q = torch.randn(3, 4, 32, dtype=dtype)  # [B, heads, D], one token per row
+        ang = torch.rand(3, 16) * 6.28
+        cos = torch.cat([ang.cos(), ang.cos()], -1).to(dtype)
+        sin = torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
+        hf_q, _ = apply_rotary_pos_emb(q[:, :, None], q[:, :, None], cos[:, None], sin[:, None])
+        assert torch.equal(ops.rope_reference(q, cos, sin), hf_q[:, :, 0])
+        mlp = LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=48)).to(dtype)
+        x = torch.randn(5, 32, dtype=dtype)
+        gu = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1)
+        with torch.no_grad():  # HF's SiLU module vs F.silu: last-bit differences in float32
+            tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
+            torch.testing.assert_close(mlp.down_proj(ops.silu_mul(gu)), mlp(x), **tol)
