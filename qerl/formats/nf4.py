@@ -17,6 +17,8 @@ path, kept honest (no fusion) so speed comparisons against it are fair.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from qerl.formats.fp4 import pack_nibbles, unpack_nibbles
@@ -46,7 +48,15 @@ NF4_CODEBOOK = (
 
 
 def codebook(device=None) -> torch.Tensor:
-    return torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=device)
+    """The code book on `device`, made once per device: a fresh host-to-device copy on every
+    dequantisation could not be captured in a CUDA graph (the rollout engine's decode step)."""
+    return _codebook(torch.device(device) if device is not None else torch.device("cpu"))
+
+
+@functools.lru_cache(maxsize=None)
+def _codebook(device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):
+        return torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=device)
 
 
 def encode(normalised: torch.Tensor) -> torch.Tensor:

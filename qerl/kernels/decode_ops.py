@@ -25,6 +25,7 @@ Try it:  pytest tests/test_decode_ops.py -q
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -74,8 +75,13 @@ def silu_mul_reference(gate_up):
 # --------------------------------------------------------------------------- triton
 
 
-def _on_gpu(t: torch.Tensor) -> bool:
-    if t.device.type != "cuda":
+# Ops named here (comma-separated in QERL_DECODE_OPS_TORCH: norm, rope, silu) take the torch path
+# on the GPU too: for bisecting a numerical difference, and for timing what the kernels save.
+TORCH_ONLY = {x.strip() for x in os.environ.get("QERL_DECODE_OPS_TORCH", "").split(",") if x.strip()}
+
+
+def _on_gpu(t: torch.Tensor, op: str) -> bool:
+    if t.device.type != "cuda" or op in TORCH_ONLY:
         return False
     from qerl import kernels
 
@@ -158,21 +164,21 @@ def _next_pow2(n: int) -> int:
 
 def add_rms_norm(delta, h, weight, eps):
     """(h + delta, RMSNorm(h + delta) * weight); delta None = no residual add (h returned as is)."""
-    if not _on_gpu(h) or weight.dtype != h.dtype or (delta is not None and delta.dtype != h.dtype):
+    if not _on_gpu(h, "norm") or weight.dtype != h.dtype or (delta is not None and delta.dtype != h.dtype):
         return add_rms_norm_reference(delta, h, weight, eps)
     return add_rms_norm_triton(delta, h, weight, eps)
 
 
 def rope_to_cache(qkv, cos, sin, k_cache, v_cache, slot, heads: int, kv_heads: int):
     d = cos.shape[-1]
-    if not _on_gpu(qkv) or not qkv.is_contiguous() or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or d & (d - 1):
+    if not _on_gpu(qkv, "rope") or not qkv.is_contiguous() or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or d & (d - 1):
         return rope_to_cache_reference(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads)
     return rope_to_cache_triton(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads)
 
 
 def silu_mul(gate_up):
     """silu(gate) * up for gate_up = [.., 2I] (gate first, as fuse.LinearGroup stacks gate/up)."""
-    return silu_mul_triton(gate_up) if _on_gpu(gate_up) else silu_mul_reference(gate_up)
+    return silu_mul_triton(gate_up) if _on_gpu(gate_up, "silu") else silu_mul_reference(gate_up)
 
 
 # The launches (called directly by the interpreter tests, which run them on CPU tensors).
