@@ -94,8 +94,6 @@ def check(args) -> dict:
 
     from qerl.rl.rollout import policy_logprobs
 
-    cfg = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, initializer_range=0.3, rope_theta=1e6)
     from qerl.kernels import decode_ops as ops
 
     out = {}
@@ -124,7 +122,9 @@ def check(args) -> dict:
     # a 1-ulp bf16 difference anywhere grows into different tokens within a few steps. Each
     # check runs twice, with the decode_ops kernels and with their torch references (the
     # latter computes op for op what Hugging Face computes), so the kernels' share is visible.
-    for fmt in ("bf16", "nvfp4"):
+    for init, fmt in ((0.3, "bf16"), (0.3, "nvfp4"), (0.02, "bf16"), (0.02, "nvfp4")):
+        cfg = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                          num_attention_heads=8, num_key_value_heads=2, initializer_range=init, rope_theta=1e6)
         torch.manual_seed(0)
         with torch.device("cuda"):
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
@@ -153,7 +153,7 @@ def check(args) -> dict:
             m = sampled.completion_mask.bool()
             err = (sampled.logprobs[m] - fresh[m]).abs()
             first = (sampled.logprobs[:, 0] - fresh[:, 0]).abs()
-            key = f"{fmt}/{mode}"
+            key = f"init{init}/{fmt}/{mode}"
             out[key] = {
                 "graph_equals_eager": bool(torch.equal(graphed.completion_ids, eager.completion_ids)),
                 "hf_leading_equal_tokens": [int(r.cumprod(0).sum()) for r in same],

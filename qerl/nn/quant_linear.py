@@ -6,8 +6,9 @@ inputs do, so LoRA adapters and anything before the layer train normally.
 
 Forward, by backend (`auto` | `torch` | `triton`):
 - torch (always on CPU): F.linear with the dequantised weight. On CPU the dequantised weight
-  is cached (weights are frozen, CPU runs are small); on a GPU the torch path dequantises
-  each call on purpose: for nf4 that is the honest QLoRA baseline.
+  is cached (weights are frozen, CPU runs are small); on a GPU the weight is dequantised on
+  every call on purpose: for nf4 that is the honest QLoRA baseline, done as bitsandbytes does
+  it (one Triton pass to a transient bf16 weight, then cuBLAS) where triton is available.
 - triton (CUDA, nvfp4/mxfp4): the fused 4-bit x bf16 kernels of qerl.kernels, which read the
   packed weight and never build a bf16 copy, in forward or backward.
 """
@@ -130,6 +131,13 @@ class QuantLinear(nn.Module):
             from qerl import kernels
 
             return kernels.linear(x, self.kernel_state(), self.fmt, self.bias, backend="triton")
+        if x.device.type == "cuda" and self.fmt == "nf4" and self.backend != "torch" and _triton_ready():
+            # the QLoRA baseline as bitsandbytes runs it: one dequantisation pass to a transient
+            # bf16 weight, then cuBLAS (the multi-pass torch dequantisation is ~20x slower)
+            from qerl.kernels import nf4_triton
+
+            w = nf4_triton.dequant_bf16(self.quant_tensors()).to(x.dtype)
+            return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
         if x.device.type == "cpu":
             key = ("dense", x.dtype)
             if key not in self._cache:
@@ -164,6 +172,12 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, bias={self.bias is not None}"
+
+
+def _triton_ready() -> bool:
+    from qerl import kernels
+
+    return kernels.available()
 
 
 def _outside_inference_mode():
