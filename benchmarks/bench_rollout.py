@@ -165,6 +165,28 @@ def check(args) -> dict:
                 raise SystemExit(f"check failed: CUDA-graph decode differs from eager decode ({key})")
             del engine
         ops.TORCH_ONLY.clear()
+        if init == 0.02 and fmt == "nvfp4":
+            # LoRA on the GPU path: the adapters' two GEMMs run on the side stream inside the graph
+            from qerl.nn.lora import LoraSettings, apply_lora
+
+            model = apply_lora(model, LoraSettings(r=16, lora_alpha=32)).eval()
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.normal_(0, 0.02)
+            with torch.inference_mode():
+                engine = RolloutEngine(model, max_batch=8, max_len=256)
+                sampled = engine.generate(prompts, sample, torch.Generator(device="cuda").manual_seed(1))
+            fresh = policy_logprobs(model, sampled, temperature=1.0).detach().float().cpu()
+            m = sampled.completion_mask.bool()
+            with torch.no_grad(), model.disable_adapter():
+                no_lora = policy_logprobs(model, sampled, temperature=1.0).detach().float().cpu()
+            key = f"init{init}/{fmt}+lora16/kernels"
+            out[key] = {"logprob_max_abs_err": float((sampled.logprobs[m] - fresh[m]).abs().max()),
+                        "logprob_mean_abs_err": float((sampled.logprobs[m] - fresh[m]).abs().mean()),
+                        "lora_effect_mean_abs": float((fresh[m] - no_lora[m]).abs().mean())}
+            log(f"check {key}: {out[key]}")
+            del engine
         del model
         gc.collect()
         torch.cuda.empty_cache()

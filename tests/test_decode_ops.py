@@ -30,9 +30,10 @@ _SCRIPT = textwrap.dedent(
         return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
     for rows, n in ((1, 64), (3, 96), (2, 576)):
         h, d, w = torch.randn(rows, n), torch.randn(rows, n), torch.rand(n) + 0.5
-        for delta in (d, None):
-            h_t, x_t = ops.add_rms_norm_triton(delta, h, w, 1e-6)
-            h_r, x_r = ops.add_rms_norm_reference(delta, h, w, 1e-6)
+        e = torch.randn(rows, n) * 0.1
+        for delta, extra in ((d, None), (None, None), (d, e)):
+            h_t, x_t = ops.add_rms_norm_triton(delta, h, w, 1e-6, extra)
+            h_r, x_r = ops.add_rms_norm_reference(delta, h, w, 1e-6, extra)
             out.append(("norm", rows, n, delta is None, max(err(h_t, h_r), err(x_t, x_r))))
     for b, heads, kv, dim in ((1, 4, 2, 16), (3, 6, 2, 32), (2, 4, 4, 64)):
         qkv = torch.randn(b, (heads + 2 * kv) * dim)
@@ -41,12 +42,14 @@ _SCRIPT = textwrap.dedent(
         kc_t, vc_t = torch.randn(b + 1, kv, 10, dim), torch.randn(b + 1, kv, 10, dim)
         kc_r, vc_r = kc_t.clone(), vc_t.clone()
         slot = torch.tensor([7])
-        q_t = ops.rope_to_cache_triton(qkv, cos, sin, kc_t[:b], vc_t[:b], slot, heads, kv)
-        q_r = ops.rope_to_cache_reference(qkv, cos, sin, kc_r[:b], vc_r[:b], slot, heads, kv)
+        extra = torch.randn_like(qkv) if heads == 6 else None
+        q_t = ops.rope_to_cache_triton(qkv, cos, sin, kc_t[:b], vc_t[:b], slot, heads, kv, extra)
+        q_r = ops.rope_to_cache_reference(qkv, cos, sin, kc_r[:b], vc_r[:b], slot, heads, kv, extra)
         out.append(("rope", b, heads, kv, max(err(q_t, q_r), err(kc_t, kc_r), err(vc_t, vc_r))))
     for rows, inter in ((1, 128), (5, 1500)):
         gu = torch.randn(rows, 2 * inter) * 3
-        out.append(("silu", rows, inter, 0, err(ops.silu_mul_triton(gu), ops.silu_mul_reference(gu))))
+        e = torch.randn_like(gu) if rows == 5 else None
+        out.append(("silu", rows, inter, 0, err(ops.silu_mul_triton(gu, e), ops.silu_mul_reference(gu, e))))
     print("RESULTS" + json.dumps(out))
     """
 )
@@ -59,7 +62,7 @@ def test_triton_decode_ops_under_interpreter(seed):
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULTS")][-1][len("RESULTS"):])
-    assert len(results) == 11
+    assert len(results) == 14
     bad = [r for r in results if not r[-1] <= 1e-5]
     assert not bad, bad
 

@@ -36,9 +36,9 @@ __all__ = ["add_rms_norm", "add_rms_norm_reference", "rope_to_cache", "rope_to_c
 # --------------------------------------------------------------------------- references
 
 
-def add_rms_norm_reference(delta, h, weight, eps):
+def add_rms_norm_reference(delta, h, weight, eps, extra=None):
     if delta is not None:
-        h = h + delta
+        h = h + (delta if extra is None else delta + extra)
     f = h.float()
     normed = (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
     return h, weight * normed
@@ -54,9 +54,12 @@ def rope_reference(x, cos, sin):
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 
-def rope_to_cache_reference(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads):
-    """qkv [B, (heads + 2 kv_heads) * D] (one token per row); writes rotated k and v into
-    k_cache / v_cache [B, kv_heads, L, D] at position `slot` (long [1]); returns rotated q [B, heads, D]."""
+def rope_to_cache_reference(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads, extra=None):
+    """qkv [B, (heads + 2 kv_heads) * D] (one token per row; `extra`, same shape, is added first);
+    writes rotated k and v into k_cache / v_cache [B, kv_heads, L, D] at position `slot` (long
+    [1]); returns rotated q [B, heads, D]."""
+    if extra is not None:
+        qkv = qkv + extra
     b = qkv.shape[0]
     d = cos.shape[-1]
     x = qkv.view(b, heads + 2 * kv_heads, d)
@@ -67,7 +70,9 @@ def rope_to_cache_reference(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_hea
     return q
 
 
-def silu_mul_reference(gate_up):
+def silu_mul_reference(gate_up, extra=None):
+    if extra is not None:
+        gate_up = gate_up + extra
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
@@ -94,13 +99,17 @@ def _triton_kernels():
     import triton.language as tl
 
     @triton.jit
-    def add_rms_norm_kernel(d_ptr, h_ptr, w_ptr, h_out, x_out, n, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    def add_rms_norm_kernel(d_ptr, e_ptr, h_ptr, w_ptr, h_out, x_out, n, eps, HAS_DELTA: tl.constexpr,
+                            HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < n
         h = tl.load(h_ptr + row * n + cols, mask=m, other=0.0)
         if HAS_DELTA:
             d = tl.load(d_ptr + row * n + cols, mask=m, other=0.0)
+            if HAS_EXTRA:
+                e = tl.load(e_ptr + row * n + cols, mask=m, other=0.0)
+                d = (d.to(tl.float32) + e.to(tl.float32)).to(h_out.dtype.element_ty)
             h = (h.to(tl.float32) + d.to(tl.float32)).to(h_out.dtype.element_ty)
             tl.store(h_out + row * n + cols, h, mask=m)
         f = h.to(tl.float32)
@@ -110,17 +119,20 @@ def _triton_kernels():
         tl.store(x_out + row * n + cols, (w * normed).to(x_out.dtype.element_ty), mask=m)
 
     @triton.jit
-    def rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, q_out, k_ptr, v_ptr, slot_ptr,
+    def rope_cache_kernel(qkv_ptr, e_ptr, cos_ptr, sin_ptr, q_out, k_ptr, v_ptr, slot_ptr,
                           kc_b, kc_h, kc_l, vc_b, vc_h, vc_l,
-                          HEADS: tl.constexpr, KV: tl.constexpr, D: tl.constexpr):
+                          HEADS: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HAS_EXTRA: tl.constexpr):
         row = tl.program_id(0)
         head = tl.program_id(1)  # 0..HEADS-1 q, then KV k heads, then KV v heads
         half = tl.arange(0, D // 2)
-        base = qkv_ptr + (row * (HEADS + 2 * KV) + head) * D
-        x1 = tl.load(base + half)
-        x2 = tl.load(base + D // 2 + half)
+        offset = (row * (HEADS + 2 * KV) + head) * D
+        x1 = tl.load(qkv_ptr + offset + half)
+        x2 = tl.load(qkv_ptr + offset + D // 2 + half)
         slot = tl.load(slot_ptr)
         dt = q_out.dtype.element_ty
+        if HAS_EXTRA:
+            x1 = (x1.to(tl.float32) + tl.load(e_ptr + offset + half).to(tl.float32)).to(dt)
+            x2 = (x2.to(tl.float32) + tl.load(e_ptr + offset + D // 2 + half).to(tl.float32)).to(dt)
         if head < HEADS + KV:
             c1 = tl.load(cos_ptr + row * D + half).to(tl.float32)
             c2 = tl.load(cos_ptr + row * D + D // 2 + half).to(tl.float32)
@@ -142,13 +154,16 @@ def _triton_kernels():
             tl.store(dst + D // 2 + half, x2)
 
     @triton.jit
-    def silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+    def silu_mul_kernel(gu_ptr, e_ptr, out_ptr, inter, HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < inter
         g = tl.load(gu_ptr + row * 2 * inter + cols, mask=m, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=m, other=0.0).to(tl.float32)
         dt = out_ptr.dtype.element_ty
+        if HAS_EXTRA:
+            g = (g + tl.load(e_ptr + row * 2 * inter + cols, mask=m, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+            u = (u + tl.load(e_ptr + row * 2 * inter + inter + cols, mask=m, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         tl.store(out_ptr + row * inter + cols, (s * u).to(dt), mask=m)
 
@@ -162,57 +177,72 @@ def _next_pow2(n: int) -> int:
 # --------------------------------------------------------------------------- dispatch
 
 
-def add_rms_norm(delta, h, weight, eps):
+# `extra` (optional, the shape of the first input) is added to it first, rounded once: the LoRA
+# delta of the linear that produced it (rollout engine: computed beside the base product).
+
+
+def _same_dtype(ref, *ts) -> bool:
+    return all(t is None or t.dtype == ref.dtype for t in ts)
+
+
+def add_rms_norm(delta, h, weight, eps, extra=None):
     """(h + delta, RMSNorm(h + delta) * weight); delta None = no residual add (h returned as is)."""
-    if not _on_gpu(h, "norm") or weight.dtype != h.dtype or (delta is not None and delta.dtype != h.dtype):
-        return add_rms_norm_reference(delta, h, weight, eps)
-    return add_rms_norm_triton(delta, h, weight, eps)
+    if not _on_gpu(h, "norm") or not _same_dtype(h, weight, delta, extra):
+        return add_rms_norm_reference(delta, h, weight, eps, extra)
+    return add_rms_norm_triton(delta, h, weight, eps, extra)
 
 
-def rope_to_cache(qkv, cos, sin, k_cache, v_cache, slot, heads: int, kv_heads: int):
+def rope_to_cache(qkv, cos, sin, k_cache, v_cache, slot, heads: int, kv_heads: int, extra=None):
     d = cos.shape[-1]
-    if not _on_gpu(qkv, "rope") or not qkv.is_contiguous() or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or d & (d - 1):
-        return rope_to_cache_reference(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads)
-    return rope_to_cache_triton(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads)
+    if (not _on_gpu(qkv, "rope") or not qkv.is_contiguous() or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1
+            or d & (d - 1) or not _same_dtype(qkv, extra)):
+        return rope_to_cache_reference(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads, extra)
+    return rope_to_cache_triton(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads, extra)
 
 
-def silu_mul(gate_up):
+def silu_mul(gate_up, extra=None):
     """silu(gate) * up for gate_up = [.., 2I] (gate first, as fuse.LinearGroup stacks gate/up)."""
-    return silu_mul_triton(gate_up) if _on_gpu(gate_up, "silu") else silu_mul_reference(gate_up)
+    if _on_gpu(gate_up, "silu") and _same_dtype(gate_up, extra):
+        return silu_mul_triton(gate_up, extra)
+    return silu_mul_reference(gate_up, extra)
 
 
 # The launches (called directly by the interpreter tests, which run them on CPU tensors).
 
 
-def add_rms_norm_triton(delta, h, weight, eps):
+def add_rms_norm_triton(delta, h, weight, eps, extra=None):
     kern = _triton_kernels()[0]
     n = h.shape[-1]
     h2 = h.reshape(-1, n).contiguous()
     d2 = delta.reshape(-1, n).contiguous() if delta is not None else h2
+    e2 = extra.reshape(-1, n).contiguous() if extra is not None else d2
     h_out = torch.empty_like(h2) if delta is not None else h2
     x_out = torch.empty_like(h2)
     block = _next_pow2(n)
-    kern[(h2.shape[0],)](d2, h2, weight, h_out, x_out, n, float(eps), HAS_DELTA=delta is not None,
+    kern[(h2.shape[0],)](d2, e2, h2, weight, h_out, x_out, n, float(eps), HAS_DELTA=delta is not None,
+                         HAS_EXTRA=delta is not None and extra is not None,
                          BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return h_out.view(h.shape), x_out.view(h.shape)
 
 
-def rope_to_cache_triton(qkv, cos, sin, k_cache, v_cache, slot, heads: int, kv_heads: int):
+def rope_to_cache_triton(qkv, cos, sin, k_cache, v_cache, slot, heads: int, kv_heads: int, extra=None):
     kern = _triton_kernels()[1]
     b, d = qkv.shape[0], cos.shape[-1]
     q = torch.empty(b, heads, d, dtype=qkv.dtype, device=qkv.device)
-    kern[(b, heads + 2 * kv_heads)](qkv, cos.contiguous(), sin.contiguous(), q, k_cache, v_cache, slot,
+    e = extra.contiguous() if extra is not None else qkv
+    kern[(b, heads + 2 * kv_heads)](qkv, e, cos.contiguous(), sin.contiguous(), q, k_cache, v_cache, slot,
                                     k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                     v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                                    HEADS=heads, KV=kv_heads, D=d, num_warps=1)
+                                    HEADS=heads, KV=kv_heads, D=d, HAS_EXTRA=extra is not None, num_warps=1)
     return q
 
 
-def silu_mul_triton(gate_up):
+def silu_mul_triton(gate_up, extra=None):
     kern = _triton_kernels()[2]
     inter = gate_up.shape[-1] // 2
     gu = gate_up.reshape(-1, 2 * inter).contiguous()
+    e = extra.reshape(-1, 2 * inter).contiguous() if extra is not None else gu
     out = torch.empty(gu.shape[0], inter, dtype=gu.dtype, device=gu.device)
     block = 1024
-    kern[(gu.shape[0], -(-inter // block))](gu, out, inter, BLOCK=block, num_warps=4)
+    kern[(gu.shape[0], -(-inter // block))](gu, e, out, inter, HAS_EXTRA=extra is not None, BLOCK=block, num_warps=4)
     return out.view(*gate_up.shape[:-1], inter)

@@ -108,6 +108,9 @@ class GRPOSettings(BaseModel):
     vllm_importance_sampling_clip_min: float | None = Field(None, ge=0.0)
     # memory / speed
     share_prompt_prefix: bool = True  # one prompt pass per group in rollout and training
+    # "qerl": qerl.rollout's engine (static KV cache, CUDA graphs, fused 4-bit decode) for the
+    # model types it supports, else the Hugging Face KV-cache loop; "hf": always that loop
+    rollout_engine: Literal["qerl", "hf"] = "qerl"
     gradient_checkpointing: bool = False
     # logging
     log_completions: bool = False  # append every sampled completion to out_dir/completions.jsonl

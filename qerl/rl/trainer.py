@@ -6,7 +6,7 @@
 Per step (= one generation batch, `settings.prompts_per_step` prompts x `num_generations`):
   1. AQN draws this step's norm noise (sigma from the stage schedule);
   2. rollout: the next prompts (chat template, `qerl.eval.generate.build_prompt`) are sampled by
-     `rollout_fn` (default `qerl.rl.rollout.sample_rollouts`) with the noisy norms applied
+     `rollout_fn` (default: the engine of `qerl.rollout` (`rollout_engine`), else `qerl.rl.rollout.sample_rollouts`) with the noisy norms applied
      (AQN place "rollout" or "both"); it returns per-token logprobs and entropies;
   3. rewards (weighted sum of the reward functions, plus the optional overlong penalty);
      DAPO dynamic sampling drops zero-variance groups and samples more prompts to refill;
@@ -341,7 +341,10 @@ def train(
         raise TrainingError(f"{len(weights)} reward_weights for {len(reward_fns)} reward functions")
     problems = list(train_problems)
     aqn_settings = aqn_settings or AQNSettings(enabled=False)
-    rollout_fn = rollout_fn or sample_rollouts
+    if rollout_fn is None:
+        from qerl.rollout.engine import engine_rollouts, supports
+
+        rollout_fn = engine_rollouts if settings.rollout_engine == "qerl" and supports(model) else sample_rollouts
 
     torch.manual_seed(settings.seed)
     random.seed(settings.seed)

@@ -50,7 +50,7 @@ from qerl.rl.rollout import RolloutBatch, RolloutSettings, pad_prompts
 from qerl.rollout.fuse import LinearGroup
 from qerl.rollout.sampling import draw_uniform, sample_next
 
-__all__ = ["EngineError", "RolloutEngine", "engine_rollouts"]
+__all__ = ["EngineError", "RolloutEngine", "engine_rollouts", "supports"]
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 LENGTH_BUCKET = 256
@@ -58,6 +58,14 @@ LENGTH_BUCKET = 256
 
 class EngineError(ValueError):
     """The model or the request does not fit the engine."""
+
+
+def supports(model: nn.Module) -> bool:
+    """True when the engine can run `model` (a supported model_type, no sliding window)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = getattr(base, "config", None)
+    return (getattr(cfg, "model_type", None) in SUPPORTED and hasattr(base, "model") and hasattr(base.model, "layers")
+            and not (getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None)))
 
 
 def _active_norm(mod: nn.Module) -> nn.Module:
@@ -89,9 +97,9 @@ class _Norm:
         with torch.no_grad():
             self.weight.copy_(_active_norm(self.mod).weight)
 
-    def __call__(self, delta: torch.Tensor | None, h: torch.Tensor):
-        """(h + delta, norm(h + delta))."""
-        return add_rms_norm(delta, h, self.weight, self.eps)
+    def __call__(self, delta: torch.Tensor | None, h: torch.Tensor, extra: torch.Tensor | None = None):
+        """(h + delta (+ extra), norm of that)."""
+        return add_rms_norm(delta, h, self.weight, self.eps, extra)
 
 
 class _Layer:
@@ -175,6 +183,10 @@ class RolloutEngine:
             self._pad = torch.zeros(1, dtype=torch.long, device=dev)
         self._graphs: dict[tuple, object] = {}
         self._pool = None
+        # LoRA products run on a side stream beside the base 4-bit product (captured as a parallel
+        # branch of the graph), into buffers kept per group kind so the side stream allocates nothing
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._lora_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.stats: dict = {}
 
     # ------------------------------------------------------------------ forward pieces
@@ -219,15 +231,16 @@ class RolloutEngine:
         tok, pos = self._tok[:rows], self._pos[:rows]
         cos, sin = self._cos[pos], self._sin[pos]
         valid = self._valid[:rows, None, None, :keys]
-        h, delta = self.embed(tok), None
+        h, delta, lo_down = self.embed(tok), None, None
         for i, layer in enumerate(self.layers):
-            h, x = layer.attn_norm(delta, h)
+            h, x = layer.attn_norm(delta, h, lo_down)
             kc, vc = self._k[i][:rows], self._v[i][:rows]
-            qkv = layer.qkv(x)
+            qkv, lo = self._linear(layer.qkv, x, "qkv")
             if layer.q_norm is None:
-                q = rope_to_cache(qkv, cos, sin, kc, vc, self._slot, self.n_heads, self.n_kv)
+                q = rope_to_cache(qkv, cos, sin, kc, vc, self._slot, self.n_heads, self.n_kv, lo)
             else:  # Qwen3: per-head norms on q and k before RoPE
                 d = self.head_dim
+                qkv = qkv if lo is None else qkv + lo
                 q, k, v = qkv.view(rows, -1, d).split([self.n_heads, self.n_kv, self.n_kv], dim=1)
                 q, k = layer.q_norm(None, q)[1], layer.k_norm(None, k)[1]
                 q = rope_to_cache(torch.cat([q, k, v], 1).reshape(rows, -1), cos, sin, kc, vc, self._slot, self.n_heads, self.n_kv)
@@ -235,9 +248,39 @@ class RolloutEngine:
             # KV head take the place of query positions (heads h = kv * group + g, as in HF)
             qg = q.view(rows, self.n_kv, self.group, self.head_dim)
             attn = F.scaled_dot_product_attention(qg, kc[:, :, :keys], vc[:, :, :keys], attn_mask=valid, scale=self.scaling)
-            h, x = layer.mlp_norm(layer.o(attn.reshape(rows, -1)), h)
-            delta = layer.mlp(x)
-        return self._logits(delta, h)
+            o, lo = self._linear(layer.o, attn.reshape(rows, -1), "o")
+            h, x = layer.mlp_norm(o, h, lo)
+            gu, lo = self._linear(layer.gate_up, x, "gate_up")
+            if layer.silu:
+                a = silu_mul(gu, lo)
+            else:
+                gate, up = (gu if lo is None else gu + lo).chunk(2, dim=-1)
+                a = layer.act(gate) * up
+            delta, lo_down = self._linear(layer.down, a, "down")
+        return self.lm_head(self.final_norm(delta, h, lo_down)[1])
+
+    def _linear(self, group: LinearGroup, x: torch.Tensor, kind: str):
+        """(base product, LoRA delta or None): on a GPU the delta's two GEMMs run on the side
+        stream while the base product runs; the caller's kernel adds the delta (`extra`)."""
+        if not group.has_lora:
+            return group.base_forward(x), None
+        rows = x.shape[0]
+        key = (kind, group._a.shape[0], group._b.shape[0], group._a.dtype)
+        if key not in self._lora_buffers:
+            with _outside_inference_mode():
+                self._lora_buffers[key] = (
+                    torch.empty(self.max_batch, group._a.shape[0], dtype=group._a.dtype, device=self.device),
+                    torch.empty(self.max_batch, group._b.shape[0], dtype=group._a.dtype, device=self.device))
+        ha, out = self._lora_buffers[key]
+        if self._side is None:
+            return group.base_forward(x), group.lora(x, ha[:rows], out[:rows])
+        main = torch.cuda.current_stream(self.device)
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            lo = group.lora(x, ha[:rows], out[:rows])
+        y = group.base_forward(x)
+        main.wait_stream(self._side)
+        return y, (lo if lo.dtype == y.dtype else lo.to(y.dtype))
 
     def _sample_and_advance(self, logits: torch.Tensor, rows: int, sampling: tuple) -> None:
         """Sample token self._step for every row, record it, and move the state one token on.

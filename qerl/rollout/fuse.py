@@ -195,6 +195,22 @@ class LinearGroup:
                     torch.mul(b, scale, out=self._b[n0:n0 + n, r0:r0 + r])
                 r0, n0 = r0 + r, n0 + n
 
+    @property
+    def has_lora(self) -> bool:
+        """True when the adapters run as this group's two GEMMs (`lora`), not inside the modules."""
+        return not self._per_module and self._a is not None
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The product without this group's LoRA (with it, where the modules apply it themselves)."""
+        return self(x) if self._per_module else self.base(x)
+
+    def lora(self, x: torch.Tensor, ha_out: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(x @ A^T) @ B^T [rows, sum of out_features] (has_lora must be True); `ha_out` / `out`
+        are optional preallocated outputs (the engine's, so a side stream allocates nothing)."""
+        x2 = x.reshape(-1, self.in_features).to(self._a.dtype)
+        ha = torch.mm(x2, self._a.t(), out=ha_out)
+        return torch.mm(ha, self._b.t(), out=out)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._per_module:
             outs = [m(x) for m in self.modules]
