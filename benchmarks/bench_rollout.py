@@ -299,7 +299,12 @@ def combine(paths: list[str], out: str) -> None:
     result = {k: v for k, v in parts[0].items() if k != "rows"}
     result["command"] = [p["command"] for p in parts]
     result["date"] = [p["date"] for p in parts]
-    result["rows"] = [r for p in parts for r in p["rows"]]
+    # a later file's measurement of the same configuration replaces an earlier one
+    rows: dict[tuple, dict] = {}
+    for p in parts:
+        for r in p["rows"]:
+            rows[(r["model"], r["format"], r.get("batch"), r.get("lora_rank"))] = r
+    result["rows"] = list(rows.values())
     for p in parts:
         if "check" in p:
             result["check"] = p["check"]
@@ -323,7 +328,8 @@ def main(argv=None) -> None:
     ap.add_argument("--no-lora", dest="lora", action="store_false")
     ap.add_argument("--check", action="store_true", help="GPU correctness checks first")
     ap.add_argument("--time-budget-s", type=float, default=520)
-    ap.add_argument("--combine", nargs="+", default=None, help="merge the JSON files of several calls into --out")
+    ap.add_argument("--combine", nargs="+", default=None,
+                    help="merge the JSON files of several calls into --out (later files replace the same model/format/batch/rank)")
     args = ap.parse_args(argv)
     if args.combine:
         return combine(args.combine, args.out)

@@ -185,7 +185,8 @@ class RolloutEngine:
         self._pool = None
         # LoRA products run on a side stream beside the base 4-bit product (captured as a parallel
         # branch of the graph), into buffers kept per group kind so the side stream allocates nothing
-        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # (high priority: when a 4-bit kernel frees an SM, the small LoRA GEMMs get it first)
+        self._side = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self._lora_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.stats: dict = {}
 
