@@ -257,6 +257,8 @@ def run(args) -> None:
                         "completion_len": args.completion, "lora_rank": rank, "tokens_per_s": round(tps, 1),
                         "bf16_tokens_per_s": round(bf16_tps[b], 1) if b in bf16_tps else None,
                         "hf_generate_tokens_per_s": round(hf_tps[b], 1) if b in hf_tps else None,
+                        "lora0_tokens_per_s": next((x["tokens_per_s"] for x in rows if x.get("model") == preset and x.get("format") == fmt
+                                                    and x.get("batch") == b and x.get("lora_rank") == 0), None) if rank else None,
                         "prefill_s": round(stats["prefill_s"], 4), "decode_s": round(stats["decode_s"], 4),
                         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
                     }
@@ -283,15 +285,16 @@ def run(args) -> None:
 
 
 def summary(result: dict) -> None:
-    log("\n| model | format | batch | LoRA r | tok/s | x bf16 engine | x HF generate |")
-    log("|---|---|---|---|---|---|---|")
+    log("\n| model | format | batch | LoRA r | tok/s | x bf16 engine | x HF generate | x no-LoRA (same run) |")
+    log("|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         if "tokens_per_s" not in r:
-            log(f"| {r['model']} | {r['format']} | | | {r.get('status')} | | |")
+            log(f"| {r['model']} | {r['format']} | | | {r.get('status')} | | | |")
             continue
         xb = f"{r['tokens_per_s'] / r['bf16_tokens_per_s']:.2f}" if r.get("bf16_tokens_per_s") else ""
         xh = f"{r['tokens_per_s'] / r['hf_generate_tokens_per_s']:.1f}" if r.get("hf_generate_tokens_per_s") else ""
-        log(f"| {r['model']} | {r['format']} | {r['batch']} | {r['lora_rank']} | {r['tokens_per_s']:.1f} | {xb} | {xh} |")
+        xl = f"{r['tokens_per_s'] / r['lora0_tokens_per_s']:.3f}" if r.get("lora0_tokens_per_s") else ""
+        log(f"| {r['model']} | {r['format']} | {r['batch']} | {r['lora_rank']} | {r['tokens_per_s']:.1f} | {xb} | {xh} | {xl} |")
 
 
 def combine(paths: list[str], out: str) -> None:
@@ -299,11 +302,22 @@ def combine(paths: list[str], out: str) -> None:
     result = {k: v for k, v in parts[0].items() if k != "rows"}
     result["command"] = [p["command"] for p in parts]
     result["date"] = [p["date"] for p in parts]
-    # a later file's measurement of the same configuration replaces an earlier one
+    # A later file's measurement of a configuration replaces an earlier one, except that a plain
+    # (no-LoRA) row without an in-process bf16 baseline never replaces one with it. LoRA rows
+    # carry the throughput without LoRA from their own file (same process).
     rows: dict[tuple, dict] = {}
-    for p in parts:
+    for i, p in enumerate(parts):
+        plain = {(r["model"], r["format"], r.get("batch")): r["tokens_per_s"] for r in p["rows"]
+                 if r.get("lora_rank") == 0 and "tokens_per_s" in r}
         for r in p["rows"]:
-            rows[(r["model"], r["format"], r.get("batch"), r.get("lora_rank"))] = r
+            r = dict(r, run=i)
+            key = (r["model"], r["format"], r.get("batch"), r.get("lora_rank"))
+            if r.get("lora_rank"):
+                r["lora0_tokens_per_s"] = plain.get(key[:3])
+            old = rows.get(key)
+            if old is not None and not r.get("lora_rank") and old.get("bf16_tokens_per_s") and not r.get("bf16_tokens_per_s"):
+                continue
+            rows[key] = r
     result["rows"] = list(rows.values())
     for p in parts:
         if "check" in p:
