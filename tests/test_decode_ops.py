@@ -1,6 +1,7 @@
 """qerl.kernels.decode_ops: the Triton kernels (run by Triton's interpreter in a subprocess, on
-CPU float32 tensors) against their torch references on fresh random inputs, and the references
-against Hugging Face's own modules (RMSNorm, apply_rotary_pos_emb, the SwiGLU MLP gate).
+CPU float32 tensors) against their torch references on fresh random inputs (decode attention: the
+split-K kernel against torch's SDPA with the key mask), and the references against Hugging Face's
+own modules (RMSNorm, apply_rotary_pos_emb, the SwiGLU MLP gate).
 
 float32 in the interpreter (its bf16 arithmetic works on raw bits and truncates); the bf16
 rounding points are exercised on the GPU by benchmarks/bench_rollout.py --check. Tolerance 1e-5:
@@ -50,6 +51,13 @@ _SCRIPT = textwrap.dedent(
         gu = torch.randn(rows, 2 * inter) * 3
         e = torch.randn_like(gu) if rows == 5 else None
         out.append(("silu", rows, inter, 0, err(ops.silu_mul_triton(gu, e), ops.silu_mul_reference(gu, e))))
+    for b, heads, kv, dim, length, keys in ((1, 4, 2, 16, 300, 200), (3, 6, 2, 32, 130, 130), (2, 5, 1, 16, 70, 9)):
+        q = torch.randn(b, heads, dim)
+        kc, vc = torch.randn(b + 1, kv, length, dim), torch.randn(b + 1, kv, length, dim)
+        valid = torch.rand(b + 1, length) > 0.3
+        valid[:, 0] = True
+        got = ops.decode_attention_triton(q, kc[:b], vc[:b], valid[:b], keys, dim ** -0.5)
+        out.append(("attention", b, heads, keys, err(got, ops.decode_attention_reference(q, kc[:b], vc[:b], valid[:b], keys, dim ** -0.5))))
     print("RESULTS" + json.dumps(out))
     """
 )
@@ -62,7 +70,7 @@ def test_triton_decode_ops_under_interpreter(seed):
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULTS")][-1][len("RESULTS"):])
-    assert len(results) == 14
+    assert len(results) == 17
     bad = [r for r in results if not r[-1] <= 1e-5]
     assert not bad, bad
 

@@ -29,8 +29,8 @@ import os
 
 import torch
 
-__all__ = ["add_rms_norm", "add_rms_norm_reference", "rope_to_cache", "rope_to_cache_reference",
-           "silu_mul", "silu_mul_reference"]
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "decode_attention", "decode_attention_reference",
+           "rope_to_cache", "rope_to_cache_reference", "silu_mul", "silu_mul_reference"]
 
 
 # --------------------------------------------------------------------------- references
@@ -70,6 +70,20 @@ def rope_to_cache_reference(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_hea
     return q
 
 
+def decode_attention_reference(q, k_cache, v_cache, valid, keys: int, scale: float):
+    """One query token per row. q [B, H, D]; k_cache / v_cache [B, KV, L, D]; valid [B, L] bool (the
+    keys a row may attend); attends cache slots [0, keys). Returns [B, H * D]. Grouped-query
+    attention without repeating K/V: the H / KV query heads that share a KV head (heads
+    h = kv * group + g, as in Hugging Face) take the place of query positions."""
+    b, heads, d = q.shape
+    kv = k_cache.shape[1]
+    qg = q.reshape(b, kv, heads // kv, d)
+    mask = valid[:, None, None, :keys]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qg, k_cache[:, :, :keys], v_cache[:, :, :keys], attn_mask=mask, scale=scale)
+    return out.reshape(b, heads * d)
+
+
 def silu_mul_reference(gate_up, extra=None):
     if extra is not None:
         gate_up = gate_up + extra
@@ -80,7 +94,7 @@ def silu_mul_reference(gate_up, extra=None):
 # --------------------------------------------------------------------------- triton
 
 
-# Ops named here (comma-separated in QERL_DECODE_OPS_TORCH: norm, rope, silu) take the torch path
+# Ops named here (comma-separated in QERL_DECODE_OPS_TORCH: norm, rope, silu, attention) take the torch path
 # on the GPU too: for bisecting a numerical difference, and for timing what the kernels save.
 TORCH_ONLY = {x.strip() for x in os.environ.get("QERL_DECODE_OPS_TORCH", "").split(",") if x.strip()}
 
@@ -167,7 +181,66 @@ def _triton_kernels():
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         tl.store(out_ptr + row * inter + cols, (s * u).to(dt), mask=m)
 
-    return add_rms_norm_kernel, rope_cache_kernel, silu_mul_kernel
+    @triton.jit
+    def attn_partial_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, po_ptr, pm_ptr, pl_ptr,
+                            kc_b, kc_h, kc_l, vc_b, vc_h, vc_l, valid_b, keys, splits, scale, CHUNK: tl.constexpr,
+                            KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+        # one (row, KV head, key chunk): the G query heads of that KV head against CHUNK keys,
+        # online softmax; partial output, max and sum per query head to po / pm / pl
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        gm = g < G
+        q = tl.load(q_ptr + ((b * KV + h) * G + g[:, None]) * D + d[None, :], mask=gm[:, None], other=0.0)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        start = s * CHUNK
+        stop = tl.minimum(start + CHUNK, keys)
+        for n0 in range(0, CHUNK, BLOCK):
+            n = start + n0 + tl.arange(0, BLOCK)
+            nm = n < stop
+            ok = tl.load(valid_ptr + b * valid_b + n, mask=nm, other=0) != 0
+            k = tl.load(k_ptr + b * kc_b + h * kc_h + n[:, None] * kc_l + d[None, :], mask=nm[:, None], other=0.0)
+            sc = tl.dot(q, tl.trans(k)) * scale
+            sc = tl.where(ok[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(sc - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + b * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=nm[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        base = ((b * KV + h) * splits + s) * G + g
+        tl.store(po_ptr + base[:, None] * D + d[None, :], acc, mask=gm[:, None])
+        tl.store(pm_ptr + base, m_i, mask=gm)
+        tl.store(pl_ptr + base, l_i, mask=gm)
+
+    @triton.jit
+    def attn_combine_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, splits, KV: tl.constexpr, G: tl.constexpr,
+                            D: tl.constexpr, SP: tl.constexpr):
+        # one (row, query head): softmax-weighted sum of the splits' partial outputs
+        b = tl.program_id(0)
+        head = tl.program_id(1)
+        h = head // G
+        g = head % G
+        sp = tl.arange(0, SP)
+        d = tl.arange(0, D)
+        sm = sp < splits
+        idx = ((b * KV + h) * splits + sp) * G + g
+        m = tl.load(pm_ptr + idx, mask=sm, other=float("-inf"))
+        l = tl.load(pl_ptr + idx, mask=sm, other=0.0)
+        big = tl.max(m, axis=0)
+        big = tl.where(big == float("-inf"), 0.0, big)
+        w = tl.exp(m - big)
+        o = tl.load(po_ptr + idx[:, None] * D + d[None, :], mask=sm[:, None], other=0.0)
+        out = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+        tl.store(out_ptr + (b * KV * G + head) * D + d, out.to(out_ptr.dtype.element_ty))
+
+    return add_rms_norm_kernel, rope_cache_kernel, silu_mul_kernel, attn_partial_kernel, attn_combine_kernel
 
 
 def _next_pow2(n: int) -> int:
@@ -207,7 +280,43 @@ def silu_mul(gate_up, extra=None):
     return silu_mul_reference(gate_up, extra)
 
 
+def decode_attention(q, k_cache, v_cache, valid, keys: int, scale: float):
+    d = q.shape[-1]
+    if (not _on_gpu(q, "attention") or d & (d - 1) or d < 16 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1
+            or not valid.is_contiguous()):
+        return decode_attention_reference(q, k_cache, v_cache, valid, keys, scale)
+    return decode_attention_triton(q, k_cache, v_cache, valid, keys, scale)
+
+
 # The launches (called directly by the interpreter tests, which run them on CPU tensors).
+
+
+ATTN_BLOCK = 64
+ATTN_PROGRAMS = 264  # about two per SM on an H100: enough key splits to keep the chip busy
+
+
+def decode_attention_triton(q, k_cache, v_cache, valid, keys: int, scale: float):
+    """Flash-decoding: the keys split over programs (partial softmax each), then one combine."""
+    partial, combine = _triton_kernels()[3:5]
+    b, heads, d = q.shape
+    kv = k_cache.shape[1]
+    group = heads // kv
+    blocks = -(-keys // ATTN_BLOCK)
+    splits = max(1, min(blocks, -(-ATTN_PROGRAMS // (b * kv))))
+    chunk = -(-blocks // splits) * ATTN_BLOCK
+    splits = -(-keys // chunk)
+    q = q.contiguous()
+    po = torch.empty(b, kv, splits, group, d, dtype=torch.float32, device=q.device)
+    pm = torch.empty(b, kv, splits, group, dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    partial[(b, kv, splits)](q, k_cache, v_cache, valid, po, pm, pl,
+                             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), valid.stride(0),
+                             keys, splits, float(scale), CHUNK=chunk, KV=kv, G=group, GP=max(16, _next_pow2(group)), D=d,
+                             BLOCK=ATTN_BLOCK, num_warps=4)
+    out = torch.empty(b, heads * d, dtype=q.dtype, device=q.device)
+    combine[(b, heads)](po, pm, pl, out, splits, KV=kv, G=group, D=d, SP=max(2, _next_pow2(splits)), num_warps=1)
+    return out
 
 
 def add_rms_norm_triton(delta, h, weight, eps, extra=None):

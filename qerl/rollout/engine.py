@@ -22,8 +22,9 @@ How a call runs.
   GPU the step is captured in a CUDA graph once per (rows, key-length bucket, sampling settings)
   and replayed; attention reads only the first `bucket` cache slots (buckets of 256). The host
   only replays, and checks "all finished" once every `check_every` steps, not per token.
-- The element-wise work of a layer is 3 kernels (qerl.kernels.decode_ops: residual add + RMSNorm,
-  RoPE + KV-cache write, SiLU gate); LoRA is two small GEMMs per linear group (fuse.py).
+- Besides its four linear products a layer is 5 kernels (qerl.kernels.decode_ops: residual add +
+  RMSNorm twice, RoPE + KV-cache write, split-K decode attention + its combine, SiLU gate); LoRA
+  is two small GEMMs per linear group (fuse.py) on a side stream, added by the next kernel.
 - A row finishes at a stop token (kept) or at max_new_tokens.
 - AQN: the norm weights are read into the engine's buffers at the start of every call, so noise
   swapped in by `AdaptiveQuantNoise.applied()` (or trained norms) is what the rollout samples
@@ -45,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl.nn.quant_linear import _outside_inference_mode
-from qerl.kernels.decode_ops import add_rms_norm, rope_to_cache, silu_mul
+from qerl.kernels.decode_ops import add_rms_norm, decode_attention, rope_to_cache, silu_mul
 from qerl.rl.rollout import RolloutBatch, RolloutSettings, pad_prompts
 from qerl.rollout.fuse import LinearGroup
 from qerl.rollout.sampling import draw_uniform, sample_next
@@ -231,7 +232,7 @@ class RolloutEngine:
         slots [0, keys)."""
         tok, pos = self._tok[:rows], self._pos[:rows]
         cos, sin = self._cos[pos], self._sin[pos]
-        valid = self._valid[:rows, None, None, :keys]
+        valid = self._valid[:rows]
         h, delta, lo_down = self.embed(tok), None, None
         for i, layer in enumerate(self.layers):
             h, x = layer.attn_norm(delta, h, lo_down)
@@ -245,11 +246,8 @@ class RolloutEngine:
                 q, k, v = qkv.view(rows, -1, d).split([self.n_heads, self.n_kv, self.n_kv], dim=1)
                 q, k = layer.q_norm(None, q)[1], layer.k_norm(None, k)[1]
                 q = rope_to_cache(torch.cat([q, k, v], 1).reshape(rows, -1), cos, sin, kc, vc, self._slot, self.n_heads, self.n_kv)
-            # grouped-query attention without repeating K/V: the `group` query heads that share a
-            # KV head take the place of query positions (heads h = kv * group + g, as in HF)
-            qg = q.view(rows, self.n_kv, self.group, self.head_dim)
-            attn = F.scaled_dot_product_attention(qg, kc[:, :, :keys], vc[:, :, :keys], attn_mask=valid, scale=self.scaling)
-            o, lo = self._linear(layer.o, attn.reshape(rows, -1), "o")
+            attn = decode_attention(q, kc, vc, valid, keys, self.scaling)
+            o, lo = self._linear(layer.o, attn, "o")
             h, x = layer.mlp_norm(o, h, lo)
             gu, lo = self._linear(layer.gate_up, x, "gate_up")
             if layer.silu:

@@ -1,0 +1,121 @@
+"""Where a decode step of the rollout engine spends its time (CUDA GPU).
+
+    python benchmarks/profile_rollout.py --model qwen2.5-7b --formats bf16 nvfp4 --batches 1 8 [--lora 16] --out prof.json
+
+For each format and batch: the engine's CUDA-graph step time (median of 64 replays, taken from
+a 512-token generate), then torch.profiler over 16 eager steps: the GPU time of every kernel,
+grouped by kind (4-bit / cuBLAS GEMMs, attention, the decode_ops kernels, sampling, ...). The
+sum of kernel times against the graph's step time is what the step loses between kernels.
+Random-initialised weights (honest for speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench_rollout import build  # noqa: E402
+
+from qerl.rl.rollout import RolloutSettings  # noqa: E402
+from qerl.rollout.engine import RolloutEngine  # noqa: E402
+
+KINDS = [  # (kind, regex on the kernel name), first match wins
+    ("attention", r"attn_partial|attn_combine|fmha|sdpa|flash|attention"),
+    ("4-bit GEMM", r"w4a16|gluon_gemv|_gemv_kernel|wgmma|wsmma|nf4_dequant"),
+    ("cuBLAS GEMM", r"nvjet|gemm|splitK|cutlass|xmma"),
+    ("norm/rope/silu", r"add_rms_norm|rope_cache|silu_mul"),
+    ("sampling", r"softmax|scan|searchsorted|argmax|reduce|isin|gather|where|exp|log"),
+]
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if re.search(pattern, name, re.I):
+            return kind
+    return "other"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2.5-7b")
+    ap.add_argument("--formats", nargs="+", default=["bf16", "nvfp4"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--lora", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    settings = RolloutSettings(max_new_tokens=512, temperature=1.0, stop_ids=[10**9], pad_id=0)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv), "rows": []}
+    for fmt in a.formats:
+        model = build(a.model, fmt)
+        if a.lora:
+            from qerl.nn.lora import LoraSettings, apply_lora
+
+            model = apply_lora(model, LoraSettings(r=a.lora, lora_alpha=a.lora)).eval()
+        engine = RolloutEngine(model, max_batch=max(a.batches), max_len=768)
+        for b in a.batches:
+            prompts = [torch.randint(0, 150000, (256,)).tolist() for _ in range(b)]
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            with torch.inference_mode():
+                engine.generate(prompts, settings, gen)  # captures the graphs
+                engine.generate(prompts, settings, gen)
+                graph = engine._graphs[(b, 512, (1.0, 0, 1.0))]
+
+                def rewind():  # put the decode state back inside the 257..512 bucket
+                    engine._slot.fill_(300)
+                    engine._step.fill_(44)
+                    engine._pos[:b].fill_(300)
+
+                rewind()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                times = []
+                for _ in range(64):  # replays at the 257..512 key bucket
+                    start.record()
+                    graph.replay()
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end))
+                step_ms = statistics.median(times)
+                from torch.profiler import ProfilerActivity, profile
+
+                rewind()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(16):
+                        engine._decode_step(b, 512, (1.0, 0, 1.0))
+                    torch.cuda.synchronize()
+            per_kind: dict[str, float] = defaultdict(float)
+            per_kernel: dict[str, list] = defaultdict(lambda: [0.0, 0])
+            for ev in prof.events():
+                if ev.device_type.name == "CUDA" and ev.device_time_total > 0:
+                    per_kind[kind_of(ev.name)] += ev.device_time_total / 16
+                    per_kernel[ev.name][0] += ev.device_time_total / 16
+                    per_kernel[ev.name][1] += 1 / 16
+            kernel_ms = sum(per_kind.values()) / 1e3
+            top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:12]
+            row = {"model": a.model, "format": fmt, "batch": b, "lora_rank": a.lora, "graph_step_ms": round(step_ms, 4),
+                   "kernel_ms_per_step": round(kernel_ms, 4), "launches_per_step": round(sum(v[1] for v in per_kernel.values())),
+                   "per_kind_us": {k: round(v, 1) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
+                   "top_kernels_us": [(n[:90], round(v[0], 1), round(v[1], 1)) for n, v in top]}
+            result["rows"].append(row)
+            print(json.dumps(row, indent=1), flush=True)
+        del model, engine
+        torch.cuda.empty_cache()
+    print("\n| format | batch | LoRA | graph step ms | kernels ms | launches | " + " | ".join(k for k, _ in KINDS) + " | other |")
+    for r in result["rows"]:
+        kinds = [f"{r['per_kind_us'].get(k, 0):.0f}" for k, _ in KINDS] + [f"{r['per_kind_us'].get('other', 0):.0f}"]
+        print(f"| {r['format']} | {r['batch']} | {r['lora_rank']} | {r['graph_step_ms']:.3f} | {r['kernel_ms_per_step']:.3f} | {r['launches_per_step']} | " + " | ".join(kinds) + " |")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
