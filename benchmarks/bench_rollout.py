@@ -165,6 +165,22 @@ def check(args) -> dict:
                 raise SystemExit(f"check failed: CUDA-graph decode differs from eager decode ({key})")
             del engine
         ops.TORCH_ONLY.clear()
+        if init == 0.02:
+            # rows that stop at different steps: compaction in the graphed engine vs none, eager
+            stop = RolloutSettings(num_generations=4, max_new_tokens=96, temperature=1.0, stop_ids=list(range(100, 300)),
+                                   pad_id=0)
+            with torch.inference_mode():
+                ref = RolloutEngine(model, max_batch=16, max_len=256, cuda_graphs=False, compact_below=0.0).generate(
+                    prompts, stop, torch.Generator(device="cuda").manual_seed(2))
+                eng = RolloutEngine(model, max_batch=16, max_len=256, compact_below=0.5, check_every=8)
+                got = eng.generate(prompts, stop, torch.Generator(device="cuda").manual_seed(2))
+            key = f"init{init}/{fmt}/compaction"
+            out[key] = {"equal_tokens": bool(torch.equal(got.completion_ids, ref.completion_ids)),
+                        "equal_masks": bool(torch.equal(got.completion_mask, ref.completion_mask)),
+                        "compactions": eng.stats["compactions"], "final_rows": eng.stats["final_rows"],
+                        "lengths": got.completion_mask.sum(1).tolist()}
+            log(f"check {key}: {out[key]}")
+            del eng
         if init == 0.02 and fmt == "nvfp4":
             # LoRA on the GPU path: the adapters' two GEMMs run on the side stream inside the graph
             from qerl.nn.lora import LoraSettings, apply_lora

@@ -200,3 +200,35 @@ def test_stop_tokens_and_bad_requests(tiny_model):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         RolloutEngine(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)))
+
+
+def test_finished_rows_are_compacted_without_changing_the_rollout():
+    """Rows that stop early leave the decoding batch (their cache and state move out of the way);
+    the uniforms belong to output rows, so the tokens, logprobs and masks are those of a run that
+    never compacts, and they still equal a fresh forward."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        prompts = [torch.randint(0, 64, (n,)).tolist() for n in (5, 9, 7, 3)]
+    settings = RolloutSettings(num_generations=3, max_new_tokens=40, temperature=1.0, stop_ids=[3, 7], pad_id=0)
+    runs = {}
+    for below in (0.0, 0.5, 1.0):
+        engine = RolloutEngine(model, max_batch=16, max_len=64, compact_below=below)
+        runs[below] = (engine.generate(prompts, settings, torch.Generator().manual_seed(0)), dict(engine.stats))
+    base, stats0 = runs[0.0]
+    lengths = base.completion_mask.sum(1)
+    assert stats0["compactions"] == 0 and lengths.min() < lengths.max() == 40  # rows stop at different steps
+    for below in (0.5, 1.0):
+        batch, stats = runs[below]
+        assert stats["compactions"] >= 1 and stats["final_rows"] < 12
+        assert torch.equal(batch.completion_ids, base.completion_ids)
+        assert torch.equal(batch.completion_mask, base.completion_mask)
+        assert torch.equal(batch.finished, base.finished)
+        torch.testing.assert_close(batch.logprobs, base.logprobs, rtol=1e-5, atol=1e-5)
+    m = base.completion_mask.bool()
+    fresh = policy_logprobs(model, runs[1.0][0], temperature=1.0).detach()
+    torch.testing.assert_close(runs[1.0][0].logprobs[m], fresh[m], rtol=1e-4, atol=1e-4)

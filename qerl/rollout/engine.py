@@ -21,7 +21,9 @@ How a call runs.
   token / logprob / entropy, the finished flags and the advance of position and cache slot. On a
   GPU the step is captured in a CUDA graph once per (rows, key-length bucket, sampling settings)
   and replayed; attention reads only the first `bucket` cache slots (buckets of 256). The host
-  only replays, and checks "all finished" once every `check_every` steps, not per token.
+  only replays, and checks the finished flags once every `check_every` steps, not per token:
+  when all rows are done it stops, and when at most half of them are still going, those rows
+  move to the front (cache and state, `compact_below`) and decoding goes on with fewer rows.
 - Besides its four linear products a layer is 5 kernels (qerl.kernels.decode_ops: residual add +
   RMSNorm twice, RoPE + KV-cache write, split-K decode attention + its combine, SiLU gate); LoRA
   is two small GEMMs per linear group (fuse.py) on a side stream, added by the next kernel.
@@ -135,7 +137,7 @@ class RolloutEngine:
     """Static-cache generation over one model; see the module docstring."""
 
     def __init__(self, model: nn.Module, max_batch: int = 64, max_len: int = 2048, cuda_graphs: bool | None = None,
-                 fuse: bool = True, check_every: int = 32):
+                 fuse: bool = True, check_every: int = 32, compact_below: float = 0.5):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         cfg = base.config
         if getattr(cfg, "model_type", None) not in SUPPORTED:
@@ -157,6 +159,10 @@ class RolloutEngine:
         self.max_batch, self.max_len = int(max_batch), int(max_len)
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs and self.device.type == "cuda")
         self.check_every = int(check_every) if self.device.type == "cuda" else 1
+        # at a check, when at most this fraction of the decoding rows is still unfinished, the
+        # unfinished rows (their KV cache and state) move to the front and decoding continues
+        # with fewer rows (0 = never)
+        self.compact_below = float(compact_below)
         dev, mb, ml = self.device, self.max_batch, self.max_len
         with _outside_inference_mode():
             self.layers = [_Layer(layer, fuse) for layer in inner.layers]
@@ -175,6 +181,7 @@ class RolloutEngine:
             self._step = torch.zeros(1, dtype=torch.long, device=dev)  # index of the token to sample
             self._valid = torch.zeros(mb, ml, dtype=torch.bool, device=dev)  # keys a row may attend
             self._finished = torch.zeros(mb, dtype=torch.bool, device=dev)
+            self._row_map = torch.zeros(mb, dtype=torch.long, device=dev)  # decoding row -> output row
             self._uniform = torch.zeros(ml, mb, dtype=torch.float32, device=dev)
             self._out_tok = torch.zeros(mb, ml, dtype=torch.long, device=dev)
             self._out_lp = torch.zeros(mb, ml, dtype=torch.float32, device=dev)
@@ -286,14 +293,16 @@ class RolloutEngine:
         Device work only (no host sync): part of the captured step."""
         temperature, top_k, top_p = sampling
         step = self._step
-        u = self._uniform.index_select(0, step)[0, :rows]
+        out_rows = self._row_map[:rows]
+        u = self._uniform.index_select(0, step)[0].index_select(0, out_rows)
         tok, lp, ent = sample_next(logits, temperature, top_k, top_p, u)
         finished = self._finished[:rows]
         tok = torch.where(finished, self._pad, tok)
-        self._out_tok[:rows].index_copy_(1, step, tok[:, None])
-        self._out_lp[:rows].index_copy_(1, step, lp[:, None])
-        self._out_ent[:rows].index_copy_(1, step, ent[:, None])
-        self._out_alive[:rows].index_copy_(1, step, ~finished[:, None])
+        at = (out_rows, step.expand(rows))
+        self._out_tok.index_put_(at, tok)
+        self._out_lp.index_put_(at, lp)
+        self._out_ent.index_put_(at, ent)
+        self._out_alive.index_put_(at, ~finished)
         finished.logical_or_(torch.isin(tok, self._stops))
         self._tok[:rows].copy_(tok)
         self._pos[:rows].add_(1)
@@ -323,6 +332,14 @@ class RolloutEngine:
                 self._decode_step(rows, keys, sampling)
             self._graphs[key] = graph
         graph.replay()
+
+    def _compact(self, rows: int) -> None:
+        """Move the unfinished rows among the first `rows` to the front (KV cache, mask, token,
+        position, output row), in their order; eager, between graph replays."""
+        keep = (~self._finished[:rows]).nonzero().squeeze(1)
+        k = keep.shape[0]
+        for buf in (*self._k, *self._v, self._tok, self._pos, self._valid, self._finished, self._row_map):
+            buf[:k] = buf.index_select(0, keep)
 
     def _bucket(self, slot: int) -> int:
         return min(self.max_len, -(-(slot + 1) // LENGTH_BUCKET) * LENGTH_BUCKET)
@@ -384,15 +401,25 @@ class RolloutEngine:
         self._slot.fill_(plen - 1)
         self._step.zero_()
         self._finished[:n] = False
+        self._row_map[:n] = torch.arange(n, device=self.device)
+        self._out_tok[:n, :steps] = settings.pad_id  # rows compacted away are not written again
+        self._out_lp[:n, :steps] = 0.0
+        self._out_ent[:n, :steps] = 0.0
+        self._out_alive[:n, :steps] = False
         self._sample_and_advance(logits, n, sampling)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t_decode = time.perf_counter()
-        done = 1
+        done, rows, compactions = 1, n, 0
         while done < steps:
-            if done % self.check_every == 0 and bool(self._finished[:n].all()):
-                break
-            self._run_step(n, self._bucket(plen + done - 1), sampling)
+            if done % self.check_every == 0:
+                unfinished = int((~self._finished[:rows]).sum())
+                if unfinished == 0:
+                    break
+                if unfinished < rows and unfinished <= self.compact_below * rows:
+                    self._compact(rows)
+                    rows, compactions = unfinished, compactions + 1
+            self._run_step(rows, self._bucket(plen + done - 1), sampling)
             done += 1
         alive = self._out_alive[:n, :done].cpu()
         comp = self._out_tok[:n, :done].cpu()
@@ -408,7 +435,8 @@ class RolloutEngine:
         fin = torch.zeros(n, dtype=torch.bool)
         fin[has] = torch.isin(final[has], torch.tensor(stops))
         self.stats = {"prefill_s": t_decode - t_prefill, "decode_s": t_end - t_decode, "steps": done,
-                      "rows": n, "tokens": int(lengths.sum()), "graphs": len(self._graphs)}
+                      "rows": n, "tokens": int(lengths.sum()), "graphs": len(self._graphs),
+                      "compactions": compactions, "final_rows": rows}
         return RolloutBatch(
             prompt_ids=p_ids, prompt_mask=p_mask, prompt_index=index, completion_ids=comp,
             completion_mask=alive.long(), logprobs=logprobs * alive, entropies=entropies * alive,
