@@ -298,11 +298,11 @@ class RolloutEngine:
         tok, lp, ent = sample_next(logits, temperature, top_k, top_p, u)
         finished = self._finished[:rows]
         tok = torch.where(finished, self._pad, tok)
-        at = (out_rows, step.expand(rows))
-        self._out_tok.index_put_(at, tok)
-        self._out_lp.index_put_(at, lp)
-        self._out_ent.index_put_(at, ent)
-        self._out_alive.index_put_(at, ~finished)
+        at = out_rows * self.max_len + step  # flat [row, step] positions in the [max_batch, max_len] outputs
+        self._out_tok.view(-1).index_copy_(0, at, tok)
+        self._out_lp.view(-1).index_copy_(0, at, lp)
+        self._out_ent.view(-1).index_copy_(0, at, ent)
+        self._out_alive.view(-1).index_copy_(0, at, ~finished)
         finished.logical_or_(torch.isin(tok, self._stops))
         self._tok[:rows].copy_(tok)
         self._pos[:rows].add_(1)
