@@ -44,6 +44,13 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def rewind(engine: RolloutEngine, rows: int) -> None:
+    """Put the decode state back inside the 257..512-key bucket (timed replays advance it)."""
+    engine._slot.fill_(300)
+    engine._step.fill_(44)
+    engine._pos[:rows].fill_(300)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen2.5-7b")
@@ -69,12 +76,7 @@ def main() -> None:
                 engine.generate(prompts, settings, gen)
                 graph = engine._graphs[(b, 512, (1.0, 0, 1.0))]
 
-                def rewind():  # put the decode state back inside the 257..512 bucket
-                    engine._slot.fill_(300)
-                    engine._step.fill_(44)
-                    engine._pos[:b].fill_(300)
-
-                rewind()
+                rewind(engine, b)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 times = []
                 for _ in range(64):  # replays at the 257..512 key bucket
@@ -86,7 +88,7 @@ def main() -> None:
                 step_ms = statistics.median(times)
                 from torch.profiler import ProfilerActivity, profile
 
-                rewind()
+                rewind(engine, b)
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(16):
                         engine._decode_step(b, 512, (1.0, 0, 1.0))
