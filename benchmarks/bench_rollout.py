@@ -174,6 +174,14 @@ def check(args) -> dict:
                     prompts, stop, torch.Generator(device="cuda").manual_seed(2))
                 eng = RolloutEngine(model, max_batch=16, max_len=256, compact_below=0.5, check_every=8)
                 got = eng.generate(prompts, stop, torch.Generator(device="cuda").manual_seed(2))
+                nucleus = RolloutSettings(num_generations=2, max_new_tokens=48, temperature=0.6, top_p=0.95, top_k=50,
+                                          stop_ids=[10**9], pad_id=0)
+                t_eager = RolloutEngine(model, max_batch=16, max_len=256, cuda_graphs=False).generate(
+                    prompts, nucleus, torch.Generator(device="cuda").manual_seed(3))
+                t_graph = RolloutEngine(model, max_batch=16, max_len=256).generate(
+                    prompts, nucleus, torch.Generator(device="cuda").manual_seed(3))
+            out[f"init{init}/{fmt}/top_p_graph_equals_eager"] = bool(torch.equal(t_graph.completion_ids, t_eager.completion_ids))
+            log(f"check init{init}/{fmt}/top_p_graph_equals_eager: {out[f'init{init}/{fmt}/top_p_graph_equals_eager']}")
             key = f"init{init}/{fmt}/compaction"
             out[key] = {"equal_tokens": bool(torch.equal(got.completion_ids, ref.completion_ids)),
                         "equal_masks": bool(torch.equal(got.completion_mask, ref.completion_mask)),

@@ -74,7 +74,7 @@ def main() -> None:
             with torch.inference_mode():
                 engine.generate(prompts, settings, gen)  # captures the graphs
                 engine.generate(prompts, settings, gen)
-                graph = engine._graphs[(b, 512, (1.0, 0, 1.0))]
+                graph = engine._graphs[(b, 512, (1.0, 0, 1.0))][0]
 
                 rewind(engine, b)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

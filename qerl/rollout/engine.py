@@ -315,23 +315,33 @@ class RolloutEngine:
 
     def _run_step(self, rows: int, keys: int, sampling: tuple) -> None:
         """One decode step: eager on a CPU; on a GPU the first step of a key runs eagerly (it is
-        also the warm-up), the second is captured and every later one replays the graph."""
+        also the warm-up), the second is captured and every later one replays the graph.
+
+        With top-k / top-p truncation (a sort over the vocabulary) the graph holds the forward
+        only and the sampling runs eagerly after it: that sort has not been checked under graph
+        capture on our GPUs, and the plain-temperature sampling RL uses by default has no sort."""
         if not self.cuda_graphs:
             return self._decode_step(rows, keys, sampling)
-        key = (rows, keys, sampling)
+        _, top_k, top_p = sampling
+        whole = not (top_k or top_p < 1.0)
+        key = (rows, keys, sampling if whole else None)
         graph = self._graphs.get(key)
         if graph is None:
-            self._decode_step(rows, keys, sampling)
+            logits = self._decode_logits(rows, keys)
             self._graphs[key] = "warm"
-            return
-        if graph == "warm":
-            graph = torch.cuda.CUDAGraph()
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._decode_step(rows, keys, sampling)
-            self._graphs[key] = graph
-        graph.replay()
+        else:
+            if graph == "warm":
+                graph = torch.cuda.CUDAGraph()
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    out = self._decode_step(rows, keys, sampling) if whole else self._decode_logits(rows, keys)
+                self._graphs[key] = graph = (graph, out)
+            graph[0].replay()
+            logits = graph[1]
+            if whole:
+                return
+        self._sample_and_advance(logits, rows, sampling)
 
     def _compact(self, rows: int) -> None:
         """Move the unfinished rows among the first `rows` to the front (KV cache, mask, token,
