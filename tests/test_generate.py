@@ -135,10 +135,12 @@ def test_batched_equals_one_at_a_time(tiny_model, tiny_tokenizer, prompts):
 
 
 def test_stops_at_im_end(tiny_model, tiny_tokenizer, prompts):
-    s = GenerationSettings(max_new_tokens=7)
+    # forward hooks force the stop token: they see the Hugging Face loop's forward calls, so this
+    # tests that loop (the engine's stops: tests/test_rollout_engine.py)
+    s = GenerationSettings(max_new_tokens=7, engine="hf")
     handle = tiny_model.register_forward_hook(_StopAt(call=4))  # prefill = call 1 -> 4th token
     try:
-        g = generate(tiny_model, tiny_tokenizer, prompts[:2], GenerationSettings(max_new_tokens=7, batch_size=2), progress=False)
+        g = generate(tiny_model, tiny_tokenizer, prompts[:2], GenerationSettings(max_new_tokens=7, batch_size=2, engine="hf"), progress=False)
     finally:
         handle.remove()
     for x in g:
@@ -150,7 +152,7 @@ def test_stops_at_im_end(tiny_model, tiny_tokenizer, prompts):
     free = [generate(tiny_model, tiny_tokenizer, [p], s, progress=False)[0] for p in prompts[:2]]
     handle = tiny_model.register_forward_hook(_StopAt(call=3, rows=[0]))
     try:
-        g = generate(tiny_model, tiny_tokenizer, prompts[:2], GenerationSettings(max_new_tokens=7, batch_size=2), progress=False)
+        g = generate(tiny_model, tiny_tokenizer, prompts[:2], GenerationSettings(max_new_tokens=7, batch_size=2, engine="hf"), progress=False)
     finally:
         handle.remove()
     stopped = [x for x in g if x.finished]
@@ -271,3 +273,13 @@ def test_smollm2_gsm8k_end_to_end(data_dir):
     assert all(1 <= r["num_tokens"] <= 128 for r in res.records)
     assert math.isfinite(res.mean_entropy) and res.mean_entropy > 0
     print(res.summary())
+
+
+def test_engine_and_hf_loop_agree(tiny_model, tiny_tokenizer, prompts):
+    """engine: qerl (the default) and engine: hf give the same greedy tokens, texts and entropies."""
+    s = GenerationSettings(max_new_tokens=8, batch_size=3)
+    a = generate(tiny_model, tiny_tokenizer, prompts, s, progress=False)
+    b = generate(tiny_model, tiny_tokenizer, prompts, s.model_copy(update={"engine": "hf"}), progress=False)
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids and x.text == y.text and x.finished == y.finished
+        assert x.token_entropies == pytest.approx(y.token_entropies, abs=1e-4)

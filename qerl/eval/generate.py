@@ -9,7 +9,10 @@ check the paper's claim that quantised weights raise the policy's sampling entro
 
 Its own loop (rather than `model.generate`) keeps memory flat (no [steps, batch, vocab] logits
 kept), draws samples from a private `torch.Generator` (no global RNG side effects) and is not
-steered by a checkpoint's `generation_config` defaults.
+steered by a checkpoint's `generation_config` defaults. With `engine: qerl` (the default) the
+batches run through the rollout engine of `qerl/rollout` for the model types it supports (the
+same tokens under greedy decoding; sampling draws one uniform per token, so sampled texts differ
+from the `hf` loop's for the same seed); `engine: hf` keeps this module's loop.
 
 Try it:  pytest tests/test_generate.py -q
 """
@@ -19,7 +22,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Literal, Sequence
 
 import pydantic
 import torch
@@ -38,6 +41,9 @@ class GenerationSettings(pydantic.BaseModel, extra="forbid"):
     num_samples: int = pydantic.Field(1, ge=1)  # samples per problem (pass@1 averaged over them)
     batch_size: int = pydantic.Field(8, ge=1)
     seed: int = pydantic.Field(0, ge=0)
+    # "qerl": the rollout engine (qerl/rollout: static KV cache, CUDA graphs, fused 4-bit decode)
+    # for the model types it supports; "hf": this module's Hugging Face KV-cache loop
+    engine: Literal["qerl", "hf"] = "qerl"
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> "GenerationSettings":
@@ -214,6 +220,18 @@ def _generate_batch(
     return torch.stack(tokens, 1).cpu(), torch.stack(entropies, 1).cpu(), torch.stack(alive, 1).cpu()
 
 
+def _engine_batch(model, seqs, settings: GenerationSettings, stops: list[int], pad_id: int, generator):
+    """One batch through the rollout engine (kept on the model between batches and calls):
+    the same tokens [B, S], entropies [B, S] and alive mask [B, S] as `_generate_batch`."""
+    from qerl.rl.rollout import RolloutSettings
+    from qerl.rollout.engine import engine_rollouts
+
+    rs = RolloutSettings(num_generations=1, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                         top_p=settings.top_p, top_k=settings.top_k, stop_ids=stops, pad_id=pad_id, share_prompt=False)
+    out = engine_rollouts(model, seqs, rs, generator)
+    return out.completion_ids, out.entropies, out.completion_mask.bool()
+
+
 def generate(
     model,
     tokenizer,
@@ -254,15 +272,20 @@ def generate(
         generator = torch.Generator(device=device)
         generator.manual_seed(settings.seed)
 
+    from qerl.rollout.engine import supports
+
+    use_engine = settings.engine == "qerl" and supports(model)
     results: list[Generation | None] = [None] * len(prompts)
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
             for batch in tqdm(batches, desc="generate", unit="batch", disable=not progress):
-                toks, ents, alive = _generate_batch(
-                    model, [encoded[i] for i in batch], settings, stop_tensor, pad_id, generator, device
-                )
+                seqs = [encoded[i] for i in batch]
+                if use_engine:
+                    toks, ents, alive = _engine_batch(model, seqs, settings, stops, pad_id, generator)
+                else:
+                    toks, ents, alive = _generate_batch(model, seqs, settings, stop_tensor, pad_id, generator, device)
                 for row, idx in enumerate(batch):
                     n = int(alive[row].sum())
                     ids = toks[row, :n].tolist()
