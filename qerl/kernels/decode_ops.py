@@ -30,7 +30,7 @@ import os
 import torch
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "decode_attention", "decode_attention_reference",
-           "rope_to_cache", "rope_to_cache_reference", "silu_mul", "silu_mul_reference"]
+           "rope_to_cache", "rope_to_cache_reference", "rotary", "silu_mul", "silu_mul_reference"]
 
 
 # --------------------------------------------------------------------------- references
@@ -49,9 +49,14 @@ def _rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rotary(x, cos, sin):
+    """x * cos + rotate_half(x) * sin (Hugging Face apply_rotary_pos_emb), cos / sin broadcastable to x."""
+    return x * cos + _rotate_half(x) * sin
+
+
 def rope_reference(x, cos, sin):
-    """x [B, heads, D], cos / sin [B, D] -> x rotated (Hugging Face apply_rotary_pos_emb)."""
-    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+    """x [B, heads, D], cos / sin [B, D] -> x rotated."""
+    return rotary(x, cos[:, None], sin[:, None])
 
 
 def rope_to_cache_reference(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads, extra=None):

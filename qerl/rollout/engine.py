@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl.nn.quant_linear import _outside_inference_mode
-from qerl.kernels.decode_ops import add_rms_norm, decode_attention, rope_to_cache, silu_mul
+from qerl.kernels.decode_ops import add_rms_norm, decode_attention, rope_to_cache, rotary, silu_mul
 from qerl.rl.rollout import RolloutBatch, RolloutSettings, pad_prompts
 from qerl.rollout.fuse import LinearGroup
 from qerl.rollout.sampling import draw_uniform, sample_next
@@ -125,12 +125,15 @@ class _Layer:
     def groups(self) -> list[LinearGroup]:
         return [self.qkv, self.o, self.gate_up, self.down]
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up(x)
+    def gate(self, gu: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """act(gate) * up from the fused gate/up output (+ its LoRA delta)."""
         if self.silu:
-            return self.down(silu_mul(gu))
-        gate, up = gu.chunk(2, dim=-1)
-        return self.down(self.act(gate) * up)
+            return silu_mul(gu, extra)
+        gate, up = (gu if extra is None else gu + extra).chunk(2, dim=-1)
+        return self.act(gate) * up
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.gate(self.gate_up(x)))
 
 
 class RolloutEngine:
@@ -223,8 +226,7 @@ class RolloutEngine:
             if layer.q_norm is not None:
                 q, k = layer.q_norm(None, q)[1], layer.k_norm(None, k)[1]
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
             self._k[i][rows, :, :length] = k[source]
             self._v[i][rows, :, :length] = v[source]
             if self.group > 1:
@@ -257,12 +259,7 @@ class RolloutEngine:
             o, lo = self._linear(layer.o, attn, "o")
             h, x = layer.mlp_norm(o, h, lo)
             gu, lo = self._linear(layer.gate_up, x, "gate_up")
-            if layer.silu:
-                a = silu_mul(gu, lo)
-            else:
-                gate, up = (gu if lo is None else gu + lo).chunk(2, dim=-1)
-                a = layer.act(gate) * up
-            delta, lo_down = self._linear(layer.down, a, "down")
+            delta, lo_down = self._linear(layer.down, layer.gate(gu, lo), "down")
         return self.lm_head(self.final_norm(delta, h, lo_down)[1])
 
     def _linear(self, group: LinearGroup, x: torch.Tensor, kind: str):
@@ -452,11 +449,6 @@ class RolloutEngine:
             completion_mask=alive.long(), logprobs=logprobs * alive, entropies=entropies * alive,
             finished=fin, elapsed_s=time.perf_counter() - t0, extra={"engine": dict(self.stats)},
         )
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def engine_rollouts(model, prompt_ids: Sequence[Sequence[int]], settings: RolloutSettings,

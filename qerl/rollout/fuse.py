@@ -1,7 +1,7 @@
 """One product for the linears that share an input (q/k/v, gate/up), with no second weight copy.
 
     group = LinearGroup([attn.q_proj, attn.k_proj, attn.v_proj])
-    q, k, v = group(x)
+    q, k, v = group(x).split(group.sizes, -1)
 
 Decoding runs at small M, where every kernel launch and every pass over x costs about as much as
 the bytes it moves: one fused q/k/v product and one gate/up product save 3 of the 7 launches per
@@ -58,13 +58,13 @@ def _fuse_dense(bases: list[nn.Linear]) -> nn.Module | None:
     if bias is not None:
         fused.bias = nn.Parameter(bias, requires_grad=False)
     row = 0
-    # The modules now read rows of the fused weight: one copy in memory. A row view keeps its
-    # module's requires_grad, and an optimiser's in-place update of it lands in the fused weight.
+    # The modules now read rows of the fused weight: one copy in memory. Their Parameter objects
+    # stay (only their data moves), so an optimiser that already holds them updates the fused rows.
     for b in bases:
         n = b.out_features
-        b.weight = nn.Parameter(weight[row:row + n], requires_grad=b.weight.requires_grad)
+        b.weight.data = weight[row:row + n]
         if b.bias is not None:
-            b.bias = nn.Parameter(bias[row:row + n], requires_grad=b.bias.requires_grad)
+            b.bias.data = bias[row:row + n]
         row += n
     return fused
 
