@@ -166,11 +166,16 @@ def check(args) -> dict:
             del engine
         ops.TORCH_ONLY.clear()
         if init == 0.02:
-            # rows that stop at different steps: compaction in the graphed engine vs none, eager
+            # rows that stop at different steps: compaction in the graphed engine (graphs at the
+            # shrinking row counts) vs the same compaction eager, which must agree token for token,
+            # and vs no compaction, which agrees only as far as the kernels' results do not
+            # depend on the number of rows (the 4-bit kernels change path with M)
             stop = RolloutSettings(num_generations=4, max_new_tokens=96, temperature=1.0, stop_ids=list(range(100, 300)),
                                    pad_id=0)
             with torch.inference_mode():
-                ref = RolloutEngine(model, max_batch=16, max_len=256, cuda_graphs=False, compact_below=0.0).generate(
+                ref = RolloutEngine(model, max_batch=16, max_len=256, cuda_graphs=False, compact_below=0.5,
+                                    check_every=8).generate(prompts, stop, torch.Generator(device="cuda").manual_seed(2))
+                whole = RolloutEngine(model, max_batch=16, max_len=256, cuda_graphs=False, compact_below=0.0).generate(
                     prompts, stop, torch.Generator(device="cuda").manual_seed(2))
                 eng = RolloutEngine(model, max_batch=16, max_len=256, compact_below=0.5, check_every=8)
                 got = eng.generate(prompts, stop, torch.Generator(device="cuda").manual_seed(2))
@@ -185,12 +190,31 @@ def check(args) -> dict:
             key = f"init{init}/{fmt}/compaction"
             out[key] = {"equal_tokens": bool(torch.equal(got.completion_ids, ref.completion_ids)),
                         "equal_masks": bool(torch.equal(got.completion_mask, ref.completion_mask)),
+                        "tokens_differing_from_uncompacted": int((got.completion_ids != whole.completion_ids).sum()),
                         "compactions": eng.stats["compactions"], "final_rows": eng.stats["final_rows"],
                         "lengths": got.completion_mask.sum(1).tolist()}
             log(f"check {key}: {out[key]}")
+            if not (out[key]["equal_tokens"] and out[key]["equal_masks"]):
+                raise SystemExit(f"check failed: compaction in CUDA graphs differs from the same compaction eager ({key})")
             del eng
+        if init == 0.02:
+            # programmatic dependent launch changes when kernels start, never what they compute:
+            # the same sampled rollout with and without it, token for token
+            runs, before = [], ops.PDL
+            for pdl in (False, True):
+                ops.PDL = pdl  # the engine launches the 4-bit kernels with PDL when this is on
+                with torch.inference_mode():
+                    runs.append(RolloutEngine(model, max_batch=8, max_len=256).generate(
+                        prompts, sample, torch.Generator(device="cuda").manual_seed(4)))
+            ops.PDL = before
+            key = f"init{init}/{fmt}/pdl_equals_no_pdl"
+            out[key] = bool(torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+                            and torch.equal(runs[0].logprobs, runs[1].logprobs))
+            log(f"check {key}: {out[key]}")
+            if not out[key]:
+                raise SystemExit(f"check failed: the rollout with PDL differs from the one without ({key})")
         if init == 0.02 and fmt == "nvfp4":
-            # LoRA on the GPU path: the adapters' two GEMMs run on the side stream inside the graph
+            # LoRA on the GPU path: the adapters' two kernels run on the side stream inside the graph
             from qerl.nn.lora import LoraSettings, apply_lora
 
             model = apply_lora(model, LoraSettings(r=16, lora_alpha=32)).eval()
@@ -224,6 +248,7 @@ def run(args) -> None:
         "triton": __import__("triton").__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": "python benchmarks/bench_rollout.py " + " ".join(sys.argv[1:]),
+        "pdl": bool(args.pdl),
         "note": "random-initialised weights (honest for speed, not quality); every row generates exactly completion_len tokens",
     }
     rows: list[dict] = []
@@ -365,6 +390,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-batch-32b", type=int, default=8, help="32B bf16 leaves no room for a batch-64 KV cache on 80 GB")
     ap.add_argument("--no-lora", dest="lora", action="store_false")
     ap.add_argument("--check", action="store_true", help="GPU correctness checks first")
+    ap.add_argument("--no-pdl", dest="pdl", action="store_false",
+                    help="no programmatic dependent launch in the decode step (the engine's default is on; QERL_ROLLOUT_PDL=0)")
     ap.add_argument("--time-budget-s", type=float, default=520)
     ap.add_argument("--combine", nargs="+", default=None,
                     help="merge the JSON files of several calls into --out (later files replace the same model/format/batch/rank)")
@@ -373,6 +400,9 @@ def main(argv=None) -> None:
         return combine(args.combine, args.out)
     if not torch.cuda.is_available():
         raise SystemExit("bench_rollout.py needs a CUDA GPU")
+    from qerl.kernels import decode_ops
+
+    decode_ops.PDL = decode_ops.PDL and args.pdl
     run(args)
 
 

@@ -33,7 +33,8 @@ KINDS = [  # (kind, regex on the kernel name), first match wins
     ("4-bit GEMM", r"w4a16|gluon_gemv|_gemv_kernel|wgmma|wsmma|nf4_dequant"),
     ("cuBLAS GEMM", r"nvjet|gemm|splitK|cutlass|xmma"),
     ("norm/rope/silu", r"add_rms_norm|rope_cache|silu_mul"),
-    ("sampling", r"softmax|scan|searchsorted|argmax|reduce|isin|gather|where|exp|log"),
+    ("LoRA", r"lora_shrink|lora_expand"),
+    ("sampling", r"sample_partial|sample_finish|softmax|scan|searchsorted|argmax|reduce|isin|gather|where|exp|log"),
 ]
 
 
@@ -58,7 +59,11 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--lora", type=int, default=0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-pdl", dest="pdl", action="store_false", help="as bench_rollout.py --no-pdl")
     a = ap.parse_args()
+    from qerl.kernels import decode_ops
+
+    decode_ops.PDL = decode_ops.PDL and a.pdl
     settings = RolloutSettings(max_new_tokens=512, temperature=1.0, stop_ids=[10**9], pad_id=0)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv), "rows": []}
     for fmt in a.formats:

@@ -26,7 +26,8 @@ How a call runs.
   move to the front (cache and state, `compact_below`) and decoding goes on with fewer rows.
 - Besides its four linear products a layer is 5 kernels (qerl.kernels.decode_ops: residual add +
   RMSNorm twice, RoPE + KV-cache write, split-K decode attention + its combine, SiLU gate); LoRA
-  is two small GEMMs per linear group (fuse.py) on a side stream, added by the next kernel.
+  is two small kernels per linear group (qerl.kernels.lora_ops) on a side stream, added by the
+  next kernel.
 - A row finishes at a stop token (kept) or at max_new_tokens.
 - AQN: the norm weights are read into the engine's buffers at the start of every call, so noise
   swapped in by `AdaptiveQuantNoise.applied()` (or trained norms) is what the rollout samples
@@ -40,6 +41,7 @@ Greedy output equals Hugging Face `generate` token for token; logprobs equal a f
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Sequence
 
@@ -48,10 +50,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl.nn.quant_linear import _outside_inference_mode
-from qerl.kernels.decode_ops import add_rms_norm, decode_attention, rope_to_cache, rotary, silu_mul
+from qerl.kernels.decode_ops import add_rms_norm, decode_attention, pdl_on, rope_to_cache, rotary, silu_mul
 from qerl.rl.rollout import RolloutBatch, RolloutSettings, pad_prompts
 from qerl.rollout.fuse import LinearGroup
-from qerl.rollout.sampling import draw_uniform, sample_next
+from qerl.kernels.sample_ops import SampleState, sample_step
+from qerl.rollout.sampling import draw_uniform
 
 __all__ = ["EngineError", "RolloutEngine", "engine_rollouts", "supports"]
 
@@ -190,15 +193,23 @@ class RolloutEngine:
             self._out_lp = torch.zeros(mb, ml, dtype=torch.float32, device=dev)
             self._out_ent = torch.zeros(mb, ml, dtype=torch.float32, device=dev)
             self._out_alive = torch.zeros(mb, ml, dtype=torch.bool, device=dev)
-            self._stops = torch.zeros(0, dtype=torch.long, device=dev)
+            # stop tokens as a mask over the vocabulary, filled in place per call (the graphs read
+            # it): one gather per step, capturable whatever the number of stop ids (torch.isin's
+            # sort path for many ids is not)
+            self.vocab = int(getattr(self.lm_head, "out_features", None) or self.embed.num_embeddings)
+            self._is_stop = torch.zeros(self.vocab, dtype=torch.bool, device=dev)
             self._pad = torch.zeros(1, dtype=torch.long, device=dev)
+            self._sample_state = SampleState(
+                uniform=self._uniform, step=self._step, row_map=self._row_map, finished=self._finished,
+                is_stop=self._is_stop, pad=self._pad, out_tok=self._out_tok, out_lp=self._out_lp, out_ent=self._out_ent,
+                out_alive=self._out_alive, tok=self._tok, pos=self._pos)
         self._graphs: dict[tuple, object] = {}
         self._pool = None
         # LoRA products run on a side stream beside the base 4-bit product (captured as a parallel
         # branch of the graph), into buffers kept per group kind so the side stream allocates nothing
         # (high priority: when a 4-bit kernel frees an SM, the small LoRA GEMMs get it first)
         self._side = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
-        self._lora_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lora_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # kind -> LinearGroup.lora_workspace
         self.stats: dict = {}
 
     # ------------------------------------------------------------------ forward pieces
@@ -263,46 +274,30 @@ class RolloutEngine:
         return self.lm_head(self.final_norm(delta, h, lo_down)[1])
 
     def _linear(self, group: LinearGroup, x: torch.Tensor, kind: str):
-        """(base product, LoRA delta or None): on a GPU the delta's two GEMMs run on the side
+        """(base product, LoRA delta or None): on a GPU the delta's two kernels run on the side
         stream while the base product runs; the caller's kernel adds the delta (`extra`)."""
         if not group.has_lora:
             return group.base_forward(x), None
-        rows = x.shape[0]
-        key = (kind, group._a.shape[0], group._b.shape[0], group._a.dtype)
+        key = (kind, tuple(group._a.shape), tuple(group._b.shape), group._a.dtype)
         if key not in self._lora_buffers:
-            with _outside_inference_mode():
-                self._lora_buffers[key] = (
-                    torch.empty(self.max_batch, group._a.shape[0], dtype=group._a.dtype, device=self.device),
-                    torch.empty(self.max_batch, group._b.shape[0], dtype=group._a.dtype, device=self.device))
-        ha, out = self._lora_buffers[key]
+            self._lora_buffers[key] = group.lora_workspace(self.max_batch)
+        workspace = self._lora_buffers[key]
         if self._side is None:
-            return group.base_forward(x), group.lora(x, ha[:rows], out[:rows])
+            return group.base_forward(x), group.lora(x, workspace)
         main = torch.cuda.current_stream(self.device)
         self._side.wait_stream(main)
         with torch.cuda.stream(self._side):
-            lo = group.lora(x, ha[:rows], out[:rows])
+            lo = group.lora(x, workspace)
         y = group.base_forward(x)
         main.wait_stream(self._side)
         return y, (lo if lo.dtype == y.dtype else lo.to(y.dtype))
 
     def _sample_and_advance(self, logits: torch.Tensor, rows: int, sampling: tuple) -> None:
         """Sample token self._step for every row, record it, and move the state one token on.
-        Device work only (no host sync): part of the captured step."""
+        Device work only (no host sync): part of the captured step. The per-row part is one
+        kernel on a GPU (qerl.kernels.sample_ops); the shared counters advance here."""
         temperature, top_k, top_p = sampling
-        step = self._step
-        out_rows = self._row_map[:rows]
-        u = self._uniform.index_select(0, step)[0].index_select(0, out_rows)
-        tok, lp, ent = sample_next(logits, temperature, top_k, top_p, u)
-        finished = self._finished[:rows]
-        tok = torch.where(finished, self._pad, tok)
-        at = out_rows * self.max_len + step  # flat [row, step] positions in the [max_batch, max_len] outputs
-        self._out_tok.view(-1).index_copy_(0, at, tok)
-        self._out_lp.view(-1).index_copy_(0, at, lp)
-        self._out_ent.view(-1).index_copy_(0, at, ent)
-        self._out_alive.view(-1).index_copy_(0, at, ~finished)
-        finished.logical_or_(torch.isin(tok, self._stops))
-        self._tok[:rows].copy_(tok)
-        self._pos[:rows].add_(1)
+        sample_step(logits, temperature, self._sample_state, top_k, top_p)
         self._slot.add_(1)
         self._step.add_(1)
         self._valid[:rows].index_fill_(1, self._slot, True)
@@ -348,6 +343,28 @@ class RolloutEngine:
         for buf in (*self._k, *self._v, self._tok, self._pos, self._valid, self._finished, self._row_map):
             buf[:k] = buf.index_select(0, keep)
 
+    @contextlib.contextmanager
+    def _four_bit_pdl(self):
+        """While decoding, issue 4's 4-bit kernels launch with programmatic dependent launch as
+        the decode_ops kernels do (decode_ops.PDL: the whole step's chain overlaps launch and
+        prologue with the previous kernel's tail); their global default stays as it was."""
+        if not (self.device.type == "cuda" and pdl_on(self._tok)):
+            yield
+            return
+        from qerl import kernels
+
+        if not kernels.available():
+            yield
+            return
+        from qerl.kernels import w4a16_triton
+
+        before = w4a16_triton.PDL
+        w4a16_triton.PDL = True
+        try:
+            yield
+        finally:
+            w4a16_triton.PDL = before
+
     def _bucket(self, slot: int) -> int:
         return min(self.max_len, -(-(slot + 1) // LENGTH_BUCKET) * LENGTH_BUCKET)
 
@@ -385,10 +402,11 @@ class RolloutEngine:
         sampling = (float(settings.temperature), int(settings.top_k), float(settings.top_p))
         self.refresh()
         stops = tuple(int(s) for s in settings.stop_ids)
-        if tuple(self._stops.tolist()) != stops or int(self._pad) != settings.pad_id:
-            self._stops = torch.tensor(stops, dtype=torch.long, device=self.device)
-            self._pad.fill_(settings.pad_id)
-            self._graphs.clear()  # the graphs read the old stop tensor
+        self._is_stop.zero_()
+        inside = [s for s in stops if 0 <= s < self.vocab]  # an id outside the vocabulary is never sampled
+        if inside:
+            self._is_stop[torch.tensor(inside, dtype=torch.long, device=self.device)] = True
+        self._pad.fill_(settings.pad_id)
         if settings.temperature:
             self._uniform[:steps, :n] = draw_uniform((steps, n), generator, self.device)
         index = torch.arange(n_prompts).repeat_interleave(g)
@@ -418,16 +436,17 @@ class RolloutEngine:
             torch.cuda.synchronize(self.device)
         t_decode = time.perf_counter()
         done, rows, compactions = 1, n, 0
-        while done < steps:
-            if done % self.check_every == 0:
-                unfinished = int((~self._finished[:rows]).sum())
-                if unfinished == 0:
-                    break
-                if unfinished < rows and unfinished <= self.compact_below * rows:
-                    self._compact(rows)
-                    rows, compactions = unfinished, compactions + 1
-            self._run_step(rows, self._bucket(plen + done - 1), sampling)
-            done += 1
+        with self._four_bit_pdl():
+            while done < steps:
+                if done % self.check_every == 0:
+                    unfinished = int((~self._finished[:rows]).sum())
+                    if unfinished == 0:
+                        break
+                    if unfinished < rows and unfinished <= self.compact_below * rows:
+                        self._compact(rows)
+                        rows, compactions = unfinished, compactions + 1
+                self._run_step(rows, self._bucket(plen + done - 1), sampling)
+                done += 1
         alive = self._out_alive[:n, :done].cpu()
         comp = self._out_tok[:n, :done].cpu()
         logprobs = self._out_lp[:n, :done].cpu()

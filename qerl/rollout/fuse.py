@@ -20,7 +20,7 @@ trainer (which calls the modules) and the engine (which calls the group) read on
   double quantisation): no fusion, the modules are called one by one.
 
 LoRA adapters stay unmerged: the group adds all its modules' low-rank products with two small
-GEMMs (LinearGroup's docstring), from buffers refilled from PEFT's parameters at every rollout.
+kernels (LinearGroup's docstring), from buffers refilled from PEFT's parameters at every rollout.
 """
 
 from __future__ import annotations
@@ -140,12 +140,12 @@ class LinearGroup:
     """Modules that read the same input (or one module), as one base product plus one low-rank
     product for all their LoRA adapters:
 
-        y = base(x) + (x @ A^T) @ B^T      A = [A_1; A_2; ..] (stacked ranks),
-                                            B = blockdiag(s_1 B_1, s_2 B_2, ..)
+        y = base(x) + delta,   delta[:, rows of module i] = (x @ A_i^T) @ (s_i B_i)^T
 
-    two small GEMMs for the whole group (the second accumulates into y in place) instead of
-    two GEMMs, a scale and an add per module. A and B are the engine's buffers, refilled from
-    PEFT's parameters by `refresh()` at the start of every rollout (r x (K + N) values per
+    computed by qerl.kernels.lora_ops (two Triton kernels on a GPU for the whole group, torch
+    elsewhere) from two engine buffers: A = [A_1; A_2; ..] (ranks stacked, each padded to the
+    group's largest rank) and B = [s_1 B_1; s_2 B_2; ..] (output rows stacked, [N, rank]), refilled
+    from PEFT's parameters by `refresh()` at the start of every rollout (r x (K + N) values per
     module, ~1% of a decode step's bytes); the base weight is never copied. The output is
     [.., sum of out_features]; `sizes` splits it.
     """
@@ -166,50 +166,66 @@ class LinearGroup:
         self.fused = self.base if len(bases) > 1 else None
         self._a: torch.Tensor | None = None
         self._b: torch.Tensor | None = None
-        self._per_module = self.base is None
+        self.rank = 0
+        edges = [sum(self.sizes[:i + 1]) for i in range(len(self.sizes))]
+        n = edges[-1]
+        self.bounds = (edges[0] if len(edges) > 1 else n, edges[1] if len(edges) > 2 else n)
+        self._per_module = self.base is None or len(self.sizes) > 3
         self.refresh()
 
     def refresh(self, dtype: torch.dtype | None = None) -> None:
         """Re-read the LoRA adapters (after an optimiser step, a new adapter, set_adapter)."""
         parts = [_lora_parts(m) for m in self.modules]
-        if self.base is None or any(len(p) > 1 for p in parts):
+        if self.base is None or len(self.sizes) > 3 or any(len(p) > 1 for p in parts):
             self._per_module, self._a, self._b = True, None, None  # several adapters at once: PEFT's own path
             return
         self._per_module = False
         if not any(parts):
             self._a = self._b = None
             return
-        ranks = [p[0][0].shape[0] if p else 0 for p in parts]
+        rank = max(p[0][0].shape[0] for p in parts if p)
         ref = next(p[0][0] for p in parts if p)
         dtype = dtype or getattr(self.base, "compute_dtype", None) or self.base.weight.dtype
-        shape_a, shape_b = (sum(ranks), self.in_features), (sum(self.sizes), sum(ranks))
+        shape_a, shape_b = (len(parts) * rank, self.in_features), (sum(self.sizes), rank)
         with _outside_inference_mode():
             if self._a is None or self._a.shape != shape_a or self._a.dtype != dtype:
                 self._a = torch.zeros(shape_a, dtype=dtype, device=ref.device)
                 self._b = torch.zeros(shape_b, dtype=dtype, device=ref.device)
-            r0 = n0 = 0
-            for part, r, n in zip(parts, ranks, self.sizes):
+            self._a.zero_()
+            self._b.zero_()
+            n0 = 0
+            for i, (part, n) in enumerate(zip(parts, self.sizes)):
                 if part:
                     a, b, scale = part[0]
-                    self._a[r0:r0 + r].copy_(a)
-                    torch.mul(b, scale, out=self._b[n0:n0 + n, r0:r0 + r])
-                r0, n0 = r0 + r, n0 + n
+                    r = a.shape[0]
+                    self._a[i * rank:i * rank + r].copy_(a)
+                    torch.mul(b, scale, out=self._b[n0:n0 + n, :r])
+                n0 += n
+        self.rank = rank
 
     @property
     def has_lora(self) -> bool:
-        """True when the adapters run as this group's two GEMMs (`lora`), not inside the modules."""
+        """True when the adapters run as this group's low-rank product (`lora`), not inside the modules."""
         return not self._per_module and self._a is not None
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The product without this group's LoRA (with it, where the modules apply it themselves)."""
         return self(x) if self._per_module else self.base(x)
 
-    def lora(self, x: torch.Tensor, ha_out: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """(x @ A^T) @ B^T [rows, sum of out_features] (has_lora must be True); `ha_out` / `out`
-        are optional preallocated outputs (the engine's, so a side stream allocates nothing)."""
+    def lora_workspace(self, rows: int) -> tuple[torch.Tensor, ...]:
+        """Preallocated buffers for `lora` at up to `rows` rows (qerl.kernels.lora_ops.workspace)."""
+        from qerl.kernels.lora_ops import workspace
+
+        with _outside_inference_mode():
+            return workspace(rows, self.in_features, self._a.shape[0], self._b.shape[0], self._a.dtype, self._a.device)
+
+    def lora(self, x: torch.Tensor, workspace: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """The LoRA delta [rows, sum of out_features] (has_lora must be True); `workspace` from
+        `lora_workspace` (the engine's, so a side stream allocates nothing)."""
+        from qerl.kernels.lora_ops import lora_delta
+
         x2 = x.reshape(-1, self.in_features).to(self._a.dtype)
-        ha = torch.mm(x2, self._a.t(), out=ha_out)
-        return torch.mm(ha, self._b.t(), out=out)
+        return lora_delta(x2, self._a, self._b, self.bounds, self.rank, workspace)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._per_module:
@@ -217,6 +233,5 @@ class LinearGroup:
             return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
         y = self.base(x)
         if self._a is not None:
-            x2 = x.reshape(-1, self.in_features)
-            y.view(-1, y.shape[-1]).addmm_(torch.nn.functional.linear(x2.to(self._a.dtype), self._a).to(y.dtype), self._b.t().to(y.dtype))
+            y.view(-1, y.shape[-1]).add_(self.lora(x).to(y.dtype))
         return y
