@@ -10,15 +10,12 @@ fp32 arithmetic with a different summation order in the norm.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
+from interpreted import run_interpreted
 from qerl.kernels import decode_ops as ops
 
 _SCRIPT = textwrap.dedent(
@@ -65,11 +62,7 @@ _SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_triton_decode_ops_under_interpreter(seed):
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", SEED=str(seed))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULTS")][-1][len("RESULTS"):])
+    results = run_interpreted(_SCRIPT, seed)
     assert len(results) == 17
     bad = [r for r in results if not r[-1] <= 1e-5]
     assert not bad, bad

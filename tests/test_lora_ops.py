@@ -5,15 +5,12 @@ and three segments, ranks padded inside a group, and row counts that are not pow
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
+from interpreted import run_interpreted
 from qerl.kernels import lora_ops
 
 _SCRIPT = textwrap.dedent(
@@ -43,11 +40,7 @@ _SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_lora_kernels_under_interpreter(seed):
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", SEED=str(seed))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULTS")][-1][len("RESULTS"):])
+    results = run_interpreted(_SCRIPT, seed)
     assert len(results) == 4
     assert all(r[-1] <= 1e-5 for r in results), results
 

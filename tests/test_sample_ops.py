@@ -7,15 +7,12 @@ finished flags, positions and alive flags exactly; logprobs and entropies to 1e-
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
+from interpreted import run_interpreted
 from qerl.kernels import sample_ops
 
 _SCRIPT = textwrap.dedent(
@@ -54,11 +51,7 @@ _SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sample_step_kernel_under_interpreter(seed):
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", SEED=str(seed))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULTS")][-1][len("RESULTS"):])
+    results = run_interpreted(_SCRIPT, seed)
     assert len(results) == 6
     assert all(r[3] for r in results), results
     assert all(r[4] <= 1e-4 for r in results), results
