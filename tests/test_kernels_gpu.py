@@ -335,8 +335,9 @@ def test_pdl_chain_waits_for_its_input(fmt, m):
             y = W.forward(y, layers[i])
         return y
 
-    # the default dispatch with PDL; at M = 1 (nvfp4) also the warp-specialised GEMV with PDL
-    configs = [{"PDL": True}] + ([{"PDL": True, "PATH": "ws"}] if m == 1 and fmt == "nvfp4" else [])
+    # the default dispatch with PDL, its dependents let in at the start and after the main loop; at
+    # M = 1 (nvfp4) also the warp-specialised GEMV with PDL
+    configs = [{"PDL": True}, {"PDL": True, "PDL_LATE": True}, {"PDL": True, "PDL_LATE": False}] + ([{"PDL": True, "PATH": "ws"}] if m == 1 and fmt == "nvfp4" else [])
     configs += [{"PDL": True, "PATH": "wgmma"}] if m >= 16 and torch.cuda.get_device_capability()[0] == 9 else []
     for cfg in configs:
         def chain_pdl(x):

@@ -339,6 +339,11 @@ def decode_attention(q, k_cache, v_cache, valid, keys: int, scale: float):
 
 ATTN_BLOCK = 64
 ATTN_PROGRAMS = 264  # about two per SM on an H100: enough key splits to keep the chip busy
+# Keys per inner step when 64-key blocks would give fewer than ATTN_PROGRAMS programs (batch 1 on
+# a few KV heads: 32B at batch 1 has 8 x 8 programs at 512 keys): 32-key blocks double the
+# splits. Measured (H100, 32B nvfp4 batch 1, step time): +1.2% alone, +2.5% with the GEMV's late
+# PDL trigger (benchmarks/NOTES_rollout.md section 7).
+ATTN_BLOCK_SMALL = 32
 
 
 def decode_attention_triton(q, k_cache, v_cache, valid, keys: int, scale: float):
@@ -347,9 +352,10 @@ def decode_attention_triton(q, k_cache, v_cache, valid, keys: int, scale: float)
     b, heads, d = q.shape
     kv = k_cache.shape[1]
     group = heads // kv
-    blocks = -(-keys // ATTN_BLOCK)
+    block = ATTN_BLOCK if b * kv * -(-keys // ATTN_BLOCK) >= ATTN_PROGRAMS else ATTN_BLOCK_SMALL
+    blocks = -(-keys // block)
     splits = max(1, min(blocks, -(-ATTN_PROGRAMS // (b * kv))))
-    chunk = -(-blocks // splits) * ATTN_BLOCK
+    chunk = -(-blocks // splits) * block
     splits = -(-keys // chunk)
     q = q.contiguous()
     po = torch.empty(b, kv, splits, group, d, dtype=torch.float32, device=q.device)
@@ -359,7 +365,7 @@ def decode_attention_triton(q, k_cache, v_cache, valid, keys: int, scale: float)
                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), valid.stride(0),
                              keys, splits, float(scale), CHUNK=chunk, KV=kv, G=group, GP=max(16, _next_pow2(group)), D=d,
-                             BLOCK=ATTN_BLOCK, num_warps=4, PDL=pdl_on(q), launch_pdl=pdl_on(q))
+                             BLOCK=block, num_warps=4, PDL=pdl_on(q), launch_pdl=pdl_on(q))
     out = torch.empty(b, heads * d, dtype=q.dtype, device=q.device)
     combine[(b, heads)](po, pm, pl, out, splits, KV=kv, G=group, D=d, SP=max(2, _next_pow2(splits)), num_warps=1,
                         PDL=pdl_on(q), launch_pdl=pdl_on(q))

@@ -29,7 +29,8 @@ import os
 
 import torch
 
-__all__ = ["lora_delta", "lora_delta_reference", "lora_delta_triton", "shrink_splits"]
+__all__ = ["lora_delta", "lora_delta_reference", "lora_delta_triton", "lora_expand_triton", "lora_shrink_triton",
+           "shrink_splits", "use_triton"]
 
 
 def lora_delta_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: tuple[int, int], rank: int,
@@ -45,11 +46,14 @@ def lora_delta_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, boun
     return out
 
 
+MAX_SPLITS = int(os.environ.get("QERL_LORA_MAX_SPLITS", "64"))
+
+
 def shrink_splits(k: int) -> tuple[int, int]:
     """(BK, S): the K-slice per shrink program (a power of two >= 128) and the number of slices
-    (<= 64)."""
+    (<= MAX_SPLITS)."""
     bk = 128
-    while -(-k // bk) > 64:
+    while -(-k // bk) > MAX_SPLITS:
         bk *= 2
     return bk, -(-k // bk)
 
@@ -58,8 +62,16 @@ def _pow2_at_least(n: int, floor: int = 16) -> int:
     return max(floor, 1 << (int(n) - 1).bit_length())
 
 
+# LoRA rows per shrink program. The last program of each row block to arrive reduces S x M x
+# SHRINK_BR fp32 partials alone, so small blocks shorten that serial tail: 16 against 64 took the
+# cost of r64 LoRA at 14B batch 8 from 11.2% to 8.3% of the step (benchmarks/NOTES_rollout.md
+# section 7).
+SHRINK_BR = 16
+SHRINK_WARPS = 4
+
+
 def _shrink_blocks(r: int) -> tuple[int, int]:
-    br = min(64, _pow2_at_least(r))
+    br = min(SHRINK_BR, _pow2_at_least(r))
     return br, -(-r // br)
 
 
@@ -78,6 +90,7 @@ def workspace(x_rows: int, k: int, r: int, n: int, dtype: torch.dtype, device) -
 def _kernels():
     import triton
     import triton.language as tl
+    import triton.language.extra.cuda  # noqa: F401  (gdc_* for PDL)
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         from qerl.kernels.w4a16_triton import _patch_interpreter
@@ -87,18 +100,27 @@ def _kernels():
     @triton.jit
     def lora_shrink_kernel(x_ptr, a_ptr, p_ptr, h_ptr, lock_ptr, M, K, R, stride_xm, stride_ps, stride_pm, stride_hm,
                            S: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, MP: tl.constexpr, BR: tl.constexpr,
-                           MR: tl.constexpr, SB: tl.constexpr):
+                           MR: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr = False):
         # program (s, rb): x[:, slice s] @ A[block rb, slice s]^T -> partial s; the last program of
         # block rb to arrive sums the S partials in order (deterministic) into h
+        if PDL:  # decode_ops.PDL; A's first chunk is read before the wait (it never depends on it)
+            tl.extra.cuda.gdc_launch_dependents()
         s = tl.program_id(0)
         rb = tl.program_id(1)
         r = rb * BR + tl.arange(0, BR)
         m = tl.arange(0, MP)
         acc = tl.zeros([MP, BR], tl.float32)
+        k = s * BK + tl.arange(0, KC)
+        a0 = tl.load(a_ptr + r[None, :] * K + k[:, None], mask=(r < R)[None, :] & (k < K)[:, None], other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         for k0 in tl.static_range(0, BK, KC):
             k = s * BK + k0 + tl.arange(0, KC)
             xk = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)
-            ak = tl.load(a_ptr + r[None, :] * K + k[:, None], mask=(r < R)[None, :] & (k < K)[:, None], other=0.0)
+            if k0 == 0:
+                ak = a0
+            else:
+                ak = tl.load(a_ptr + r[None, :] * K + k[:, None], mask=(r < R)[None, :] & (k < K)[:, None], other=0.0)
             acc += tl.dot(xk, ak)
         tl.store(p_ptr + s * stride_ps + m[:, None] * stride_pm + r[None, :], acc, mask=(m < M)[:, None] & (r < R)[None, :])
         tl.debug_barrier()  # every thread's partial is written before the counter moves
@@ -117,7 +139,10 @@ def _kernels():
 
     @triton.jit
     def lora_expand_kernel(h_ptr, b_ptr, out_ptr, M, N, rank, n1, n2, stride_hm, stride_om,
-                           NSEG: tl.constexpr, MP: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr):
+                           NSEG: tl.constexpr, MP: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr,
+                           PDL: tl.constexpr = False):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         m = tl.arange(0, MP)
         j = tl.arange(0, RP)
@@ -125,6 +150,8 @@ def _kernels():
         mm = m < M
         jm = j < rank
         b = tl.load(b_ptr + n[:, None] * rank + j[None, :], mask=nm[:, None] & jm[None, :], other=0.0)
+        if PDL:  # B was read before the wait; h is the previous kernel's
+            tl.extra.cuda.gdc_wait()
         seg_of_n = (n >= n1).to(tl.int32) + (n >= n2).to(tl.int32)
         out = tl.zeros([MP, BN], tl.float32)
         for seg in tl.static_range(NSEG):
@@ -136,35 +163,65 @@ def _kernels():
     return lora_shrink_kernel, lora_expand_kernel
 
 
+def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, buffers: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """h [M, R] fp32 = x @ a^T into buffers[1] (the first of lora_delta_triton's two kernels)."""
+    from qerl.kernels.decode_ops import pdl_on
+
+    shrink, _ = _kernels()
+    m, k = x.shape
+    r = a.shape[0]
+    bk, s = shrink_splits(k)
+    partials, h, locks, _ = buffers
+    br, rb = _shrink_blocks(r)
+    mr = _pow2_at_least(m, 1)
+    sb = max(1, min(_pow2_at_least(s, 1), 8192 // (mr * br)))
+    pdl = pdl_on(x)
+    shrink[(s, rb)](x, a, partials, h, locks, m, k, r, x.stride(0), partials.stride(0), partials.stride(1), h.stride(0),
+                    S=s, BK=bk, KC=128, MP=_pow2_at_least(m), BR=br, MR=mr, SB=sb, PDL=pdl, num_warps=SHRINK_WARPS,
+                    launch_pdl=pdl)
+    return h
+
+
+def lora_expand_triton(h: torch.Tensor, b: torch.Tensor, bounds: tuple[int, int], rank: int, m: int,
+                       buffers: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """delta [M, N] = per-segment h @ b^T into buffers[3] (the second kernel)."""
+    from qerl.kernels.decode_ops import pdl_on
+
+    _, expand = _kernels()
+    n = b.shape[0]
+    out = buffers[3]
+    nseg = 1 + int(bounds[0] < n) + int(bounds[1] < n)
+    bn = 128 if n >= 16384 else 64
+    pdl = pdl_on(h)
+    expand[(-(-n // bn),)](h, b, out, m, n, rank, bounds[0], bounds[1], h.stride(0), out.stride(0),
+                           NSEG=nseg, MP=_pow2_at_least(m), RP=_pow2_at_least(rank), BN=bn, PDL=pdl, num_warps=4,
+                           launch_pdl=pdl)
+    return out[:m]
+
+
 def lora_delta_triton(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: tuple[int, int], rank: int,
                       buffers: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """x [M, K] (row stride free, unit column stride), a [R, K], b [N, rank] contiguous; `buffers`
     from `workspace` (preallocated: the engine's, so a side stream allocates nothing)."""
-    shrink, expand = _kernels()
     m, k = x.shape
-    r, n = a.shape[0], b.shape[0]
-    bk, s = shrink_splits(k)
-    partials, h, locks, out = buffers if buffers is not None else workspace(m, k, r, n, x.dtype, x.device)
-    mp = _pow2_at_least(m)
-    br, rb = _shrink_blocks(r)
-    mr = _pow2_at_least(m, 1)
-    sb = max(1, min(_pow2_at_least(s, 1), 8192 // (mr * br)))
-    shrink[(s, rb)](x, a, partials, h, locks, m, k, r, x.stride(0), partials.stride(0), partials.stride(1), h.stride(0),
-                    S=s, BK=bk, KC=128, MP=mp, BR=br, MR=mr, SB=sb, num_warps=4)
-    nseg = 1 + int(bounds[0] < n) + int(bounds[1] < n)
-    bn = 128 if n >= 16384 else 64
-    expand[(-(-n // bn),)](h, b, out, m, n, rank, bounds[0], bounds[1], h.stride(0), out.stride(0),
-                           NSEG=nseg, MP=mp, RP=_pow2_at_least(rank), BN=bn, num_warps=4)
-    return out[:m]
+    if buffers is None:
+        buffers = workspace(m, k, a.shape[0], b.shape[0], x.dtype, x.device)
+    h = lora_shrink_triton(x, a, buffers)
+    return lora_expand_triton(h, b, bounds, rank, m, buffers)
+
+
+def use_triton(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether lora_delta takes the Triton kernels for these operands."""
+    from qerl.kernels.decode_ops import _on_gpu
+
+    return (x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= 64 and x.stride(-1) == 1
+            and a.is_contiguous() and b.is_contiguous() and _on_gpu(x, "lora"))
 
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: tuple[int, int], rank: int,
                buffers: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """The group's LoRA delta [M, N] (module docstring): the two Triton kernels on CUDA for bf16 /
     fp16 with M <= 64; torch otherwise (or with `lora` in QERL_DECODE_OPS_TORCH)."""
-    from qerl.kernels.decode_ops import _on_gpu
-
-    if (x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= 64 and x.stride(-1) == 1
-            and a.is_contiguous() and b.is_contiguous() and _on_gpu(x, "lora")):
+    if use_triton(x, a, b):
         return lora_delta_triton(x, a, b, bounds, rank, buffers)
     return lora_delta_reference(x, a, b, bounds, rank, None if buffers is None else buffers[-1][:x.shape[0]])

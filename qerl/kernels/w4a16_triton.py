@@ -118,6 +118,12 @@ WGMMA_BN128 = {"BN": 128, "LOADS": 1, "CPS": 1, "NSD": 4, "NSX": 3}
 # workspace, so launch latency and - in the GEMV - the first weight loads overlap the previous
 # kernel's tail. Config key PDL overrides. Never under the interpreter.
 PDL = os.environ.get("QERL_W4A16_PDL", "0") == "1"
+# Where a PDL kernel lets its dependent launch: "early" = at its start (the dependent's programs
+# become resident at once and prefetch what does not depend on us), "late" = after its main loop
+# (the dependent overlaps only our fixup and epilogue, and cannot take SM slots, or bandwidth,
+# from our main loop). Config key PDL_LATE overrides. This kernel's default; the CUDA-core GEMV has
+# its own (w4a16_gemv.PDL_LATE).
+PDL_LATE = os.environ.get("QERL_W4A16_PDL_LATE", "0") == "1"
 if INTERPRETED:
     _patch_interpreter()
 
@@ -396,7 +402,7 @@ def _w4a16_kernel(
     BWD: tl.constexpr, FMT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_O: tl.constexpr, EVEN_R: tl.constexpr,
     BM: tl.constexpr, BO: tl.constexpr, BR: tl.constexpr, GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr,
     DECODE_F32: tl.constexpr, SWAP: tl.constexpr, SPLIT: tl.constexpr, PACKED: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, LATE: tl.constexpr = False,
 ):
     """C[M, NOUT] = A[M, RED] @ (weight as [RED, NOUT]) * alpha (+ bias), bf16 out.
 
@@ -411,8 +417,9 @@ def _w4a16_kernel(
     writes its fp32 partial to its own workspace slot, bumps the tile's counter, and the last
     one sums all partials in program order (deterministic), writes bf16 and resets the counter
     for the next launch."""
-    if PDL:  # the next kernel may launch now; ours waits for the previous one (see PDL)
-        gdc_launch_dependents()
+    if PDL:  # the next kernel may launch now (or late); ours waits for the previous one (see PDL)
+        if not LATE:
+            gdc_launch_dependents()
         gdc_wait()
     P = tl.num_programs(0)
     p = tl.program_id(0)
@@ -467,6 +474,8 @@ def _w4a16_kernel(
         if done:
             _store_out(acc, alpha, bias_ptr, c_ptrs, mask, offs_o, NOUT, HAS_BIAS)
         it += k1 - k0
+    if PDL and LATE:
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -611,6 +620,7 @@ def _launch(a: torch.Tensor, state: dict, bwd: bool, bias, cfg: dict, out):
     packed = bool(cfg.pop("PACKED", PACKED_DECODE)) and not INTERPRETED
     decode_f32 = bool(cfg.pop("DECODE_F32", DECODE_F32))
     pdl = bool(cfg.pop("PDL", PDL)) and not INTERPRETED
+    late = bool(cfg.pop("PDL_LATE", PDL_LATE)) and pdl
     if cfg.get("maxnreg") is None or INTERPRETED:
         cfg.pop("maxnreg", None)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n_out, bo)
@@ -620,7 +630,7 @@ def _launch(a: torch.Tensor, state: dict, bwd: bool, bias, cfg: dict, out):
     c = torch.empty(m, n_out, device=a.device, dtype=torch.bfloat16) if out is None else out
     flags = dict(BWD=bwd, FMT=FMT_ID[state["fmt"]], HAS_BIAS=bias is not None, EVEN_O=n_out % bo == 0,
                  EVEN_R=red % br == 0, BM=bm, BO=bo, BR=br, GROUP_M=8, INTERPRETED=INTERPRETED,
-                 DECODE_F32=decode_f32, SWAP=swap, PACKED=packed, PDL=pdl, **cfg)
+                 DECODE_F32=decode_f32, SWAP=swap, PACKED=packed, PDL=pdl, LATE=late, **cfg)
     key = tuple(sorted(flags.items()))
     grid, split = _grid(m, tiles, triton.cdiv(red, br), _RESIDENT.get(key, per_sm), a.device, programs, schedule, waves)
     ws = torch.empty(grid * 2 * bm * bo, device=a.device, dtype=torch.float32)
@@ -805,8 +815,9 @@ def _kernel_config(config: dict | None, default: dict) -> dict:
 
 
 _PATH_KEYS = {"PATH", "CHUNKS", "SIDE"}
-_MOD_KEYS = {"PDL", "PF"}  # launch modifiers: never replace the tile heuristic
-_GEMV_KEYS = {"BN", "num_warps", "PER_SM", "S", "WAVES", "PACKED", "DECODE_F32", "num_stages", "ACC2D", "CH", "PDL", "PF"}
+_MOD_KEYS = {"PDL", "PDL_LATE", "PF"}  # launch modifiers: never replace the tile heuristic
+_GEMV_KEYS = {"BN", "num_warps", "PER_SM", "S", "WAVES", "PACKED", "DECODE_F32", "num_stages", "ACC2D", "CH", "PDL",
+              "PDL_LATE", "PF"}
 
 
 def _dense(a: torch.Tensor, state: dict, bwd: bool, bias, config: dict | None, out):

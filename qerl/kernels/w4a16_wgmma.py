@@ -51,6 +51,8 @@ compiles it offline for sm_90a.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -455,16 +457,34 @@ def split(tiles: int, kb: int, slots: int, c0: float | None = None) -> int:
     return best
 
 
+@functools.lru_cache(maxsize=None)
+def _x_layout(bm: int):
+    return gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)
+
+
+def _weight_descriptors(state: dict):
+    """The weight and scale descriptors of a layer, built once and kept in its state dict (so they
+    live and die with the layer: a module-level cache would keep freed weights alive). A prefill
+    calls every layer once per forward, and building them took ~40 us of host time per call (the
+    prefill at M = 256 was bound by the host: 56 ms of it in the 4-bit linears at 7B batch 1 for
+    24 ms of GPU work; benchmarks/NOTES_rollout.md section 7). The key re-checks what they encode."""
+    words, scale = state["words"], state["scale"]
+    key = (state["fmt"], words.data_ptr(), tuple(words.shape), words.stride(), scale.data_ptr(), tuple(scale.shape),
+           scale.stride())
+    found = state.get("_tma_descriptors")
+    if found is None or found[0] != key:
+        wl = gl.NVMMASharedLayout.get_default_for([64, 32], gl.int32)
+        srows = 64 if state["fmt"] == "nvfp4" else 32
+        sl = gl.NVMMASharedLayout(0, 8)  # 16-byte rows: no swizzle
+        found = state["_tma_descriptors"] = (key, TensorDescriptor.from_tensor(words.view(-1, 32), [64, 32], wl),
+                                             TensorDescriptor.from_tensor(scale.view(-1, 16), [srows, 16], sl))
+    return found[1:]
+
+
 def descriptors(x: torch.Tensor, state: dict, bm: int):
     """TMA descriptors: x [M, K] in [BM, 64] boxes; words [NB*KB*64, 32] in [64, 32]; scales in
     one box per 64 x 256 tile ([64, 16] nvfp4; mxfp4's 512-byte tile as [32, 16])."""
-    xl = gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)
-    wl = gl.NVMMASharedLayout.get_default_for([64, 32], gl.int32)
-    srows = 64 if state["fmt"] == "nvfp4" else 32
-    sl = gl.NVMMASharedLayout(0, 8)  # 16-byte rows: no swizzle
-    return (TensorDescriptor.from_tensor(x, [bm, 64], xl),
-            TensorDescriptor.from_tensor(state["words"].view(-1, 32), [64, 32], wl),
-            TensorDescriptor.from_tensor(state["scale"].view(-1, 16), [srows, 16], sl))
+    return (TensorDescriptor.from_tensor(x, [bm, 64], _x_layout(bm)), *_weight_descriptors(state))
 
 
 def smem_bytes(bm: int, nsw: int, nsd: int, cps: int, nsx: int, bn: int = 64) -> int:
@@ -473,7 +493,18 @@ def smem_bytes(bm: int, nsw: int, nsd: int, cps: int, nsx: int, bn: int = 64) ->
 
 
 def kernel_args(fmt: str, m: int, config: dict | None = None) -> tuple[dict, dict]:
-    """(constexpr arguments of _wgmma_kernel, the resolved config) for M tokens of a `fmt` layer."""
+    """(constexpr arguments of _wgmma_kernel, the resolved config) for M tokens of a `fmt` layer.
+    Memoised (host time: ~75 us per call, mostly the decoder layouts); the dicts are shared, read-only."""
+    items = tuple(sorted((config or {}).items()))
+    try:
+        return _kernel_args(fmt, m, items, W.PDL)
+    except TypeError:  # an unhashable config value
+        return _kernel_args.__wrapped__(fmt, m, items, W.PDL)
+
+
+@functools.lru_cache(maxsize=1024)
+def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool) -> tuple[dict, dict]:
+    config = dict(items)
     cfg = dict(DEFAULT)
     cfg.update({key: v for key, v in (config or {}).items() if key in _KEYS})
     nsw, nsd, cps, nsx, lag, dw, bn = (int(cfg[key]) for key in ("NSW", "NSD", "CPS", "NSX", "LAG", "DW", "BN"))
@@ -499,7 +530,7 @@ def kernel_args(fmt: str, m: int, config: dict | None = None) -> tuple[dict, dic
     if smem_bytes(bm, nsw, nsd, cps, nsx, bn) > 232448:
         raise ValueError(f"rings need {smem_bytes(bm, nsw, nsd, cps, nsx, bn)} B of shared memory (H100: 232448); "
                          "lower NSW / NSD / NSX")
-    cfg["PDL"] = bool(W.PDL if cfg["PDL"] is None else cfg["PDL"])
+    cfg["PDL"] = bool(pdl_default if cfg["PDL"] is None else cfg["PDL"])
     l2w, l2s, l3 = decoder_layouts(fmt, dw)
     consts = dict(BM=bm, LOADS=loads, NSW=nsw, NSD=nsd, CPS=cps, NSX=nsx, LAG=lag, DW=dw, FMT=0 if fmt == "nvfp4" else 1,
                   PDL=cfg["PDL"], DEC_REGS=int(cfg["DEC_REGS"]), LOAD_REGS=int(cfg["LOAD_REGS"]),
