@@ -52,6 +52,52 @@ def rewind(engine: RolloutEngine, rows: int) -> None:
     engine._pos[:rows].fill_(300)
 
 
+def profile_prefill(a) -> None:
+    """Host (CPU self time by op) and GPU (kernel time) of a prefill: generate 2 tokens, after a
+    warm-up. A prefill slower than its kernels is bound by the host."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    settings = RolloutSettings(max_new_tokens=2, temperature=1.0, stop_ids=[10**9], pad_id=0)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv), "rows": []}
+    for fmt in a.formats:
+        model = build(a.model, fmt)
+        engine = RolloutEngine(model, max_batch=max(a.batches), max_len=768)
+        for b in a.batches:
+            prompts = [torch.randint(0, 150000, (256,)).tolist() for _ in range(b)]
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            with torch.inference_mode():
+                for _ in range(2):
+                    engine.generate(prompts, settings, gen)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                engine.generate(prompts, settings, gen)
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - t0
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    engine.generate(prompts, settings, gen)
+                    torch.cuda.synchronize()
+            cpu: dict = defaultdict(float)
+            gpu: dict = defaultdict(float)
+            for ev in prof.key_averages():
+                if ev.self_cpu_time_total > 0:
+                    cpu[ev.key[:80]] += ev.self_cpu_time_total / 1e3
+                if ev.self_device_time_total > 0:
+                    gpu[kind_of(ev.key)] += ev.self_device_time_total / 1e3
+            row = {"model": a.model, "format": fmt, "batch": b, "wall_ms": round(wall * 1e3, 2),
+                   "prefill_ms": round(engine.stats["prefill_s"] * 1e3, 2), "gpu_kernel_ms": round(sum(gpu.values()), 2),
+                   "gpu_by_kind_ms": {k: round(v, 2) for k, v in sorted(gpu.items(), key=lambda kv: -kv[1])},
+                   "cpu_self_top_ms": [(k, round(v, 2)) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])[:15]]}
+            result["rows"].append(row)
+            print(json.dumps(row, indent=1), flush=True)
+        del model, engine
+        torch.cuda.empty_cache()
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen2.5-7b")
@@ -60,7 +106,11 @@ def main() -> None:
     ap.add_argument("--lora", type=int, default=0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-pdl", dest="pdl", action="store_false", help="as bench_rollout.py --no-pdl")
+    ap.add_argument("--prefill", action="store_true",
+                    help="profile the prefill instead (host and GPU time of one generate of 2 tokens)")
     a = ap.parse_args()
+    if a.prefill:
+        return profile_prefill(a)
     from qerl.kernels import decode_ops
 
     decode_ops.PDL = decode_ops.PDL and a.pdl

@@ -1,0 +1,251 @@
+"""Same-process A/B of rollout-engine variants on one model, and a kernel timeline of a graph replay.
+
+    python benchmarks/ablate_rollout.py --model qwen2.5-14b --format nvfp4 --batch 8 --lora 64 \
+        --variants base lora serial only:qkv+o only:gate_up+down base@nowsmma lora@nowsmma \
+        --timeline base lora --out ablate.json
+
+One engine, built once; for each variant the CUDA graphs are captured afresh and the graph step
+is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py). Variants:
+  base            LoRA off (the base products only)
+  lora            LoRA on every group, on the side stream (the engine's default)
+  serial          LoRA on every group, on the main stream after the base product
+  only:K1+K2      LoRA only for those group kinds (qkv, o, gate_up, down), side stream
+  ...@FLAG[@FLAG]  with switches (see _switches): nowsmma (no Gluon tensor-core GEMVs), nopdl,
+                  late / early (the 4-bit kernels trigger their dependents after the main loop /
+                  at their start), pf0..pf3 (GEMV
+                  weight prefetch depth before the PDL wait), gsm3 (Gluon GEMV at 3 programs per SM), s8 / s16 / s32
+                  (LoRA shrink slices), gemv0 (every M = 1 layer on the Gluon GEMV), tokall (every
+                  M = 2..8 layer with K >= 4096 on the Gluon GEMV), ab16 / ab32 (attention key block),
+                  br16 / br32 (LoRA shrink rows per program), lw8 (8 warps per shrink program)
+`--timeline V` profiles one graph replay of variant V and reports, per stream, the kernels'
+summed durations, and what each kernel adds to the critical path (its end minus the latest end
+before it, grouped by kernel; with PDL durations include the wait for the predecessor). Random-initialised weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench_rollout import build  # noqa: E402
+from profile_rollout import rewind  # noqa: E402
+
+from qerl.rl.rollout import RolloutSettings  # noqa: E402
+from qerl.rollout.engine import RolloutEngine  # noqa: E402
+
+KINDS = ("qkv", "o", "gate_up", "down")
+SAMPLING = (1.0, 0, 1.0)
+
+
+def _switches() -> dict:
+    """flag -> [(module, attribute, value)] set while a variant runs."""
+    from qerl.kernels import decode_ops, lora_ops, w4a16_gemv, w4a16_gluon, w4a16_triton
+    table = {
+        "nowsmma": [(w4a16_triton, "WSMMA_MIN_NK", 0), (w4a16_triton, "WSMMA_TOKENS_MIN_N", 0)],
+        "nopdl": [(decode_ops, "PDL", False)],
+        "late": [(w4a16_triton, "PDL_LATE", True), (w4a16_gemv, "PDL_LATE", True)],
+        "early": [(w4a16_triton, "PDL_LATE", False), (w4a16_gemv, "PDL_LATE", False)],
+        "gsm3": [(w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "PER_SM": 3})],
+        "gemv0": [(w4a16_triton, "GEMV_MAX_NK", 0), (w4a16_triton, "WSMMA_MIN_NK", 1)],
+        "tokall": [(w4a16_triton, "WSMMA_TOKENS_MIN_N", 1)],
+        "lw8": [(lora_ops, "SHRINK_WARPS", 8)],
+    }
+    for n in (16, 32, 64):
+        table[f"ab{n}"] = [(decode_ops, "ATTN_BLOCK", n), (decode_ops, "ATTN_BLOCK_SMALL", n)]
+        table[f"br{n}"] = [(lora_ops, "SHRINK_BR", n)]
+    for d in (0, 1, 2, 3):
+        table[f"pf{d}"] = [(w4a16_gemv, "PF_DEPTH", d)]
+    for n in (8, 16, 32):
+        table[f"s{n}"] = [(lora_ops, "MAX_SPLITS", n)]
+    return table
+
+
+@contextlib.contextmanager
+def variant_of(engine: RolloutEngine, name: str):
+    """Set the engine and kernel switches for variant `name`; restore them afterwards."""
+    base, _, flags = name.partition("@")
+    flags = list(filter(None, flags.split("@")))
+    table = _switches()
+    unknown = set(flags) - set(table)
+    if unknown:
+        raise SystemExit(f"unknown variant flag(s) {sorted(unknown)} in {name!r}; valid: {', '.join(table)}")
+    if base == "base":
+        kinds: tuple = ()
+    elif base in ("lora", "serial"):
+        kinds = KINDS
+    elif base.startswith("only:"):
+        kinds = tuple(base[5:].split("+"))
+        if set(kinds) - set(KINDS):
+            raise SystemExit(f"unknown group kind in {name!r}; valid: {', '.join(KINDS)}")
+    else:
+        raise SystemExit(f"unknown variant {name!r}")
+    switches = [sw for f in flags for sw in table[f]]
+    saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in switches]
+    saved_side = engine._side
+    original = engine._linear
+
+    def linear(group, x, kind):
+        return original(group, x, kind) if kind in kinds else (group.base_forward(x), None)
+
+    def reset():
+        engine._graphs.clear()
+        engine._pool = None  # a pool whose graphs are all gone cannot be captured into again
+        engine._lora_buffers.clear()  # sized by lora_ops.MAX_SPLITS
+
+    engine._linear = linear
+    if base == "serial":
+        engine._side = None
+    for mod, attr, value in switches:
+        setattr(mod, attr, value)
+    reset()
+    try:
+        yield
+    finally:
+        reset()
+        for mod, attr, value in saved:
+            setattr(mod, attr, value)
+        engine._side = saved_side
+        del engine._linear  # back to the class method
+
+
+def timeline(graph, rows: int, engine: RolloutEngine) -> dict:
+    """One profiled replay: per-stream kernel sums and the main stream's idle gaps by waiter."""
+    from torch.profiler import ProfilerActivity, profile
+
+    events = []
+    for _ in range(2):  # the first window warms CUPTI up; keep the second
+        rewind(engine, rows)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            path = f.name
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+        os.unlink(path)
+        events = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
+    if not events:
+        return {"error": "no kernel events in the trace (graph kernels not reported by this CUPTI)"}
+    by_stream: dict = defaultdict(list)
+    for e in events:
+        by_stream[e.get("args", {}).get("stream", e.get("tid"))].append(e)
+    main = max(by_stream, key=lambda s: len(by_stream[s]))
+    t0 = min(e["ts"] for e in events)
+    out = {"span_us": round(max(e["ts"] + e["dur"] for e in events) - t0, 1), "streams": {},
+           "kernels": [[e["name"][:48], "main" if e.get("args", {}).get("stream", e.get("tid")) == main else "side",
+                        round(e["ts"] - t0, 1), round(e["dur"], 1)] for e in sorted(events, key=lambda e: e["ts"])]}
+    for s, evs in by_stream.items():
+        evs.sort(key=lambda e: e["ts"])
+        sums: dict = defaultdict(lambda: [0, 0.0])
+        for e in evs:
+            sums[e["name"][:60]][0] += 1
+            sums[e["name"][:60]][1] += e["dur"]
+        entry = {"kernels": len(evs), "busy_us": round(sum(e["dur"] for e in evs), 1),
+                 "by_kernel_us": {k: [v[0], round(v[1], 1)] for k, v in sorted(sums.items(), key=lambda kv: -kv[1][1])}}
+        if s == main:
+            # what each kernel adds to the critical path: its end minus the latest end before it
+            # (with PDL a kernel starts early and waits, so its duration overstates its cost)
+            adds: dict = defaultdict(lambda: [0, 0.0])
+            mine = {id(e) for e in evs}
+            latest = min(e["ts"] for e in events)
+            for e in sorted(events, key=lambda e: e["ts"] + e["dur"]):
+                end = e["ts"] + e["dur"]
+                key = e["name"][:60] if id(e) in mine else "side: " + e["name"][:54]
+                adds[key][0] += 1
+                adds[key][1] += max(0.0, end - latest)
+                latest = max(latest, end)
+            entry["adds_us"] = {k: [v[0], round(v[1], 1)] for k, v in sorted(adds.items(), key=lambda kv: -kv[1][1])}
+            gaps: dict = defaultdict(lambda: [0, 0.0])
+            for prev, cur in zip(evs, evs[1:]):
+                g = cur["ts"] - (prev["ts"] + prev["dur"])
+                gaps[cur["name"][:60]][0] += 1
+                gaps[cur["name"][:60]][1] += g  # negative = overlapped with its predecessor (PDL)
+            entry["gap_us"] = round(sum(v[1] for v in gaps.values()), 1)
+            entry["gaps_before_us"] = {k: [v[0], round(v[1], 1)] for k, v in sorted(gaps.items(), key=lambda kv: -kv[1][1])}
+        out["streams"]["main" if s == main else f"side{s}"] = entry
+    return out
+
+
+def time_variant(engine: RolloutEngine, prompts: list, settings, with_timeline: bool) -> dict:
+    """Capture the step graphs afresh (two generates) and time 64 replays of the 512-key graph."""
+    rows = len(prompts)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    engine.generate(prompts, settings, gen)  # warm-up step, then capture
+    engine.generate(prompts, settings, gen)
+    graph = engine._graphs[(rows, 512, SAMPLING)][0]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    rewind(engine, rows)
+    for _ in range(64):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    ms = statistics.median(times)
+    row = {"step_ms": round(ms, 4), "tokens_per_s": round(rows * 1e3 / ms, 1)}
+    if with_timeline:
+        try:
+            row["timeline"] = timeline(graph, rows, engine)
+        except Exception as exc:  # the timings above stand without it
+            row["timeline"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-14b")
+    ap.add_argument("--format", default="nvfp4")
+    ap.add_argument("--batch", nargs="+", type=int, default=[8])
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank of the adapters (0: variant base only)")
+    ap.add_argument("--variants", nargs="+", default=["base", "lora"])
+    ap.add_argument("--timeline", nargs="*", default=[])
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    model = build(a.model, a.format)
+    if a.lora:
+        from qerl.nn.lora import LoraSettings, apply_lora
+
+        model = apply_lora(model, LoraSettings(r=a.lora, lora_alpha=a.lora)).eval()
+    engine = RolloutEngine(model, max_batch=max(a.batch), max_len=768)
+    settings = RolloutSettings(max_new_tokens=512, temperature=1.0, stop_ids=[10**9], pad_id=0)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
+              "model": a.model, "format": a.format, "lora_rank": a.lora, "rows": []}
+    for batch in a.batch:
+        prompts = [torch.randint(0, 150000, (256,)).tolist() for _ in range(batch)]
+        for name in a.variants:
+            with variant_of(engine, name), torch.inference_mode():
+                row = {"batch": batch, "variant": name, **time_variant(engine, prompts, settings, name in a.timeline)}
+            result["rows"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "timeline"}), flush=True)
+            if a.out:  # after every row: a call cut short keeps what it measured
+                with open(a.out, "w") as f:
+                    json.dump(result, f, indent=1)
+    print(f"\n{a.model} {a.format} LoRA r{a.lora}")
+    print("| batch | variant | step ms | tok/s | x base |")
+    for r in result["rows"]:
+        ref = next((q for q in result["rows"] if q["variant"] == "base" and q["batch"] == r["batch"]), None)
+        rel = f"{ref['step_ms'] / r['step_ms']:.3f}" if ref else "-"
+        print(f"| {r['batch']} | {r['variant']} | {r['step_ms']:.3f} | {r['tokens_per_s']:.1f} | {rel} |")
+        if "timeline" in r and "streams" in r["timeline"]:
+            for s, e in r["timeline"]["streams"].items():
+                top = list(e["by_kernel_us"].items())[:6]
+                print(f"    {s}: {e['kernels']} kernels, busy {e['busy_us']} us, gaps {e.get('gap_us', '-')} us; top {top}")
+                if "adds_us" in e:
+                    print(f"      critical-path adds: {list(e['adds_us'].items())[:10]}")
+
+
+if __name__ == "__main__":
+    main()
