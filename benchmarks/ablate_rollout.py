@@ -10,12 +10,14 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
   lora            LoRA on every group, on the side stream (the engine's default)
   serial          LoRA on every group, on the main stream after the base product
   only:K1+K2      LoRA only for those group kinds (qkv, o, gate_up, down), side stream
+  late:K1+K2      no LoRA; the CUDA-core GEMV's late PDL trigger only for those kinds
   ...@FLAG[@FLAG]  with switches (see _switches): nowsmma (no Gluon tensor-core GEMVs), nopdl,
                   late / early (the 4-bit kernels trigger their dependents after the main loop /
                   at their start), pf0..pf3 (GEMV
                   weight prefetch depth before the PDL wait), gsm3 (Gluon GEMV at 3 programs per SM), s8 / s16 / s32
                   (LoRA shrink slices), gemv0 (every M = 1 layer on the Gluon GEMV), tokall (every
-                  M = 2..8 layer with K >= 4096 on the Gluon GEMV), ab16 / ab32 (attention key block),
+                  M = 2..8 layer with K >= 4096 on the Gluon GEMV), wsmma20m (in the decode chain,
+                  M = 1 layers from 20M weights on the Gluon GEMV), ab16 / ab32 (attention key block),
                   br16 / br32 (LoRA shrink rows per program), lw8 (8 warps per shrink program)
 `--timeline V` profiles one graph replay of variant V and reports, per stream, the kernels'
 summed durations, and what each kernel adds to the critical path (its end minus the latest end
@@ -51,14 +53,17 @@ def _switches() -> dict:
     """flag -> [(module, attribute, value)] set while a variant runs."""
     from qerl.kernels import decode_ops, lora_ops, w4a16_gemv, w4a16_gluon, w4a16_triton
     table = {
-        "nowsmma": [(w4a16_triton, "WSMMA_MIN_NK", 0), (w4a16_triton, "WSMMA_TOKENS_MIN_N", 0)],
+        "nowsmma": [(w4a16_triton, "WSMMA_MIN_NK", 0), (w4a16_triton, "WSMMA_MIN_NK_PDL", 0),
+                    (w4a16_triton, "WSMMA_TOKENS_MIN_N", 0)],
         "nopdl": [(decode_ops, "PDL", False)],
         "late": [(w4a16_triton, "PDL_LATE", True), (w4a16_gemv, "PDL_LATE", True)],
         "early": [(w4a16_triton, "PDL_LATE", False), (w4a16_gemv, "PDL_LATE", False)],
         "gsm3": [(w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "PER_SM": 3})],
-        "gemv0": [(w4a16_triton, "GEMV_MAX_NK", 0), (w4a16_triton, "WSMMA_MIN_NK", 1)],
+        "gemv0": [(w4a16_triton, "GEMV_MAX_NK", 0), (w4a16_triton, "WSMMA_MIN_NK", 1),
+                  (w4a16_triton, "WSMMA_MIN_NK_PDL", 1)],
         "tokall": [(w4a16_triton, "WSMMA_TOKENS_MIN_N", 1)],
         "lw8": [(lora_ops, "SHRINK_WARPS", 8)],
+        "wsmma20m": [(w4a16_triton, "WSMMA_MIN_NK_PDL", 20_000_000)],
     }
     for n in (16, 32, 64):
         table[f"ab{n}"] = [(decode_ops, "ATTN_BLOCK", n), (decode_ops, "ATTN_BLOCK_SMALL", n)]
@@ -79,6 +84,10 @@ def variant_of(engine: RolloutEngine, name: str):
     unknown = set(flags) - set(table)
     if unknown:
         raise SystemExit(f"unknown variant flag(s) {sorted(unknown)} in {name!r}; valid: {', '.join(table)}")
+    late_kinds = None
+    if base.startswith("late:"):  # late:K1+K2 = base, the CUDA-core GEMV's late PDL trigger only for those kinds
+        late_kinds = tuple(base[5:].split("+"))
+        base = "base"
     if base == "base":
         kinds: tuple = ()
     elif base in ("lora", "serial"):
@@ -94,8 +103,16 @@ def variant_of(engine: RolloutEngine, name: str):
     saved_side = engine._side
     original = engine._linear
 
+    from qerl.kernels import w4a16_gemv
+
     def linear(group, x, kind):
-        return original(group, x, kind) if kind in kinds else (group.base_forward(x), None)
+        before = w4a16_gemv.PDL_LATE
+        if late_kinds is not None:
+            w4a16_gemv.PDL_LATE = kind in late_kinds
+        try:
+            return original(group, x, kind) if kind in kinds else (group.base_forward(x), None)
+        finally:
+            w4a16_gemv.PDL_LATE = before
 
     def reset():
         engine._graphs.clear()

@@ -350,6 +350,40 @@ def test_wgmma_config_errors_are_one_line():
     assert kernel_args("nvfp4", 64, {"maxnreg": 80})[0]["BM"] == 64  # the two-per-SM form builds
 
 
+def test_wgmma_host_caches_follow_their_layer():
+    """The wgmma launch's host caches: kernel arguments are memoised per (format, M, config) and
+    follow a change of the PDL default; the weight / scale TMA descriptors live in the layer's
+    state dict, are rebuilt for a state that points at other rows (a fused layer's slice), and die
+    with the layer (a module-level cache kept freed 32B weights alive and ran out of memory)."""
+    pytest.importorskip("triton.experimental.gluon")
+    import gc
+    import weakref
+
+    from qerl.kernels import w4a16_triton as W
+    from qerl.kernels import w4a16_wgmma as G
+
+    assert G.kernel_args("nvfp4", 256) is G.kernel_args("nvfp4", 256)
+    before = W.PDL
+    try:
+        W.PDL = not before
+        assert G.kernel_args("nvfp4", 256)[0]["PDL"] is (not before)
+    finally:
+        W.PDL = before
+    assert G.kernel_args("nvfp4", 256)[0]["PDL"] is before
+
+    words = torch.zeros(4, 2, 64, 32, dtype=torch.int32)
+    state = {"fmt": "nvfp4", "words": words, "scale": torch.zeros(4, 2, 64, 16, dtype=torch.uint8)}
+    first = G._weight_descriptors(state)
+    assert G._weight_descriptors(state)[0] is first[0]
+    sub = dict(state, words=words[1:3], scale=state["scale"][1:3])  # as fuse._share_kernel_state slices
+    other = G._weight_descriptors(sub)
+    assert other[0] is not first[0] and other[0].base.data_ptr() == words[1:3].data_ptr()
+    ref = weakref.ref(words)
+    del state, sub, first, other, words
+    gc.collect()
+    assert ref() is None, "a cached descriptor kept the layer's weights alive"
+
+
 def test_large_m_wgmma_rule_and_split():
     """The large-M dispatch picks the 128-row wgmma tiles where they fill >= 84% of the last wave,
     64-row ones where those fill >= 80%, else dequant + cuBLAS (None); the split rule."""
