@@ -17,7 +17,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   weight prefetch depth before the PDL wait), gsm3 (Gluon GEMV at 3 programs per SM), s8 / s16 / s32
                   (LoRA shrink slices), gemv0 (every M = 1 layer on the Gluon GEMV), tokall (every
                   M = 2..8 layer with K >= 4096 on the Gluon GEMV), wsmma20m (in the decode chain,
-                  M = 1 layers from 20M weights on the Gluon GEMV), ab16 / ab32 (attention key block),
+                  M = 1 layers from 20M weights on the Gluon GEMV), earlyv (attention loads V with K),
+                  ap528 / ap1056 (attention programs to aim for), ab16 / ab32 (attention key block),
                   br16 / br32 (LoRA shrink rows per program), lw8 (8 warps per shrink program)
 `--timeline V` profiles one graph replay of variant V and reports, per stream, the kernels'
 summed durations, and what each kernel adds to the critical path (its end minus the latest end
@@ -64,6 +65,9 @@ def _switches() -> dict:
         "tokall": [(w4a16_triton, "WSMMA_TOKENS_MIN_N", 1)],
         "lw8": [(lora_ops, "SHRINK_WARPS", 8)],
         "wsmma20m": [(w4a16_triton, "WSMMA_MIN_NK_PDL", 20_000_000)],
+        "earlyv": [(decode_ops, "ATTN_EARLY_V", True)],
+        "ap528": [(decode_ops, "ATTN_PROGRAMS", 528)],
+        "ap1056": [(decode_ops, "ATTN_PROGRAMS", 1056)],
     }
     for n in (16, 32, 64):
         table[f"ab{n}"] = [(decode_ops, "ATTN_BLOCK", n), (decode_ops, "ATTN_BLOCK_SMALL", n)]

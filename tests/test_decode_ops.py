@@ -48,13 +48,18 @@ _SCRIPT = textwrap.dedent(
         gu = torch.randn(rows, 2 * inter) * 3
         e = torch.randn_like(gu) if rows == 5 else None
         out.append(("silu", rows, inter, 0, err(ops.silu_mul_triton(gu, e), ops.silu_mul_reference(gu, e))))
-    for b, heads, kv, dim, length, keys in ((1, 4, 2, 16, 300, 200), (3, 6, 2, 32, 130, 130), (2, 5, 1, 16, 70, 9)):
-        q = torch.randn(b, heads, dim)
-        kc, vc = torch.randn(b + 1, kv, length, dim), torch.randn(b + 1, kv, length, dim)
-        valid = torch.rand(b + 1, length) > 0.3
-        valid[:, 0] = True
-        got = ops.decode_attention_triton(q, kc[:b], vc[:b], valid[:b], keys, dim ** -0.5)
-        out.append(("attention", b, heads, keys, err(got, ops.decode_attention_reference(q, kc[:b], vc[:b], valid[:b], keys, dim ** -0.5))))
+    cases = ((1, 4, 2, 16, 300, 200), (3, 6, 2, 32, 130, 130), (2, 5, 1, 16, 70, 9))
+    # the small-batch 32-key blocks, the 64-key blocks, and V loaded with K
+    for small, early_v in ((32, False), (64, False), (32, True)):
+        ops.ATTN_BLOCK_SMALL, ops.ATTN_EARLY_V = small, early_v
+        for b, heads, kv, dim, length, keys in cases:
+            q = torch.randn(b, heads, dim)
+            kc, vc = torch.randn(b + 1, kv, length, dim), torch.randn(b + 1, kv, length, dim)
+            valid = torch.rand(b + 1, length) > 0.3
+            valid[:, 0] = True
+            got = ops.decode_attention_triton(q, kc[:b], vc[:b], valid[:b], keys, dim ** -0.5)
+            ref = ops.decode_attention_reference(q, kc[:b], vc[:b], valid[:b], keys, dim ** -0.5)
+            out.append(("attention", b, heads, keys, small, early_v, err(got, ref)))
     print("RESULTS" + json.dumps(out))
     """
 )
@@ -63,7 +68,7 @@ _SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize("seed", [0, 1])
 def test_triton_decode_ops_under_interpreter(seed):
     results = run_interpreted(_SCRIPT, seed)
-    assert len(results) == 17
+    assert len(results) == 23
     bad = [r for r in results if not r[-1] <= 1e-5]
     assert not bad, bad
 

@@ -224,7 +224,7 @@ def _triton_kernels():
     def attn_partial_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, po_ptr, pm_ptr, pl_ptr,
                             kc_b, kc_h, kc_l, vc_b, vc_h, vc_l, valid_b, keys, splits, scale, CHUNK: tl.constexpr,
                             KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                            PDL: tl.constexpr = False):
+                            PDL: tl.constexpr = False, EARLY_V: tl.constexpr = False):
         if PDL:  # see decode_ops.PDL
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -247,6 +247,8 @@ def _triton_kernels():
             nm = n < stop
             ok = tl.load(valid_ptr + b * valid_b + n, mask=nm, other=0) != 0
             k = tl.load(k_ptr + b * kc_b + h * kc_h + n[:, None] * kc_l + d[None, :], mask=nm[:, None], other=0.0)
+            if EARLY_V:  # (ATTN_EARLY_V) V's load issued with K's, not after the block's softmax
+                v = tl.load(v_ptr + b * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=nm[:, None], other=0.0)
             sc = tl.dot(q, tl.trans(k)) * scale
             sc = tl.where(ok[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
@@ -254,7 +256,8 @@ def _triton_kernels():
             p = tl.exp(sc - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + b * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=nm[:, None], other=0.0)
+            if not EARLY_V:
+                v = tl.load(v_ptr + b * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=nm[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         base = ((b * KV + h) * splits + s) * G + g
@@ -344,6 +347,9 @@ ATTN_PROGRAMS = 264  # about two per SM on an H100: enough key splits to keep th
 # splits. Measured (H100, 32B nvfp4 batch 1, step time): +1.2% alone, +2.5% with the GEMV's late
 # PDL trigger (benchmarks/NOTES_rollout.md section 7).
 ATTN_BLOCK_SMALL = 32
+# Load each key block's V together with its K (two DRAM round trips in flight, not one after the
+# other). Not measured yet (benchmarks/NOTES_rollout.md section 8), so off unless QERL_ATTN_EARLY_V=1.
+ATTN_EARLY_V = os.environ.get("QERL_ATTN_EARLY_V", "0") == "1"
 
 
 def decode_attention_triton(q, k_cache, v_cache, valid, keys: int, scale: float):
@@ -365,7 +371,7 @@ def decode_attention_triton(q, k_cache, v_cache, valid, keys: int, scale: float)
                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), valid.stride(0),
                              keys, splits, float(scale), CHUNK=chunk, KV=kv, G=group, GP=max(16, _next_pow2(group)), D=d,
-                             BLOCK=block, num_warps=4, PDL=pdl_on(q), launch_pdl=pdl_on(q))
+                             BLOCK=block, num_warps=4, PDL=pdl_on(q), EARLY_V=ATTN_EARLY_V, launch_pdl=pdl_on(q))
     out = torch.empty(b, heads * d, dtype=q.dtype, device=q.device)
     combine[(b, heads)](po, pm, pl, out, splits, KV=kv, G=group, D=d, SP=max(2, _next_pow2(splits)), num_warps=1,
                         PDL=pdl_on(q), launch_pdl=pdl_on(q))
