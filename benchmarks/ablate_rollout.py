@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import sys
 import tempfile
 from collections import defaultdict
@@ -41,13 +40,12 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_rollout import build  # noqa: E402
-from profile_rollout import rewind  # noqa: E402
+from profile_rollout import graph_step_ms, rewind  # noqa: E402
 
 from qerl.rl.rollout import RolloutSettings  # noqa: E402
 from qerl.rollout.engine import RolloutEngine  # noqa: E402
 
 KINDS = ("qkv", "o", "gate_up", "down")
-SAMPLING = (1.0, 0, 1.0)
 
 
 def _switches() -> dict:
@@ -140,7 +138,7 @@ def variant_of(engine: RolloutEngine, name: str):
 
 
 def timeline(graph, rows: int, engine: RolloutEngine) -> dict:
-    """One profiled replay: per-stream kernel sums and the main stream's idle gaps by waiter."""
+    """One profiled replay: per-stream kernel sums and what each kernel adds to the critical path."""
     from torch.profiler import ProfilerActivity, profile
 
     events = []
@@ -159,13 +157,17 @@ def timeline(graph, rows: int, engine: RolloutEngine) -> dict:
         events = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
     if not events:
         return {"error": "no kernel events in the trace (graph kernels not reported by this CUPTI)"}
+
+    def stream(e):
+        return e.get("args", {}).get("stream", e.get("tid"))
+
     by_stream: dict = defaultdict(list)
     for e in events:
-        by_stream[e.get("args", {}).get("stream", e.get("tid"))].append(e)
+        by_stream[stream(e)].append(e)
     main = max(by_stream, key=lambda s: len(by_stream[s]))
     t0 = min(e["ts"] for e in events)
     out = {"span_us": round(max(e["ts"] + e["dur"] for e in events) - t0, 1), "streams": {},
-           "kernels": [[e["name"][:48], "main" if e.get("args", {}).get("stream", e.get("tid")) == main else "side",
+           "kernels": [[e["name"][:48], "main" if stream(e) == main else "side",
                         round(e["ts"] - t0, 1), round(e["dur"], 1)] for e in sorted(events, key=lambda e: e["ts"])]}
     for s, evs in by_stream.items():
         evs.sort(key=lambda e: e["ts"])
@@ -180,7 +182,7 @@ def timeline(graph, rows: int, engine: RolloutEngine) -> dict:
             # (with PDL a kernel starts early and waits, so its duration overstates its cost)
             adds: dict = defaultdict(lambda: [0, 0.0])
             mine = {id(e) for e in evs}
-            latest = min(e["ts"] for e in events)
+            latest = t0
             for e in sorted(events, key=lambda e: e["ts"] + e["dur"]):
                 end = e["ts"] + e["dur"]
                 key = e["name"][:60] if id(e) in mine else "side: " + e["name"][:54]
@@ -188,13 +190,6 @@ def timeline(graph, rows: int, engine: RolloutEngine) -> dict:
                 adds[key][1] += max(0.0, end - latest)
                 latest = max(latest, end)
             entry["adds_us"] = {k: [v[0], round(v[1], 1)] for k, v in sorted(adds.items(), key=lambda kv: -kv[1][1])}
-            gaps: dict = defaultdict(lambda: [0, 0.0])
-            for prev, cur in zip(evs, evs[1:]):
-                g = cur["ts"] - (prev["ts"] + prev["dur"])
-                gaps[cur["name"][:60]][0] += 1
-                gaps[cur["name"][:60]][1] += g  # negative = overlapped with its predecessor (PDL)
-            entry["gap_us"] = round(sum(v[1] for v in gaps.values()), 1)
-            entry["gaps_before_us"] = {k: [v[0], round(v[1], 1)] for k, v in sorted(gaps.items(), key=lambda kv: -kv[1][1])}
         out["streams"]["main" if s == main else f"side{s}"] = entry
     return out
 
@@ -202,20 +197,7 @@ def timeline(graph, rows: int, engine: RolloutEngine) -> dict:
 def time_variant(engine: RolloutEngine, prompts: list, settings, with_timeline: bool) -> dict:
     """Capture the step graphs afresh (two generates) and time 64 replays of the 512-key graph."""
     rows = len(prompts)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    engine.generate(prompts, settings, gen)  # warm-up step, then capture
-    engine.generate(prompts, settings, gen)
-    graph = engine._graphs[(rows, 512, SAMPLING)][0]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    rewind(engine, rows)
-    for _ in range(64):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    ms = statistics.median(times)
+    graph, ms = graph_step_ms(engine, prompts, settings)
     row = {"step_ms": round(ms, 4), "tokens_per_s": round(rows * 1e3 / ms, 1)}
     if with_timeline:
         try:
@@ -263,7 +245,7 @@ def main() -> None:
         if "timeline" in r and "streams" in r["timeline"]:
             for s, e in r["timeline"]["streams"].items():
                 top = list(e["by_kernel_us"].items())[:6]
-                print(f"    {s}: {e['kernels']} kernels, busy {e['busy_us']} us, gaps {e.get('gap_us', '-')} us; top {top}")
+                print(f"    {s}: {e['kernels']} kernels, busy {e['busy_us']} us; top {top}")
                 if "adds_us" in e:
                     print(f"      critical-path adds: {list(e['adds_us'].items())[:10]}")
 

@@ -52,6 +52,26 @@ def rewind(engine: RolloutEngine, rows: int) -> None:
     engine._pos[:rows].fill_(300)
 
 
+def graph_step_ms(engine: RolloutEngine, prompts: list, settings: RolloutSettings, replays: int = 64):
+    """(graph, ms): capture the decode graphs (two generates: a warm-up step, then the capture) and
+    time `replays` replays of the 512-key graph, rewound into its bucket; the median, CUDA events."""
+    rows = len(prompts)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    engine.generate(prompts, settings, gen)
+    engine.generate(prompts, settings, gen)
+    graph = engine._graphs[(rows, 512, (float(settings.temperature), int(settings.top_k), float(settings.top_p)))][0]
+    rewind(engine, rows)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return graph, statistics.median(times)
+
+
 def profile_prefill(a) -> None:
     """Host (CPU self time by op) and GPU (kernel time) of a prefill: generate 2 tokens, after a
     warm-up. A prefill slower than its kernels is bound by the host."""
@@ -125,22 +145,8 @@ def main() -> None:
         engine = RolloutEngine(model, max_batch=max(a.batches), max_len=768)
         for b in a.batches:
             prompts = [torch.randint(0, 150000, (256,)).tolist() for _ in range(b)]
-            gen = torch.Generator(device="cuda").manual_seed(0)
             with torch.inference_mode():
-                engine.generate(prompts, settings, gen)  # captures the graphs
-                engine.generate(prompts, settings, gen)
-                graph = engine._graphs[(b, 512, (1.0, 0, 1.0))][0]
-
-                rewind(engine, b)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                times = []
-                for _ in range(64):  # replays at the 257..512 key bucket
-                    start.record()
-                    graph.replay()
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end))
-                step_ms = statistics.median(times)
+                _, step_ms = graph_step_ms(engine, prompts, settings)
                 from torch.profiler import ProfilerActivity, profile
 
                 rewind(engine, b)

@@ -30,7 +30,7 @@ import os
 import torch
 
 __all__ = ["lora_delta", "lora_delta_reference", "lora_delta_triton", "lora_expand_triton", "lora_shrink_triton",
-           "shrink_splits", "use_triton"]
+           "shrink_splits"]
 
 
 def lora_delta_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: tuple[int, int], rank: int,
@@ -210,18 +210,13 @@ def lora_delta_triton(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds:
     return lora_expand_triton(h, b, bounds, rank, m, buffers)
 
 
-def use_triton(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether lora_delta takes the Triton kernels for these operands."""
-    from qerl.kernels.decode_ops import _on_gpu
-
-    return (x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= 64 and x.stride(-1) == 1
-            and a.is_contiguous() and b.is_contiguous() and _on_gpu(x, "lora"))
-
-
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: tuple[int, int], rank: int,
                buffers: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """The group's LoRA delta [M, N] (module docstring): the two Triton kernels on CUDA for bf16 /
     fp16 with M <= 64; torch otherwise (or with `lora` in QERL_DECODE_OPS_TORCH)."""
-    if use_triton(x, a, b):
+    from qerl.kernels.decode_ops import _on_gpu
+
+    if (x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= 64 and x.stride(-1) == 1
+            and a.is_contiguous() and b.is_contiguous() and _on_gpu(x, "lora")):
         return lora_delta_triton(x, a, b, bounds, rank, buffers)
     return lora_delta_reference(x, a, b, bounds, rank, None if buffers is None else buffers[-1][:x.shape[0]])

@@ -86,7 +86,7 @@ GEMV_MAX_NK = int(os.environ.get("QERL_W4A16_GEMV_MAX_NK", "40000000"))
 # than the GEMV / fused kernel on the four layers with N*K >= 67M it was timed on (55296x5120
 # 65.7 vs 77.5 us), slower below ~40M (NOTES_w4a16.md section 12). 0 disables it.
 WSMMA_MIN_NK = int(os.environ.get("QERL_W4A16_WSMMA_MIN_NK", "60000000"))
-# The same threshold inside a PDL chain (the rollout engine's decode step). There the Gluon GEMV's
+# The same threshold with PDL on (the rollout engine's decode step, a PDL chain). There the Gluon GEMV's
 # loader warps stream weights while the previous kernels finish; with 20M it beat the CUDA-core
 # GEMV on 7168x5120 and 5120x5120 too: step time at batch 1 +2.9% (32B) and +2.7% (14B), while 7B's
 # 4608x3584 / 3584x3584 lost 1.6% (benchmarks/NOTES_rollout.md section 7, results/rollout_ablate/a4_*).
@@ -856,8 +856,9 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
     if path == "fused" and not (config and ("PATH" in config or "BO" in config)):  # a tile config keeps its kernel
         # (modifier keys such as PDL keep the dispatch)
         nk = state["n"] * state["k"]
-        if m == 1 and state["fmt"] == "nvfp4" and 0 < WSMMA_MIN_NK <= nk and _wsmma_ok(x.device, state):
-            path = "wsmma"  # (checked first: in a PDL chain WSMMA_MIN_NK drops below GEMV_MAX_NK)
+        min_nk = WSMMA_MIN_NK_PDL if PDL else WSMMA_MIN_NK
+        if m == 1 and state["fmt"] == "nvfp4" and 0 < min_nk <= nk and _wsmma_ok(x.device, state):
+            path = "wsmma"  # (checked first: with PDL its threshold may be below GEMV_MAX_NK)
         elif m <= GEMV_MAX_M and nk <= GEMV_MAX_NK:
             path = "gemv"
         elif (2 <= m <= 8 and state["fmt"] == "nvfp4" and 0 < WSMMA_TOKENS_MIN_N <= state["n"]

@@ -497,9 +497,10 @@ def kernel_args(fmt: str, m: int, config: dict | None = None) -> tuple[dict, dic
     Memoised (host time: ~75 us per call, mostly the decoder layouts); the dicts are shared, read-only."""
     items = tuple(sorted((config or {}).items()))
     try:
-        return _kernel_args(fmt, m, items, W.PDL)
-    except TypeError:  # an unhashable config value
+        hash(items)
+    except TypeError:  # an unhashable config value: not memoised
         return _kernel_args.__wrapped__(fmt, m, items, W.PDL)
+    return _kernel_args(fmt, m, items, W.PDL)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -349,8 +349,8 @@ class RolloutEngine:
     def _four_bit_pdl(self):
         """While decoding, issue 4's 4-bit kernels launch with programmatic dependent launch as
         the decode_ops kernels do (decode_ops.PDL: the whole step's chain overlaps launch and
-        prologue with the previous kernel's tail), with the chain's own threshold for the Gluon
-        GEMV at M = 1 (w4a16_triton.WSMMA_MIN_NK_PDL); their global defaults stay as they were."""
+        prologue with the previous kernel's tail; with PDL the Gluon GEMV at M = 1 takes its own
+        threshold, w4a16_triton.WSMMA_MIN_NK_PDL); their global default stays as it was."""
         if not (self.device.type == "cuda" and pdl_on(self._tok)):
             yield
             return
@@ -361,13 +361,12 @@ class RolloutEngine:
             return
         from qerl.kernels import w4a16_triton
 
-        before = w4a16_triton.PDL, w4a16_triton.WSMMA_MIN_NK
+        before = w4a16_triton.PDL
         w4a16_triton.PDL = True
-        w4a16_triton.WSMMA_MIN_NK = w4a16_triton.WSMMA_MIN_NK_PDL  # (its note in w4a16_triton)
         try:
             yield
         finally:
-            w4a16_triton.PDL, w4a16_triton.WSMMA_MIN_NK = before
+            w4a16_triton.PDL = before
 
     def _bucket(self, slot: int) -> int:
         return min(self.max_len, -(-(slot + 1) // LENGTH_BUCKET) * LENGTH_BUCKET)
