@@ -87,8 +87,8 @@ def hf_generate_tps(model, prompts, new_tokens: int) -> float:
 
 
 def check(args) -> dict:
-    """GPU correctness on a small random Qwen2 model (bf16): the CUDA-graph decode gives the very
-    tokens of the eager decode; greedy tokens vs Hugging Face generate (leading agreement, bf16
+    """GPU correctness on a small random Qwen2 model (bf16): the CUDA-graph decode (and, on a second
+    call, the CUDA-graph prefill) gives the very tokens of the eager engine; greedy tokens vs Hugging Face generate (leading agreement, bf16
     kernels differ); sampled logprobs vs a fresh forward."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -146,6 +146,7 @@ def check(args) -> dict:
                 eager = RolloutEngine(model, max_batch=8, max_len=256, cuda_graphs=False).generate(prompts, greedy)
                 engine = RolloutEngine(model, max_batch=8, max_len=256)
                 graphed = engine.generate(prompts, greedy)
+                replayed = engine.generate(prompts, greedy)  # the prefill as a CUDA graph this time
                 sample = RolloutSettings(num_generations=2, max_new_tokens=48, temperature=1.0, stop_ids=[10**9], pad_id=0)
                 sampled = engine.generate(prompts, sample, torch.Generator(device="cuda").manual_seed(1))
             fresh = policy_logprobs(model, sampled, temperature=1.0).detach().float().cpu()
@@ -156,13 +157,14 @@ def check(args) -> dict:
             key = f"init{init}/{fmt}/{mode}"
             out[key] = {
                 "graph_equals_eager": bool(torch.equal(graphed.completion_ids, eager.completion_ids)),
+                "prefill_graph_equals_eager": bool(torch.equal(replayed.completion_ids, eager.completion_ids)),
                 "hf_leading_equal_tokens": [int(r.cumprod(0).sum()) for r in same],
                 "logprob_max_abs_err": float(err.max()), "logprob_mean_abs_err": float(err.mean()),
                 "first_token_logprob_max_abs_err": float(first.max()),
             }
             log(f"check {key}: {out[key]}")
-            if not out[key]["graph_equals_eager"]:
-                raise SystemExit(f"check failed: CUDA-graph decode differs from eager decode ({key})")
+            if not (out[key]["graph_equals_eager"] and out[key]["prefill_graph_equals_eager"]):
+                raise SystemExit(f"check failed: CUDA-graph decode or prefill differs from eager ({key})")
             del engine
         ops.TORCH_ONLY.clear()
         if init == 0.02:

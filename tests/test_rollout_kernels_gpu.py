@@ -67,3 +67,40 @@ def test_lora_delta_kernels_match_reference(rows, rank, group):
     ref = lora_ops.lora_delta_reference(x, a, b, bounds, rank)
     assert not torch.isnan(got).any()
     assert float((got.float() - ref.float()).norm() / ref.float().norm()) <= 1e-2
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_engine_prefill_graph_replays_the_eager_prefill(fmt):
+    """A small prefill runs eagerly the first time, then as a CUDA graph fed with the new
+    prompts: the rollouts equal the eager engine's for the same and for other prompts of the same
+    widths; prompts are padded to PROMPT_BUCKET inside, the returned prompt_ids are not."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from qerl.quantize import quantize_
+    from qerl.rl.rollout import RolloutSettings
+    from qerl.rollout.engine import PROMPT_BUCKET, RolloutEngine
+
+    cfg = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, initializer_range=0.02)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    if fmt != "bf16":
+        quantize_(model, fmt, progress=False)
+    first, other = ([torch.randint(0, 4096, (n,)).tolist() for n in (5, 70, 33)] for _ in range(2))
+    settings = RolloutSettings(num_generations=2, max_new_tokens=24, temperature=1.0, stop_ids=[10**9], pad_id=0)
+
+    def run(engine, prompts):
+        return engine.generate(prompts, settings, torch.Generator(device="cuda").manual_seed(0))
+
+    with torch.inference_mode():
+        eager = RolloutEngine(model, max_batch=8, max_len=256, cuda_graphs=False)
+        want = [run(eager, first), run(eager, other)]
+        engine = RolloutEngine(model, max_batch=8, max_len=256)
+        got = [run(engine, first), run(engine, first), run(engine, other)]
+    widths = [k[2] for k in engine._graphs if k[0] == "prefill"]
+    assert widths == [-(-70 // PROMPT_BUCKET) * PROMPT_BUCKET]
+    for g, w in zip(got, [want[0], want[0], want[1]]):
+        assert g.prompt_ids.shape == (3, 70)
+        assert torch.equal(g.completion_ids, w.completion_ids)
+        assert torch.equal(g.logprobs, w.logprobs)

@@ -15,7 +15,9 @@ window), i.e. Hugging Face's `model.model.layers[i].self_attn / mlp / *_layernor
 
 How a call runs.
 - Prefill: each distinct prompt once (left padded, causal + padding mask), its K/V written to
-  the preallocated cache rows of its `num_generations` samples.
+  the preallocated cache rows of its `num_generations` samples. On a GPU the prompt width is
+  padded to a multiple of PROMPT_BUCKET and a small prefill (<= PREFILL_GRAPH_TOKENS tokens) is
+  captured in a CUDA graph per (prompts, width, rows) after its first, eager run, and replayed.
 - Decode: one token per row per step, the whole step on the device: forward, sampling
   (qerl.rollout.sampling, from uniforms drawn for the whole rollout up front), the writes of the
   token / logprob / entropy, the finished flags and the advance of position and cache slot. On a
@@ -60,6 +62,12 @@ __all__ = ["EngineError", "RolloutEngine", "engine_rollouts", "supports"]
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 LENGTH_BUCKET = 256
+# On a GPU, prompt widths are left-padded to a multiple of PROMPT_BUCKET, and a prefill of at most
+# PREFILL_GRAPH_TOKENS prompt tokens (distinct prompts x width) runs as a CUDA graph from its
+# second use on: such a prefill is host-bound (32B at batch 1: ~100-175 ms of launches for
+# ~35 ms of GPU work), a larger one is not and would hold more graph memory.
+PROMPT_BUCKET = 64
+PREFILL_GRAPH_TOKENS = 2048
 
 
 class EngineError(ValueError):
@@ -205,6 +213,7 @@ class RolloutEngine:
                 out_alive=self._out_alive, tok=self._tok, pos=self._pos)
         self._graphs: dict[tuple, object] = {}
         self._pool = None
+        self._lora_ptrs: tuple = ()
         # LoRA products run on a side stream beside the base 4-bit product (captured as a parallel
         # branch of the graph), into buffers kept per group kind so the side stream allocates nothing
         # (high priority: when a 4-bit kernel frees an SM, the small LoRA GEMMs get it first)
@@ -246,6 +255,35 @@ class RolloutEngine:
             h, x = layer.mlp_norm(layer.o(attn.transpose(1, 2).reshape(p, length, -1)), h)
             delta = layer.mlp(x)
         return self._logits(delta[:, -1], h[:, -1])
+
+    def _graph_pool(self):
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    def _run_prefill(self, ids: torch.Tensor, mask: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """`_prefill`, as a CUDA graph where that pays: the first prefill of a shape runs eagerly
+        (it compiles the kernels and is this call's result) and is then captured (capture runs
+        nothing); later ones copy their inputs into the graph's and replay it. The graph writes
+        the same cache rows and shares the decode graphs' memory pool (they never run at once)."""
+        p, length = ids.shape
+        if not self.cuda_graphs or p * length > PREFILL_GRAPH_TOKENS:
+            return self._prefill(ids, mask, source)
+        key = ("prefill", p, length, source.shape[0])
+        entry = self._graphs.get(key)
+        if entry is None:
+            out = self._prefill(ids, mask, source)
+            inputs = (ids.clone(), mask.clone(), source.clone())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool()):
+                captured = self._prefill(*inputs)
+            self._graphs[key] = (graph, inputs, captured)
+            return out
+        graph, inputs, captured = entry
+        for dst, src in zip(inputs, (ids, mask, source)):
+            dst.copy_(src)
+        graph.replay()
+        return captured
 
     def _decode_logits(self, rows: int, keys: int) -> torch.Tensor:
         """Logits [rows, V] for the tokens in self._tok at self._pos / self._slot; attends cache
@@ -326,9 +364,7 @@ class RolloutEngine:
         else:
             if graph == "warm":
                 graph = torch.cuda.CUDAGraph()
-                if self._pool is None:
-                    self._pool = torch.cuda.graph_pool_handle()
-                with torch.cuda.graph(graph, pool=self._pool):
+                with torch.cuda.graph(graph, pool=self._graph_pool()):
                     out = self._decode_step(rows, keys, sampling) if whole else self._decode_logits(rows, keys)
                 self._graphs[key] = graph = (graph, out)
             graph[0].replay()
@@ -382,6 +418,13 @@ class RolloutEngine:
             for group in layer.groups():
                 group.refresh(self.dtype)
         self.final_norm.refresh()
+        # the graphs hold the adapters' buffer addresses: a group that re-allocated them (new rank,
+        # adapters added or removed) invalidates every captured graph
+        buffers = tuple((g._per_module, g._a.data_ptr() if g._a is not None else 0, g._b.data_ptr() if g._b is not None else 0)
+                        for layer in self.layers for g in layer.groups())
+        if buffers != self._lora_ptrs:
+            self.release_graphs()
+            self._lora_ptrs = buffers
 
     def release_graphs(self) -> None:
         self._graphs.clear()
@@ -402,6 +445,13 @@ class RolloutEngine:
             raise EngineError(f"{n_prompts} prompts x {g} generations = {n} rows > the engine's max_batch {self.max_batch}")
         if plen + steps > self.max_len:
             raise EngineError(f"prompt {plen} + {steps} new tokens > the engine's max_len {self.max_len}")
+        if self.device.type == "cuda" and plen % PROMPT_BUCKET:
+            # wider left padding (masked keys) so that prefill graphs and key buckets repeat
+            width = min(-(-plen // PROMPT_BUCKET) * PROMPT_BUCKET, self.max_len - steps)
+            ids, mask = F.pad(p_ids, (width - plen, 0), value=settings.pad_id), F.pad(p_mask, (width - plen, 0), value=0)
+            plen = width
+        else:
+            ids, mask = p_ids, p_mask
         sampling = (float(settings.temperature), int(settings.top_k), float(settings.top_p))
         self.refresh()
         stops = tuple(int(s) for s in settings.stop_ids)
@@ -414,7 +464,7 @@ class RolloutEngine:
             self._uniform[:steps, :n] = draw_uniform((steps, n), generator, self.device)
         index = torch.arange(n_prompts).repeat_interleave(g)
         dev_index = index.to(self.device)
-        ids, mask = p_ids.to(self.device), p_mask.to(self.device)
+        ids, mask = ids.to(self.device), mask.to(self.device)
         if settings.share_prompt:
             source = dev_index
         else:
@@ -423,7 +473,7 @@ class RolloutEngine:
         self._valid[:n].zero_()
         self._valid[:n, :plen] = mask[source].bool()
         t_prefill = time.perf_counter()
-        logits = self._prefill(ids, mask, source)[source if settings.share_prompt else slice(None)]
+        logits = self._run_prefill(ids, mask, source)[source if settings.share_prompt else slice(None)]
         # state for the first token: it is sampled from the prefill logits, then goes in slot plen
         self._pos[:n] = self._valid[:n, :plen].sum(-1) - 1
         self._slot.fill_(plen - 1)
