@@ -89,10 +89,10 @@ WSMMA_MIN_NK = int(os.environ.get("QERL_W4A16_WSMMA_MIN_NK", "60000000"))
 # The same threshold with PDL on (the rollout engine's decode step, a PDL chain). There the Gluon GEMV's
 # loader warps stream weights while the previous kernels finish; with 20M it beat the CUDA-core
 # GEMV on 7168x5120 and 5120x5120 too: step time at batch 1 +2.9% (32B) and +2.7% (14B), while 7B's
-# 4608x3584 / 3584x3584 lost 1.6% (benchmarks/NOTES_rollout.md section 7, results/rollout_ablate/a4_*).
-# Measured by ablate_rollout.py only, not yet by bench_rollout.py (the session's GPU time ran out),
-# so the default stays the single-kernel threshold: QERL_W4A16_WSMMA_MIN_NK_PDL=20000000 opts in.
-WSMMA_MIN_NK_PDL = int(os.environ.get("QERL_W4A16_WSMMA_MIN_NK_PDL", str(WSMMA_MIN_NK)))
+# 4608x3584 / 3584x3584 (below 20M, unaffected) would lose 1.6% (benchmarks/NOTES_rollout.md
+# sections 7 and 9; bench_rollout.py: 32B decode 4.57 -> 4.52 s for 512 tokens).
+# QERL_W4A16_WSMMA_MIN_NK=0 turns both off.
+WSMMA_MIN_NK_PDL = int(os.environ.get("QERL_W4A16_WSMMA_MIN_NK_PDL", "20000000" if WSMMA_MIN_NK else "0"))
 # Forward with WGMMA_MIN_M <= M < DEQUANT_MIN_M, nvfp4 / mxfp4, on Hopper with K % 256 == 0: the
 # warp-specialised Gluon GEMM (w4a16_wgmma.py: TMA loaders, decoder warps, async wgmma), which
 # overlaps decoding with the tensor cores; on the H100 1.6-2x faster than the fused Triton kernel
