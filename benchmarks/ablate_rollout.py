@@ -18,8 +18,12 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   (LoRA shrink slices), gemv0 (every M = 1 layer on the Gluon GEMV), tokall (every
                   M = 2..8 layer with K >= 4096 on the Gluon GEMV), wsmma20m (in the decode chain,
                   M = 1 layers from 20M weights on the Gluon GEMV), earlyv (attention loads V with K),
+                  kvpre / nokvpre (attention reads its first K / V block before the PDL wait),
                   ap528 / ap1056 (attention programs to aim for), ab16 / ab32 (attention key block),
                   br16 / br32 (LoRA shrink rows per program), lw8 (8 warps per shrink program)
+`--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
+its median: the GPU drifts by up to ~6% over a call (the first and last "base" of one list
+differed that much), so single back-to-back timings of two variants mislead.
 `--timeline V` profiles one graph replay of variant V and reports, per stream, the kernels'
 summed durations, and what each kernel adds to the critical path (its end minus the latest end
 before it, grouped by kernel; with PDL durations include the wait for the predecessor). Random-initialised weights.
@@ -31,6 +35,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 import tempfile
 from collections import defaultdict
@@ -64,6 +69,8 @@ def _switches() -> dict:
         "lw8": [(lora_ops, "SHRINK_WARPS", 8)],
         "wsmma20m": [(w4a16_triton, "WSMMA_MIN_NK_PDL", 20_000_000)],
         "earlyv": [(decode_ops, "ATTN_EARLY_V", True)],
+        "kvpre": [(decode_ops, "ATTN_PREFETCH", True)],
+        "nokvpre": [(decode_ops, "ATTN_PREFETCH", False)],
         "ap528": [(decode_ops, "ATTN_PROGRAMS", 528)],
         "ap1056": [(decode_ops, "ATTN_PROGRAMS", 1056)],
     }
@@ -215,6 +222,7 @@ def main() -> None:
     ap.add_argument("--lora", type=int, default=0, help="LoRA rank of the adapters (0: variant base only)")
     ap.add_argument("--variants", nargs="+", default=["base", "lora"])
     ap.add_argument("--timeline", nargs="*", default=[])
+    ap.add_argument("--rounds", type=int, default=1, help="time the variant list this many times over (medians)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     model = build(a.model, a.format)
@@ -228,21 +236,33 @@ def main() -> None:
               "model": a.model, "format": a.format, "lora_rank": a.lora, "rows": []}
     for batch in a.batch:
         prompts = [torch.randint(0, 150000, (256,)).tolist() for _ in range(batch)]
-        for name in a.variants:
+        for rnd, name in ((r, n) for r in range(a.rounds) for n in a.variants):
             with variant_of(engine, name), torch.inference_mode():
-                row = {"batch": batch, "variant": name, **time_variant(engine, prompts, settings, name in a.timeline)}
+                row = {"batch": batch, "variant": name, "round": rnd,
+                       **time_variant(engine, prompts, settings, rnd == 0 and name in a.timeline)}
             result["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "timeline"}), flush=True)
             if a.out:  # after every row: a call cut short keeps what it measured
                 with open(a.out, "w") as f:
                     json.dump(result, f, indent=1)
-    print(f"\n{a.model} {a.format} LoRA r{a.lora}")
-    print("| batch | variant | step ms | tok/s | x base |")
+    medians = {}
     for r in result["rows"]:
-        ref = next((q for q in result["rows"] if q["variant"] == "base" and q["batch"] == r["batch"]), None)
-        rel = f"{ref['step_ms'] / r['step_ms']:.3f}" if ref else "-"
-        print(f"| {r['batch']} | {r['variant']} | {r['step_ms']:.3f} | {r['tokens_per_s']:.1f} | {rel} |")
+        medians.setdefault((r["batch"], r["variant"]), []).append(r["step_ms"])
+    result["medians"] = [{"batch": b, "variant": v, "step_ms": statistics.median(ms), "all_ms": ms}
+                         for (b, v), ms in medians.items()]
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"\n{a.model} {a.format} LoRA r{a.lora}, {a.rounds} round(s): medians")
+    print("| batch | variant | step ms | tok/s | x base | all ms |")
+    for m in result["medians"]:
+        ref = medians.get((m["batch"], "base"))
+        rel = f"{statistics.median(ref) / m['step_ms']:.3f}" if ref else "-"
+        print(f"| {m['batch']} | {m['variant']} | {m['step_ms']:.3f} | {m['batch'] * 1e3 / m['step_ms']:.1f} | {rel} | "
+              f"{' '.join(f'{x:.3f}' for x in m['all_ms'])} |")
+    for r in result["rows"]:
         if "timeline" in r and "streams" in r["timeline"]:
+            print(f"  timeline, batch {r['batch']}, {r['variant']}:")
             for s, e in r["timeline"]["streams"].items():
                 top = list(e["by_kernel_us"].items())[:6]
                 print(f"    {s}: {e['kernels']} kernels, busy {e['busy_us']} us; top {top}")

@@ -49,17 +49,19 @@ _SCRIPT = textwrap.dedent(
         e = torch.randn_like(gu) if rows == 5 else None
         out.append(("silu", rows, inter, 0, err(ops.silu_mul_triton(gu, e), ops.silu_mul_reference(gu, e))))
     cases = ((1, 4, 2, 16, 300, 200), (3, 6, 2, 32, 130, 130), (2, 5, 1, 16, 70, 9))
-    # the small-batch 32-key blocks, the 64-key blocks, and V loaded with K
-    for small, early_v in ((32, False), (64, False), (32, True)):
-        ops.ATTN_BLOCK_SMALL, ops.ATTN_EARLY_V = small, early_v
+    # the small-batch 32-key blocks, the 64-key blocks, V loaded with K, the first block prefetched
+    for small, early_v, prefetch in ((32, False, False), (64, False, False), (32, True, False), (32, False, True),
+                                     (64, False, True)):
+        ops.ATTN_BLOCK_SMALL, ops.ATTN_EARLY_V, ops.ATTN_PREFETCH = small, early_v, prefetch
         for b, heads, kv, dim, length, keys in cases:
             q = torch.randn(b, heads, dim)
             kc, vc = torch.randn(b + 1, kv, length, dim), torch.randn(b + 1, kv, length, dim)
             valid = torch.rand(b + 1, length) > 0.3
             valid[:, 0] = True
-            got = ops.decode_attention_triton(q, kc[:b], vc[:b], valid[:b], keys, dim ** -0.5)
+            slot = torch.tensor([keys // 2])
+            got = ops.decode_attention_triton(q, kc[:b], vc[:b], valid[:b], keys, dim ** -0.5, slot)
             ref = ops.decode_attention_reference(q, kc[:b], vc[:b], valid[:b], keys, dim ** -0.5)
-            out.append(("attention", b, heads, keys, small, early_v, err(got, ref)))
+            out.append(("attention", b, heads, keys, small, early_v, prefetch, err(got, ref)))
     print("RESULTS" + json.dumps(out))
     """
 )
@@ -68,7 +70,7 @@ _SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize("seed", [0, 1])
 def test_triton_decode_ops_under_interpreter(seed):
     results = run_interpreted(_SCRIPT, seed)
-    assert len(results) == 23
+    assert len(results) == 29
     bad = [r for r in results if not r[-1] <= 1e-5]
     assert not bad, bad
 

@@ -69,16 +69,10 @@ def test_lora_delta_kernels_match_reference(rows, rank, group):
     assert float((got.float() - ref.float()).norm() / ref.float().norm()) <= 1e-2
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_engine_prefill_graph_replays_the_eager_prefill(fmt):
-    """A small prefill runs eagerly the first time, then as a CUDA graph fed with the new
-    prompts: the rollouts equal the eager engine's for the same and for other prompts of the same
-    widths; prompts are padded to PROMPT_BUCKET inside, the returned prompt_ids are not."""
+def _small_model(fmt):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from qerl.quantize import quantize_
-    from qerl.rl.rollout import RolloutSettings
-    from qerl.rollout.engine import PROMPT_BUCKET, RolloutEngine
 
     cfg = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=2,
                       num_attention_heads=8, num_key_value_heads=2, initializer_range=0.02)
@@ -87,6 +81,40 @@ def test_engine_prefill_graph_replays_the_eager_prefill(fmt):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     if fmt != "bf16":
         quantize_(model, fmt, progress=False)
+    return model
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_engine_attention_prefetch_changes_nothing(fmt, monkeypatch):
+    """decode_ops.ATTN_PREFETCH reads K / V before the PDL wait, all but this step's slot: a
+    graphed rollout with it equals the one without, token for token and logprob for logprob (a
+    stale read of the slot RoPE writes would change them)."""
+    from qerl.kernels import decode_ops
+    from qerl.rl.rollout import RolloutSettings
+    from qerl.rollout.engine import RolloutEngine
+
+    model = _small_model(fmt)
+    prompts = [torch.randint(0, 4096, (n,)).tolist() for n in (5, 70, 33)]
+    settings = RolloutSettings(num_generations=2, max_new_tokens=80, temperature=1.0, stop_ids=[10**9], pad_id=0)
+    runs = []
+    for prefetch in (False, True):
+        monkeypatch.setattr(decode_ops, "ATTN_PREFETCH", prefetch)
+        with torch.inference_mode():
+            runs.append(RolloutEngine(model, max_batch=8, max_len=256).generate(
+                prompts, settings, torch.Generator(device="cuda").manual_seed(0)))
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+    assert torch.equal(runs[0].logprobs, runs[1].logprobs)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_engine_prefill_graph_replays_the_eager_prefill(fmt):
+    """A small prefill runs eagerly the first time, then as a CUDA graph fed with the new
+    prompts: the rollouts equal the eager engine's for the same and for other prompts of the same
+    widths; prompts are padded to PROMPT_BUCKET inside, the returned prompt_ids are not."""
+    from qerl.rl.rollout import RolloutSettings
+    from qerl.rollout.engine import PROMPT_BUCKET, RolloutEngine
+
+    model = _small_model(fmt)
     first, other = ([torch.randint(0, 4096, (n,)).tolist() for n in (5, 70, 33)] for _ in range(2))
     settings = RolloutSettings(num_generations=2, max_new_tokens=24, temperature=1.0, stop_ids=[10**9], pad_id=0)
 

@@ -221,13 +221,10 @@ def _triton_kernels():
         tl.store(out_ptr + row * inter + cols, (s * u).to(dt), mask=m)
 
     @triton.jit
-    def attn_partial_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, po_ptr, pm_ptr, pl_ptr,
+    def attn_partial_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, po_ptr, pm_ptr, pl_ptr,
                             kc_b, kc_h, kc_l, vc_b, vc_h, vc_l, valid_b, keys, splits, scale, CHUNK: tl.constexpr,
                             KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                            PDL: tl.constexpr = False, EARLY_V: tl.constexpr = False):
-        if PDL:  # see decode_ops.PDL
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+                            PDL: tl.constexpr = False, EARLY_V: tl.constexpr = False, PREFETCH: tl.constexpr = False):
         # one (row, KV head, key chunk): the G query heads of that KV head against CHUNK keys,
         # online softmax; partial output, max and sum per query head to po / pm / pl
         b = tl.program_id(0)
@@ -236,18 +233,36 @@ def _triton_kernels():
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
         gm = g < G
+        start = s * CHUNK
+        stop = tl.minimum(start + CHUNK, keys)
+        if PDL:  # see decode_ops.PDL
+            tl.extra.cuda.gdc_launch_dependents()
+        if PREFETCH:  # (ATTN_PREFETCH) the chunk's first K / V block read before the wait: every
+            # slot but `slot` (written by this step's RoPE kernel) was final before this step began
+            slot = tl.load(slot_ptr)
+            n = start + tl.arange(0, BLOCK)
+            old = (n < stop) & (n != slot)
+            k_pre = tl.load(k_ptr + b * kc_b + h * kc_h + n[:, None] * kc_l + d[None, :], mask=old[:, None], other=0.0)
+            v_pre = tl.load(v_ptr + b * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=old[:, None], other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         q = tl.load(q_ptr + ((b * KV + h) * G + g[:, None]) * D + d[None, :], mask=gm[:, None], other=0.0)
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        start = s * CHUNK
-        stop = tl.minimum(start + CHUNK, keys)
         for n0 in range(0, CHUNK, BLOCK):
             n = start + n0 + tl.arange(0, BLOCK)
             nm = n < stop
             ok = tl.load(valid_ptr + b * valid_b + n, mask=nm, other=0) != 0
-            k = tl.load(k_ptr + b * kc_b + h * kc_h + n[:, None] * kc_l + d[None, :], mask=nm[:, None], other=0.0)
-            if EARLY_V:  # (ATTN_EARLY_V) V's load issued with K's, not after the block's softmax
+            if PREFETCH:  # first block: only `slot` read now, the rest from the prefetch
+                fresh = nm & ((n0 > 0) | (n == slot))
+                k = tl.load(k_ptr + b * kc_b + h * kc_h + n[:, None] * kc_l + d[None, :], mask=fresh[:, None], other=0.0)
+                v = tl.load(v_ptr + b * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=fresh[:, None], other=0.0)
+                k = tl.where(fresh[:, None], k, k_pre)
+                v = tl.where(fresh[:, None], v, v_pre)
+            else:
+                k = tl.load(k_ptr + b * kc_b + h * kc_h + n[:, None] * kc_l + d[None, :], mask=nm[:, None], other=0.0)
+            if EARLY_V and not PREFETCH:  # (ATTN_EARLY_V) V's load issued with K's, not after the block's softmax
                 v = tl.load(v_ptr + b * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=nm[:, None], other=0.0)
             sc = tl.dot(q, tl.trans(k)) * scale
             sc = tl.where(ok[None, :], sc, float("-inf"))
@@ -256,7 +271,7 @@ def _triton_kernels():
             p = tl.exp(sc - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if not EARLY_V:
+            if not EARLY_V and not PREFETCH:
                 v = tl.load(v_ptr + b * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=nm[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
@@ -329,12 +344,14 @@ def silu_mul(gate_up, extra=None):
     return silu_mul_reference(gate_up, extra)
 
 
-def decode_attention(q, k_cache, v_cache, valid, keys: int, scale: float):
+def decode_attention(q, k_cache, v_cache, valid, keys: int, scale: float, slot=None):
+    """Attention of one query per row over cache slots [0, keys); `slot` ([1] long, optional) is the
+    slot written in this step (ATTN_PREFETCH reads every other slot before the PDL wait)."""
     d = q.shape[-1]
     if (not _on_gpu(q, "attention") or d & (d - 1) or d < 16 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1
             or not valid.is_contiguous()):
         return decode_attention_reference(q, k_cache, v_cache, valid, keys, scale)
-    return decode_attention_triton(q, k_cache, v_cache, valid, keys, scale)
+    return decode_attention_triton(q, k_cache, v_cache, valid, keys, scale, slot)
 
 
 # The launches (called directly by the interpreter tests, which run them on CPU tensors).
@@ -350,9 +367,13 @@ ATTN_BLOCK_SMALL = 32
 # Load each key block's V together with its K (two DRAM round trips in flight, not one after the
 # other). Not measured yet (benchmarks/NOTES_rollout.md section 8), so off unless QERL_ATTN_EARLY_V=1.
 ATTN_EARLY_V = os.environ.get("QERL_ATTN_EARLY_V", "0") == "1"
+# With the step's cache slot given (the engine's decode): each program reads its first K / V block,
+# all but that slot, before its PDL wait (they were final before the step began), so the DRAM
+# round trip overlaps the kernels before it; the slot's row (this step's RoPE writes it) after.
+ATTN_PREFETCH = os.environ.get("QERL_ATTN_PREFETCH", "0") == "1"
 
 
-def decode_attention_triton(q, k_cache, v_cache, valid, keys: int, scale: float):
+def decode_attention_triton(q, k_cache, v_cache, valid, keys: int, scale: float, slot=None):
     """Flash-decoding: the keys split over programs (partial softmax each), then one combine."""
     partial, combine = _triton_kernels()[3:5]
     b, heads, d = q.shape
@@ -367,11 +388,13 @@ def decode_attention_triton(q, k_cache, v_cache, valid, keys: int, scale: float)
     po = torch.empty(b, kv, splits, group, d, dtype=torch.float32, device=q.device)
     pm = torch.empty(b, kv, splits, group, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
-    partial[(b, kv, splits)](q, k_cache, v_cache, valid, po, pm, pl,
+    prefetch = ATTN_PREFETCH and slot is not None
+    partial[(b, kv, splits)](q, k_cache, v_cache, valid, slot if prefetch else valid, po, pm, pl,
                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), valid.stride(0),
                              keys, splits, float(scale), CHUNK=chunk, KV=kv, G=group, GP=max(16, _next_pow2(group)), D=d,
-                             BLOCK=block, num_warps=4, PDL=pdl_on(q), EARLY_V=ATTN_EARLY_V, launch_pdl=pdl_on(q))
+                             BLOCK=block, num_warps=4, PDL=pdl_on(q), EARLY_V=ATTN_EARLY_V, PREFETCH=prefetch,
+                             launch_pdl=pdl_on(q))
     out = torch.empty(b, heads * d, dtype=q.dtype, device=q.device)
     combine[(b, heads)](po, pm, pl, out, splits, KV=kv, G=group, D=d, SP=max(2, _next_pow2(splits)), num_warps=1,
                         PDL=pdl_on(q), launch_pdl=pdl_on(q))

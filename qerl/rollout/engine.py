@@ -304,7 +304,7 @@ class RolloutEngine:
                 q, k, v = qkv.view(rows, -1, d).split([self.n_heads, self.n_kv, self.n_kv], dim=1)
                 q, k = layer.q_norm(None, q)[1], layer.k_norm(None, k)[1]
                 q = rope_to_cache(torch.cat([q, k, v], 1).reshape(rows, -1), cos, sin, kc, vc, self._slot, self.n_heads, self.n_kv)
-            attn = decode_attention(q, kc, vc, valid, keys, self.scaling)
+            attn = decode_attention(q, kc, vc, valid, keys, self.scaling, self._slot)
             o, lo = self._linear(layer.o, attn, "o")
             h, x = layer.mlp_norm(o, h, lo)
             gu, lo = self._linear(layer.gate_up, x, "gate_up")
