@@ -64,9 +64,10 @@ _SCRIPT = textwrap.dedent(
             out.append(("attention", b, heads, keys, small, early_v, prefetch, err(got, ref)))
     # RoPE + cache write + attention + combine in one kernel, against the two references; twice on
     # one counter buffer (the last program of each (row, KV head) resets its counter)
-    for b, heads, kv, dim, length, keys, small in ((1, 4, 2, 16, 300, 200, 32), (3, 6, 2, 32, 130, 130, 64),
-                                                   (2, 5, 1, 16, 70, 9, 32)):
-        ops.ATTN_BLOCK_SMALL = small
+    for b, heads, kv, dim, length, keys, small, combine in ((1, 4, 2, 16, 300, 200, 32, True),
+                                                            (3, 6, 2, 32, 130, 130, 64, True),
+                                                            (2, 5, 1, 16, 70, 9, 32, True), (3, 6, 2, 32, 130, 100, 32, False)):
+        ops.ATTN_BLOCK_SMALL, ops.ATTN_FUSED_COMBINE = small, combine
         counters = torch.zeros(b * kv, dtype=torch.int32)
         for rep in range(2):
             qkv = torch.randn(b, (heads + 2 * kv) * dim)
@@ -93,7 +94,7 @@ _SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize("seed", [0, 1])
 def test_triton_decode_ops_under_interpreter(seed):
     results = run_interpreted(_SCRIPT, seed)
-    assert len(results) == 35
+    assert len(results) == 37
     assert all(r[-2] == 0 for r in results if r[0] == "rope_attention"), results  # counters back at 0
     bad = [r for r in results if not r[-1] <= 1e-5]
     assert not bad, bad

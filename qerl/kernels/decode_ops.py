@@ -309,7 +309,7 @@ def _triton_kernels():
                          cnt_ptr, out_ptr, kc_b, kc_h, kc_l, vc_b, vc_h, vc_l, valid_b, keys, splits, scale,
                          CHUNK: tl.constexpr, HEADS: tl.constexpr, KV: tl.constexpr, G: tl.constexpr,
                          GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, SP: tl.constexpr,
-                         HAS_EXTRA: tl.constexpr, PDL: tl.constexpr = False):
+                         HAS_EXTRA: tl.constexpr, COMBINE: tl.constexpr = True, PDL: tl.constexpr = False):
         # rope_cache_kernel + attn_partial_kernel + attn_combine_kernel in one launch (ATTN_FUSED):
         # program (row, KV head, key chunk) rotates this step's q (its G heads) and k itself, the
         # program whose chunk holds `slot` writes k / v to the cache, and the last program of a
@@ -385,22 +385,23 @@ def _triton_kernels():
         tl.store(po_ptr + base[:, None] * D + d[None, :], acc, mask=gm[:, None])
         tl.store(pm_ptr + base, m_i, mask=gm)
         tl.store(pl_ptr + base, l_i, mask=gm)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + b * KV + h, 1, sem="acq_rel")
-        if arrived == splits - 1:  # the last chunk of (row, KV head): combine, as attn_combine_kernel
-            sp = tl.arange(0, SP)
-            sm = sp < splits
-            for gi in tl.static_range(G):
-                idx = ((b * KV + h) * splits + sp) * G + gi
-                m = tl.load(pm_ptr + idx, mask=sm, other=float("-inf"), cache_modifier=".cg")
-                l = tl.load(pl_ptr + idx, mask=sm, other=0.0, cache_modifier=".cg")
-                big = tl.max(m, axis=0)
-                big = tl.where(big == float("-inf"), 0.0, big)
-                w = tl.exp(m - big)
-                o = tl.load(po_ptr + idx[:, None] * D + d[None, :], mask=sm[:, None], other=0.0, cache_modifier=".cg")
-                res = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-                tl.store(out_ptr + ((b * KV + h) * G + gi) * D + d, res.to(dt))
-            tl.atomic_xchg(cnt_ptr + b * KV + h, 0)  # ready for the next launch
+        if COMBINE:  # (else attn_combine_kernel runs after this kernel)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + b * KV + h, 1, sem="acq_rel")
+            if arrived == splits - 1:  # the last chunk of (row, KV head): combine, as attn_combine_kernel
+                sp = tl.arange(0, SP)
+                sm = sp < splits
+                for gi in tl.static_range(G):
+                    idx = ((b * KV + h) * splits + sp) * G + gi
+                    m = tl.load(pm_ptr + idx, mask=sm, other=float("-inf"), cache_modifier=".cg")
+                    l = tl.load(pl_ptr + idx, mask=sm, other=0.0, cache_modifier=".cg")
+                    big = tl.max(m, axis=0)
+                    big = tl.where(big == float("-inf"), 0.0, big)
+                    w = tl.exp(m - big)
+                    o = tl.load(po_ptr + idx[:, None] * D + d[None, :], mask=sm[:, None], other=0.0, cache_modifier=".cg")
+                    res = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+                    tl.store(out_ptr + ((b * KV + h) * G + gi) * D + d, res.to(dt))
+                tl.atomic_xchg(cnt_ptr + b * KV + h, 0)  # ready for the next launch
 
     return add_rms_norm_kernel, rope_cache_kernel, silu_mul_kernel, attn_partial_kernel, attn_combine_kernel, rope_attn_kernel
 
@@ -489,6 +490,8 @@ ATTN_PREFETCH = os.environ.get("QERL_ATTN_PREFETCH", "0") == "1"
 # One kernel for RoPE + cache write + attention + combine (rope_attention with the engine's counters):
 # two kernel boundaries fewer per layer in the decode chain.
 ATTN_FUSED = os.environ.get("QERL_ATTN_FUSED", "0") == "1"
+# With ATTN_FUSED: the combine in the fused kernel (last arrival) or in attn_combine_kernel after it.
+ATTN_FUSED_COMBINE = os.environ.get("QERL_ATTN_FUSED_COMBINE", "1") == "1"
 
 
 def _attention_split(b: int, kv: int, keys: int):
@@ -520,7 +523,11 @@ def rope_attention_triton(qkv, cos, sin, k_cache, v_cache, slot, valid, keys: in
                           v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), valid.stride(0),
                           keys, splits, float(scale), CHUNK=chunk, HEADS=heads, KV=kv, G=group,
                           GP=max(16, _next_pow2(group)), D=d, BLOCK=block, SP=max(2, _next_pow2(splits)),
-                          HAS_EXTRA=extra is not None, num_warps=4, PDL=pdl_on(qkv), launch_pdl=pdl_on(qkv))
+                          HAS_EXTRA=extra is not None, COMBINE=ATTN_FUSED_COMBINE, num_warps=4, PDL=pdl_on(qkv),
+                          launch_pdl=pdl_on(qkv))
+    if not ATTN_FUSED_COMBINE:
+        _triton_kernels()[4][(b, heads)](po, pm, pl, out, splits, KV=kv, G=group, D=d, SP=max(2, _next_pow2(splits)),
+                                         num_warps=1, PDL=pdl_on(qkv), launch_pdl=pdl_on(qkv))
     return out
 
 
