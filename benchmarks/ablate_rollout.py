@@ -19,8 +19,6 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   M = 2..8 layer with K >= 4096 on the Gluon GEMV), wsmma20m (in the decode chain,
                   M = 1 layers from 20M weights on the Gluon GEMV), earlyv (attention loads V with K),
                   kvpre / nokvpre (attention reads its first K / V block before the PDL wait),
-                  fused / unfused (RoPE + cache write + attention + combine as one kernel or three),
-                  fusedrope (RoPE + cache write + attention in one kernel, the combine after it),
                   ap528 / ap1056 (attention programs to aim for), ab16 / ab32 (attention key block),
                   br16 / br32 (LoRA shrink rows per program), lw8 (8 warps per shrink program)
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
@@ -73,9 +71,6 @@ def _switches() -> dict:
         "earlyv": [(decode_ops, "ATTN_EARLY_V", True)],
         "kvpre": [(decode_ops, "ATTN_PREFETCH", True)],
         "nokvpre": [(decode_ops, "ATTN_PREFETCH", False)],
-        "fused": [(decode_ops, "ATTN_FUSED", True)],
-        "unfused": [(decode_ops, "ATTN_FUSED", False)],
-        "fusedrope": [(decode_ops, "ATTN_FUSED", True), (decode_ops, "ATTN_FUSED_COMBINE", False)],
         "ap528": [(decode_ops, "ATTN_PROGRAMS", 528)],
         "ap1056": [(decode_ops, "ATTN_PROGRAMS", 1056)],
     }

@@ -132,36 +132,3 @@ def test_engine_prefill_graph_replays_the_eager_prefill(fmt):
         assert g.prompt_ids.shape == (3, 70)
         assert torch.equal(g.completion_ids, w.completion_ids)
         assert torch.equal(g.logprobs, w.logprobs)
-
-
-@pytest.mark.parametrize("rows,heads,kv,keys", [(1, 40, 8, 768), (8, 28, 4, 512), (64, 40, 8, 300)])
-@pytest.mark.parametrize("with_extra", [False, True])
-def test_fused_rope_attention_equals_the_three_kernels(rows, heads, kv, keys, with_extra):
-    """decode_ops.rope_attention_triton (one kernel) against rope_to_cache_triton +
-    decode_attention_triton on fresh bf16 inputs at Qwen2.5 sizes: the same cache writes bit for
-    bit, the output within bf16 rounding (the combine sums in another order), the arrival counters
-    back at zero, twice on one counter buffer."""
-    from qerl.kernels import decode_ops as ops
-
-    gen = torch.Generator(device="cuda").manual_seed(rows + heads + keys)
-    dev, d, length = "cuda", 128, 1024
-    counters = torch.zeros(rows * kv, dtype=torch.int32, device=dev)
-    for rep in range(2):
-        qkv = torch.randn(rows, (heads + 2 * kv) * d, generator=gen, device=dev).bfloat16()
-        extra = (torch.randn(qkv.shape, generator=gen, device=dev) * 0.1).bfloat16() if with_extra else None
-        ang = torch.rand(rows, d // 2, generator=gen, device=dev) * 100
-        cos, sin = (torch.cat([f(ang), f(ang)], -1).bfloat16() for f in (torch.cos, torch.sin))
-        kc = torch.randn(rows, kv, length, d, generator=gen, device=dev).bfloat16()
-        vc = torch.randn(rows, kv, length, d, generator=gen, device=dev).bfloat16()
-        kc2, vc2 = kc.clone(), vc.clone()
-        valid = torch.rand(rows, length, generator=gen, device=dev) > 0.2
-        slot = torch.tensor([keys - 1 - 7 * rep], device=dev)
-        valid[:, slot] = True
-        got = ops.rope_attention_triton(qkv, cos, sin, kc, vc, slot, valid, keys, d ** -0.5, heads, kv, extra, counters)
-        q = ops.rope_to_cache_triton(qkv, cos, sin, kc2, vc2, slot, heads, kv, extra)
-        want = ops.decode_attention_triton(q, kc2, vc2, valid, keys, d ** -0.5)
-        torch.cuda.synchronize()
-        assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
-        assert not got.isnan().any()
-        assert float((got.float() - want.float()).norm() / want.float().norm()) <= 1e-2
-        assert int(counters.abs().sum()) == 0

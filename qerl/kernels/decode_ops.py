@@ -30,7 +30,7 @@ import os
 import torch
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "decode_attention", "decode_attention_reference",
-           "rope_attention", "rope_to_cache", "rope_to_cache_reference", "rotary", "silu_mul", "silu_mul_reference"]
+           "rope_to_cache", "rope_to_cache_reference", "rotary", "silu_mul", "silu_mul_reference"]
 
 
 # --------------------------------------------------------------------------- references
@@ -304,106 +304,7 @@ def _triton_kernels():
         out = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
         tl.store(out_ptr + (b * KV * G + head) * D + d, out.to(out_ptr.dtype.element_ty))
 
-    @triton.jit
-    def rope_attn_kernel(qkv_ptr, e_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, po_ptr, pm_ptr, pl_ptr,
-                         cnt_ptr, out_ptr, kc_b, kc_h, kc_l, vc_b, vc_h, vc_l, valid_b, keys, splits, scale,
-                         CHUNK: tl.constexpr, HEADS: tl.constexpr, KV: tl.constexpr, G: tl.constexpr,
-                         GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, SP: tl.constexpr,
-                         HAS_EXTRA: tl.constexpr, COMBINE: tl.constexpr = True, PDL: tl.constexpr = False):
-        # rope_cache_kernel + attn_partial_kernel + attn_combine_kernel in one launch (ATTN_FUSED):
-        # program (row, KV head, key chunk) rotates this step's q (its G heads) and k itself, the
-        # program whose chunk holds `slot` writes k / v to the cache, and the last program of a
-        # (row, KV head) to finish combines the chunks' partials (arrival counter, fixed order)
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        s = tl.program_id(2)
-        g = tl.arange(0, GP)
-        d = tl.arange(0, D)
-        gm = g < G
-        start = s * CHUNK
-        stop = tl.minimum(start + CHUNK, keys)
-        if PDL:  # see decode_ops.PDL
-            tl.extra.cuda.gdc_launch_dependents()
-        # the first K / V block, all but `slot`, before the wait: final before this step began
-        slot = tl.load(slot_ptr)
-        n = start + tl.arange(0, BLOCK)
-        old = (n < stop) & (n != slot)
-        k_pre = tl.load(k_ptr + b * kc_b + h * kc_h + n[:, None] * kc_l + d[None, :], mask=old[:, None], other=0.0)
-        v_pre = tl.load(v_ptr + b * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=old[:, None], other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        dt = out_ptr.dtype.element_ty
-        # RoPE as rope_cache_kernel rounds it: x * cos and rotate_half(x) * sin rounded, then their sum
-        partner = (d + D // 2) % D
-        sign = tl.where(d < D // 2, -1.0, 1.0)
-        c = tl.load(cos_ptr + b * D + d).to(tl.float32)
-        sn = tl.load(sin_ptr + b * D + d).to(tl.float32)
-        row = b * (HEADS + 2 * KV) * D
-        qo = row + (h * G + g[:, None]) * D
-        ko = row + (HEADS + h) * D
-        vo = row + (HEADS + KV + h) * D
-        xq = tl.load(qkv_ptr + qo + d[None, :], mask=gm[:, None], other=0.0)
-        xq2 = tl.load(qkv_ptr + qo + partner[None, :], mask=gm[:, None], other=0.0)
-        xk = tl.load(qkv_ptr + ko + d)
-        xk2 = tl.load(qkv_ptr + ko + partner)
-        xv = tl.load(qkv_ptr + vo + d)
-        if HAS_EXTRA:
-            xq = (xq.to(tl.float32) + tl.load(e_ptr + qo + d[None, :], mask=gm[:, None], other=0.0).to(tl.float32)).to(dt)
-            xq2 = (xq2.to(tl.float32) + tl.load(e_ptr + qo + partner[None, :], mask=gm[:, None], other=0.0).to(tl.float32)).to(dt)
-            xk = (xk.to(tl.float32) + tl.load(e_ptr + ko + d).to(tl.float32)).to(dt)
-            xk2 = (xk2.to(tl.float32) + tl.load(e_ptr + ko + partner).to(tl.float32)).to(dt)
-            xv = (xv.to(tl.float32) + tl.load(e_ptr + vo + d).to(tl.float32)).to(dt)
-        q = ((xq.to(tl.float32) * c[None, :]).to(dt).to(tl.float32)
-             + (sign[None, :] * xq2.to(tl.float32) * sn[None, :]).to(dt).to(tl.float32)).to(dt)
-        k_new = ((xk.to(tl.float32) * c).to(dt).to(tl.float32) + (sign * xk2.to(tl.float32) * sn).to(dt).to(tl.float32)).to(dt)
-        if (slot >= start) & (slot < stop):
-            tl.store(k_ptr + b * kc_b + h * kc_h + slot * kc_l + d, k_new)
-            tl.store(v_ptr + b * vc_b + h * vc_h + slot * vc_l + d, xv)
-        m_i = tl.full([GP], float("-inf"), tl.float32)
-        l_i = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, D], tl.float32)
-        for n0 in range(0, CHUNK, BLOCK):
-            n = start + n0 + tl.arange(0, BLOCK)
-            nm = n < stop
-            ok = tl.load(valid_ptr + b * valid_b + n, mask=nm, other=0) != 0
-            later = nm & (n0 > 0)
-            k = tl.load(k_ptr + b * kc_b + h * kc_h + n[:, None] * kc_l + d[None, :], mask=later[:, None], other=0.0)
-            v = tl.load(v_ptr + b * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=later[:, None], other=0.0)
-            cur = (n == slot)[:, None]
-            k = tl.where(cur, k_new[None, :], tl.where(later[:, None], k, k_pre))
-            v = tl.where(cur, xv[None, :], tl.where(later[:, None], v, v_pre))
-            sc = tl.dot(q, tl.trans(k)) * scale
-            sc = tl.where(ok[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(sc - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        base = ((b * KV + h) * splits + s) * G + g
-        tl.store(po_ptr + base[:, None] * D + d[None, :], acc, mask=gm[:, None])
-        tl.store(pm_ptr + base, m_i, mask=gm)
-        tl.store(pl_ptr + base, l_i, mask=gm)
-        if COMBINE:  # (else attn_combine_kernel runs after this kernel)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(cnt_ptr + b * KV + h, 1, sem="acq_rel")
-            if arrived == splits - 1:  # the last chunk of (row, KV head): combine, as attn_combine_kernel
-                sp = tl.arange(0, SP)
-                sm = sp < splits
-                for gi in tl.static_range(G):
-                    idx = ((b * KV + h) * splits + sp) * G + gi
-                    m = tl.load(pm_ptr + idx, mask=sm, other=float("-inf"), cache_modifier=".cg")
-                    l = tl.load(pl_ptr + idx, mask=sm, other=0.0, cache_modifier=".cg")
-                    big = tl.max(m, axis=0)
-                    big = tl.where(big == float("-inf"), 0.0, big)
-                    w = tl.exp(m - big)
-                    o = tl.load(po_ptr + idx[:, None] * D + d[None, :], mask=sm[:, None], other=0.0, cache_modifier=".cg")
-                    res = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-                    tl.store(out_ptr + ((b * KV + h) * G + gi) * D + d, res.to(dt))
-                tl.atomic_xchg(cnt_ptr + b * KV + h, 0)  # ready for the next launch
-
-    return add_rms_norm_kernel, rope_cache_kernel, silu_mul_kernel, attn_partial_kernel, attn_combine_kernel, rope_attn_kernel
+    return add_rms_norm_kernel, rope_cache_kernel, silu_mul_kernel, attn_partial_kernel, attn_combine_kernel
 
 
 def _next_pow2(n: int) -> int:
@@ -443,21 +344,6 @@ def silu_mul(gate_up, extra=None):
     return silu_mul_reference(gate_up, extra)
 
 
-def rope_attention(qkv, cos, sin, k_cache, v_cache, slot, valid, keys: int, scale: float, heads: int, kv_heads: int,
-                   extra=None, counters=None):
-    """rope_to_cache, then decode_attention over slots [0, keys): attention output [B, heads * D].
-    On a GPU with ATTN_FUSED and `counters` (int32 zeros, >= B * kv_heads, kept by the caller: the
-    kernel leaves them at zero) one kernel does both (rope_attention_triton)."""
-    d = cos.shape[-1]
-    if (ATTN_FUSED and counters is not None and _on_gpu(qkv, "rope") and _on_gpu(qkv, "attention") and qkv.is_contiguous()
-            and not d & (d - 1) and d >= 16 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-            and valid.is_contiguous() and _same_dtype(qkv, extra)):
-        return rope_attention_triton(qkv, cos, sin, k_cache, v_cache, slot, valid, keys, scale, heads, kv_heads,
-                                     extra, counters)
-    q = rope_to_cache(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads, extra)
-    return decode_attention(q, k_cache, v_cache, valid, keys, scale, slot)
-
-
 def decode_attention(q, k_cache, v_cache, valid, keys: int, scale: float, slot=None):
     """Attention of one query per row over cache slots [0, keys); `slot` ([1] long, optional) is the
     slot written in this step (ATTN_PREFETCH reads every other slot before the PDL wait)."""
@@ -487,59 +373,21 @@ ATTN_EARLY_V = os.environ.get("QERL_ATTN_EARLY_V", "0") == "1"
 ATTN_PREFETCH = os.environ.get("QERL_ATTN_PREFETCH", "0") == "1"
 
 
-# One kernel for RoPE + cache write + attention + combine (rope_attention with the engine's counters):
-# two kernel boundaries fewer per layer in the decode chain.
-ATTN_FUSED = os.environ.get("QERL_ATTN_FUSED", "0") == "1"
-# With ATTN_FUSED: the combine in the fused kernel (last arrival) or in attn_combine_kernel after it.
-ATTN_FUSED_COMBINE = os.environ.get("QERL_ATTN_FUSED_COMBINE", "1") == "1"
-
-
-def _attention_split(b: int, kv: int, keys: int):
-    """(key block, splits, keys per split) for b rows x kv KV heads over `keys` slots."""
-    block = ATTN_BLOCK if b * kv * -(-keys // ATTN_BLOCK) >= ATTN_PROGRAMS else ATTN_BLOCK_SMALL
-    blocks = -(-keys // block)
-    splits = max(1, min(blocks, -(-ATTN_PROGRAMS // (b * kv))))
-    chunk = -(-blocks // splits) * block
-    return block, -(-keys // chunk), chunk
-
-
-def _partials(b, kv, splits, group, d, device):
-    po = torch.empty(b, kv, splits, group, d, dtype=torch.float32, device=device)
-    pm = torch.empty(b, kv, splits, group, dtype=torch.float32, device=device)
-    return po, pm, torch.empty_like(pm)
-
-
-def rope_attention_triton(qkv, cos, sin, k_cache, v_cache, slot, valid, keys: int, scale: float, heads: int,
-                          kv_heads: int, extra=None, counters=None):
-    kern = _triton_kernels()[5]
-    b, d, kv = qkv.shape[0], cos.shape[-1], kv_heads
-    group = heads // kv
-    block, splits, chunk = _attention_split(b, kv, keys)
-    po, pm, pl = _partials(b, kv, splits, group, d, qkv.device)
-    out = torch.empty(b, heads * d, dtype=qkv.dtype, device=qkv.device)
-    e = extra.contiguous() if extra is not None else qkv
-    kern[(b, kv, splits)](qkv, e, cos.contiguous(), sin.contiguous(), k_cache, v_cache, valid, slot, po, pm, pl,
-                          counters, out, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                          v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), valid.stride(0),
-                          keys, splits, float(scale), CHUNK=chunk, HEADS=heads, KV=kv, G=group,
-                          GP=max(16, _next_pow2(group)), D=d, BLOCK=block, SP=max(2, _next_pow2(splits)),
-                          HAS_EXTRA=extra is not None, COMBINE=ATTN_FUSED_COMBINE, num_warps=4, PDL=pdl_on(qkv),
-                          launch_pdl=pdl_on(qkv))
-    if not ATTN_FUSED_COMBINE:
-        _triton_kernels()[4][(b, heads)](po, pm, pl, out, splits, KV=kv, G=group, D=d, SP=max(2, _next_pow2(splits)),
-                                         num_warps=1, PDL=pdl_on(qkv), launch_pdl=pdl_on(qkv))
-    return out
-
-
 def decode_attention_triton(q, k_cache, v_cache, valid, keys: int, scale: float, slot=None):
     """Flash-decoding: the keys split over programs (partial softmax each), then one combine."""
     partial, combine = _triton_kernels()[3:5]
     b, heads, d = q.shape
     kv = k_cache.shape[1]
     group = heads // kv
-    block, splits, chunk = _attention_split(b, kv, keys)
+    block = ATTN_BLOCK if b * kv * -(-keys // ATTN_BLOCK) >= ATTN_PROGRAMS else ATTN_BLOCK_SMALL
+    blocks = -(-keys // block)
+    splits = max(1, min(blocks, -(-ATTN_PROGRAMS // (b * kv))))
+    chunk = -(-blocks // splits) * block
+    splits = -(-keys // chunk)
     q = q.contiguous()
-    po, pm, pl = _partials(b, kv, splits, group, d, q.device)
+    po = torch.empty(b, kv, splits, group, d, dtype=torch.float32, device=q.device)
+    pm = torch.empty(b, kv, splits, group, dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
     prefetch = ATTN_PREFETCH and slot is not None
     partial[(b, kv, splits)](q, k_cache, v_cache, valid, slot if prefetch else valid, po, pm, pl,
                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

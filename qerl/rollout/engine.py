@@ -27,8 +27,7 @@ How a call runs.
   when all rows are done it stops, and when at most half of them are still going, those rows
   move to the front (cache and state, `compact_below`) and decoding goes on with fewer rows.
 - Besides its four linear products a layer is 5 kernels (qerl.kernels.decode_ops: residual add +
-  RMSNorm twice, RoPE + KV-cache write, split-K decode attention + its combine, SiLU gate; with
-  decode_ops.ATTN_FUSED the middle three are one kernel, so 3); LoRA
+  RMSNorm twice, RoPE + KV-cache write, split-K decode attention + its combine, SiLU gate); LoRA
   is two small kernels per linear group (qerl.kernels.lora_ops) on a side stream, added by the
   next kernel.
 - A row finishes at a stop token (kept) or at max_new_tokens.
@@ -53,8 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl.nn.quant_linear import _outside_inference_mode
-from qerl.kernels.decode_ops import (add_rms_norm, decode_attention, pdl_on, rope_attention, rope_to_cache, rotary,
-                                     silu_mul)
+from qerl.kernels.decode_ops import add_rms_norm, decode_attention, pdl_on, rope_to_cache, rotary, silu_mul
 from qerl.rl.rollout import RolloutBatch, RolloutSettings, pad_prompts
 from qerl.rollout.fuse import LinearGroup
 from qerl.kernels.sample_ops import SampleState, sample_step
@@ -198,9 +196,6 @@ class RolloutEngine:
             self._valid = torch.zeros(mb, ml, dtype=torch.bool, device=dev)  # keys a row may attend
             self._finished = torch.zeros(mb, dtype=torch.bool, device=dev)
             self._row_map = torch.zeros(mb, dtype=torch.long, device=dev)  # decoding row -> output row
-            # arrival counters of the fused RoPE + attention kernel (decode_ops.rope_attention), which
-            # leaves them at zero
-            self._attn_counters = torch.zeros(mb * self.n_kv, dtype=torch.int32, device=dev)
             self._uniform = torch.zeros(ml, mb, dtype=torch.float32, device=dev)
             self._out_tok = torch.zeros(mb, ml, dtype=torch.long, device=dev)
             self._out_lp = torch.zeros(mb, ml, dtype=torch.float32, device=dev)
@@ -302,15 +297,14 @@ class RolloutEngine:
             kc, vc = self._k[i][:rows], self._v[i][:rows]
             qkv, lo = self._linear(layer.qkv, x, "qkv")
             if layer.q_norm is None:
-                attn = rope_attention(qkv, cos, sin, kc, vc, self._slot, valid, keys, self.scaling, self.n_heads,
-                                      self.n_kv, lo, self._attn_counters)
+                q = rope_to_cache(qkv, cos, sin, kc, vc, self._slot, self.n_heads, self.n_kv, lo)
             else:  # Qwen3: per-head norms on q and k before RoPE
                 d = self.head_dim
                 qkv = qkv if lo is None else qkv + lo
                 q, k, v = qkv.view(rows, -1, d).split([self.n_heads, self.n_kv, self.n_kv], dim=1)
                 q, k = layer.q_norm(None, q)[1], layer.k_norm(None, k)[1]
                 q = rope_to_cache(torch.cat([q, k, v], 1).reshape(rows, -1), cos, sin, kc, vc, self._slot, self.n_heads, self.n_kv)
-                attn = decode_attention(q, kc, vc, valid, keys, self.scaling, self._slot)
+            attn = decode_attention(q, kc, vc, valid, keys, self.scaling, self._slot)
             o, lo = self._linear(layer.o, attn, "o")
             h, x = layer.mlp_norm(o, h, lo)
             gu, lo = self._linear(layer.gate_up, x, "gate_up")
