@@ -365,11 +365,13 @@ ATTN_PROGRAMS = 264  # about two per SM on an H100: enough key splits to keep th
 # PDL trigger (benchmarks/NOTES_rollout.md section 7).
 ATTN_BLOCK_SMALL = 32
 # Load each key block's V together with its K (two DRAM round trips in flight, not one after the
-# other). Not measured yet (benchmarks/NOTES_rollout.md section 8), so off unless QERL_ATTN_EARLY_V=1.
+# other). Measured (H100, 14B nvfp4, medians of 3 interleaved rounds): batch 1 +0.7%, batch 8 +2.1%,
+# within the call's drift (benchmarks/NOTES_rollout.md section 9), so off unless QERL_ATTN_EARLY_V=1.
 ATTN_EARLY_V = os.environ.get("QERL_ATTN_EARLY_V", "0") == "1"
 # With the step's cache slot given (the engine's decode): each program reads its first K / V block,
 # all but that slot, before its PDL wait (they were final before the step began), so the DRAM
 # round trip overlaps the kernels before it; the slot's row (this step's RoPE writes it) after.
+# Measured (as ATTN_EARLY_V): 14B batch 8 +2.0%, 14B / 32B batch 1 +-0; off unless QERL_ATTN_PREFETCH=1.
 ATTN_PREFETCH = os.environ.get("QERL_ATTN_PREFETCH", "0") == "1"
 
 
