@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_rollout import build  # noqa: E402
+from bench_rollout import build, gpu_state  # noqa: E402
 from profile_rollout import graph_step_ms, rewind  # noqa: E402
 
 from qerl.rl.rollout import RolloutSettings  # noqa: E402
@@ -205,13 +205,33 @@ def time_variant(engine: RolloutEngine, prompts: list, settings, with_timeline: 
     """Capture the step graphs afresh (two generates) and time 64 replays of the 512-key graph."""
     rows = len(prompts)
     graph, ms = graph_step_ms(engine, prompts, settings)
-    row = {"step_ms": round(ms, 4), "tokens_per_s": round(rows * 1e3 / ms, 1)}
+    row = {"step_ms": round(ms, 4), "tokens_per_s": round(rows * 1e3 / ms, 1), "gpu_state": gpu_state()}
     if with_timeline:
         try:
             row["timeline"] = timeline(graph, rows, engine)
         except Exception as exc:  # the timings above stand without it
             row["timeline"] = {"error": f"{type(exc).__name__}: {exc}"}
     return row
+
+
+def summarise(result: dict, rounds: int, out: str | None) -> None:
+    """Medians per (batch, variant) over the rounds into result["medians"]; the table."""
+    medians, clocks = {}, {}
+    for r in result["rows"]:
+        medians.setdefault((r["batch"], r["variant"]), []).append(r["step_ms"])
+        clocks.setdefault((r["batch"], r["variant"]), []).append(r["gpu_state"].get("sm_mhz"))
+    result["medians"] = [{"batch": b, "variant": v, "step_ms": statistics.median(ms), "all_ms": ms,
+                          "sm_mhz": clocks[(b, v)]} for (b, v), ms in medians.items()]
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"\n{result['model']} {result['format']} LoRA r{result['lora_rank']}, {rounds} round(s): medians")
+    print("| batch | variant | step ms | tok/s | x base | all ms | SM MHz after each |")
+    for m in result["medians"]:
+        ref = medians.get((m["batch"], "base"))
+        rel = f"{statistics.median(ref) / m['step_ms']:.3f}" if ref else "-"
+        print(f"| {m['batch']} | {m['variant']} | {m['step_ms']:.3f} | {m['batch'] * 1e3 / m['step_ms']:.1f} | {rel} | "
+              f"{' '.join(f'{x:.3f}' for x in m['all_ms'])} | {' '.join(str(c) for c in m['sm_mhz'])} |")
 
 
 def main() -> None:
@@ -241,25 +261,11 @@ def main() -> None:
                 row = {"batch": batch, "variant": name, "round": rnd,
                        **time_variant(engine, prompts, settings, rnd == 0 and name in a.timeline)}
             result["rows"].append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "timeline"}), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k != "timeline"}), flush=True)  # with gpu_state
             if a.out:  # after every row: a call cut short keeps what it measured
                 with open(a.out, "w") as f:
                     json.dump(result, f, indent=1)
-    medians = {}
-    for r in result["rows"]:
-        medians.setdefault((r["batch"], r["variant"]), []).append(r["step_ms"])
-    result["medians"] = [{"batch": b, "variant": v, "step_ms": statistics.median(ms), "all_ms": ms}
-                         for (b, v), ms in medians.items()]
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
-    print(f"\n{a.model} {a.format} LoRA r{a.lora}, {a.rounds} round(s): medians")
-    print("| batch | variant | step ms | tok/s | x base | all ms |")
-    for m in result["medians"]:
-        ref = medians.get((m["batch"], "base"))
-        rel = f"{statistics.median(ref) / m['step_ms']:.3f}" if ref else "-"
-        print(f"| {m['batch']} | {m['variant']} | {m['step_ms']:.3f} | {m['batch'] * 1e3 / m['step_ms']:.1f} | {rel} | "
-              f"{' '.join(f'{x:.3f}' for x in m['all_ms'])} |")
+    summarise(result, a.rounds, a.out)
     for r in result["rows"]:
         if "timeline" in r and "streams" in r["timeline"]:
             print(f"  timeline, batch {r['batch']}, {r['variant']}:")

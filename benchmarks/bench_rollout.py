@@ -51,6 +51,27 @@ def log(*a):
     print(*a, flush=True)
 
 
+def gpu_state() -> dict:
+    """The GPU's clocks, temperature, power and active throttle reasons right now (NVML through
+    nvidia-ml-py, where installed; {} otherwise): the speed of one variant drifts by up to ~6% within
+    a call, and these say whether the clocks moved with it."""
+    try:
+        import pynvml as nv
+
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        reasons = nv.nvmlDeviceGetCurrentClocksEventReasons(h)
+        names = [n[len("nvmlClocksEventReason"):] for n in dir(nv)
+                 if n.startswith("nvmlClocksEventReason") and n not in ("nvmlClocksEventReasonNone", "nvmlClocksEventReasonAll")
+                 and isinstance(getattr(nv, n), int) and reasons & getattr(nv, n)]
+        return {"sm_mhz": nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
+                "mem_mhz": nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM),
+                "temp_c": nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
+                "power_w": round(nv.nvmlDeviceGetPowerUsage(h) / 1000, 1), "throttle": sorted(set(names))}
+    except Exception:  # no NVML, an old driver or library: the timings stand without it
+        return {}
+
+
 def build(preset: str, fmt: str, seed: int = 0):
     model = build_random(preset, torch.bfloat16, "cuda", seed=seed).eval()
     for p in model.parameters():
@@ -312,6 +333,7 @@ def run(args) -> None:
                                                     and x.get("batch") == b and x.get("lora_rank") == 0), None) if rank else None,
                         "prefill_s": round(stats["prefill_s"], 4), "decode_s": round(stats["decode_s"], 4),
                         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                        "gpu_state": gpu_state(),
                     }
                     rows.append(row)
                     save()
