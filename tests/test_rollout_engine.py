@@ -232,3 +232,16 @@ def test_finished_rows_are_compacted_without_changing_the_rollout():
     m = base.completion_mask.bool()
     fresh = policy_logprobs(model, runs[1.0][0], temperature=1.0).detach()
     torch.testing.assert_close(runs[1.0][0].logprobs[m], fresh[m], rtol=1e-4, atol=1e-4)
+
+
+def test_gpu_prompt_width_buckets_within_the_cache():
+    """Prompt widths on a GPU: up to the next multiple of PROMPT_BUCKET (so prefill graphs repeat),
+    never past max_len - new tokens, never below the prompt."""
+    from qerl.rollout.engine import PROMPT_BUCKET, prompt_width
+
+    assert prompt_width(70, 100, 1024) == 2 * PROMPT_BUCKET
+    assert prompt_width(PROMPT_BUCKET, 100, 1024) == PROMPT_BUCKET
+    assert prompt_width(70, 940, 1024) == 84  # the cache's end, not the bucket
+    assert prompt_width(70, 954, 1024) == 70
+    assert prompt_width(1, 1, 2) == 1
+

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from typing import Sequence
 
 import torch
@@ -80,6 +81,12 @@ def supports(model: nn.Module) -> bool:
     cfg = getattr(base, "config", None)
     return (getattr(cfg, "model_type", None) in SUPPORTED and hasattr(base, "model") and hasattr(base.model, "layers")
             and not (getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None)))
+
+
+def prompt_width(plen: int, steps: int, max_len: int) -> int:
+    """The width a GPU prefill pads `plen` prompt tokens to: the next multiple of PROMPT_BUCKET, at
+    most max_len - steps (so the rollout still fits the cache), never less than plen."""
+    return max(plen, min(-(-plen // PROMPT_BUCKET) * PROMPT_BUCKET, max_len - steps))
 
 
 def _active_norm(mod: nn.Module) -> nn.Module:
@@ -270,13 +277,21 @@ class RolloutEngine:
         if not self.cuda_graphs or p * length > PREFILL_GRAPH_TOKENS:
             return self._prefill(ids, mask, source)
         key = ("prefill", p, length, source.shape[0])
-        entry = self._graphs.get(key)
-        if entry is None:
+        entry = self._graphs.get(key, "new")
+        if entry is None:  # its capture failed once: eager
+            return self._prefill(ids, mask, source)
+        if entry == "new":
             out = self._prefill(ids, mask, source)
             inputs = (ids.clone(), mask.clone(), source.clone())
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool()):
-                captured = self._prefill(*inputs)
+            try:
+                with torch.cuda.graph(graph, pool=self._graph_pool()):
+                    captured = self._prefill(*inputs)
+            except RuntimeError as exc:  # out of memory while capturing, say: this shape stays eager
+                warnings.warn(f"rollout engine: the prefill of {p} x {length} tokens was not captured in a CUDA graph "
+                              f"and runs eagerly ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+                self._graphs[key] = None
+                return out
             self._graphs[key] = (graph, inputs, captured)
             return out
         graph, inputs, captured = entry
@@ -445,13 +460,11 @@ class RolloutEngine:
             raise EngineError(f"{n_prompts} prompts x {g} generations = {n} rows > the engine's max_batch {self.max_batch}")
         if plen + steps > self.max_len:
             raise EngineError(f"prompt {plen} + {steps} new tokens > the engine's max_len {self.max_len}")
-        if self.device.type == "cuda" and plen % PROMPT_BUCKET:
-            # wider left padding (masked keys) so that prefill graphs and key buckets repeat
-            width = min(-(-plen // PROMPT_BUCKET) * PROMPT_BUCKET, self.max_len - steps)
+        ids, mask = p_ids, p_mask
+        width = prompt_width(plen, steps, self.max_len) if self.device.type == "cuda" else plen
+        if width > plen:  # wider left padding (masked keys) so that prefill graphs and key buckets repeat
             ids, mask = F.pad(p_ids, (width - plen, 0), value=settings.pad_id), F.pad(p_mask, (width - plen, 0), value=0)
             plen = width
-        else:
-            ids, mask = p_ids, p_mask
         sampling = (float(settings.temperature), int(settings.top_k), float(settings.top_p))
         self.refresh()
         stops = tuple(int(s) for s in settings.stop_ids)
