@@ -254,16 +254,18 @@ def _triton_kernels():
             n = start + n0 + tl.arange(0, BLOCK)
             nm = n < stop
             ok = tl.load(valid_ptr + b * valid_b + n, mask=nm, other=0) != 0
-            if PREFETCH:  # first block: only `slot` read now, the rest from the prefetch
+            # K, and V too where it is loaded with K (ATTN_EARLY_V: not after the block's softmax;
+            # PREFETCH: the first block's rows but `slot` come from the prefetch)
+            if PREFETCH:
                 fresh = nm & ((n0 > 0) | (n == slot))
-                k = tl.load(k_ptr + b * kc_b + h * kc_h + n[:, None] * kc_l + d[None, :], mask=fresh[:, None], other=0.0)
+            else:
+                fresh = nm
+            k = tl.load(k_ptr + b * kc_b + h * kc_h + n[:, None] * kc_l + d[None, :], mask=fresh[:, None], other=0.0)
+            if EARLY_V or PREFETCH:
                 v = tl.load(v_ptr + b * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=fresh[:, None], other=0.0)
+            if PREFETCH:
                 k = tl.where(fresh[:, None], k, k_pre)
                 v = tl.where(fresh[:, None], v, v_pre)
-            else:
-                k = tl.load(k_ptr + b * kc_b + h * kc_h + n[:, None] * kc_l + d[None, :], mask=nm[:, None], other=0.0)
-            if EARLY_V and not PREFETCH:  # (ATTN_EARLY_V) V's load issued with K's, not after the block's softmax
-                v = tl.load(v_ptr + b * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=nm[:, None], other=0.0)
             sc = tl.dot(q, tl.trans(k)) * scale
             sc = tl.where(ok[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
@@ -271,7 +273,7 @@ def _triton_kernels():
             p = tl.exp(sc - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if not EARLY_V and not PREFETCH:
+            if not (EARLY_V or PREFETCH):
                 v = tl.load(v_ptr + b * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=nm[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new

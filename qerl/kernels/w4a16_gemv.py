@@ -144,9 +144,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, config: dict | None = None,
     n, k = state["n"], state["k"]
     m = x.shape[0]
     cfg = dict(DEFAULT)
-    cfg.update({key: v for key, v in (config or {}).items() if key in ("BN", "num_warps", "PER_SM", "S", "WAVES",
-                                                                        "PACKED", "DECODE_F32", "num_stages", "ACC2D", "CH", "PDL",
-                                                                        "PDL_LATE", "PF")})
+    cfg.update({key: v for key, v in (config or {}).items() if key in W._GEMV_KEYS})
     bn, per_sm = cfg.pop("BN"), cfg.pop("PER_SM")
     if 64 % bn:
         raise ValueError(f"BN must divide 64, got {bn}")

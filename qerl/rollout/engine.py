@@ -277,28 +277,32 @@ class RolloutEngine:
         if not self.cuda_graphs or p * length > PREFILL_GRAPH_TOKENS:
             return self._prefill(ids, mask, source)
         key = ("prefill", p, length, source.shape[0])
-        entry = self._graphs.get(key, "new")
-        if entry is None:  # its capture failed once: eager
-            return self._prefill(ids, mask, source)
-        if entry == "new":
-            out = self._prefill(ids, mask, source)
-            inputs = (ids.clone(), mask.clone(), source.clone())
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph, pool=self._graph_pool()):
-                    captured = self._prefill(*inputs)
-            except RuntimeError as exc:  # out of memory while capturing, say: this shape stays eager
-                warnings.warn(f"rollout engine: the prefill of {p} x {length} tokens was not captured in a CUDA graph "
-                              f"and runs eagerly ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
-                self._graphs[key] = None
-                return out
-            self._graphs[key] = (graph, inputs, captured)
-            return out
-        graph, inputs, captured = entry
-        for dst, src in zip(inputs, (ids, mask, source)):
-            dst.copy_(src)
-        graph.replay()
-        return captured
+        entry = self._graphs.get(key)
+        if isinstance(entry, tuple):
+            graph, inputs, captured = entry
+            for dst, src in zip(inputs, (ids, mask, source)):
+                dst.copy_(src)
+            graph.replay()
+            return captured
+        out = self._prefill(ids, mask, source)
+        if entry is None:  # first of this shape: capture it for the next calls ("eager": it failed once)
+            self._graphs[key] = self._capture_prefill(ids, mask, source)
+        return out
+
+    def _capture_prefill(self, ids: torch.Tensor, mask: torch.Tensor, source: torch.Tensor):
+        """(graph, its input buffers, its output), or "eager" where capture failed (out of memory,
+        say: that shape then stays eager, with a warning)."""
+        inputs = (ids.clone(), mask.clone(), source.clone())
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._graph_pool()):
+                captured = self._prefill(*inputs)
+        except RuntimeError as exc:
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            warnings.warn(f"rollout engine: the prefill of {ids.shape[0]} x {ids.shape[1]} tokens was not captured in a "
+                          f"CUDA graph and runs eagerly ({type(exc).__name__}: {first})")
+            return "eager"
+        return graph, inputs, captured
 
     def _decode_logits(self, rows: int, keys: int) -> torch.Tensor:
         """Logits [rows, V] for the tokens in self._tok at self._pos / self._slot; attends cache
