@@ -46,16 +46,16 @@ def _signature(n: int, k: int, has_bias: bool):
     return {
         "xw_ptr": "*i32", "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc), "alpha_ptr": "*fp32",
         "bias_ptr": "*bf16", "c_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
-        "M": "i32", "N": "i32", "KB": "i32", "S": "i32",
+        "stamp_ptr": "*i64", "M": "i32", "N": "i32", "KB": "i32", "S": "i32",
     }
 
 
 def compile_kernel(n: int, k: int, stages: int, warps: int, maxnreg, producer_regs: int, bias: bool, pdl: bool,
-                   mt: int = 1):
+                   mt: int = 1, xpf: bool = False, stamp: bool = False):
     fn = G._gluon_gemv_kernel
     sig = _signature(n, k, bias)
     l5, l2w, l2s = G._layouts(warps)
-    constexprs = {"NUM_STAGES": stages, "HAS_BIAS": bias, "PDL": pdl, "MT": mt, "PRODUCER_REGS": producer_regs,
+    constexprs = {"NUM_STAGES": stages, "HAS_BIAS": bias, "PDL": pdl, "MT": mt, "XPF": xpf, "STAMP": stamp, "SP": 8, "HOIST": True, "PRODUCER_REGS": producer_regs,
                   "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
     for name in constexprs:
         sig[name] = "constexpr"
@@ -168,20 +168,21 @@ def main():
     ap.add_argument("--producer-regs", type=int, default=24)
     ap.add_argument("--bias", action="store_true")
     ap.add_argument("--pdl", action="store_true")
+    ap.add_argument("--xpf", action="store_true", help="gemv: x loaded one step ahead")
     ap.add_argument("--dump", default=None, help="write ttgir / llir / ptx / sass here")
     a = ap.parse_args()
     if a.kernel == "wgmma":
         return main_wgmma(a)
     try:
         ck = compile_kernel(a.n, a.k, a.stages, a.warps, a.maxnreg, a.producer_regs, a.bias, a.pdl,
-                            1 if (a.m or 1) == 1 else G.MAX_M)
+                            1 if (a.m or 1) == 1 else G.MAX_M, a.xpf)
     except Exception as e:  # noqa: BLE001
         print(f"compile FAILED: {type(e).__name__}: {e}")
         sys.exit(1)
     md = ck.metadata
     n_regs, n_spills = _resources(ck.asm["cubin"])
     print(f"ptxas: OK (sm_90a)  N={a.n} K={a.k} stages={a.stages} consumer warps={a.warps} "
-          f"maxnreg={a.maxnreg} producer regs={a.producer_regs} bias={a.bias} pdl={a.pdl}")
+          f"maxnreg={a.maxnreg} producer regs={a.producer_regs} bias={a.bias} pdl={a.pdl} xpf={a.xpf}")
     print(f"registers/thread (kernel): {n_regs}  spills: {n_spills}  shared memory: {md.shared} B  "
           f"(ring {a.stages} x {64 * 32 * 4 + 64 * 16} B)  num_warps (total): {md.num_warps}")
     warps_total = -(-a.warps // 4) * 4 + 4  # registers are handed out per warpgroup

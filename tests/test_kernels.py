@@ -191,12 +191,13 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
         st = prepare(fmt, t)
         x = torch.randn(m, k).to(torch.bfloat16)
         dy = torch.randn(m, n).to(torch.bfloat16)
+        b17 = torch.randn(n).to(torch.bfloat16)  # a program walking several tiles loads each tile's bias
         for progs in (1, 3, 7, 1000):
             fc = dict(W._fwd_config(m, n, k, fmt), PROGRAMS=progs)
             bc = dict(W._bwd_config(m, n, k, fmt), PROGRAMS=progs)
-            y = W.forward(x, st, config=fc)
+            y = W.forward(x, st, bias=b17, config=fc)
             dx = W.backward(dy, st, config=bc)
-            results.append(dict(fmt=fmt, m=m, n=n, k=k, op=f"forward/programs={progs}", rel=rel(y, reference.matmul_ref(x, t, fmt)), nan=bool(y.isnan().any())))
+            results.append(dict(fmt=fmt, m=m, n=n, k=k, op=f"forward/programs={progs}+bias", rel=rel(y, reference.matmul_ref(x, t, fmt) + b17.float()), nan=bool(y.isnan().any())))
             results.append(dict(fmt=fmt, m=m, n=n, k=k, op=f"backward/programs={progs}", rel=rel(dx, reference.matmul_grad_ref(dy, t, fmt)), nan=bool(dx.isnan().any())))
         # the split schedule with uneven slices: 1 tile, KI = 5 steps over S = 3 programs (1/2/2)
         m, n, k = 3, 64, 1280
@@ -310,9 +311,11 @@ def test_wgmma_kernel_builds_for_hopper(fmt, m, cfg):
 
 
 @pytest.mark.parametrize("mt", [1, 8])
-def test_gluon_gemv_builds_for_hopper(mt):
+@pytest.mark.parametrize("xpf", [False, True], ids=["x-per-step", "x-ahead"])
+def test_gluon_gemv_builds_for_hopper(mt, xpf):
     """Offline sm_90a build of the tensor-core Gluon GEMV (w4a16_gluon; MT = 8: one token per MMA
-    column): no spills at its 64-register cap and 16 mma.sync per 64 x 256 step."""
+    column; XPF: x loaded a step ahead, built without a bias): no spills at its 64-register cap
+    and 16 mma.sync per 64 x 256 step."""
     pytest.importorskip("triton.experimental.gluon")
     import importlib.util
 
@@ -320,7 +323,7 @@ def test_gluon_gemv_builds_for_hopper(mt):
         "compile_gluon", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "compile_gluon.py"))
     cg = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cg)
-    ck = cg.compile_kernel(7168, 5120, 3, 4, 64, 24, True, False, mt)
+    ck = cg.compile_kernel(7168, 5120, 3, 4, 64, 24, not xpf, False, mt, xpf)  # x-ahead builds without a bias
     regs, spills = cg._resources(ck.asm["cubin"])
     assert spills == 0 and regs <= 64
     assert ck.asm["ptx"].count("mma.sync.aligned.m16n8k16") == 16

@@ -369,7 +369,8 @@ WS_CASES = [("ws", {}), ("ws", {"NS": 2}), ("ws", {"NS": 8, "S": 1}), ("ws", {"S
             ("ws", {"CPT": 4, "maxnreg": 128, "NS": 6}), ("ws", {"num_warps": 8, "CPT": 2, "maxnreg": 80}),
             ("ws", {"num_warps": 16, "CPT": 2, "maxnreg": 56}), ("ws", {"PDL": True}),
             ("wsmma", {}), ("wsmma", {"NUM_STAGES": 6}), ("wsmma", {"S": 1}), ("wsmma", {"S": 3}),
-            ("wsmma", {"num_warps": 8}), ("wsmma", {"PDL": True}), ("wsmma", {"maxnreg": 80})]
+            ("wsmma", {"num_warps": 8}), ("wsmma", {"PDL": True}), ("wsmma", {"maxnreg": 80}),
+            ("wsmma", {"XPF": True}), ("wsmma", {"XPF": True, "S": 1, "PDL": True}), ("wsmma", {"PER_SM": 2, "NUM_STAGES": 6})]
 
 
 @pytest.mark.parametrize("path,cfg", WS_CASES, ids=[f"{p}-{'-'.join(f'{k}{v}' for k, v in c.items()) or 'default'}"

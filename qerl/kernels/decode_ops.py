@@ -142,13 +142,18 @@ def _triton_kernels():
 
     @triton.jit
     def add_rms_norm_kernel(d_ptr, e_ptr, h_ptr, w_ptr, h_out, x_out, n, eps, HAS_DELTA: tl.constexpr,
-                            HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        if PDL:  # see decode_ops.PDL
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+                            HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+                            W_EARLY: tl.constexpr = True):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < n
+        # the norm weight is no kernel's output within a step (AQN rewrites it between steps):
+        # read before the wait, so the multiply after the reduction waits on no load
+        if W_EARLY:
+            w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        if PDL:  # see decode_ops.PDL
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         h = tl.load(h_ptr + row * n + cols, mask=m, other=0.0)
         if HAS_DELTA:
             d = tl.load(d_ptr + row * n + cols, mask=m, other=0.0)
@@ -160,7 +165,8 @@ def _triton_kernels():
         f = h.to(tl.float32)
         r = 1.0 / tl.sqrt(tl.sum(f * f, axis=0) / n + eps)
         normed = (f * r).to(x_out.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        if not W_EARLY:
+            w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
         tl.store(x_out + row * n + cols, (w * normed).to(x_out.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -375,6 +381,10 @@ ATTN_EARLY_V = os.environ.get("QERL_ATTN_EARLY_V", "0") == "1"
 # round trip overlaps the kernels before it; the slot's row (this step's RoPE writes it) after.
 # Measured (as ATTN_EARLY_V): 14B batch 8 +2.0%, 14B / 32B batch 1 +-0; off unless QERL_ATTN_PREFETCH=1.
 ATTN_PREFETCH = os.environ.get("QERL_ATTN_PREFETCH", "0") == "1"
+# The RMSNorm kernel reads its weight before the PDL wait (no kernel of a step writes it; AQN
+# rewrites it between steps), so nothing after the reduction waits on a load. False: after the
+# reduction (the A/B switch of benchmarks/NOTES_rollout.md section 10).
+NORM_W_EARLY = True
 
 
 def decode_attention_triton(q, k_cache, v_cache, valid, keys: int, scale: float, slot=None):
@@ -416,7 +426,8 @@ def add_rms_norm_triton(delta, h, weight, eps, extra=None):
     block = _next_pow2(n)
     kern[(h2.shape[0],)](d2, e2, h2, weight, h_out, x_out, n, float(eps), HAS_DELTA=delta is not None,
                          HAS_EXTRA=delta is not None and extra is not None,
-                         BLOCK=block, num_warps=min(16, max(1, block // 256)), PDL=pdl_on(h2), launch_pdl=pdl_on(h2))
+                         BLOCK=block, num_warps=min(16, max(1, block // 256)), PDL=pdl_on(h2), W_EARLY=NORM_W_EARLY,
+                         launch_pdl=pdl_on(h2))
     return h_out.view(h.shape), x_out.view(h.shape)
 
 

@@ -71,6 +71,8 @@ def _gemv_kernel(
         r1w, r1s = W._w_raw_at(w_ptr, s_ptr, offs_n, (k0 + 1) * (BK // 8), KB, k0 + 1 < k1, FMT, BK, F32, PACKED)
     if PF >= 3:
         r2w, r2s = W._w_raw_at(w_ptr, s_ptr, offs_n, (k0 + 2) * (BK // 8), KB, k0 + 2 < k1, FMT, BK, F32, PACKED)
+    alpha = tl.load(alpha_ptr)  # the layer's constants before the wait: no dependent load in the epilogue
+    bias = W._bias(bias_ptr, offs_n, N, HAS_BIAS)
     if PDL:
         W.gdc_wait()
     for kk in range(k0, k1):
@@ -102,7 +104,6 @@ def _gemv_kernel(
         W.gdc_launch_dependents()
     if ACC2D:
         acc = tl.sum(acc2, axis=1)[None, :]
-    alpha = tl.load(alpha_ptr)
     mask = m_mask[:, None] & (offs_n < N)[None, :]
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
     done = k1 > k0
@@ -118,7 +119,7 @@ def _gemv_kernel(
                 acc += tl.load(ws_ptr + q * (BM * BN) + ws_tile, cache_modifier=".cg")
             tl.atomic_xchg(lock_ptr + blk, 0)  # ready for the next launch
     if done:
-        W._store_out(acc, alpha, bias_ptr, c_ptrs, mask, offs_n, N, HAS_BIAS)
+        W._store_out(acc, alpha, bias, c_ptrs, mask, HAS_BIAS)
 
 
 # Default for M = 1 on layers with N*K <= w4a16_triton.GEMV_MAX_NK (benchmarks/NOTES_w4a16.md

@@ -49,6 +49,7 @@ order (deterministic), writes bf16 and resets the counter. One launch, no host s
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
@@ -94,15 +95,89 @@ def _mma(c0, c1, c2, c3, a0, a1, a2, a3, b0, b1):
 
 
 @gluon.jit
+def _sreg(name: gl.constexpr):
+    """A 64-bit special register (%clock64, %globaltimer) or %smid, read once per thread."""
+    if name == "smid":
+        return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False,
+                                         pack=1).to(gl.int64)
+    return gl.inline_asm_elementwise("mov.u64 $0, %" + name + ";", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _stamp(stamp_ptr, p, slot: gl.constexpr, name: gl.constexpr):
+    gl.store(stamp_ptr + p * 8 + slot, _sreg(name))
+
+
+@gluon.jit
+def _gluon_producer(w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, stamp_ptr, p,
+                    NUM_STAGES: gl.constexpr, STAMP: gl.constexpr):
+    _producer(w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, NUM_STAGES)
+    if STAMP:  # the clock when the last weight copy was issued
+        _stamp(stamp_ptr, p, 7, "clock64")
+
+
+@gluon.jit
+def _lr_rows(num_warps: gl.constexpr):
+    """MT = 1 epilogue: the [8 (g), 4 (m)] layout of a 64-row block's half and its rows g + 16m."""
+    LR: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, num_warps], [0, 1])
+    g1 = gl.arange(0, 8, layout=gl.SliceLayout(1, LR))
+    m1 = gl.arange(0, 4, layout=gl.SliceLayout(0, LR))
+    return gl.expand_dims(g1, 1) + gl.expand_dims(m1, 0) * 16
+
+
+@gluon.jit
+def _lr3_rows(num_warps: gl.constexpr):
+    """MT = 8 epilogue: the [4 (m), 8 (g), 4 (t)] layout's rows 16m + g ([4, 8, 1]) and first tokens 2t ([1, 1, 4])."""
+    LR3: gl.constexpr = gl.BlockedLayout([4, 1, 1], [1, 8, 4], [1, 1, num_warps], [2, 1, 0])
+    m1 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, LR3)))
+    g1 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, LR3)))
+    t1 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LR3)))
+    row = gl.expand_dims(gl.expand_dims(m1 * 16, 1) + gl.expand_dims(g1, 0), 2)
+    tok = gl.expand_dims(gl.expand_dims(t1 * 2, 0), 1)
+    return row, tok
+
+
+@gluon.jit
+def _tile_consts(alpha_ptr, bias_ptr, blk, N, MT: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
+    """(alpha, bias of rows r, bias of rows r + 8) in the epilogue's layout: the layer's constants,
+    loaded before the PDL wait so the epilogue of the last program has no dependent load."""
+    if MT == 1:
+        rows = _lr_rows(num_warps)
+    else:
+        rows, _tok = _lr3_rows(num_warps)
+    alpha = gl.load(alpha_ptr)
+    if HAS_BIAS:
+        n = blk * 64 + rows
+        b_lo = gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)
+        b_hi = gl.load(bias_ptr + n + 8, mask=n + 8 < N, other=0.0).to(gl.float32)
+    else:
+        b_lo = rows.to(gl.float32) * 0.0  # unused without a bias
+        b_hi = b_lo
+    return alpha, b_lo, b_hi
+
+
+@gluon.jit
+def _x_step(xw_ptr, kk, xoff, xmask, MT: gl.constexpr):
+    """x of reduction step kk as four int32-pair tensors [1, 1, 8, 16, 2] (K pairs (8c, 8c+1),
+    (8c+2, 8c+3), (8c+4, 8c+5), (8c+6, 8c+7)); MT = 8: rows past M read as zeros."""
+    xb = xw_ptr + kk * 128 + xoff
+    if MT > 1:
+        return (gl.load(xb + 0, mask=xmask, other=0), gl.load(xb + 1, mask=xmask, other=0),
+                gl.load(xb + 2, mask=xmask, other=0), gl.load(xb + 3, mask=xmask, other=0))
+    return gl.load(xb + 0), gl.load(xb + 1), gl.load(xb + 2), gl.load(xb + 3)
+
+
+@gluon.jit
 def _halves(v):
     """[4, 2, 8, 16, 2] (m, h, g, sc, i) -> the h = 0 and h = 1 halves, each [4, 8, 16, 2]."""
     return gl.split(gl.permute(v, (0, 2, 3, 4, 1)))
 
 
 @gluon.jit
-def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_bufs, ready, empty,
-              p, blk, M, N, KB, k0, k1, S, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
-              MT: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr, num_warps: gl.constexpr):
+def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w_bufs, s_bufs, ready, empty,
+              p, blk, M, N, KB, k0, k1, S, SP: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+              PDL: gl.constexpr, MT: gl.constexpr, XPF: gl.constexpr, STAMP: gl.constexpr, HOIST: gl.constexpr,
+              L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr, num_warps: gl.constexpr):
     # activations: x as int32 pairs, element (sc, i) of the 5-D tile needs word column c = 2 sc + i
     LSC: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4, L5))))
     LI: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L5))))
@@ -124,22 +199,27 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_bu
     acc1 = cz
     acc2 = cz
     acc3 = cz
+    if STAMP:  # per-program clocks (forward's `stamp`): start, PDL wait done, main loop done, end, ...
+        _stamp(stamp_ptr, p, 0, "clock64")
+        _stamp(stamp_ptr, p, 4, "smid")
+        _stamp(stamp_ptr, p, 5, "globaltimer")
+    if HOIST:
+        alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, blk, N, MT, HAS_BIAS, num_warps)
     if PDL:  # x, the output and the workspace only after the previous kernel (the producer needs no wait)
         _gdc("wait")
+    if STAMP:
+        _stamp(stamp_ptr, p, 1, "clock64")
+    if XPF:  # x of the first step now, each later step's x one step ahead (its L2 latency behind a decode)
+        n01, n23, n45, n67 = _x_step(xw_ptr, k0, xoff, xmask, MT)
     for kk in range(k0, k1):
         i = kk - k0
         idx = i % NUM_STAGES
-        xb = xw_ptr + kk * 128 + xoff
-        if MT > 1:
-            x01 = gl.load(xb + 0, mask=xmask, other=0) + zero5  # pairs (8c, 8c+1), (8c+2, 8c+3), (8c+4, ...
-            x23 = gl.load(xb + 1, mask=xmask, other=0) + zero5
-            x45 = gl.load(xb + 2, mask=xmask, other=0) + zero5
-            x67 = gl.load(xb + 3, mask=xmask, other=0) + zero5
+        if XPF:
+            x01, x23, x45, x67 = n01 + zero5, n23 + zero5, n45 + zero5, n67 + zero5
+            n01, n23, n45, n67 = _x_step(xw_ptr, gl.minimum(kk + 1, k1 - 1), xoff, xmask, MT)
         else:
-            x01 = gl.load(xb + 0) + zero5
-            x23 = gl.load(xb + 1) + zero5
-            x45 = gl.load(xb + 2) + zero5
-            x67 = gl.load(xb + 3) + zero5
+            x01, x23, x45, x67 = _x_step(xw_ptr, kk, xoff, xmask, MT)  # pairs (8c, 8c+1), (8c+2, 8c+3), ...
+            x01, x23, x45, x67 = x01 + zero5, x23 + zero5, x45 + zero5, x67 + zero5
         mbarrier.wait(ready.index(idx), (i // NUM_STAGES) & 1)
         w2 = w_bufs.index(idx).load(L2W)
         s2d = s_bufs.index(idx).load(L2S)
@@ -169,19 +249,21 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_bu
         acc0, acc1, acc2, acc3 = _mma(acc0, acc1, acc2, acc3, p0g, p0h, p1g, p1h, b01, b45)
         acc0, acc1, acc2, acc3 = _mma(acc0, acc1, acc2, acc3, p2g, p2h, p3g, p3h, b23, b67)
 
+    if STAMP:
+        _stamp(stamp_ptr, p, 2, "clock64")
+    if not HOIST:  # (A/B switch) the constants loaded after the main loop, as before HOIST
+        alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, blk, N, MT, HAS_BIAS, num_warps)
     if MT == 1:
         # acc0 (= acc1): row 16m + g, acc2 (= acc3): row 16m + 8 + g, for every lane t of the quad
         # (all B columns equal x): keep lane t = 0 (sc % 4 == 0), sum the word columns and the warps.
-        LR: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, num_warps], [0, 1])  # [8 (g), 4 (m)] per half
+        LR: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, num_warps], [0, 1])  # [8 (g), 4 (m)] per half (_lr_rows)
         sc4, _u4 = _halves(sc5 + zero5)
         keep = (sc4 % 4) == 0
         lo = gl.sum(gl.sum(gl.where(keep, acc0, 0.0), axis=3), axis=2)  # [m, g]
         hi = gl.sum(gl.sum(gl.where(keep, acc2, 0.0), axis=3), axis=2)
         lo = gl.convert_layout(gl.permute(lo, (1, 0)), LR)  # [g, m]
         hi = gl.convert_layout(gl.permute(hi, (1, 0)), LR)
-        g1 = gl.arange(0, 8, layout=gl.SliceLayout(1, LR))
-        m1 = gl.arange(0, 4, layout=gl.SliceLayout(0, LR))
-        rows_lo = gl.expand_dims(g1, 1) + gl.expand_dims(m1, 0) * 16  # [8, 4]
+        rows_lo = _lr_rows(num_warps)  # [8, 4]: g + 16m
         rows_hi = rows_lo + 8
         done = k1 > k0
         if S > 1:
@@ -193,24 +275,27 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_bu
             if done:
                 lo = gl.zeros([8, 4], gl.float32, LR)
                 hi = gl.zeros([8, 4], gl.float32, LR)
-                for q in range(blk * S, blk * S + S):
-                    lo += gl.load(ws_ptr + q * 64 + rows_lo, cache_modifier=".cg")
-                    hi += gl.load(ws_ptr + q * 64 + rows_hi, cache_modifier=".cg")
+                for j in gl.static_range(SP):  # unrolled: all S loads in flight at once, summed in order
+                    ok = (rows_lo >= 0) & (j < S)
+                    lo += gl.load(ws_ptr + (blk * S + j) * 64 + rows_lo, mask=ok, other=0.0, cache_modifier=".cg")
+                    hi += gl.load(ws_ptr + (blk * S + j) * 64 + rows_hi, mask=ok, other=0.0, cache_modifier=".cg")
                 gl.atomic_xchg(lock_ptr + blk, 0)  # ready for the next launch
         if done:
-            alpha = gl.load(alpha_ptr)
             n_lo = blk * 64 + rows_lo
             n_hi = blk * 64 + rows_hi
             out_lo = lo * alpha
             out_hi = hi * alpha
             if HAS_BIAS:
-                out_lo += gl.load(bias_ptr + n_lo, mask=n_lo < N, other=0.0).to(gl.float32)
-                out_hi += gl.load(bias_ptr + n_hi, mask=n_hi < N, other=0.0).to(gl.float32)
+                out_lo += b_lo
+                out_hi += b_hi
             gl.store(c_ptr + n_lo, out_lo.to(gl.bfloat16), mask=n_lo < N)
             gl.store(c_ptr + n_hi, out_hi.to(gl.bfloat16), mask=n_hi < N)
     else:
-        _epilogue_tokens(alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
-                         p, blk, M, N, k0, k1, S, HAS_BIAS, num_warps)
+        _epilogue_tokens(alpha, b_lo, b_hi, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
+                         p, blk, M, N, k0, k1, S, SP, HAS_BIAS, num_warps)
+    if STAMP:
+        _stamp(stamp_ptr, p, 3, "clock64")
+        _stamp(stamp_ptr, p, 6, "globaltimer")
 
 
 @gluon.jit
@@ -221,8 +306,8 @@ def _per_token(acc):
 
 
 @gluon.jit
-def _epilogue_tokens(alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
-                     p, blk, M, N, k0, k1, S, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
+def _epilogue_tokens(alpha, b_lo, b_hi, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
+                     p, blk, M, N, k0, k1, S, SP: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
     """MT = 8: C of an m16n8k16 MMA holds rows g / g + 8 (acc0, acc1 / acc2, acc3) and tokens 2t,
     2t + 1 (acc0, acc2 / acc1, acc3) of thread (g, t). Reduce each to [m, g, t], then the same
     deterministic split fixup as M = 1 over a [8 tokens, 64 rows] fp32 workspace per program, and
@@ -232,11 +317,7 @@ def _epilogue_tokens(alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, acc0, acc1, a
     v01 = gl.convert_layout(_per_token(acc1), LR3)
     v10 = gl.convert_layout(_per_token(acc2), LR3)
     v11 = gl.convert_layout(_per_token(acc3), LR3)
-    m1 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, LR3)))
-    g1 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, LR3)))
-    t1 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LR3)))
-    row = gl.expand_dims(gl.expand_dims(m1 * 16, 1) + gl.expand_dims(g1, 0), 2)  # [4, 8, 1]: 16m + g
-    tok = gl.expand_dims(gl.expand_dims(t1 * 2, 0), 1)  # [1, 1, 4]: 2t
+    row, tok = _lr3_rows(num_warps)  # [4, 8, 1]: 16m + g; [1, 1, 4]: 2t
     o00 = tok * 64 + row  # workspace offsets [token, row] of the four
     o01 = o00 + 64
     o10 = o00 + 8
@@ -256,45 +337,58 @@ def _epilogue_tokens(alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, acc0, acc1, a
             v01 = v00
             v10 = v00
             v11 = v00
-            for q in range(blk * S, blk * S + S):
-                v00 += gl.load(ws_ptr + q * 512 + o00, cache_modifier=".cg")
-                v01 += gl.load(ws_ptr + q * 512 + o01, cache_modifier=".cg")
-                v10 += gl.load(ws_ptr + q * 512 + o10, cache_modifier=".cg")
-                v11 += gl.load(ws_ptr + q * 512 + o11, cache_modifier=".cg")
+            for j in gl.static_range(SP):  # unrolled: all S loads in flight at once, summed in order
+                ok = (o00 >= 0) & (j < S)
+                base = ws_ptr + (blk * S + j) * 512
+                v00 += gl.load(base + o00, mask=ok, other=0.0, cache_modifier=".cg")
+                v01 += gl.load(base + o01, mask=ok, other=0.0, cache_modifier=".cg")
+                v10 += gl.load(base + o10, mask=ok, other=0.0, cache_modifier=".cg")
+                v11 += gl.load(base + o11, mask=ok, other=0.0, cache_modifier=".cg")
             gl.atomic_xchg(lock_ptr + blk, 0)  # ready for the next launch
     if done:
-        alpha = gl.load(alpha_ptr)
-        _store_tokens(c_ptr, bias_ptr, v00 * alpha, tok, blk * 64 + row, M, N, HAS_BIAS)
-        _store_tokens(c_ptr, bias_ptr, v01 * alpha, tok + 1, blk * 64 + row, M, N, HAS_BIAS)
-        _store_tokens(c_ptr, bias_ptr, v10 * alpha, tok, blk * 64 + 8 + row, M, N, HAS_BIAS)
-        _store_tokens(c_ptr, bias_ptr, v11 * alpha, tok + 1, blk * 64 + 8 + row, M, N, HAS_BIAS)
+        _store_tokens(c_ptr, b_lo, v00 * alpha, tok, blk * 64 + row, M, N, HAS_BIAS)
+        _store_tokens(c_ptr, b_lo, v01 * alpha, tok + 1, blk * 64 + row, M, N, HAS_BIAS)
+        _store_tokens(c_ptr, b_hi, v10 * alpha, tok, blk * 64 + 8 + row, M, N, HAS_BIAS)
+        _store_tokens(c_ptr, b_hi, v11 * alpha, tok + 1, blk * 64 + 8 + row, M, N, HAS_BIAS)
 
 
 @gluon.jit
-def _store_tokens(c_ptr, bias_ptr, v, tok, n, M, N, HAS_BIAS: gl.constexpr):
+def _store_tokens(c_ptr, b, v, tok, n, M, N, HAS_BIAS: gl.constexpr):
     ok = (n < N) & (tok < M)
     if HAS_BIAS:
-        v += gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)
+        v += b
     gl.store(c_ptr + tok * N + n, v.to(gl.bfloat16), mask=ok)
 
 
 @gluon.jit
-def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, M, N, KB, S,
-                       NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr, MT: gl.constexpr,
+def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, M, N, KB, S,
+                       SP: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
+                       MT: gl.constexpr, XPF: gl.constexpr, STAMP: gl.constexpr, HOIST: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr,
                        num_warps: gl.constexpr):
     p, blk, k0, k1, trow0, w_bufs, s_bufs, ready, empty = _setup(w_desc, s_desc, KB, S, NUM_STAGES, PDL)
     gl.warp_specialize([
-        (_consumer, (xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_bufs, ready, empty,
-                     p, blk, M, N, KB, k0, k1, S, NUM_STAGES, HAS_BIAS, PDL, MT, L5, L2W, L2S, num_warps)),
-        (_producer, (w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, NUM_STAGES)),
+        (_consumer, (xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w_bufs, s_bufs, ready, empty,
+                     p, blk, M, N, KB, k0, k1, S, SP, NUM_STAGES, HAS_BIAS, PDL, MT, XPF, STAMP, HOIST, L5, L2W, L2S,
+                     num_warps)),
+        (_gluon_producer, (w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, stamp_ptr, p, NUM_STAGES,
+                           STAMP)),
     ], [1], [PRODUCER_REGS])
 
 
 # 6 stages x 9 KB and 64 registers: 4 programs (16 consumer warps) per SM by both limits (offline build)
 # NUM_STAGES 3: best of 3 / 6 on the H100 (results/gemv_warp_specialised_mma.json)
-DEFAULT = dict(NUM_STAGES=3, num_warps=4, PER_SM=4, maxnreg=64, PRODUCER_REGS=24, PDL=None)
+# XPF: load each step's x one step ahead (section 16 of NOTES_w4a16.md)
+DEFAULT = dict(NUM_STAGES=3, num_warps=4, PER_SM=4, maxnreg=64, PRODUCER_REGS=24, PDL=None, XPF=False)
 _RESIDENT: dict = {}
+# Instrumentation (benchmarks/ablate_rollout.py --stamp): while set to {"buf": int64 CUDA tensor,
+# "used": 0, "calls": []}, every launch writes 8 int64 per program into buf[used:] (clock64 at
+# start / PDL wait done / main loop done / end, smid, globaltimer at start / end, clock64 when the
+# producer issued its last copy) and appends (offset, grid, n, k, S, M) to calls.
+STAMP: dict | None = None
+# alpha and the bias rows loaded before the PDL wait (the epilogue of the last-arriving program
+# then waits on no load); False: after the main loop (the A/B switch of NOTES_rollout.md section 10)
+HOIST_CONSTS = True
 MAX_M = 8  # tokens per launch: the 8 columns of an m16n8k16 MMA
 
 
@@ -303,9 +397,9 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     (qerl.kernels.prepare). M = 1 puts x in every column of the MMA's B; M = 2..8 puts token g in
     column g (MT = 8), at the same MMA count per weight.
 
-    config: NUM_STAGES (ring depth), PER_SM (programs per SM assumed before the first launch
-    measures it), S (forced K slices per row block), num_warps (consumer warps: 4 or 8),
-    maxnreg (register cap per thread), PRODUCER_REGS, PDL."""
+    config: NUM_STAGES (ring depth), PER_SM (programs per SM the grid is planned for, at most what
+    the first launch measures fits), S (forced K slices per row block), num_warps (consumer warps: 4 or 8),
+    maxnreg (register cap per thread), PRODUCER_REGS, PDL, XPF (x loaded one step ahead)."""
     if state["fmt"] != "nvfp4":
         raise ValueError(f"the Gluon GEMV takes nvfp4 weights, got {state['fmt']}")
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_M:
@@ -325,13 +419,23 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     pdl = bool(W.PDL if cfg["PDL"] is None else cfg["PDL"])
     preg = int(cfg["PRODUCER_REGS"])
     mt = 1 if m == 1 else MAX_M
-    key = (ns, nw, cfg["maxnreg"], preg, pdl, mt)
-    s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), _RESIDENT.get(key, per_sm), mt)
+    xpf = bool(cfg["XPF"])
+    key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, xpf)
+    s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), min(_RESIDENT.get(key, per_sm), per_sm), mt)
     l5, l2w, l2s = _layouts(nw)
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
+    stamps = c
+    if STAMP is not None:
+        used = STAMP["used"]
+        if used + grid * 8 > STAMP["buf"].numel():
+            raise RuntimeError("w4a16_gluon.STAMP buffer full")
+        stamps = STAMP["buf"][used:]
+        STAMP["calls"].append((used, grid, n, k, s, m))
+        STAMP["used"] = used + grid * 8
     kernel = _gluon_gemv_kernel[(grid,)](
         x.contiguous().view(torch.int32), w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws,
-        locks, m, n, kb, s, NUM_STAGES=ns, HAS_BIAS=bias is not None, PDL=pdl, MT=mt, PRODUCER_REGS=preg,
+        locks, stamps, m, n, kb, s, SP=triton.next_power_of_2(s), NUM_STAGES=ns, HAS_BIAS=bias is not None, PDL=pdl, MT=mt, XPF=xpf,
+        STAMP=STAMP is not None, HOIST=HOIST_CONSTS, PRODUCER_REGS=preg,
         L5=l5, L2W=l2w, L2S=l2s, num_warps=nw, launch_pdl=pdl, **extra,
     )
     if key not in _RESIDENT:

@@ -393,12 +393,20 @@ def _mainloop(a_ptr, w_ptr, s_ptr, pid_m, pid_o, k0, k1, M, NOUT, RED, stride_am
 
 
 @triton.jit
-def _store_out(acc, alpha, bias_ptr, c_ptrs, mask, offs_o, NOUT, HAS_BIAS: tl.constexpr):
-    """Finished fp32 tile [rows, outputs] -> acc * alpha (+ bias over the outputs), stored in the
-    output's dtype under `mask` (the fused kernel and the GEMV)."""
+def _bias(bias_ptr, offs_o, NOUT, HAS_BIAS: tl.constexpr):
+    """The bias of outputs offs_o in fp32 (0 without one): loaded ahead of the epilogue that adds it."""
+    if HAS_BIAS:
+        return tl.load(bias_ptr + offs_o, mask=offs_o < NOUT, other=0.0).to(tl.float32)
+    return tl.zeros(offs_o.shape, tl.float32)
+
+
+@triton.jit
+def _store_out(acc, alpha, bias, c_ptrs, mask, HAS_BIAS: tl.constexpr):
+    """Finished fp32 tile [rows, outputs] -> acc * alpha (+ bias over the outputs, from _bias),
+    stored in the output's dtype under `mask` (the fused kernel and the GEMV)."""
     out = acc * alpha
     if HAS_BIAS:
-        out += tl.load(bias_ptr + offs_o, mask=offs_o < NOUT, other=0.0).to(tl.float32)[None, :]
+        out += bias[None, :]
     tl.store(c_ptrs, out.to(c_ptrs.dtype.element_ty), mask=mask)
 
 
@@ -424,6 +432,7 @@ def _w4a16_kernel(
     writes its fp32 partial to its own workspace slot, bumps the tile's counter, and the last
     one sums all partials in program order (deterministic), writes bf16 and resets the counter
     for the next launch."""
+    alpha = tl.load(alpha_ptr)  # a constant of the layer: before the wait, off the critical path
     if PDL:  # the next kernel may launch now (or late); ours waits for the previous one (see PDL)
         if not LATE:
             gdc_launch_dependents()
@@ -440,19 +449,19 @@ def _w4a16_kernel(
     else:
         start = _start(p, P, T)
         end = _start(p + 1, P, T)
-    alpha = tl.load(alpha_ptr)
     it = start
     while it < end:
         tile = it // KI
         k0 = it - tile * KI
         k1 = tl.minimum(KI, k0 + (end - it))
         pid_m, pid_o = _tile_ids(tile, M, NOUT, BM, BO, GROUP_M)
+        offs_o = pid_o * BO + tl.arange(0, BO)
+        bias = _bias(bias_ptr, offs_o, NOUT, HAS_BIAS)  # in flight during the main loop
         acc = _mainloop(a_ptr, w_ptr, s_ptr, pid_m, pid_o, k0, k1, M, NOUT, RED, stride_am, KB,
                         exp_bias, BWD, FMT, EVEN_O, EVEN_R, BM, BO, BR, INTERPRETED, DECODE_F32, SWAP, PACKED)
         if SWAP:
             acc = tl.trans(acc)
         offs_m = pid_m * BM + tl.arange(0, BM)
-        offs_o = pid_o * BO + tl.arange(0, BO)
         mask = (offs_m < M)[:, None] & (offs_o < NOUT)[None, :]
         c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_o[None, :]
         ws_tile = tl.arange(0, BM)[:, None] * BO + tl.arange(0, BO)[None, :]
@@ -479,7 +488,7 @@ def _w4a16_kernel(
                     acc += tl.load(ws_ptr + (q * 2 + q_slot) * (BM * BO) + ws_tile, cache_modifier=".cg")
                 tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch
         if done:
-            _store_out(acc, alpha, bias_ptr, c_ptrs, mask, offs_o, NOUT, HAS_BIAS)
+            _store_out(acc, alpha, bias, c_ptrs, mask, HAS_BIAS)
         it += k1 - k0
     if PDL and LATE:
         gdc_launch_dependents()
