@@ -20,10 +20,18 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   M = 1 layers from 20M weights on the Gluon GEMV), earlyv (attention loads V with K),
                   kvpre / nokvpre (attention reads its first K / V block before the PDL wait),
                   ap528 / ap1056 (attention programs to aim for), ab16 / ab32 (attention key block),
-                  br16 / br32 (LoRA shrink rows per program), lw8 (8 warps per shrink program)
+                  br16 / br32 (LoRA shrink rows per program), lw8 (8 warps per shrink program),
+                  g:K1+K2:pPsS[wW][kK][x] (the Gluon GEMV for those group kinds, or "all", planned
+                  for P programs per SM with an S-stage ring, W consumer warps, K slices per row
+                  block forced, x loaded a step ahead, e.g. g:qkv+o:p2s6, g:down:p4s3x), xpf / noxpf (Gluon GEMV loads x a step
+                  ahead or not), nohoist (Gluon GEMV's alpha / bias and the norm weight loaded
+                  after the PDL wait, not before)
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
 its median: the GPU drifts by up to ~6% over a call (the first and last "base" of one list
 differed that much), so single back-to-back timings of two variants mislead.
+`--stamp V` runs variant V once more with per-program clocks in the Gluon GEMV and prints, per
+layer shape (medians over the layers), when its programs got past the PDL wait and how long the
+main loop, the epilogue and the kernel's tail took (stamp_summary).
 `--timeline V` profiles one graph replay of variant V and reports, per stream, the kernels'
 summed durations, and what each kernel adds to the critical path (its end minus the latest end
 before it, grouped by kernel; with PDL durations include the wait for the predecessor). Random-initialised weights.
@@ -35,6 +43,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -69,6 +78,9 @@ def _switches() -> dict:
         "lw8": [(lora_ops, "SHRINK_WARPS", 8)],
         "wsmma20m": [(w4a16_triton, "WSMMA_MIN_NK_PDL", 20_000_000)],
         "earlyv": [(decode_ops, "ATTN_EARLY_V", True)],
+        "xpf": [(w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "XPF": True})],
+        "noxpf": [(w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "XPF": False})],
+        "nohoist": [(w4a16_gluon, "HOIST_CONSTS", False), (decode_ops, "NORM_W_EARLY", False)],
         "kvpre": [(decode_ops, "ATTN_PREFETCH", True)],
         "nokvpre": [(decode_ops, "ATTN_PREFETCH", False)],
         "ap528": [(decode_ops, "ATTN_PROGRAMS", 528)],
@@ -90,6 +102,17 @@ def variant_of(engine: RolloutEngine, name: str):
     base, _, flags = name.partition("@")
     flags = list(filter(None, flags.split("@")))
     table = _switches()
+    gluon_cfg = {}  # group kind -> the Gluon GEMV config while that kind's linear runs
+    for f in [f for f in flags if f.startswith("g:")]:
+        flags.remove(f)
+        kinds_, _, spec = f[2:].partition(":")
+        m = re.fullmatch(r"p(\d+)s(\d+)(?:w(\d+))?(?:k(\d+))?(x?)", spec)
+        targets = KINDS if kinds_ == "all" else tuple(kinds_.split("+"))
+        if m is None or set(targets) - set(KINDS):
+            raise SystemExit(f"bad Gluon flag {f!r} in {name!r}: g:KIND+KIND:pPsS[wW][kK][x], KIND in {', '.join(KINDS)} or all")
+        for kind in targets:
+            gluon_cfg[kind] = {"PER_SM": int(m[1]), "NUM_STAGES": int(m[2]), "num_warps": int(m[3] or 4),
+                               **({"S": int(m[4])} if m[4] else {}), **({"XPF": True} if m[5] else {})}
     unknown = set(flags) - set(table)
     if unknown:
         raise SystemExit(f"unknown variant flag(s) {sorted(unknown)} in {name!r}; valid: {', '.join(table)}")
@@ -112,16 +135,18 @@ def variant_of(engine: RolloutEngine, name: str):
     saved_side = engine._side
     original = engine._linear
 
-    from qerl.kernels import w4a16_gemv
+    from qerl.kernels import w4a16_gemv, w4a16_gluon
 
     def linear(group, x, kind):
-        before = w4a16_gemv.PDL_LATE
+        before, gluon_before = w4a16_gemv.PDL_LATE, w4a16_gluon.DEFAULT
         if late_kinds is not None:
             w4a16_gemv.PDL_LATE = kind in late_kinds
+        if kind in gluon_cfg:
+            w4a16_gluon.DEFAULT = {**gluon_before, **gluon_cfg[kind]}
         try:
             return original(group, x, kind) if kind in kinds else (group.base_forward(x), None)
         finally:
-            w4a16_gemv.PDL_LATE = before
+            w4a16_gemv.PDL_LATE, w4a16_gluon.DEFAULT = before, gluon_before
 
     def reset():
         engine._graphs.clear()
@@ -201,6 +226,50 @@ def timeline(graph, rows: int, engine: RolloutEngine) -> dict:
     return out
 
 
+def stamp_summary(graph, sm_mhz: float) -> dict:
+    """Replay `graph` once with the Gluon GEMV's per-program clocks on (w4a16_gluon.STAMP, set
+    before the graph was captured) and summarise each layer shape over the layers: when the
+    programs started and got past the PDL wait, how long the main loop and the epilogue (split
+    fixup, stores) took, when the producer had issued its last copy, and how long the kernel ran
+    on after the last program got past its wait. us; globaltimer for cross-SM times, clock64 at
+    `sm_mhz` within a program."""
+    import numpy as np
+
+    from qerl.kernels import w4a16_gluon
+
+    st = w4a16_gluon.STAMP
+    st["buf"].fill_(-1)
+    graph.replay()
+    torch.cuda.synchronize()
+    arr = st["buf"].cpu().numpy()
+    per_shape: dict = defaultdict(list)
+    for off, grid, n, k, S, m in st["calls"]:
+        a = arr[off:off + grid * 8].reshape(grid, 8).astype(np.float64)
+        if (a[:, 0] < 0).any():
+            continue  # not a launch of this graph
+        cyc = 1.0 / sm_mhz  # us per clock
+        g0 = a[:, 5].min()
+        wait_g = (a[:, 5] - g0) / 1e3 + (a[:, 1] - a[:, 0]) * cyc  # us from the first program's start
+        end_g = (a[:, 6] - g0) / 1e3
+        start_g = (a[:, 5] - g0) / 1e3
+        per_shape[f"{n}x{k} M{m} S{S} grid{grid}"].append({
+            "start_last": start_g.max(), "wait_first": wait_g.min(), "wait_median": float(np.median(wait_g)),
+            "wait_last": wait_g.max(), "end": end_g.max(),
+            "after_last_wait": end_g.max() - wait_g.max(), "after_first_wait": end_g.max() - wait_g.min(),
+            "loop_median": float(np.median((a[:, 2] - a[:, 1]) * cyc)), "loop_max": ((a[:, 2] - a[:, 1]) * cyc).max(),
+            "epilogue_median": float(np.median((a[:, 3] - a[:, 2]) * cyc)),
+            "epilogue_max": ((a[:, 3] - a[:, 2]) * cyc).max(),
+            "producer_done_vs_wait_median": float(np.median((a[:, 7] - a[:, 1]) * cyc)),
+            "producer_done_vs_wait_max": ((a[:, 7] - a[:, 1]) * cyc).max(),
+            "programs_per_sm_max": int(np.bincount(a[:, 4].astype(np.int64)).max()),
+            "sms": int(len(np.unique(a[:, 4]))),
+        })
+    out = {}
+    for shape, rows in per_shape.items():
+        out[shape] = {"layers": len(rows), **{key: round(float(np.median([r[key] for r in rows])), 2) for key in rows[0]}}
+    return out
+
+
 def time_variant(engine: RolloutEngine, prompts: list, settings, with_timeline: bool) -> dict:
     """Capture the step graphs afresh (two generates) and time 64 replays of the 512-key graph."""
     rows = len(prompts)
@@ -243,6 +312,8 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["base", "lora"])
     ap.add_argument("--timeline", nargs="*", default=[])
     ap.add_argument("--rounds", type=int, default=1, help="time the variant list this many times over (medians)")
+    ap.add_argument("--stamp", nargs="*", default=[],
+                    help="variants to run once more with the Gluon GEMV's per-program clocks (stamp_summary)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     model = build(a.model, a.format)
@@ -263,6 +334,25 @@ def main() -> None:
             result["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "timeline"}), flush=True)  # with gpu_state
             if a.out:  # after every row: a call cut short keeps what it measured
+                with open(a.out, "w") as f:
+                    json.dump(result, f, indent=1)
+        for name in a.stamp:
+            from qerl.kernels import w4a16_gluon
+
+            w4a16_gluon.STAMP = {"buf": torch.empty(32 << 20, dtype=torch.int64, device="cuda"), "used": 0, "calls": []}
+            try:
+                with variant_of(engine, name), torch.inference_mode():
+                    graph, ms = graph_step_ms(engine, prompts, settings)
+                    state = gpu_state()
+                    row = {"batch": batch, "variant": name, "stamped": True, "step_ms": round(ms, 4), "gpu_state": state,
+                           "stamps": stamp_summary(graph, float(state.get("sm_mhz") or 1980))}
+            finally:
+                w4a16_gluon.STAMP = None
+            result.setdefault("stamp_rows", []).append(row)
+            print(f"stamps, batch {batch}, {name} (step {ms:.3f} ms with stamps):")
+            for shape, v in row["stamps"].items():
+                print(f"  {shape}: {json.dumps(v)}")
+            if a.out:
                 with open(a.out, "w") as f:
                     json.dump(result, f, indent=1)
     summarise(result, a.rounds, a.out)
