@@ -43,7 +43,10 @@ LOP3/SHF + 4 HMUL2 + 1 HMMA per word; ~32 in w4a16_ws).
 Schedule and fixup as `w4a16_gemv.py`: program p owns row block p // S and reduction steps
 [j*KB//S, (j+1)*KB//S), j = p % S; a block covered by several programs goes through the fp32
 workspace [grid, 64] and the block's counter; the last arrival sums the partials in program
-order (deterministic), writes bf16 and resets the counter. One launch, no host sync.
+order (deterministic; all S loads issued at once), writes bf16 and resets the counter. One launch,
+no host sync. With PDL, everything that does not depend on the previous kernel happens before the
+wait: the producer's weight copies and the consumer's alpha / bias rows (`_tile_consts`), so the
+last-arriving program's epilogue waits on no load (NOTES_w4a16.md section 16).
 """
 
 from __future__ import annotations
@@ -312,7 +315,7 @@ def _epilogue_tokens(alpha, b_lo, b_hi, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc
     2t + 1 (acc0, acc2 / acc1, acc3) of thread (g, t). Reduce each to [m, g, t], then the same
     deterministic split fixup as M = 1 over a [8 tokens, 64 rows] fp32 workspace per program, and
     y[token, row] for token < M."""
-    LR3: gl.constexpr = gl.BlockedLayout([4, 1, 1], [1, 8, 4], [1, 1, num_warps], [2, 1, 0])
+    LR3: gl.constexpr = gl.BlockedLayout([4, 1, 1], [1, 8, 4], [1, 1, num_warps], [2, 1, 0])  # as _lr3_rows
     v00 = gl.convert_layout(_per_token(acc0), LR3)
     v01 = gl.convert_layout(_per_token(acc1), LR3)
     v10 = gl.convert_layout(_per_token(acc2), LR3)
