@@ -456,9 +456,11 @@ def _w4a16_kernel(
         k1 = tl.minimum(KI, k0 + (end - it))
         pid_m, pid_o = _tile_ids(tile, M, NOUT, BM, BO, GROUP_M)
         offs_o = pid_o * BO + tl.arange(0, BO)
-        bias = _bias(bias_ptr, offs_o, NOUT, HAS_BIAS)  # in flight during the main loop
         acc = _mainloop(a_ptr, w_ptr, s_ptr, pid_m, pid_o, k0, k1, M, NOUT, RED, stride_am, KB,
                         exp_bias, BWD, FMT, EVEN_O, EVEN_R, BM, BO, BR, INTERPRETED, DECODE_F32, SWAP, PACKED)
+        # the bias before the split fixup, in flight while the partial is published (held through
+        # the main loop it added 16 bytes of spills at the M <= 16 tiles' 96-register cap)
+        bias = _bias(bias_ptr, offs_o, NOUT, HAS_BIAS)
         if SWAP:
             acc = tl.trans(acc)
         offs_m = pid_m * BM + tl.arange(0, BM)
