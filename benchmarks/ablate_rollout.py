@@ -16,7 +16,7 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   at their start), pf0..pf3 (GEMV
                   weight prefetch depth before the PDL wait), gsm3 (Gluon GEMV at 3 programs per SM), s8 / s16 / s32
                   (LoRA shrink slices), gemv0 (every M = 1 layer on the Gluon GEMV), tokall (every
-                  M = 2..8 layer with K >= 4096 on the Gluon GEMV), wsmma20m (in the decode chain,
+                  M = 2..8 layer with K >= 4096 on the Gluon GEMV; tok0: every M = 2..8 layer), wsmma20m (in the decode chain,
                   M = 1 layers from 20M weights on the Gluon GEMV), earlyv (attention loads V with K),
                   kvpre / nokvpre (attention reads its first K / V block before the PDL wait),
                   ap528 / ap1056 (attention programs to aim for), ab16 / ab32 (attention key block),
@@ -75,6 +75,7 @@ def _switches() -> dict:
         "gemv0": [(w4a16_triton, "GEMV_MAX_NK", 0), (w4a16_triton, "WSMMA_MIN_NK", 1),
                   (w4a16_triton, "WSMMA_MIN_NK_PDL", 1)],
         "tokall": [(w4a16_triton, "WSMMA_TOKENS_MIN_N", 1)],
+        "tok0": [(w4a16_triton, "WSMMA_TOKENS_MIN_N", 1), (w4a16_triton, "WSMMA_TOKENS_MIN_K", 0)],
         "lw8": [(lora_ops, "SHRINK_WARPS", 8)],
         "wsmma20m": [(w4a16_triton, "WSMMA_MIN_NK_PDL", 20_000_000)],
         "earlyv": [(decode_ops, "ATTN_EARLY_V", True)],

@@ -98,12 +98,13 @@ WSMMA_MIN_NK_PDL = int(os.environ.get("QERL_W4A16_WSMMA_MIN_NK_PDL", "20000000" 
 # overlaps decoding with the tensor cores; on the H100 1.6-2x faster than the fused Triton kernel
 # at M = 128 / 256 and even with it at M = 64 (NOTES_w4a16.md section 13). 0 disables it.
 WGMMA_MIN_M = int(os.environ.get("QERL_W4A16_WGMMA_MIN_M", "65"))
-# Forward with 2 <= M <= 8, nvfp4, on Hopper layers with N >= WSMMA_TOKENS_MIN_N and K >= 4096: the
+# Forward with 2 <= M <= 8, nvfp4, on Hopper layers with N >= WSMMA_TOKENS_MIN_N and K >= WSMMA_TOKENS_MIN_K: the
 # same Gluon GEMV with one token per column of its MMA (w4a16_gluon MT = 8) in place of the fused
 # Triton kernel. On the H100 it won only on the two layers of that kind (27648x5120 44.7 -> 39.7 us,
 # 55296x5120 78.3 -> 71.8 at M = 2) and lost 4-66% on the other 12 (NOTES_w4a16.md section 15).
 # 0 disables it.
 WSMMA_TOKENS_MIN_N = int(os.environ.get("QERL_W4A16_WSMMA_TOKENS_MIN_N", "16384"))
+WSMMA_TOKENS_MIN_K = 4096
 # Forward with WGMMA_SMALL_M <= M < WGMMA_MIN_M on Hopper: the wgmma GEMM where it beat the fused
 # Triton kernel on the H100 (_small_m_wgmma; NOTES_w4a16.md section 15). 0 disables it.
 WGMMA_SMALL_M = int(os.environ.get("QERL_W4A16_WGMMA_SMALL_M", "17"))
@@ -873,7 +874,7 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
         elif m <= GEMV_MAX_M and nk <= GEMV_MAX_NK:
             path = "gemv"
         elif (2 <= m <= 8 and state["fmt"] == "nvfp4" and 0 < WSMMA_TOKENS_MIN_N <= state["n"]
-              and state["k"] >= 4096 and _wsmma_ok(x.device, state)):
+              and state["k"] >= WSMMA_TOKENS_MIN_K and _wsmma_ok(x.device, state)):
             path = "wsmma"
         elif 0 < WGMMA_MIN_M <= m and _wsmma_ok(x.device, state):
             path = "wgmma"
