@@ -29,8 +29,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
 its median: the GPU drifts by up to ~6% over a call (the first and last "base" of one list
 differed that much), so single back-to-back timings of two variants mislead.
-`--stamp V` runs variant V once more with per-program clocks in the Gluon GEMV and prints, per
-layer shape (medians over the layers), when its programs got past the PDL wait and how long the
+`--stamp V` runs variant V once more with per-program clocks in the Gluon GEMV and the fused
+Triton kernel and prints, per kernel and layer shape (medians over the layers), when its programs got past the PDL wait and how long the
 main loop, the epilogue and the kernel's tail took (stamp_summary).
 `--timeline V` profiles one graph replay of variant V and reports, per stream, the kernels'
 summed durations, and what each kernel adds to the critical path (its end minus the latest end
@@ -228,23 +228,23 @@ def timeline(graph, rows: int, engine: RolloutEngine) -> dict:
 
 
 def stamp_summary(graph, sm_mhz: float) -> dict:
-    """Replay `graph` once with the Gluon GEMV's per-program clocks on (w4a16_gluon.STAMP, set
-    before the graph was captured) and summarise each layer shape over the layers: when the
-    programs started and got past the PDL wait, how long the main loop and the epilogue (split
-    fixup, stores) took, when the producer had issued its last copy, and how long the kernel ran
-    on after the last program got past its wait. us; globaltimer for cross-SM times, clock64 at
-    `sm_mhz` within a program."""
+    """Replay `graph` once with the 4-bit kernels' per-program clocks on (w4a16_triton.STAMP, set
+    before the graph was captured: the Gluon GEMV and the fused Triton kernel) and summarise each
+    kernel and layer shape over the layers: when the programs started and got past the PDL wait,
+    how long the main loop and the epilogue (split fixup, stores) took, when the Gluon producer had
+    issued its last copy, and how long the kernel ran on after the last program got past its wait.
+    us; globaltimer for cross-SM times, clock64 at `sm_mhz` within a program."""
     import numpy as np
 
-    from qerl.kernels import w4a16_gluon
+    from qerl.kernels import w4a16_triton
 
-    st = w4a16_gluon.STAMP
+    st = w4a16_triton.STAMP
     st["buf"].fill_(-1)
     graph.replay()
     torch.cuda.synchronize()
     arr = st["buf"].cpu().numpy()
     per_shape: dict = defaultdict(list)
-    for off, grid, n, k, S, m in st["calls"]:
+    for off, grid, n, k, S, m, kernel in st["calls"]:
         a = arr[off:off + grid * 8].reshape(grid, 8).astype(np.float64)
         if (a[:, 0] < 0).any():
             continue  # not a launch of this graph
@@ -253,15 +253,15 @@ def stamp_summary(graph, sm_mhz: float) -> dict:
         wait_g = (a[:, 5] - g0) / 1e3 + (a[:, 1] - a[:, 0]) * cyc  # us from the first program's start
         end_g = (a[:, 6] - g0) / 1e3
         start_g = (a[:, 5] - g0) / 1e3
-        per_shape[f"{n}x{k} M{m} S{S} grid{grid}"].append({
+        producer = (a[:, 7] - a[:, 1]) * cyc if kernel == "gluon" else np.zeros(1)  # (-1 elsewhere)
+        per_shape[f"{kernel} {n}x{k} M{m} S{S} grid{grid}"].append({
             "start_last": start_g.max(), "wait_first": wait_g.min(), "wait_median": float(np.median(wait_g)),
             "wait_last": wait_g.max(), "end": end_g.max(),
             "after_last_wait": end_g.max() - wait_g.max(), "after_first_wait": end_g.max() - wait_g.min(),
             "loop_median": float(np.median((a[:, 2] - a[:, 1]) * cyc)), "loop_max": ((a[:, 2] - a[:, 1]) * cyc).max(),
             "epilogue_median": float(np.median((a[:, 3] - a[:, 2]) * cyc)),
             "epilogue_max": ((a[:, 3] - a[:, 2]) * cyc).max(),
-            "producer_done_vs_wait_median": float(np.median((a[:, 7] - a[:, 1]) * cyc)),
-            "producer_done_vs_wait_max": ((a[:, 7] - a[:, 1]) * cyc).max(),
+            "producer_done_vs_wait_median": float(np.median(producer)), "producer_done_vs_wait_max": producer.max(),
             "programs_per_sm_max": int(np.bincount(a[:, 4].astype(np.int64)).max()),
             "sms": int(len(np.unique(a[:, 4]))),
         })
@@ -338,9 +338,9 @@ def main() -> None:
                 with open(a.out, "w") as f:
                     json.dump(result, f, indent=1)
         for name in a.stamp:
-            from qerl.kernels import w4a16_gluon
+            from qerl.kernels import w4a16_triton
 
-            w4a16_gluon.STAMP = {"buf": torch.empty(32 << 20, dtype=torch.int64, device="cuda"), "used": 0, "calls": []}
+            w4a16_triton.STAMP = {"buf": torch.empty(32 << 20, dtype=torch.int64, device="cuda"), "used": 0, "calls": []}
             try:
                 with variant_of(engine, name), torch.inference_mode():
                     graph, ms = graph_step_ms(engine, prompts, settings)
@@ -348,7 +348,7 @@ def main() -> None:
                     row = {"batch": batch, "variant": name, "stamped": True, "step_ms": round(ms, 4), "gpu_state": state,
                            "stamps": stamp_summary(graph, float(state.get("sm_mhz") or 1980))}
             finally:
-                w4a16_gluon.STAMP = None
+                w4a16_triton.STAMP = None
             result.setdefault("stamp_rows", []).append(row)
             print(f"stamps, batch {batch}, {name} (step {ms:.3f} ms with stamps):")
             for shape, v in row["stamps"].items():

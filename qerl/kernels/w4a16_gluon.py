@@ -202,7 +202,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
     acc1 = cz
     acc2 = cz
     acc3 = cz
-    if STAMP:  # per-program clocks (forward's `stamp`): start, PDL wait done, main loop done, end, ...
+    if STAMP:  # per-program clocks (w4a16_triton.STAMP): start, PDL wait done, main loop done, end, ...
         _stamp(stamp_ptr, p, 0, "clock64")
         _stamp(stamp_ptr, p, 4, "smid")
         _stamp(stamp_ptr, p, 5, "globaltimer")
@@ -384,11 +384,6 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_pt
 # XPF: load each step's x one step ahead (section 16 of NOTES_w4a16.md)
 DEFAULT = dict(NUM_STAGES=3, num_warps=4, PER_SM=4, maxnreg=64, PRODUCER_REGS=24, PDL=None, XPF=False)
 _RESIDENT: dict = {}
-# Instrumentation (benchmarks/ablate_rollout.py --stamp): while set to {"buf": int64 CUDA tensor,
-# "used": 0, "calls": []}, every launch writes 8 int64 per program into buf[used:] (clock64 at
-# start / PDL wait done / main loop done / end, smid, globaltimer at start / end, clock64 when the
-# producer issued its last copy) and appends (offset, grid, n, k, S, M) to calls.
-STAMP: dict | None = None
 # alpha and the bias rows loaded before the PDL wait (the epilogue of the last-arriving program
 # then waits on no load); False: after the main loop (the A/B switch of NOTES_rollout.md section 10)
 HOIST_CONSTS = True
@@ -427,18 +422,12 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), min(_RESIDENT.get(key, per_sm), per_sm), mt)
     l5, l2w, l2s = _layouts(nw)
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
-    stamps = c
-    if STAMP is not None:
-        used = STAMP["used"]
-        if used + grid * 8 > STAMP["buf"].numel():
-            raise RuntimeError("w4a16_gluon.STAMP buffer full")
-        stamps = STAMP["buf"][used:]
-        STAMP["calls"].append((used, grid, n, k, s, m))
-        STAMP["used"] = used + grid * 8
+    stamps = W.stamp_slice(grid, n, k, s, m, "gluon")  # instrumentation, None when off (w4a16_triton.STAMP)
     kernel = _gluon_gemv_kernel[(grid,)](
         x.contiguous().view(torch.int32), w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws,
-        locks, stamps, m, n, kb, s, SP=triton.next_power_of_2(s), NUM_STAGES=ns, HAS_BIAS=bias is not None, PDL=pdl, MT=mt, XPF=xpf,
-        STAMP=STAMP is not None, HOIST=HOIST_CONSTS, PRODUCER_REGS=preg,
+        locks, stamps if stamps is not None else ws, m, n, kb, s, SP=triton.next_power_of_2(s), NUM_STAGES=ns,
+        HAS_BIAS=bias is not None, PDL=pdl, MT=mt, XPF=xpf,
+        STAMP=stamps is not None, HOIST=HOIST_CONSTS, PRODUCER_REGS=preg,
         L5=l5, L2W=l2w, L2S=l2s, num_warps=nw, launch_pdl=pdl, **extra,
     )
     if key not in _RESIDENT:

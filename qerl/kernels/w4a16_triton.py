@@ -135,6 +135,26 @@ PDL_LATE = os.environ.get("QERL_W4A16_PDL_LATE", "0") == "1"
 if INTERPRETED:
     _patch_interpreter()
 
+# Instrumentation (benchmarks/ablate_rollout.py --stamp): while set to {"buf": int64 CUDA tensor,
+# "used": 0, "calls": []}, every launch of the fused kernel and of the Gluon GEMV writes 8 int64 per
+# program into buf[used:] (clock64 at start / past the PDL wait / main loop done / end, smid,
+# globaltimer at start / end, and for the Gluon GEMV clock64 when its producer issued the last
+# weight copy, else -1) and appends (offset, grid, n, k, S, M, kernel) to calls.
+STAMP: dict | None = None
+
+
+def stamp_slice(grid: int, n: int, k: int, s: int, m: int, kernel: str):
+    """The stamp buffer from this launch's offset (None when STAMP is off); records the call."""
+    if STAMP is None:
+        return None
+    used = STAMP["used"]
+    if used + grid * 8 > STAMP["buf"].numel():
+        raise RuntimeError("w4a16_triton.STAMP buffer full")
+    STAMP["calls"].append((used, grid, n, k, s, m, kernel))
+    STAMP["used"] = used + grid * 8
+    return STAMP["buf"][used:]
+
+
 FMT_ID = {"nvfp4": 0, "mxfp4": 1}
 GROUP = {"nvfp4": 16, "mxfp4": 32}
 
@@ -394,6 +414,17 @@ def _mainloop(a_ptr, w_ptr, s_ptr, pid_m, pid_o, k0, k1, M, NOUT, RED, stride_am
 
 
 @triton.jit
+def _stamp(stamp_ptr, p, slot: tl.constexpr, name: tl.constexpr):
+    """Per-program instrumentation (STAMP): %clock64, %globaltimer or %smid into stamp_ptr[p, slot]."""
+    if name == "smid":
+        v = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.store(stamp_ptr + p * 8 + slot, v.to(tl.int64))
+    else:
+        v = tl.inline_asm_elementwise("mov.u64 $0, %" + name + ";", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(stamp_ptr + p * 8 + slot, v)
+
+
+@triton.jit
 def _bias(bias_ptr, offs_o, NOUT, HAS_BIAS: tl.constexpr):
     """The bias of outputs offs_o in fp32 (0 without one): loaded ahead of the epilogue that adds it."""
     if HAS_BIAS:
@@ -413,12 +444,12 @@ def _store_out(acc, alpha, bias, c_ptrs, mask, HAS_BIAS: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])  # one compile for every M in a bucket (M=1 included)
 def _w4a16_kernel(
-    a_ptr, w_ptr, s_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr,
+    a_ptr, w_ptr, s_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr,
     M, NOUT, RED, stride_am, stride_cm, KB, exp_bias, S,
     BWD: tl.constexpr, FMT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_O: tl.constexpr, EVEN_R: tl.constexpr,
     BM: tl.constexpr, BO: tl.constexpr, BR: tl.constexpr, GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr,
     DECODE_F32: tl.constexpr, SWAP: tl.constexpr, SPLIT: tl.constexpr, PACKED: tl.constexpr,
-    PDL: tl.constexpr = False, LATE: tl.constexpr = False,
+    PDL: tl.constexpr = False, LATE: tl.constexpr = False, STAMP: tl.constexpr = False,
 ):
     """C[M, NOUT] = A[M, RED] @ (weight as [RED, NOUT]) * alpha (+ bias), bf16 out.
 
@@ -433,6 +464,10 @@ def _w4a16_kernel(
     writes its fp32 partial to its own workspace slot, bumps the tile's counter, and the last
     one sums all partials in program order (deterministic), writes bf16 and resets the counter
     for the next launch."""
+    if STAMP:
+        _stamp(stamp_ptr, tl.program_id(0), 0, "clock64")
+        _stamp(stamp_ptr, tl.program_id(0), 4, "smid")
+        _stamp(stamp_ptr, tl.program_id(0), 5, "globaltimer")
     alpha = tl.load(alpha_ptr)  # a constant of the layer: before the wait, off the critical path
     if PDL:  # the next kernel may launch now (or late); ours waits for the previous one (see PDL)
         if not LATE:
@@ -440,6 +475,8 @@ def _w4a16_kernel(
         gdc_wait()
     P = tl.num_programs(0)
     p = tl.program_id(0)
+    if STAMP:
+        _stamp(stamp_ptr, p, 1, "clock64")
     KI = tl.cdiv(RED, BR)  # reduction steps per tile
     T = tl.cdiv(M, BM) * tl.cdiv(NOUT, BO) * KI
     if SPLIT:
@@ -459,6 +496,8 @@ def _w4a16_kernel(
         offs_o = pid_o * BO + tl.arange(0, BO)
         acc = _mainloop(a_ptr, w_ptr, s_ptr, pid_m, pid_o, k0, k1, M, NOUT, RED, stride_am, KB,
                         exp_bias, BWD, FMT, EVEN_O, EVEN_R, BM, BO, BR, INTERPRETED, DECODE_F32, SWAP, PACKED)
+        if STAMP:  # (the last tile's, for a program that walks several)
+            _stamp(stamp_ptr, p, 2, "clock64")
         # the bias before the split fixup, in flight while the partial is published (held through
         # the main loop it added 16 bytes of spills at the M <= 16 tiles' 96-register cap)
         bias = _bias(bias_ptr, offs_o, NOUT, HAS_BIAS)
@@ -495,6 +534,10 @@ def _w4a16_kernel(
         it += k1 - k0
     if PDL and LATE:
         gdc_launch_dependents()
+    if STAMP:
+        _stamp(stamp_ptr, p, 3, "clock64")
+        _stamp(stamp_ptr, p, 6, "globaltimer")
+        tl.store(stamp_ptr + p * 8 + 7, -1)
 
 
 @triton.jit
@@ -653,10 +696,12 @@ def _launch(a: torch.Tensor, state: dict, bwd: bool, bias, cfg: dict, out):
     key = tuple(sorted(flags.items()))
     grid, split = _grid(m, tiles, triton.cdiv(red, br), _RESIDENT.get(key, per_sm), a.device, programs, schedule, waves)
     ws = torch.empty(grid * 2 * bm * bo, device=a.device, dtype=torch.float32)
+    stamps = None if INTERPRETED else stamp_slice(grid, n, k, max(split, 1), m, "fused")
     kernel = _w4a16_kernel[(grid,)](
         a, state["words"], state["scale"], state["alpha"], bias if bias is not None else c, c, ws, locks,
+        stamps if stamps is not None else ws,
         m, n_out, red, a.stride(0), c.stride(0), state["kb"], state["exp_bias"], max(split, 1),
-        SPLIT=split > 0, launch_pdl=pdl, **flags,
+        SPLIT=split > 0, STAMP=stamps is not None, launch_pdl=pdl, **flags,
     )
     if key not in _RESIDENT:
         _RESIDENT[key] = _resident_per_sm(kernel) or per_sm

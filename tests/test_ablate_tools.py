@@ -1,0 +1,91 @@
+"""The rollout ablation tool's CPU-side logic (benchmarks/ablate_rollout.py): variant flags that
+set kernel configs per layer kind, and the per-program clock summary of `--stamp` (the GPU writes
+the clocks; here a synthetic buffer stands in for one replay)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+from qerl.kernels import w4a16_gluon, w4a16_triton
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def ablate():
+    bench = os.path.join(HERE, "..", "benchmarks")
+    spec = importlib.util.spec_from_file_location("ablate_rollout", os.path.join(bench, "ablate_rollout.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, bench)  # the script imports its sibling scripts
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(bench)
+    return mod
+
+
+class _Engine:
+    """What variant_of touches on an engine."""
+
+    def __init__(self):
+        self._graphs, self._pool, self._lora_buffers, self._side = {"x": 1}, object(), {"y": 2}, "side"
+
+    def _linear(self, group, x, kind):  # the class method variant_of restores
+        return None
+
+
+class _Group:
+    def base_forward(self, x):
+        return dict(w4a16_gluon.DEFAULT)
+
+
+def test_gluon_flags_apply_per_kind_and_restore(ablate):
+    before = dict(w4a16_gluon.DEFAULT)
+    engine = _Engine()
+    with ablate.variant_of(engine, "base@g:qkv+o:p2s6@g:down:p4s3w8k2x"):
+        seen = {kind: engine._linear(_Group(), None, kind)[0] for kind in ablate.KINDS}
+        assert engine._graphs == {} and engine._pool is None  # graphs re-captured for the variant
+    assert seen["qkv"]["PER_SM"] == 2 and seen["qkv"]["NUM_STAGES"] == 6 and seen["o"] == seen["qkv"]
+    assert seen["down"]["num_warps"] == 8 and seen["down"]["S"] == 2 and seen["down"]["XPF"] is True
+    assert seen["gate_up"] == before  # kinds not named keep the defaults
+    assert w4a16_gluon.DEFAULT == before and engine._side == "side"
+    with ablate.variant_of(engine, "base@xpf@nohoist"):
+        assert w4a16_gluon.DEFAULT["XPF"] is True and w4a16_gluon.HOIST_CONSTS is False
+    assert w4a16_gluon.DEFAULT == before and w4a16_gluon.HOIST_CONSTS is True
+    for bad in ("base@g:qkv:x2", "base@g:attn:p2s6", "base@nosuchflag"):
+        with pytest.raises(SystemExit):
+            with ablate.variant_of(_Engine(), bad):
+                pass
+
+
+def test_stamp_slices_and_summary(ablate, monkeypatch):
+    monkeypatch.setattr(w4a16_triton, "STAMP", {"buf": torch.empty(64, dtype=torch.int64), "used": 0, "calls": []})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    assert w4a16_triton.stamp_slice(4, 128, 256, 2, 1, "gluon").numel() == 64
+    assert w4a16_triton.stamp_slice(2, 64, 256, 1, 8, "fused").numel() == 32
+    with pytest.raises(RuntimeError, match="full"):
+        w4a16_triton.stamp_slice(3, 64, 256, 1, 8, "fused")
+    buf = w4a16_triton.STAMP["buf"]
+
+    class Replay:  # one graph replay: what the kernels would write (clock64 at 1000 MHz = 1 cycle per ns)
+        def replay(self):
+            for p in range(4):  # gluon: start, past the wait, loop done, end, smid, gtimer start / end, producer
+                buf[p * 8:(p + 1) * 8] = torch.tensor([0, 2000, 5000, 6000 + 1000 * p, p % 2, 100 * p, 6000 + 1000 * p,
+                                                       1000])
+            for p in range(2):
+                buf[32 + p * 8:32 + (p + 1) * 8] = torch.tensor([0, 1000, 3000, 4000, p, 0, 4000, -1])
+
+    out = ablate.stamp_summary(Replay(), 1000.0)
+    g = out["gluon 128x256 M1 S2 grid4"]
+    assert g["layers"] == 1 and g["sms"] == 2 and g["programs_per_sm_max"] == 2
+    assert g["start_last"] == pytest.approx(0.3) and g["wait_last"] == pytest.approx(2.3)
+    assert g["loop_median"] == pytest.approx(3.0) and g["epilogue_max"] == pytest.approx(4.0)
+    assert g["end"] == pytest.approx(9.0) and g["after_last_wait"] == pytest.approx(6.7)
+    assert g["producer_done_vs_wait_median"] == pytest.approx(-1.0)  # the last copy issued before the wait
+    f = out["fused 64x256 M8 S1 grid2"]
+    assert f["loop_median"] == pytest.approx(2.0) and f["producer_done_vs_wait_max"] == 0.0
