@@ -16,22 +16,24 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   at their start), pf0..pf3 (GEMV
                   weight prefetch depth before the PDL wait), gsm3 (Gluon GEMV at 3 programs per SM), s8 / s16 / s32
                   (LoRA shrink slices), gemv0 (every M = 1 layer on the Gluon GEMV), tokall (every
-                  M = 2..8 layer with K >= 4096 on the Gluon GEMV; tok0: every M = 2..8 layer), wsmma20m (in the decode chain,
-                  M = 1 layers from 20M weights on the Gluon GEMV), earlyv (attention loads V with K),
+                  M = 2..8 layer with K >= 4096 on the Gluon GEMV; tok0: every M = 2..8 layer),
+                  wsmma20m (in the decode chain, M = 1 layers from 20M weights on the Gluon GEMV),
+                  earlyv (attention loads V with K),
                   kvpre / nokvpre (attention reads its first K / V block before the PDL wait),
                   ap528 / ap1056 (attention programs to aim for), ab16 / ab32 (attention key block),
                   br16 / br32 (LoRA shrink rows per program), lw8 (8 warps per shrink program),
                   g:K1+K2:pPsS[wW][kK][x] (the Gluon GEMV for those group kinds, or "all", planned
                   for P programs per SM with an S-stage ring, W consumer warps, K slices per row
-                  block forced, x loaded a step ahead, e.g. g:qkv+o:p2s6, g:down:p4s3x), xpf / noxpf (Gluon GEMV loads x a step
-                  ahead or not), nohoist (Gluon GEMV's alpha / bias and the norm weight loaded
-                  after the PDL wait, not before)
+                  block forced, x loaded a step ahead, e.g. g:qkv+o:p2s6, g:down:p4s3x),
+                  xpf / noxpf (Gluon GEMV loads x a step ahead or not), nohoist (Gluon GEMV's
+                  alpha / bias and the norm weight loaded after the PDL wait, not before)
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
 its median: the GPU drifts by up to ~6% over a call (the first and last "base" of one list
 differed that much), so single back-to-back timings of two variants mislead.
 `--stamp V` runs variant V once more with per-program clocks in the Gluon GEMV and the fused
-Triton kernel and prints, per kernel and layer shape (medians over the layers), when its programs got past the PDL wait and how long the
-main loop, the epilogue and the kernel's tail took (stamp_summary).
+Triton kernel and prints, per kernel and layer shape (medians over the layers), when its programs
+got past the PDL wait and how long the main loop, the epilogue and the kernel's tail took
+(stamp_summary).
 `--timeline V` profiles one graph replay of variant V and reports, per stream, the kernels'
 summed durations, and what each kernel adds to the critical path (its end minus the latest end
 before it, grouped by kernel; with PDL durations include the wait for the predecessor). Random-initialised weights.
@@ -244,11 +246,11 @@ def stamp_summary(graph, sm_mhz: float) -> dict:
     torch.cuda.synchronize()
     arr = st["buf"].cpu().numpy()
     per_shape: dict = defaultdict(list)
+    cyc = 1.0 / sm_mhz  # us per clock
     for off, grid, n, k, S, m, kernel in st["calls"]:
         a = arr[off:off + grid * 8].reshape(grid, 8).astype(np.float64)
         if (a[:, 0] < 0).any():
             continue  # not a launch of this graph
-        cyc = 1.0 / sm_mhz  # us per clock
         g0 = a[:, 5].min()
         wait_g = (a[:, 5] - g0) / 1e3 + (a[:, 1] - a[:, 0]) * cyc  # us from the first program's start
         end_g = (a[:, 6] - g0) / 1e3
@@ -284,6 +286,13 @@ def time_variant(engine: RolloutEngine, prompts: list, settings, with_timeline: 
     return row
 
 
+def save(result: dict, out: str | None) -> None:
+    """Write what was measured so far (after every row: a call cut short keeps it)."""
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
 def summarise(result: dict, rounds: int, out: str | None) -> None:
     """Medians per (batch, variant) over the rounds into result["medians"]; the table."""
     medians, clocks = {}, {}
@@ -292,9 +301,7 @@ def summarise(result: dict, rounds: int, out: str | None) -> None:
         clocks.setdefault((r["batch"], r["variant"]), []).append(r["gpu_state"].get("sm_mhz"))
     result["medians"] = [{"batch": b, "variant": v, "step_ms": statistics.median(ms), "all_ms": ms,
                           "sm_mhz": clocks[(b, v)]} for (b, v), ms in medians.items()]
-    if out:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
+    save(result, out)
     print(f"\n{result['model']} {result['format']} LoRA r{result['lora_rank']}, {rounds} round(s): medians")
     print("| batch | variant | step ms | tok/s | x base | all ms | SM MHz after each |")
     for m in result["medians"]:
@@ -314,7 +321,7 @@ def main() -> None:
     ap.add_argument("--timeline", nargs="*", default=[])
     ap.add_argument("--rounds", type=int, default=1, help="time the variant list this many times over (medians)")
     ap.add_argument("--stamp", nargs="*", default=[],
-                    help="variants to run once more with the Gluon GEMV's per-program clocks (stamp_summary)")
+                    help="variants to run once more with the 4-bit kernels' per-program clocks (stamp_summary)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     model = build(a.model, a.format)
@@ -334,9 +341,7 @@ def main() -> None:
                        **time_variant(engine, prompts, settings, rnd == 0 and name in a.timeline)}
             result["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "timeline"}), flush=True)  # with gpu_state
-            if a.out:  # after every row: a call cut short keeps what it measured
-                with open(a.out, "w") as f:
-                    json.dump(result, f, indent=1)
+            save(result, a.out)
         for name in a.stamp:
             from qerl.kernels import w4a16_triton
 
@@ -353,9 +358,7 @@ def main() -> None:
             print(f"stamps, batch {batch}, {name} (step {ms:.3f} ms with stamps):")
             for shape, v in row["stamps"].items():
                 print(f"  {shape}: {json.dumps(v)}")
-            if a.out:
-                with open(a.out, "w") as f:
-                    json.dump(result, f, indent=1)
+            save(result, a.out)
     summarise(result, a.rounds, a.out)
     for r in result["rows"]:
         if "timeline" in r and "streams" in r["timeline"]:

@@ -55,8 +55,9 @@ def compile_kernel(n: int, k: int, stages: int, warps: int, maxnreg, producer_re
     fn = G._gluon_gemv_kernel
     sig = _signature(n, k, bias)
     l5, l2w, l2s = G._layouts(warps)
-    constexprs = {"NUM_STAGES": stages, "HAS_BIAS": bias, "PDL": pdl, "MT": mt, "XPF": xpf, "STAMP": stamp, "SP": 8, "HOIST": True, "PRODUCER_REGS": producer_regs,
-                  "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
+    # SP: the fixup's unrolled partial count (the wrapper passes next_power_of_2(S); 8 covers S <= 8)
+    constexprs = {"NUM_STAGES": stages, "HAS_BIAS": bias, "PDL": pdl, "MT": mt, "XPF": xpf, "STAMP": stamp, "SP": 8,
+                  "HOIST": True, "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
     for name in constexprs:
         sig[name] = "constexpr"
     # pointers 16-byte aligned, as the JIT would specialise them on a GPU

@@ -120,18 +120,17 @@ def _gluon_producer(w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1,
 
 
 @gluon.jit
-def _lr_rows(num_warps: gl.constexpr):
-    """MT = 1 epilogue: the [8 (g), 4 (m)] layout of a 64-row block's half and its rows g + 16m."""
-    LR: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, num_warps], [0, 1])
+def _lr_rows(LR: gl.constexpr):
+    """MT = 1 epilogue: rows g + 16m of a 64-row block's half in its [8 (g), 4 (m)] layout LR."""
     g1 = gl.arange(0, 8, layout=gl.SliceLayout(1, LR))
     m1 = gl.arange(0, 4, layout=gl.SliceLayout(0, LR))
     return gl.expand_dims(g1, 1) + gl.expand_dims(m1, 0) * 16
 
 
 @gluon.jit
-def _lr3_rows(num_warps: gl.constexpr):
-    """MT = 8 epilogue: the [4 (m), 8 (g), 4 (t)] layout's rows 16m + g ([4, 8, 1]) and first tokens 2t ([1, 1, 4])."""
-    LR3: gl.constexpr = gl.BlockedLayout([4, 1, 1], [1, 8, 4], [1, 1, num_warps], [2, 1, 0])
+def _lr3_rows(LR3: gl.constexpr):
+    """MT = 8 epilogue: in its [4 (m), 8 (g), 4 (t)] layout LR3, rows 16m + g ([4, 8, 1]) and first
+    tokens 2t ([1, 1, 4])."""
     m1 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, LR3)))
     g1 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, LR3)))
     t1 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LR3)))
@@ -141,13 +140,14 @@ def _lr3_rows(num_warps: gl.constexpr):
 
 
 @gluon.jit
-def _tile_consts(alpha_ptr, bias_ptr, blk, N, MT: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
+def _tile_consts(alpha_ptr, bias_ptr, blk, N, MT: gl.constexpr, HAS_BIAS: gl.constexpr, LR: gl.constexpr,
+                 LR3: gl.constexpr):
     """(alpha, bias of rows r, bias of rows r + 8) in the epilogue's layout: the layer's constants,
     loaded before the PDL wait so the epilogue of the last program has no dependent load."""
     if MT == 1:
-        rows = _lr_rows(num_warps)
+        rows = _lr_rows(LR)
     else:
-        rows, _tok = _lr3_rows(num_warps)
+        rows, _tok = _lr3_rows(LR3)
     alpha = gl.load(alpha_ptr)
     if HAS_BIAS:
         n = blk * 64 + rows
@@ -191,6 +191,9 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
     i5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(i1, 0), 0), 0), 0)
     xoff = sc5 * 8 + i5 * 4  # [1, 1, 1, 16, 2]: int32 pair index of K = 8c
     zero5 = gl.zeros([4, 2, 8, 16, 2], gl.int32, L5)
+    # the epilogue's layouts: MT = 1 [8 (g), 4 (m)] per 32-row half, MT = 8 [4 (m), 8 (g), 4 (t)]
+    LR: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, num_warps], [0, 1])
+    LR3: gl.constexpr = gl.BlockedLayout([4, 1, 1], [1, 8, 4], [1, 1, num_warps], [2, 1, 0])
     # MT = 8: B column g (lane // 4) is token g, so x row g (rows >= M read as 0); MT = 1: x in every column
     g5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=LG), 0), 1), 3), 4)
     if MT > 1:
@@ -207,7 +210,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
         _stamp(stamp_ptr, p, 4, "smid")
         _stamp(stamp_ptr, p, 5, "globaltimer")
     if HOIST:
-        alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, blk, N, MT, HAS_BIAS, num_warps)
+        alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, blk, N, MT, HAS_BIAS, LR, LR3)
     if PDL:  # x, the output and the workspace only after the previous kernel (the producer needs no wait)
         _gdc("wait")
     if STAMP:
@@ -255,18 +258,17 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
     if STAMP:
         _stamp(stamp_ptr, p, 2, "clock64")
     if not HOIST:  # (A/B switch) the constants loaded after the main loop, as before HOIST
-        alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, blk, N, MT, HAS_BIAS, num_warps)
+        alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, blk, N, MT, HAS_BIAS, LR, LR3)
     if MT == 1:
         # acc0 (= acc1): row 16m + g, acc2 (= acc3): row 16m + 8 + g, for every lane t of the quad
         # (all B columns equal x): keep lane t = 0 (sc % 4 == 0), sum the word columns and the warps.
-        LR: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, num_warps], [0, 1])  # [8 (g), 4 (m)] per half (_lr_rows)
         sc4, _u4 = _halves(sc5 + zero5)
         keep = (sc4 % 4) == 0
         lo = gl.sum(gl.sum(gl.where(keep, acc0, 0.0), axis=3), axis=2)  # [m, g]
         hi = gl.sum(gl.sum(gl.where(keep, acc2, 0.0), axis=3), axis=2)
         lo = gl.convert_layout(gl.permute(lo, (1, 0)), LR)  # [g, m]
         hi = gl.convert_layout(gl.permute(hi, (1, 0)), LR)
-        rows_lo = _lr_rows(num_warps)  # [8, 4]: g + 16m
+        rows_lo = _lr_rows(LR)  # [8, 4]: g + 16m
         rows_hi = rows_lo + 8
         done = k1 > k0
         if S > 1:
@@ -295,7 +297,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
             gl.store(c_ptr + n_hi, out_hi.to(gl.bfloat16), mask=n_hi < N)
     else:
         _epilogue_tokens(alpha, b_lo, b_hi, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
-                         p, blk, M, N, k0, k1, S, SP, HAS_BIAS, num_warps)
+                         p, blk, M, N, k0, k1, S, SP, HAS_BIAS, LR3)
     if STAMP:
         _stamp(stamp_ptr, p, 3, "clock64")
         _stamp(stamp_ptr, p, 6, "globaltimer")
@@ -310,17 +312,16 @@ def _per_token(acc):
 
 @gluon.jit
 def _epilogue_tokens(alpha, b_lo, b_hi, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
-                     p, blk, M, N, k0, k1, S, SP: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
+                     p, blk, M, N, k0, k1, S, SP: gl.constexpr, HAS_BIAS: gl.constexpr, LR3: gl.constexpr):
     """MT = 8: C of an m16n8k16 MMA holds rows g / g + 8 (acc0, acc1 / acc2, acc3) and tokens 2t,
     2t + 1 (acc0, acc2 / acc1, acc3) of thread (g, t). Reduce each to [m, g, t], then the same
     deterministic split fixup as M = 1 over a [8 tokens, 64 rows] fp32 workspace per program, and
     y[token, row] for token < M."""
-    LR3: gl.constexpr = gl.BlockedLayout([4, 1, 1], [1, 8, 4], [1, 1, num_warps], [2, 1, 0])  # as _lr3_rows
     v00 = gl.convert_layout(_per_token(acc0), LR3)
     v01 = gl.convert_layout(_per_token(acc1), LR3)
     v10 = gl.convert_layout(_per_token(acc2), LR3)
     v11 = gl.convert_layout(_per_token(acc3), LR3)
-    row, tok = _lr3_rows(num_warps)  # [4, 8, 1]: 16m + g; [1, 1, 4]: 2t
+    row, tok = _lr3_rows(LR3)  # [4, 8, 1]: 16m + g; [1, 1, 4]: 2t
     o00 = tok * 64 + row  # workspace offsets [token, row] of the four
     o01 = o00 + 64
     o10 = o00 + 8
