@@ -401,3 +401,16 @@ def test_large_m_wgmma_rule_and_split():
     assert W._large_m_wgmma(4608, 512, 132) is None
     assert split(112, 20, 132) == 1 and split(32, 43, 132) == 4 and split(40, 8, 132) == 3
     assert split(80, 20, 132, c0=2.0) == 3 and split(864, 20, 132, c0=2.0) == 1
+
+
+def test_gluon_xpf_auto_rule():
+    """XPF = None (the default) loads x a step ahead only for M = 1 launches of one K slice per
+    row block that take more than one wave of programs: on a 132-SM H100 at 4 programs per SM
+    the 7B and 32B gate/up GEMVs (592 and 864 programs), not 14B's (432), nor split or M = 8 ones."""
+    from qerl.kernels import w4a16_gluon as G
+
+    assert G.DEFAULT["XPF"] is None
+    slots = 4 * 132
+    assert G.xpf_auto(1, 1, 37888 // 64, slots) and G.xpf_auto(1, 1, 55296 // 64, slots)
+    assert not G.xpf_auto(1, 1, 27648 // 64, slots)
+    assert not G.xpf_auto(1, 4, 112 * 4, slots) and not G.xpf_auto(8, 1, 864, slots)

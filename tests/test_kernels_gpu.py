@@ -410,6 +410,26 @@ def test_warp_specialised_gemv(name, n, k, path, cfg):
         assert _rel(out, x.float() @ w32.T) < TOL, m
 
 
+def test_gluon_gemv_xpf_same_bits():
+    """x loaded a step ahead (XPF) changes when x arrives, not the arithmetic: on the 7B gate/up
+    shape (one K slice per row block, more programs than one wave: XPF on by the auto rule on an
+    H100) the default, XPF on and XPF off give the same bits, and match the fp32 reference."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_triton as W
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs Hopper (TMA, warp specialisation)")
+    t, st, w32 = _layer("nvfp4", 37888, 3584, seed=5)
+    x = torch.randn(1, 3584, device="cuda").to(torch.bfloat16)
+    outs = []
+    for xpf in (None, True, False):
+        conf = {"PATH": "wsmma", "XPF": xpf}
+        W.forward(x, st, config=conf)  # occupancy measured on the first launch
+        outs.append(W.forward(x, st, config=conf))
+    assert _rel(outs[0], x.float() @ w32.T) < TOL
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 WG_CASES = [{}, {"NSW": 2, "NSD": 2, "NSX": 2}, {"S": 1}, {"S": 3}, {"BM": 16}, {"PDL": True}, {"DW": 8, "LAG": 2},
             {"CPS": 2, "NSD": 3}, {"CPS": 4, "NSD": 2, "NSX": 3}, {"CPS": 4, "NSD": 2, "DW": 8}, {"C0": 2},
             {"LOADS": 1}, {"LOADS": 1, "DW": 8, "PDL": True, "C0": 2}, {"BN": 128, "LOADS": 1, "NSD": 2, "NSX": 3},

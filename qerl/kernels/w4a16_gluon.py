@@ -382,13 +382,22 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_pt
 
 # 6 stages x 9 KB and 64 registers: 4 programs (16 consumer warps) per SM by both limits (offline build)
 # NUM_STAGES 3: best of 3 / 6 on the H100 (results/gemv_warp_specialised_mma.json)
-# XPF: load each step's x one step ahead (section 16 of NOTES_w4a16.md)
-DEFAULT = dict(NUM_STAGES=3, num_warps=4, PER_SM=4, maxnreg=64, PRODUCER_REGS=24, PDL=None, XPF=False)
+# XPF: load each step's x one step ahead (section 16 of NOTES_w4a16.md); None = auto (xpf_auto)
+DEFAULT = dict(NUM_STAGES=3, num_warps=4, PER_SM=4, maxnreg=64, PRODUCER_REGS=24, PDL=None, XPF=None)
 _RESIDENT: dict = {}
 # alpha and the bias rows loaded before the PDL wait (the epilogue of the last-arriving program
 # then waits on no load); False: after the main loop (the A/B switch of NOTES_rollout.md section 10)
 HOIST_CONSTS = True
 MAX_M = 8  # tokens per launch: the 8 columns of an m16n8k16 MMA
+
+
+def xpf_auto(mt: int, s: int, grid: int, slots: int) -> bool:
+    """XPF = None: x one step ahead only for M = 1 launches of one K slice per row block that
+    need more than one wave of programs (grid > per-SM programs x SMs). Fit on the gate/up GEMVs
+    of three models at batch 1 (NOTES_rollout.md section 11, same-process A/B): 7B 37888x3584
+    (592 programs for 528 slots) +1.0%, 32B 55296x5120 (864) +1.3%, but 14B 27648x5120 (432,
+    one wave) -0.7%; 32B down / q/k/v / o (S > 1) +-0, 14B b8 (MT = 8) -0.4%."""
+    return mt == 1 and s == 1 and grid > slots
 
 
 def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | None = None) -> torch.Tensor:
@@ -398,7 +407,8 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
 
     config: NUM_STAGES (ring depth), PER_SM (programs per SM the grid is planned for, at most what
     the first launch measures fits), S (forced K slices per row block), num_warps (consumer warps: 4 or 8),
-    maxnreg (register cap per thread), PRODUCER_REGS, PDL, XPF (x loaded one step ahead)."""
+    maxnreg (register cap per thread), PRODUCER_REGS, PDL, XPF (x loaded one step ahead; None:
+    `xpf_auto`)."""
     if state["fmt"] != "nvfp4":
         raise ValueError(f"the Gluon GEMV takes nvfp4 weights, got {state['fmt']}")
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_M:
@@ -418,9 +428,10 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     pdl = bool(W.PDL if cfg["PDL"] is None else cfg["PDL"])
     preg = int(cfg["PRODUCER_REGS"])
     mt = 1 if m == 1 else MAX_M
-    xpf = bool(cfg["XPF"])
-    key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, xpf)
-    s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), min(_RESIDENT.get(key, per_sm), per_sm), mt)
+    key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"])
+    fits = min(_RESIDENT.get(key, per_sm), per_sm)
+    s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), fits, mt)
+    xpf = bool(cfg["XPF"]) if cfg["XPF"] is not None else xpf_auto(mt, s, grid, fits * W._num_sms(x.device.index or 0))
     l5, l2w, l2s = _layouts(nw)
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
     stamps = W.stamp_slice(grid, n, k, s, m, "gluon")  # instrumentation, None when off (w4a16_triton.STAMP)
