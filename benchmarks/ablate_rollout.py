@@ -83,6 +83,7 @@ def _switches() -> dict:
         "earlyv": [(decode_ops, "ATTN_EARLY_V", True)],
         "xpf": [(w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "XPF": True})],
         "noxpf": [(w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "XPF": False})],
+        "oldepi": [(w4a16_gluon, "EPI_SMEM", False)],
         "nohoist": [(w4a16_gluon, "HOIST_CONSTS", False), (decode_ops, "NORM_W_EARLY", False)],
         "kvpre": [(decode_ops, "ATTN_PREFETCH", True)],
         "nokvpre": [(decode_ops, "ATTN_PREFETCH", False)],

@@ -51,13 +51,13 @@ def _signature(n: int, k: int, has_bias: bool):
 
 
 def compile_kernel(n: int, k: int, stages: int, warps: int, maxnreg, producer_regs: int, bias: bool, pdl: bool,
-                   mt: int = 1, xpf: bool = False, stamp: bool = False):
+                   mt: int = 1, xpf: bool = False, stamp: bool = False, epi: bool = G.EPI_SMEM):
     fn = G._gluon_gemv_kernel
     sig = _signature(n, k, bias)
     l5, l2w, l2s = G._layouts(warps)
     # SP: the fixup's unrolled partial count (the wrapper passes next_power_of_2(S); 8 covers S <= 8)
     constexprs = {"NUM_STAGES": stages, "HAS_BIAS": bias, "PDL": pdl, "MT": mt, "XPF": xpf, "STAMP": stamp, "SP": 8,
-                  "HOIST": True, "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
+                  "HOIST": True, "EPI": epi, "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
     for name in constexprs:
         sig[name] = "constexpr"
     # pointers 16-byte aligned, as the JIT would specialise them on a GPU
@@ -170,13 +170,14 @@ def main():
     ap.add_argument("--bias", action="store_true")
     ap.add_argument("--pdl", action="store_true")
     ap.add_argument("--xpf", action="store_true", help="gemv: x loaded one step ahead")
+    ap.add_argument("--old-epi", action="store_true", help="gemv, M > 1: the per-accumulator epilogue (EPI off)")
     ap.add_argument("--dump", default=None, help="write ttgir / llir / ptx / sass here")
     a = ap.parse_args()
     if a.kernel == "wgmma":
         return main_wgmma(a)
     try:
         ck = compile_kernel(a.n, a.k, a.stages, a.warps, a.maxnreg, a.producer_regs, a.bias, a.pdl,
-                            1 if (a.m or 1) == 1 else G.MAX_M, a.xpf)
+                            1 if (a.m or 1) == 1 else G.MAX_M, a.xpf, epi=not a.old_epi)
     except Exception as e:  # noqa: BLE001
         print(f"compile FAILED: {type(e).__name__}: {e}")
         sys.exit(1)

@@ -314,7 +314,7 @@ def test_wgmma_kernel_builds_for_hopper(fmt, m, cfg):
 @pytest.mark.parametrize("xpf", [False, True], ids=["x-per-step", "x-ahead"])
 def test_gluon_gemv_builds_for_hopper(mt, xpf):
     """Offline sm_90a build of the tensor-core Gluon GEMV (w4a16_gluon; MT = 8: one token per MMA
-    column; XPF: x loaded a step ahead, built without a bias): no spills at its 64-register cap
+    column, both epilogues; XPF: x loaded a step ahead, built without a bias): no spills at its 64-register cap
     and 16 mma.sync per 64 x 256 step."""
     pytest.importorskip("triton.experimental.gluon")
     import importlib.util
@@ -323,10 +323,11 @@ def test_gluon_gemv_builds_for_hopper(mt, xpf):
         "compile_gluon", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "compile_gluon.py"))
     cg = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cg)
-    ck = cg.compile_kernel(7168, 5120, 3, 4, 64, 24, not xpf, False, mt, xpf)  # x-ahead builds without a bias
-    regs, spills = cg._resources(ck.asm["cubin"])
-    assert spills == 0 and regs <= 64
-    assert ck.asm["ptx"].count("mma.sync.aligned.m16n8k16") == 16
+    for epi in (True, False) if mt > 1 else (True,):  # MT = 8: the shared-memory epilogue and the old one
+        ck = cg.compile_kernel(7168, 5120, 3, 4, 64, 24, not xpf, False, mt, xpf, epi=epi)  # x-ahead: no bias
+        regs, spills = cg._resources(ck.asm["cubin"])
+        assert spills == 0 and regs <= 64
+        assert ck.asm["ptx"].count("mma.sync.aligned.m16n8k16") == 16
 
 
 def test_small_m_wgmma_rule():

@@ -140,19 +140,34 @@ def _lr3_rows(LR3: gl.constexpr):
 
 
 @gluon.jit
-def _tile_consts(alpha_ptr, bias_ptr, blk, N, MT: gl.constexpr, HAS_BIAS: gl.constexpr, LR: gl.constexpr,
-                 LR3: gl.constexpr):
-    """(alpha, bias of rows r, bias of rows r + 8) in the epilogue's layout: the layer's constants,
-    loaded before the PDL wait so the epilogue of the last program has no dependent load."""
-    if MT == 1:
-        rows = _lr_rows(LR)
-    else:
-        rows, _tok = _lr3_rows(LR3)
+def _red_idx(LO: gl.constexpr):
+    """MT = 8 shared-memory epilogue: in its [4 (m), 8 (g), 4 (t), 2 (b), 2 (h)] layout LO, rows
+    16m + 8h + g ([4, 8, 1, 1, 2]) and tokens 2t + b ([1, 1, 4, 2, 1])."""
+    m = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LO)))))
+    g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LO)))))
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, gl.SliceLayout(4, LO)))))
+    b = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4, LO)))))
+    h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, LO)))))
+    m5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(m, 1), 2), 3), 4)
+    g5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(g, 0), 2), 3), 4)
+    t5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(t, 0), 0), 3), 4)
+    b5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(b, 0), 0), 0), 4)
+    h5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(h, 0), 0), 0), 0)
+    return m5 * 16 + h5 * 8 + g5, t5 * 2 + b5
+
+
+@gluon.jit
+def _tile_consts(alpha_ptr, bias_ptr, blk, N, rows, HAS_BIAS: gl.constexpr, HI: gl.constexpr):
+    """(alpha, bias of `rows`, bias of rows + 8 if HI) in the epilogue's layout: the layer's
+    constants, loaded before the PDL wait so the epilogue of the last program has no dependent load."""
     alpha = gl.load(alpha_ptr)
     if HAS_BIAS:
         n = blk * 64 + rows
         b_lo = gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)
-        b_hi = gl.load(bias_ptr + n + 8, mask=n + 8 < N, other=0.0).to(gl.float32)
+        if HI:
+            b_hi = gl.load(bias_ptr + n + 8, mask=n + 8 < N, other=0.0).to(gl.float32)
+        else:
+            b_hi = b_lo
     else:
         b_lo = rows.to(gl.float32) * 0.0  # unused without a bias
         b_hi = b_lo
@@ -180,7 +195,8 @@ def _halves(v):
 def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w_bufs, s_bufs, ready, empty,
               p, blk, M, N, KB, k0, k1, S, SP: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
               PDL: gl.constexpr, MT: gl.constexpr, XPF: gl.constexpr, STAMP: gl.constexpr, HOIST: gl.constexpr,
-              L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr, num_warps: gl.constexpr):
+              EPI: gl.constexpr, red, L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr,
+              num_warps: gl.constexpr):
     # activations: x as int32 pairs, element (sc, i) of the 5-D tile needs word column c = 2 sc + i
     LSC: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4, L5))))
     LI: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L5))))
@@ -194,6 +210,16 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
     # the epilogue's layouts: MT = 1 [8 (g), 4 (m)] per 32-row half, MT = 8 [4 (m), 8 (g), 4 (t)]
     LR: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, num_warps], [0, 1])
     LR3: gl.constexpr = gl.BlockedLayout([4, 1, 1], [1, 8, 4], [1, 1, num_warps], [2, 1, 0])
+    # MT = 8 with EPI: the per-warp partials [m, w, g, t, b, h] read back with the 4 warps' copies in one thread
+    WM: gl.constexpr = num_warps // 4
+    LRED: gl.constexpr = gl.BlockedLayout([1, 4, 1, 1, 2, 2 // WM], [1, 1, 8, 4, 1, 1], [4, 1, 1, 1, 1, WM],
+                                          [5, 4, 3, 2, 1, 0])
+    if MT == 1:
+        rows = _lr_rows(LR)
+    elif EPI:
+        rows, _tok = _red_idx(gl.SliceLayout(1, LRED))
+    else:
+        rows, _tok = _lr3_rows(LR3)
     # MT = 8: B column g (lane // 4) is token g, so x row g (rows >= M read as 0); MT = 1: x in every column
     g5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=LG), 0), 1), 3), 4)
     if MT > 1:
@@ -210,7 +236,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
         _stamp(stamp_ptr, p, 4, "smid")
         _stamp(stamp_ptr, p, 5, "globaltimer")
     if HOIST:
-        alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, blk, N, MT, HAS_BIAS, LR, LR3)
+        alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, blk, N, rows, HAS_BIAS, MT == 1 or not EPI)
     if PDL:  # x, the output and the workspace only after the previous kernel (the producer needs no wait)
         _gdc("wait")
     if STAMP:
@@ -258,7 +284,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
     if STAMP:
         _stamp(stamp_ptr, p, 2, "clock64")
     if not HOIST:  # (A/B switch) the constants loaded after the main loop, as before HOIST
-        alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, blk, N, MT, HAS_BIAS, LR, LR3)
+        alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, blk, N, rows, HAS_BIAS, MT == 1 or not EPI)
     if MT == 1:
         # acc0 (= acc1): row 16m + g, acc2 (= acc3): row 16m + 8 + g, for every lane t of the quad
         # (all B columns equal x): keep lane t = 0 (sc % 4 == 0), sum the word columns and the warps.
@@ -268,7 +294,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
         hi = gl.sum(gl.sum(gl.where(keep, acc2, 0.0), axis=3), axis=2)
         lo = gl.convert_layout(gl.permute(lo, (1, 0)), LR)  # [g, m]
         hi = gl.convert_layout(gl.permute(hi, (1, 0)), LR)
-        rows_lo = _lr_rows(LR)  # [8, 4]: g + 16m
+        rows_lo = rows  # [8, 4]: g + 16m
         rows_hi = rows_lo + 8
         done = k1 > k0
         if S > 1:
@@ -295,6 +321,9 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
                 out_hi += b_hi
             gl.store(c_ptr + n_lo, out_lo.to(gl.bfloat16), mask=n_lo < N)
             gl.store(c_ptr + n_hi, out_hi.to(gl.bfloat16), mask=n_hi < N)
+    elif EPI:
+        _epilogue_smem(alpha, b_lo, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
+                       p, blk, M, N, k0, k1, S, SP, HAS_BIAS, LRED)
     else:
         _epilogue_tokens(alpha, b_lo, b_hi, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
                          p, blk, M, N, k0, k1, S, SP, HAS_BIAS, LR3)
@@ -357,6 +386,43 @@ def _epilogue_tokens(alpha, b_lo, b_hi, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc
 
 
 @gluon.jit
+def _epilogue_smem(alpha, bias, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
+                   p, blk, M, N, k0, k1, S, SP: gl.constexpr, HAS_BIAS: gl.constexpr, LRED: gl.constexpr):
+    """MT = 8 through shared memory (EPI): each thread sums its two words i, writes its 16 partials
+    [m, b, h] of warp w to `red` [4 m, 4 w, 8 g, 4 t, 2 b, 2 h] (16-byte rows, no bank conflict), one
+    barrier, and reads back the four warps' values of its own (m, g, t) to sum them in registers:
+    one shared-memory round trip instead of a cross-warp reduction and a layout change per
+    accumulator. Then the split fixup and y[token, row] as `_epilogue_tokens`, with row 16m + 8h + g
+    and token 2t + b (acc0 / acc1: b = 0 / 1, h = 0; acc2 / acc3: h = 1)."""
+    v = gl.join(gl.join(gl.sum(acc0, axis=3), gl.sum(acc1, axis=3)),
+                gl.join(gl.sum(acc2, axis=3), gl.sum(acc3, axis=3)))  # [4 m, 8 g, 16 sc, 2 b, 2 h]
+    red.store(gl.permute(gl.reshape(v, [4, 8, 4, 4, 2, 2]), (0, 2, 1, 3, 4, 5)))  # sc = 4w + t
+    gl.thread_barrier()
+    part = gl.sum(red.load(LRED), axis=1)  # [4 m, 8 g, 4 t, 2 b, 2 h]
+    LO: gl.constexpr = gl.SliceLayout(1, LRED)
+    row, tok = _red_idx(LO)
+    off = tok * 64 + row  # workspace [token, row] of this program
+    done = k1 > k0
+    if S > 1:
+        gl.store(ws_ptr + p * 512 + off, part)
+        gl.thread_barrier()  # all threads' partials are written before the counter moves
+        count = gl.atomic_add(lock_ptr + blk, 1, sem="acq_rel", scope="gpu")
+        done = count == S - 1
+        if done:
+            part = gl.zeros([4, 8, 4, 2, 2], gl.float32, LO)
+            for j in gl.static_range(SP):  # unrolled: all S loads in flight at once, summed in order
+                part += gl.load(ws_ptr + (blk * S + j) * 512 + off, mask=(off >= 0) & (j < S), other=0.0,
+                                cache_modifier=".cg")
+            gl.atomic_xchg(lock_ptr + blk, 0)  # ready for the next launch
+    if done:
+        n = blk * 64 + row
+        out = part * alpha
+        if HAS_BIAS:
+            out += bias
+        gl.store(c_ptr + tok * N + n, out.to(gl.bfloat16), mask=(n < N) & (tok < M))
+
+
+@gluon.jit
 def _store_tokens(c_ptr, b, v, tok, n, M, N, HAS_BIAS: gl.constexpr):
     ok = (n < N) & (tok < M)
     if HAS_BIAS:
@@ -368,13 +434,18 @@ def _store_tokens(c_ptr, b, v, tok, n, M, N, HAS_BIAS: gl.constexpr):
 def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, M, N, KB, S,
                        SP: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
                        MT: gl.constexpr, XPF: gl.constexpr, STAMP: gl.constexpr, HOIST: gl.constexpr,
-                       PRODUCER_REGS: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       EPI: gl.constexpr, PRODUCER_REGS: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr,
+                       L2S: gl.constexpr, num_warps: gl.constexpr):
     p, blk, k0, k1, trow0, w_bufs, s_bufs, ready, empty = _setup(w_desc, s_desc, KB, S, NUM_STAGES, PDL)
+    RS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [5, 4, 3, 2, 1, 0])
+    if MT > 1 and EPI:  # the per-warp partials of the MT = 8 epilogue (16 KB)
+        red = gl.allocate_shared_memory(gl.float32, [4, 4, 8, 4, 2, 2], RS)
+    else:
+        red = gl.allocate_shared_memory(gl.float32, [1, 1, 1, 1, 1, 1], RS)
     gl.warp_specialize([
         (_consumer, (xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w_bufs, s_bufs, ready, empty,
-                     p, blk, M, N, KB, k0, k1, S, SP, NUM_STAGES, HAS_BIAS, PDL, MT, XPF, STAMP, HOIST, L5, L2W, L2S,
-                     num_warps)),
+                     p, blk, M, N, KB, k0, k1, S, SP, NUM_STAGES, HAS_BIAS, PDL, MT, XPF, STAMP, HOIST, EPI, red, L5,
+                     L2W, L2S, num_warps)),
         (_gluon_producer, (w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, stamp_ptr, p, NUM_STAGES,
                            STAMP)),
     ], [1], [PRODUCER_REGS])
@@ -388,6 +459,9 @@ _RESIDENT: dict = {}
 # alpha and the bias rows loaded before the PDL wait (the epilogue of the last-arriving program
 # then waits on no load); False: after the main loop (the A/B switch of NOTES_rollout.md section 10)
 HOIST_CONSTS = True
+# MT = 8: the epilogue's cross-warp sum through one shared-memory round trip (`_epilogue_smem`);
+# False: per-accumulator reductions and layout changes (`_epilogue_tokens`, the A/B switch)
+EPI_SMEM = True
 MAX_M = 8  # tokens per launch: the 8 columns of an m16n8k16 MMA
 
 
@@ -428,7 +502,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     pdl = bool(W.PDL if cfg["PDL"] is None else cfg["PDL"])
     preg = int(cfg["PRODUCER_REGS"])
     mt = 1 if m == 1 else MAX_M
-    key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"])
+    key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM)
     fits = min(_RESIDENT.get(key, per_sm), per_sm)
     s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), fits, mt)
     xpf = bool(cfg["XPF"]) if cfg["XPF"] is not None else xpf_auto(mt, s, grid, fits * W._num_sms(x.device.index or 0))
@@ -439,7 +513,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         x.contiguous().view(torch.int32), w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws,
         locks, stamps if stamps is not None else ws, m, n, kb, s, SP=triton.next_power_of_2(s), NUM_STAGES=ns,
         HAS_BIAS=bias is not None, PDL=pdl, MT=mt, XPF=xpf,
-        STAMP=stamps is not None, HOIST=HOIST_CONSTS, PRODUCER_REGS=preg,
+        STAMP=stamps is not None, HOIST=HOIST_CONSTS, EPI=EPI_SMEM, PRODUCER_REGS=preg,
         L5=l5, L2W=l2w, L2S=l2s, num_warps=nw, launch_pdl=pdl, **extra,
     )
     if key not in _RESIDENT:
