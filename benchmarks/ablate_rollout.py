@@ -15,8 +15,9 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   late / early (the 4-bit kernels trigger their dependents after the main loop /
                   at their start), pf0..pf3 (GEMV
                   weight prefetch depth before the PDL wait), gsm3 (Gluon GEMV at 3 programs per SM), s8 / s16 / s32
-                  (LoRA shrink slices), gemv0 (every M = 1 layer on the Gluon GEMV), tokall (every
-                  M = 2..8 layer with K >= 4096 on the Gluon GEMV; tok0: every M = 2..8 layer),
+                  (LoRA shrink slices), gemv0 (every M = 1 layer on the Gluon GEMV), in the decode chain:
+                  tok0 (every M = 2..8 layer on the Gluon GEMV, the default), tokall (those with
+                  K >= 4096), tokold (N >= 16384 and K >= 4096, the rule before session 12),
                   wsmma20m (in the decode chain, M = 1 layers from 20M weights on the Gluon GEMV),
                   earlyv (attention loads V with K),
                   kvpre / nokvpre (attention reads its first K / V block before the PDL wait),
@@ -25,7 +26,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   g:K1+K2:pPsS[wW][kK][x] (the Gluon GEMV for those group kinds, or "all", planned
                   for P programs per SM with an S-stage ring, W consumer warps, K slices per row
                   block forced, x loaded a step ahead, e.g. g:qkv+o:p2s6, g:down:p4s3x),
-                  xpf / noxpf (Gluon GEMV loads x a step ahead or not), nohoist (Gluon GEMV's
+                  xpf / noxpf (Gluon GEMV loads x a step ahead or not), oldepi (its M = 2..8
+                  epilogue without the shared-memory sum), nohoist (Gluon GEMV's
                   alpha / bias and the norm weight loaded after the PDL wait, not before)
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
 its median: the GPU drifts by up to ~6% over a call (the first and last "base" of one list
@@ -69,15 +71,16 @@ def _switches() -> dict:
     from qerl.kernels import decode_ops, lora_ops, w4a16_gemv, w4a16_gluon, w4a16_triton
     table = {
         "nowsmma": [(w4a16_triton, "WSMMA_MIN_NK", 0), (w4a16_triton, "WSMMA_MIN_NK_PDL", 0),
-                    (w4a16_triton, "WSMMA_TOKENS_MIN_N", 0)],
+                    (w4a16_triton, "WSMMA_TOKENS_MIN_N", 0), (w4a16_triton, "WSMMA_TOKENS_MIN_N_PDL", 0)],
         "nopdl": [(decode_ops, "PDL", False)],
         "late": [(w4a16_triton, "PDL_LATE", True), (w4a16_gemv, "PDL_LATE", True)],
         "early": [(w4a16_triton, "PDL_LATE", False), (w4a16_gemv, "PDL_LATE", False)],
         "gsm3": [(w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "PER_SM": 3})],
         "gemv0": [(w4a16_triton, "GEMV_MAX_NK", 0), (w4a16_triton, "WSMMA_MIN_NK", 1),
                   (w4a16_triton, "WSMMA_MIN_NK_PDL", 1)],
-        "tokall": [(w4a16_triton, "WSMMA_TOKENS_MIN_N", 1)],
-        "tok0": [(w4a16_triton, "WSMMA_TOKENS_MIN_N", 1), (w4a16_triton, "WSMMA_TOKENS_MIN_K", 0)],
+        "tokall": [(w4a16_triton, "WSMMA_TOKENS_MIN_N_PDL", 1), (w4a16_triton, "WSMMA_TOKENS_MIN_K_PDL", 4096)],
+        "tok0": [(w4a16_triton, "WSMMA_TOKENS_MIN_N_PDL", 1), (w4a16_triton, "WSMMA_TOKENS_MIN_K_PDL", 0)],
+        "tokold": [(w4a16_triton, "WSMMA_TOKENS_MIN_N_PDL", 16384), (w4a16_triton, "WSMMA_TOKENS_MIN_K_PDL", 4096)],
         "lw8": [(lora_ops, "SHRINK_WARPS", 8)],
         "wsmma20m": [(w4a16_triton, "WSMMA_MIN_NK_PDL", 20_000_000)],
         "earlyv": [(decode_ops, "ATTN_EARLY_V", True)],

@@ -105,6 +105,13 @@ WGMMA_MIN_M = int(os.environ.get("QERL_W4A16_WGMMA_MIN_M", "65"))
 # 0 disables it.
 WSMMA_TOKENS_MIN_N = int(os.environ.get("QERL_W4A16_WSMMA_TOKENS_MIN_N", "16384"))
 WSMMA_TOKENS_MIN_K = 4096
+# The same with PDL on (the rollout engine's decode chain): every 2..8-token nvfp4 layer. There its
+# producer warp copies the weights before the wait (the fused kernel loads only after it), and with
+# the shared-memory epilogue (w4a16_gluon.EPI_SMEM) the 7B batch-8 step went 3.232 -> 2.941 ms
+# (+9.9%; q/k/v 11.2 -> 5.5 us after the wait, o 11.2 -> 8.4, down 24.7 -> 17.8; NOTES_rollout.md
+# section 11). With the old epilogue the same routing lost 16%. 0 disables it.
+WSMMA_TOKENS_MIN_N_PDL = int(os.environ.get("QERL_W4A16_WSMMA_TOKENS_MIN_N_PDL", "1" if WSMMA_TOKENS_MIN_N else "0"))
+WSMMA_TOKENS_MIN_K_PDL = 0
 # Forward with WGMMA_SMALL_M <= M < WGMMA_MIN_M on Hopper: the wgmma GEMM where it beat the fused
 # Triton kernel on the H100 (_small_m_wgmma; NOTES_w4a16.md section 15). 0 disables it.
 WGMMA_SMALL_M = int(os.environ.get("QERL_W4A16_WGMMA_SMALL_M", "17"))
@@ -914,12 +921,14 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
         # (modifier keys such as PDL keep the dispatch)
         nk = state["n"] * state["k"]
         min_nk = WSMMA_MIN_NK_PDL if PDL else WSMMA_MIN_NK
+        tok_min_n, tok_min_k = (WSMMA_TOKENS_MIN_N_PDL, WSMMA_TOKENS_MIN_K_PDL) if PDL else (WSMMA_TOKENS_MIN_N,
+                                                                                         WSMMA_TOKENS_MIN_K)
         if m == 1 and state["fmt"] == "nvfp4" and 0 < min_nk <= nk and _wsmma_ok(x.device, state):
             path = "wsmma"  # (checked first: with PDL its threshold may be below GEMV_MAX_NK)
         elif m <= GEMV_MAX_M and nk <= GEMV_MAX_NK:
             path = "gemv"
-        elif (2 <= m <= 8 and state["fmt"] == "nvfp4" and 0 < WSMMA_TOKENS_MIN_N <= state["n"]
-              and state["k"] >= WSMMA_TOKENS_MIN_K and _wsmma_ok(x.device, state)):
+        elif (2 <= m <= 8 and state["fmt"] == "nvfp4" and 0 < tok_min_n <= state["n"]
+              and state["k"] >= tok_min_k and _wsmma_ok(x.device, state)):
             path = "wsmma"
         elif 0 < WGMMA_MIN_M <= m and _wsmma_ok(x.device, state):
             path = "wgmma"
