@@ -26,8 +26,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   g:K1+K2:pPsS[wW][kK][x] (the Gluon GEMV for those group kinds, or "all", planned
                   for P programs per SM with an S-stage ring, W consumer warps, K slices per row
                   block forced, x loaded a step ahead, e.g. g:qkv+o:p2s6, g:down:p4s3x),
-                  xpf / noxpf (Gluon GEMV loads x a step ahead or not), oldepi (its M = 2..8
-                  epilogue without the shared-memory sum), nohoist (Gluon GEMV's
+                  xpf / noxpf (Gluon GEMV loads x a step ahead or not), oldepi (its epilogues
+                  without the shared-memory sum), nohoist (Gluon GEMV's
                   alpha / bias and the norm weight loaded after the PDL wait, not before)
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
 its median: the GPU drifts by up to ~6% over a call (the first and last "base" of one list

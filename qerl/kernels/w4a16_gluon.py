@@ -157,6 +157,16 @@ def _red_idx(LO: gl.constexpr):
 
 
 @gluon.jit
+def _red_idx1(LO: gl.constexpr):
+    """MT = 1 shared-memory epilogue: rows 16m + 8h + g in its [4 (m), 8 (g), 2 (h)] layout LO."""
+    m = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, LO)))
+    g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, LO)))
+    h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, LO)))
+    return gl.expand_dims(gl.expand_dims(m * 16, 1) + gl.expand_dims(g, 0), 2) + gl.expand_dims(
+        gl.expand_dims(h * 8, 0), 0)
+
+
+@gluon.jit
 def _tile_consts(alpha_ptr, bias_ptr, blk, N, rows, HAS_BIAS: gl.constexpr, HI: gl.constexpr):
     """(alpha, bias of `rows`, bias of rows + 8 if HI) in the epilogue's layout: the layer's
     constants, loaded before the PDL wait so the epilogue of the last program has no dependent load."""
@@ -214,7 +224,11 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
     WM: gl.constexpr = num_warps // 4
     LRED: gl.constexpr = gl.BlockedLayout([1, 4, 1, 1, 2, 2 // WM], [1, 1, 8, 4, 1, 1], [4, 1, 1, 1, 1, WM],
                                           [5, 4, 3, 2, 1, 0])
-    if MT == 1:
+    # MT = 1 with EPI: the t = 0 copy [1, m, w, g, h], the 4 warps' values of a row in one thread (warps replicate)
+    LRED1: gl.constexpr = gl.BlockedLayout([1, 1, 4, 1, 2], [1, 4, 1, 8, 1], [1, 1, 1, 1, num_warps], [4, 3, 2, 1, 0])
+    if MT == 1 and EPI:
+        rows = _red_idx1(gl.SliceLayout(0, gl.SliceLayout(2, LRED1)))
+    elif MT == 1:
         rows = _lr_rows(LR)
     elif EPI:
         rows, _tok = _red_idx(gl.SliceLayout(1, LRED))
@@ -236,7 +250,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
         _stamp(stamp_ptr, p, 4, "smid")
         _stamp(stamp_ptr, p, 5, "globaltimer")
     if HOIST:
-        alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, blk, N, rows, HAS_BIAS, MT == 1 or not EPI)
+        alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, blk, N, rows, HAS_BIAS, not EPI)
     if PDL:  # x, the output and the workspace only after the previous kernel (the producer needs no wait)
         _gdc("wait")
     if STAMP:
@@ -284,8 +298,11 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
     if STAMP:
         _stamp(stamp_ptr, p, 2, "clock64")
     if not HOIST:  # (A/B switch) the constants loaded after the main loop, as before HOIST
-        alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, blk, N, rows, HAS_BIAS, MT == 1 or not EPI)
-    if MT == 1:
+        alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, blk, N, rows, HAS_BIAS, not EPI)
+    if MT == 1 and EPI:
+        _epilogue_smem1(alpha, b_lo, red, c_ptr, ws_ptr, lock_ptr, acc0, acc2, p, blk, N, k0, k1, S, SP, HAS_BIAS,
+                        LRED1)
+    elif MT == 1:
         # acc0 (= acc1): row 16m + g, acc2 (= acc3): row 16m + 8 + g, for every lane t of the quad
         # (all B columns equal x): keep lane t = 0 (sc % 4 == 0), sum the word columns and the warps.
         sc4, _u4 = _halves(sc5 + zero5)
@@ -399,27 +416,52 @@ def _epilogue_smem(alpha, bias, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, 
     red.store(gl.permute(gl.reshape(v, [4, 8, 4, 4, 2, 2]), (0, 2, 1, 3, 4, 5)))  # sc = 4w + t
     gl.thread_barrier()
     part = gl.sum(red.load(LRED), axis=1)  # [4 m, 8 g, 4 t, 2 b, 2 h]
-    LO: gl.constexpr = gl.SliceLayout(1, LRED)
-    row, tok = _red_idx(LO)
-    off = tok * 64 + row  # workspace [token, row] of this program
+    row, tok = _red_idx(gl.SliceLayout(1, LRED))
+    n = blk * 64 + row
+    _fixup_store(part, tok * 64 + row, 512, c_ptr, tok * N + n, (n < N) & (tok < M), alpha, bias, ws_ptr, lock_ptr,
+                 p, blk, k0, k1, S, SP, HAS_BIAS)
+
+
+@gluon.jit
+def _epilogue_smem1(alpha, bias, red, c_ptr, ws_ptr, lock_ptr, acc0, acc2, p, blk, N, k0, k1, S,
+                    SP: gl.constexpr, HAS_BIAS: gl.constexpr, LRED1: gl.constexpr):
+    """MT = 1 through shared memory (EPI): every B column holds x, so every lane t of a quad has the
+    same sums. Each thread sums its two words i and writes its [m, h] partials to `red`
+    [4 t, 4 m, 4 w, 8 g, 2 h]; one barrier; the t = 0 slice is read back with the four warps' values
+    of a row in one thread and summed there (row 16m + 8h + g; acc0: h = 0, acc2: h = 1)."""
+    v = gl.join(gl.sum(acc0, axis=3), gl.sum(acc2, axis=3))  # [4 m, 8 g, 16 sc, 2 h]
+    red.store(gl.permute(gl.reshape(v, [4, 8, 4, 4, 2]), (3, 0, 2, 1, 4)))  # sc = 4w + t
+    gl.thread_barrier()
+    part = gl.sum(gl.sum(red.slice(0, 1).load(LRED1), axis=2), axis=0)  # t = 0: [4 m, 8 g, 2 h]
+    row = _red_idx1(gl.SliceLayout(0, gl.SliceLayout(2, LRED1)))
+    n = blk * 64 + row
+    _fixup_store(part, row, 64, c_ptr, n, n < N, alpha, bias, ws_ptr, lock_ptr, p, blk, k0, k1, S, SP, HAS_BIAS)
+
+
+@gluon.jit
+def _fixup_store(part, off, WS: gl.constexpr, c_ptr, c_off, c_mask, alpha, bias, ws_ptr, lock_ptr, p, blk, k0, k1,
+                 S, SP: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """Split fixup and output of the shared-memory epilogues: with S > 1 a program writes its
+    partial to its WS-float workspace slot at `off` and the last-arriving of a row block's S
+    programs sums the S partials in program order (deterministic; all loads in flight at once) and
+    resets the counter; then y = part * alpha (+ bias) in bf16 at c_off where c_mask."""
     done = k1 > k0
     if S > 1:
-        gl.store(ws_ptr + p * 512 + off, part)
+        gl.store(ws_ptr + p * WS + off, part)
         gl.thread_barrier()  # all threads' partials are written before the counter moves
         count = gl.atomic_add(lock_ptr + blk, 1, sem="acq_rel", scope="gpu")
         done = count == S - 1
         if done:
-            part = gl.zeros([4, 8, 4, 2, 2], gl.float32, LO)
+            part = gl.zeros_like(part)
             for j in gl.static_range(SP):  # unrolled: all S loads in flight at once, summed in order
-                part += gl.load(ws_ptr + (blk * S + j) * 512 + off, mask=(off >= 0) & (j < S), other=0.0,
+                part += gl.load(ws_ptr + (blk * S + j) * WS + off, mask=(off >= 0) & (j < S), other=0.0,
                                 cache_modifier=".cg")
             gl.atomic_xchg(lock_ptr + blk, 0)  # ready for the next launch
     if done:
-        n = blk * 64 + row
         out = part * alpha
         if HAS_BIAS:
             out += bias
-        gl.store(c_ptr + tok * N + n, out.to(gl.bfloat16), mask=(n < N) & (tok < M))
+        gl.store(c_ptr + c_off, out.to(gl.bfloat16), mask=c_mask)
 
 
 @gluon.jit
@@ -437,11 +479,13 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_pt
                        EPI: gl.constexpr, PRODUCER_REGS: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr,
                        L2S: gl.constexpr, num_warps: gl.constexpr):
     p, blk, k0, k1, trow0, w_bufs, s_bufs, ready, empty = _setup(w_desc, s_desc, KB, S, NUM_STAGES, PDL)
-    RS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [5, 4, 3, 2, 1, 0])
-    if MT > 1 and EPI:  # the per-warp partials of the MT = 8 epilogue (16 KB)
-        red = gl.allocate_shared_memory(gl.float32, [4, 4, 8, 4, 2, 2], RS)
+    if MT > 1 and EPI:  # the per-warp partials of the shared-memory epilogues (8 KB / 4 KB)
+        red = gl.allocate_shared_memory(gl.float32, [4, 4, 8, 4, 2, 2],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [5, 4, 3, 2, 1, 0]))
+    elif EPI:
+        red = gl.allocate_shared_memory(gl.float32, [4, 4, 4, 8, 2], gl.SwizzledSharedLayout(1, 1, 1, [4, 3, 2, 1, 0]))
     else:
-        red = gl.allocate_shared_memory(gl.float32, [1, 1, 1, 1, 1, 1], RS)
+        red = gl.allocate_shared_memory(gl.float32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     gl.warp_specialize([
         (_consumer, (xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w_bufs, s_bufs, ready, empty,
                      p, blk, M, N, KB, k0, k1, S, SP, NUM_STAGES, HAS_BIAS, PDL, MT, XPF, STAMP, HOIST, EPI, red, L5,
@@ -459,8 +503,8 @@ _RESIDENT: dict = {}
 # alpha and the bias rows loaded before the PDL wait (the epilogue of the last-arriving program
 # then waits on no load); False: after the main loop (the A/B switch of NOTES_rollout.md section 10)
 HOIST_CONSTS = True
-# MT = 8: the epilogue's cross-warp sum through one shared-memory round trip (`_epilogue_smem`);
-# False: per-accumulator reductions and layout changes (`_epilogue_tokens`, the A/B switch)
+# the epilogue's cross-warp sum through one shared-memory round trip (`_epilogue_smem`, MT = 8;
+# `_epilogue_smem1`, MT = 1); False: per-accumulator reductions and layout changes (the A/B switch)
 EPI_SMEM = True
 MAX_M = 8  # tokens per launch: the 8 columns of an m16n8k16 MMA
 
