@@ -223,21 +223,18 @@ def check(args) -> dict:
         if init == 0.02:
             # programmatic dependent launch changes when kernels start, never what they compute:
             # the same sampled rollout with and without it, token for token
-            # (the run without PDL routes layers as the PDL chain does: w4a16_triton picks some
-            # kernels by PDL, and this compares the launch attribute, not two kernel choices)
+            # (both runs route layers as the PDL chain does: w4a16_triton picks some kernels by
+            # PDL, and this compares the launch attribute, not two kernel choices)
             from qerl.kernels import w4a16_triton as W4
 
-            routing = {"WSMMA_MIN_NK": W4.WSMMA_MIN_NK_PDL, "WSMMA_TOKENS_MIN_N": W4.WSMMA_TOKENS_MIN_N_PDL,
-                       "WSMMA_TOKENS_MIN_K": W4.WSMMA_TOKENS_MIN_K_PDL}
-            runs, before, saved = [], ops.PDL, {k: getattr(W4, k) for k in routing}
+            runs, before, routing = [], ops.PDL, W4.CHAIN_ROUTING
+            W4.CHAIN_ROUTING = True
             for pdl in (False, True):
                 ops.PDL = pdl  # the engine launches the 4-bit kernels with PDL when this is on
-                for k, v in (saved if pdl else routing).items():
-                    setattr(W4, k, v)
                 with torch.inference_mode():
                     runs.append(RolloutEngine(model, max_batch=8, max_len=256).generate(
                         prompts, sample, torch.Generator(device="cuda").manual_seed(4)))
-            ops.PDL = before
+            ops.PDL, W4.CHAIN_ROUTING = before, routing
             key = f"init{init}/{fmt}/pdl_equals_no_pdl"
             out[key] = bool(torch.equal(runs[0].completion_ids, runs[1].completion_ids)
                             and torch.equal(runs[0].logprobs, runs[1].logprobs))

@@ -139,6 +139,10 @@ PDL = os.environ.get("QERL_W4A16_PDL", "0") == "1"
 # from our main loop). Config key PDL_LATE overrides. This kernel's default; the CUDA-core GEMV has
 # its own (w4a16_gemv.PDL_LATE).
 PDL_LATE = os.environ.get("QERL_W4A16_PDL_LATE", "0") == "1"
+# Which thresholds pick the kernels: the decode chain's (*_PDL) or the standalone ones. None: the
+# chain's exactly when PDL is on. True routes as the chain does without PDL (bench_rollout's
+# PDL-on / PDL-off check compares the launch attribute on the same kernels).
+CHAIN_ROUTING: bool | None = None
 if INTERPRETED:
     _patch_interpreter()
 
@@ -920,9 +924,9 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
     if path == "fused" and not (config and ("PATH" in config or "BO" in config)):  # a tile config keeps its kernel
         # (modifier keys such as PDL keep the dispatch)
         nk = state["n"] * state["k"]
-        min_nk = WSMMA_MIN_NK_PDL if PDL else WSMMA_MIN_NK
-        tok_min_n, tok_min_k = (WSMMA_TOKENS_MIN_N_PDL, WSMMA_TOKENS_MIN_K_PDL) if PDL else (WSMMA_TOKENS_MIN_N,
-                                                                                         WSMMA_TOKENS_MIN_K)
+        chain = PDL if CHAIN_ROUTING is None else CHAIN_ROUTING
+        min_nk, tok_min_n, tok_min_k = ((WSMMA_MIN_NK_PDL, WSMMA_TOKENS_MIN_N_PDL, WSMMA_TOKENS_MIN_K_PDL) if chain
+                                        else (WSMMA_MIN_NK, WSMMA_TOKENS_MIN_N, WSMMA_TOKENS_MIN_K))
         if m == 1 and state["fmt"] == "nvfp4" and 0 < min_nk <= nk and _wsmma_ok(x.device, state):
             path = "wsmma"  # (checked first: with PDL its threshold may be below GEMV_MAX_NK)
         elif m <= GEMV_MAX_M and nk <= GEMV_MAX_NK:
