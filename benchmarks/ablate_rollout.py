@@ -27,7 +27,9 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   for P programs per SM with an S-stage ring, W consumer warps, K slices per row
                   block forced, x loaded a step ahead, e.g. g:qkv+o:p2s6, g:down:p4s3x),
                   xpf / noxpf (Gluon GEMV loads x a step ahead or not), oldepi (its epilogues
-                  without the shared-memory sum), nohoist (Gluon GEMV's
+                  without the shared-memory sum), lsm0 / lsm2 (a LoRA group's Gluon GEMV planned
+                  as without LoRA / for 2 programs per SM, not engine.LORA_GEMV_PER_SM), lora1k
+                  (LoRA's shrink and expand as one launch, lora_ops.FUSED), nohoist (Gluon GEMV's
                   alpha / bias and the norm weight loaded after the PDL wait, not before)
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
 its median: the GPU drifts by up to ~6% over a call (the first and last "base" of one list
@@ -69,7 +71,11 @@ KINDS = ("qkv", "o", "gate_up", "down")
 def _switches() -> dict:
     """flag -> [(module, attribute, value)] set while a variant runs."""
     from qerl.kernels import decode_ops, lora_ops, w4a16_gemv, w4a16_gluon, w4a16_triton
+    from qerl.rollout import engine as engine_mod
     table = {
+        "lsm0": [(engine_mod, "LORA_GEMV_PER_SM", 0)],
+        "lsm2": [(engine_mod, "LORA_GEMV_PER_SM", 2)],
+        "lora1k": [(lora_ops, "FUSED", True)],
         "nowsmma": [(w4a16_triton, "WSMMA_MIN_NK", 0), (w4a16_triton, "WSMMA_MIN_NK_PDL", 0),
                     (w4a16_triton, "WSMMA_TOKENS_MIN_N", 0), (w4a16_triton, "WSMMA_TOKENS_MIN_N_PDL", 0)],
         "nopdl": [(decode_ops, "PDL", False)],

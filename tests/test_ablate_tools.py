@@ -89,3 +89,28 @@ def test_stamp_slices_and_summary(ablate, monkeypatch):
     assert g["producer_done_vs_wait_median"] == pytest.approx(-1.0)  # the last copy issued before the wait
     f = out["fused 64x256 M8 S1 grid2"]
     assert f["loop_median"] == pytest.approx(2.0) and f["producer_done_vs_wait_max"] == 0.0
+
+
+def test_lora_flags_restore(ablate):
+    from qerl.kernels import lora_ops
+    from qerl.rollout import engine as engine_mod
+
+    engine = _Engine()
+    before = (engine_mod.LORA_GEMV_PER_SM, lora_ops.FUSED)
+    with ablate.variant_of(engine, "lora@lsm2@lora1k"):
+        assert engine_mod.LORA_GEMV_PER_SM == 2 and lora_ops.FUSED is True
+    assert (engine_mod.LORA_GEMV_PER_SM, lora_ops.FUSED) == before
+
+
+def test_lora_gemv_plan_applies_per_sm_inside_only():
+    from qerl.rollout import engine as engine_mod
+
+    before = dict(w4a16_gluon.DEFAULT)
+    with engine_mod.RolloutEngine._lora_gemv_plan(None):
+        assert w4a16_gluon.DEFAULT["PER_SM"] == engine_mod.LORA_GEMV_PER_SM == 3
+        assert {k: v for k, v in w4a16_gluon.DEFAULT.items() if k != "PER_SM"} == {
+            k: v for k, v in before.items() if k != "PER_SM"}
+    assert w4a16_gluon.DEFAULT == before
+    with pytest.raises(RuntimeError), w4a16_gluon.defaults(PER_SM=2):
+        raise RuntimeError  # restored on the way out of a failed launch too
+    assert w4a16_gluon.DEFAULT == before

@@ -1,7 +1,8 @@
 """qerl.kernels.lora_ops: the grouped LoRA shrink / expand kernels (Triton's interpreter, in a
 subprocess, on CPU float32 tensors) against the torch reference and against the per-module
 definition (x @ A_i^T @ (s_i B_i)^T for each module's rows), on fresh random inputs with one, two
-and three segments, ranks padded inside a group, and row counts that are not powers of two."""
+and three segments, ranks padded inside a group, and row counts that are not powers of two; the
+one-launch kernel (ticketed roles) and the two kernels give the same bits."""
 
 from __future__ import annotations
 
@@ -26,13 +27,17 @@ _SCRIPT = textwrap.dedent(
         x = torch.randn(m, k + 5)[:, :k]  # a row stride that is not k
         a = torch.randn(len(sizes) * rank, k) * 0.1
         b = torch.randn(n, rank) * 0.1
-        got = lo.lora_delta_triton(x, a, b, bounds, rank)
-        ws = lo.workspace(m + 3, k, a.shape[0], n, x.dtype, x.device)
-        lo.lora_delta_triton(x * 2, a, b, bounds, rank, ws)
-        got2 = lo.lora_delta_triton(x, a, b, bounds, rank, ws).clone()  # the counters were reset
+        got = {}
+        for fused in (True, False):
+            lo.FUSED = fused
+            ws = lo.workspace(m + 3, k, a.shape[0], n, x.dtype, x.device)
+            lo.lora_delta_triton(x * 2, a, b, bounds, rank, ws)
+            got[fused] = lo.lora_delta_triton(x, a, b, bounds, rank, ws).clone()  # the counters were reset
+            assert int(ws[2].abs().sum()) == 0, ws[2]
+        first = lo.lora_delta_triton(x, a, b, bounds, rank)  # its own fresh workspace
         ref = lo.lora_delta_reference(x.contiguous(), a, b, bounds, rank)
-        err = float(max((got - ref).abs().max(), (got2 - ref).abs().max()) / ref.abs().max())
-        out.append((m, k, len(sizes), rank, err))
+        err = float(max((first - ref).abs().max(), (got[True] - ref).abs().max()) / ref.abs().max())
+        out.append((m, k, len(sizes), rank, err, bool(torch.equal(got[True], got[False]))))
     print("RESULTS" + json.dumps(out))
     """
 )
@@ -42,7 +47,8 @@ _SCRIPT = textwrap.dedent(
 def test_lora_kernels_under_interpreter(seed):
     results = run_interpreted(_SCRIPT, seed)
     assert len(results) == 4
-    assert all(r[-1] <= 1e-5 for r in results), results
+    assert all(r[-2] <= 1e-5 for r in results), results
+    assert all(r[-1] for r in results), results  # fused == two kernels, bit for bit
 
 
 def test_reference_is_the_per_module_product():

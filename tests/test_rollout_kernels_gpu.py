@@ -7,7 +7,8 @@ Skipped without a GPU.
   not); logprobs / entropies within 1e-4 (fp32, another summation order).
 - lora_ops.lora_delta: bf16 against the torch reference with the same bf16 rounding of x @ A^T:
   relative error <= 1e-2 (bf16 level; the kernels round the fp32 sum once, torch after each mm),
-  twice on one workspace (the arrival counters reset themselves).
+  twice on one workspace (the arrival counters reset themselves); the one-launch kernel (ticketed
+  roles) and the two kernels give the same bits, also when the launches queue up back to back.
 """
 
 import pytest
@@ -63,10 +64,22 @@ def test_lora_delta_kernels_match_reference(rows, rank, group):
     buffers = lora_ops.workspace(64, k, a.shape[0], n, torch.bfloat16, "cuda")
     buffers[-1].fill_(float("nan"))  # poisoned output
     lora_ops.lora_delta_triton(x * 2, a, b, bounds, rank, buffers)  # a first call: its counters must reset
-    got = lora_ops.lora_delta_triton(x, a, b, bounds, rank, buffers)
+    got = lora_ops.lora_delta_triton(x, a, b, bounds, rank, buffers).clone()
     ref = lora_ops.lora_delta_reference(x, a, b, bounds, rank)
     assert not torch.isnan(got).any()
     assert float((got.float() - ref.float()).norm() / ref.float().norm()) <= 1e-2
+    assert int(buffers[2].abs().sum()) == 0  # every counter back at zero
+    fused = lora_ops.FUSED
+    try:
+        lora_ops.FUSED = not fused
+        other = lora_ops.lora_delta_triton(x, a, b, bounds, rank, buffers).clone()
+    finally:
+        lora_ops.FUSED = fused
+    assert torch.equal(other, got)
+    for _ in range(20):  # queued launches, no sync between them: each must see its own counters reset
+        again = lora_ops.lora_delta_triton(x, a, b, bounds, rank, buffers)
+    torch.cuda.synchronize()
+    assert torch.equal(again, got)
 
 
 def _small_model(fmt):

@@ -18,6 +18,16 @@ shrink is itself two kernels), reads B at its own size rather than a block-diago
 with zeros, and needs no bf16 round trip of the partial sums. The rollout engine runs both on a
 side stream beside the 4-bit product and the next kernel adds the delta.
 
+One launch instead of two (`FUSED`, opt-in: slower in the engine, see FUSED): the same two phases
+in one grid whose programs take their role from a ticket (an atomic counter) rather than from
+their program id: the first S x RB tickets run the shrink, the rest the expand, which read their
+block of B, then wait until the shrink's row blocks are all reduced. A program only waits on
+programs that took earlier tickets, so they are already running: no launch order or residency is
+assumed (the forward-progress argument of decoupled look-back scans). It removes a kernel boundary
+from the side stream's chain per linear group. The waiting programs poll with volatile loads and
+then take an acquire load whose value is used: without it (volatile polling alone) the expand read
+stale h on the H100.
+
 The torch reference (CPU, and any dtype or layout the kernels do not take) computes the same
 two products with torch.mm. tests/test_lora_ops.py runs the kernels under Triton's interpreter.
 """
@@ -29,8 +39,8 @@ import os
 
 import torch
 
-__all__ = ["lora_delta", "lora_delta_reference", "lora_delta_triton", "lora_expand_triton", "lora_shrink_triton",
-           "shrink_splits"]
+__all__ = ["lora_delta", "lora_delta_reference", "lora_delta_triton", "lora_expand_triton", "lora_fused_triton",
+           "lora_shrink_triton", "shrink_splits"]
 
 
 def lora_delta_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: tuple[int, int], rank: int,
@@ -75,110 +85,60 @@ def _shrink_blocks(r: int) -> tuple[int, int]:
     return br, -(-r // br)
 
 
+# One launch for the shrink and the expand (module docstring); off by default: measured slower in
+# the engine (same-process A/B at batch 8 with the LoRA GEMV plan: 7B r64 3.684 vs 3.341 ms per
+# step, 14B r32 5.794 vs 5.535; its expand programs hold SM slots while they wait for the shrink,
+# NOTES_rollout.md section 12)
+FUSED = os.environ.get("QERL_LORA_FUSED", "0") == "1"
+
+
 def workspace(x_rows: int, k: int, r: int, n: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
     """Buffers for lora_delta_triton at up to `x_rows` rows: the shrink's fp32 partials [S, rows,
-    R], its reduced product [rows, R], one arrival counter per R block (zeros; the last arrival
-    resets it) and the output [rows, N]."""
+    R], its reduced product [rows, R], one arrival counter per R block and three for the fused
+    kernel (ticket, reduced blocks, finished programs; zeros, reset by the last program) and the
+    output [rows, N]."""
     s = shrink_splits(k)[1]
     return (torch.empty(s, x_rows, r, dtype=torch.float32, device=device),
             torch.empty(x_rows, r, dtype=torch.float32, device=device),
-            torch.zeros(_shrink_blocks(r)[1], dtype=torch.int32, device=device),
+            torch.zeros(_shrink_blocks(r)[1] + 3, dtype=torch.int32, device=device),
             torch.empty(x_rows, n, dtype=dtype, device=device))
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    import triton
-    import triton.language as tl
-    import triton.language.extra.cuda  # noqa: F401  (gdc_* for PDL)
+    from qerl.kernels import lora_triton as K
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        from qerl.kernels.w4a16_triton import _patch_interpreter
+    return K.lora_shrink_kernel, K.lora_expand_kernel, K.lora_fused_kernel
 
-        _patch_interpreter()  # numpy >= 2.4 and the interpreter's handling of scalar bounds
 
-    @triton.jit
-    def lora_shrink_kernel(x_ptr, a_ptr, p_ptr, h_ptr, lock_ptr, M, K, R, stride_xm, stride_ps, stride_pm, stride_hm,
-                           S: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, MP: tl.constexpr, BR: tl.constexpr,
-                           MR: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr = False):
-        # program (s, rb): x[:, slice s] @ A[block rb, slice s]^T -> partial s; the last program of
-        # block rb to arrive sums the S partials in order (deterministic) into h
-        if PDL:  # decode_ops.PDL; A's first chunk is read before the wait (it never depends on it)
-            tl.extra.cuda.gdc_launch_dependents()
-        s = tl.program_id(0)
-        rb = tl.program_id(1)
-        r = rb * BR + tl.arange(0, BR)
-        m = tl.arange(0, MP)
-        acc = tl.zeros([MP, BR], tl.float32)
-        k = s * BK + tl.arange(0, KC)
-        a0 = tl.load(a_ptr + r[None, :] * K + k[:, None], mask=(r < R)[None, :] & (k < K)[:, None], other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        for k0 in tl.static_range(0, BK, KC):
-            k = s * BK + k0 + tl.arange(0, KC)
-            xk = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)
-            if k0 == 0:
-                ak = a0
-            else:
-                ak = tl.load(a_ptr + r[None, :] * K + k[:, None], mask=(r < R)[None, :] & (k < K)[:, None], other=0.0)
-            acc += tl.dot(xk, ak)
-        tl.store(p_ptr + s * stride_ps + m[:, None] * stride_pm + r[None, :], acc, mask=(m < M)[:, None] & (r < R)[None, :])
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        count = tl.atomic_add(lock_ptr + rb, 1, sem="acq_rel", scope="gpu")
-        if count == S - 1:
-            sb = tl.arange(0, SB)
-            mr = tl.arange(0, MR)
-            total = tl.zeros([MR, BR], tl.float32)
-            for s0 in tl.static_range(0, S, SB):
-                ss = s0 + sb
-                ptrs = p_ptr + ss[:, None, None] * stride_ps + mr[None, :, None] * stride_pm + r[None, None, :]
-                ok = (ss < S)[:, None, None] & (mr < M)[None, :, None] & (r < R)[None, None, :]
-                total += tl.sum(tl.load(ptrs, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
-            tl.store(h_ptr + mr[:, None] * stride_hm + r[None, :], total, mask=(mr < M)[:, None] & (r < R)[None, :])
-            tl.atomic_xchg(lock_ptr + rb, 0)  # ready for the next launch
+def _shrink_meta(m: int, k: int, r: int) -> dict:
+    """The shrink's launch constants (grid (S, RB) with S = K slices and RB = row blocks of A)."""
+    bk, s = shrink_splits(k)
+    br, rb = _shrink_blocks(r)
+    mr = _pow2_at_least(m, 1)
+    return dict(S=s, BK=bk, KC=128, MP=_pow2_at_least(m), BR=br, MR=mr,
+                SB=max(1, min(_pow2_at_least(s, 1), 8192 // (mr * br))), RB=rb)
 
-    @triton.jit
-    def lora_expand_kernel(h_ptr, b_ptr, out_ptr, M, N, rank, n1, n2, stride_hm, stride_om,
-                           NSEG: tl.constexpr, MP: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr,
-                           PDL: tl.constexpr = False):
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
-        m = tl.arange(0, MP)
-        j = tl.arange(0, RP)
-        nm = n < N
-        mm = m < M
-        jm = j < rank
-        b = tl.load(b_ptr + n[:, None] * rank + j[None, :], mask=nm[:, None] & jm[None, :], other=0.0)
-        if PDL:  # B was read before the wait; h is the previous kernel's
-            tl.extra.cuda.gdc_wait()
-        seg_of_n = (n >= n1).to(tl.int32) + (n >= n2).to(tl.int32)
-        out = tl.zeros([MP, BN], tl.float32)
-        for seg in tl.static_range(NSEG):
-            h = tl.load(h_ptr + m[:, None] * stride_hm + seg * rank + j[None, :], mask=mm[:, None] & jm[None, :], other=0.0)
-            o = tl.dot(h.to(b.dtype), tl.trans(b))
-            out = tl.where((seg_of_n == seg)[None, :], o, out)
-        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], out.to(out_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
 
-    return lora_shrink_kernel, lora_expand_kernel
+def _expand_meta(n: int, bounds: tuple[int, int], rank: int, m: int) -> dict:
+    """The expand's launch constants (one program per BN output rows)."""
+    return dict(NSEG=1 + int(bounds[0] < n) + int(bounds[1] < n), MP=_pow2_at_least(m), RP=_pow2_at_least(rank),
+                BN=128 if n >= 16384 else 64)
 
 
 def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, buffers: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """h [M, R] fp32 = x @ a^T into buffers[1] (the first of lora_delta_triton's two kernels)."""
     from qerl.kernels.decode_ops import pdl_on
 
-    shrink, _ = _kernels()
+    shrink = _kernels()[0]
     m, k = x.shape
     r = a.shape[0]
-    bk, s = shrink_splits(k)
     partials, h, locks, _ = buffers
-    br, rb = _shrink_blocks(r)
-    mr = _pow2_at_least(m, 1)
-    sb = max(1, min(_pow2_at_least(s, 1), 8192 // (mr * br)))
+    meta = _shrink_meta(m, k, r)
+    rb = meta.pop("RB")
     pdl = pdl_on(x)
-    shrink[(s, rb)](x, a, partials, h, locks, m, k, r, x.stride(0), partials.stride(0), partials.stride(1), h.stride(0),
-                    S=s, BK=bk, KC=128, MP=_pow2_at_least(m), BR=br, MR=mr, SB=sb, PDL=pdl, num_warps=SHRINK_WARPS,
-                    launch_pdl=pdl)
+    shrink[(meta["S"], rb)](x, a, partials, h, locks, m, k, r, x.stride(0), partials.stride(0), partials.stride(1),
+                            h.stride(0), **meta, PDL=pdl, num_warps=SHRINK_WARPS, launch_pdl=pdl)
     return h
 
 
@@ -187,15 +147,34 @@ def lora_expand_triton(h: torch.Tensor, b: torch.Tensor, bounds: tuple[int, int]
     """delta [M, N] = per-segment h @ b^T into buffers[3] (the second kernel)."""
     from qerl.kernels.decode_ops import pdl_on
 
-    _, expand = _kernels()
+    expand = _kernels()[1]
     n = b.shape[0]
     out = buffers[3]
-    nseg = 1 + int(bounds[0] < n) + int(bounds[1] < n)
-    bn = 128 if n >= 16384 else 64
+    meta = _expand_meta(n, bounds, rank, m)
     pdl = pdl_on(h)
-    expand[(-(-n // bn),)](h, b, out, m, n, rank, bounds[0], bounds[1], h.stride(0), out.stride(0),
-                           NSEG=nseg, MP=_pow2_at_least(m), RP=_pow2_at_least(rank), BN=bn, PDL=pdl, num_warps=4,
-                           launch_pdl=pdl)
+    expand[(-(-n // meta["BN"]),)](h, b, out, m, n, rank, bounds[0], bounds[1], h.stride(0), out.stride(0), **meta,
+                                   PDL=pdl, num_warps=4, launch_pdl=pdl)
+    return out[:m]
+
+
+def lora_fused_triton(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: tuple[int, int], rank: int,
+                      buffers: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The shrink and the expand in one launch (module docstring); same results as the two
+    kernels, bit for bit (the same products and the same order of sums)."""
+    from qerl.kernels.decode_ops import pdl_on
+
+    fused = _kernels()[2]
+    m, k = x.shape
+    r, n = a.shape[0], b.shape[0]
+    partials, h, locks, out = buffers
+    shrink = _shrink_meta(m, k, r)
+    expand = _expand_meta(n, bounds, rank, m)
+    grid = shrink["S"] * shrink["RB"] + -(-n // expand["BN"])
+    pdl = pdl_on(x)
+    fused[(grid,)](x, a, b, partials, h, out, locks, m, k, r, n, rank, bounds[0], bounds[1], x.stride(0),
+                   partials.stride(0), partials.stride(1), h.stride(0), out.stride(0), grid,
+                   **shrink, NSEG=expand["NSEG"], RP=expand["RP"], BN=expand["BN"], PDL=pdl, num_warps=SHRINK_WARPS,
+                   launch_pdl=pdl)
     return out[:m]
 
 
@@ -206,6 +185,8 @@ def lora_delta_triton(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds:
     m, k = x.shape
     if buffers is None:
         buffers = workspace(m, k, a.shape[0], b.shape[0], x.dtype, x.device)
+    if FUSED:
+        return lora_fused_triton(x, a, b, bounds, rank, buffers)
     h = lora_shrink_triton(x, a, buffers)
     return lora_expand_triton(h, b, bounds, rank, m, buffers)
 

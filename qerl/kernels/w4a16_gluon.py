@@ -51,6 +51,8 @@ last-arriving program's epilogue waits on no load (NOTES_w4a16.md section 16).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -507,6 +509,19 @@ HOIST_CONSTS = True
 # `_epilogue_smem1`, MT = 1); False: per-accumulator reductions and layout changes (the A/B switch)
 EPI_SMEM = True
 MAX_M = 8  # tokens per launch: the 8 columns of an m16n8k16 MMA
+
+
+@contextlib.contextmanager
+def defaults(**overrides):
+    """DEFAULT with `overrides` for the launches made inside the block (host side; in a captured
+    graph that is at capture). The rollout engine plans the GEMVs of LoRA groups with PER_SM=3."""
+    global DEFAULT
+    saved = DEFAULT
+    DEFAULT = {**saved, **overrides}
+    try:
+        yield
+    finally:
+        DEFAULT = saved
 
 
 def xpf_auto(mt: int, s: int, grid: int, slots: int) -> bool:

@@ -29,7 +29,8 @@ How a call runs.
 - Besides its four linear products a layer is 5 kernels (qerl.kernels.decode_ops: residual add +
   RMSNorm twice, RoPE + KV-cache write, split-K decode attention + its combine, SiLU gate); LoRA
   is two small kernels per linear group (qerl.kernels.lora_ops) on a side stream, added by the
-  next kernel.
+  next kernel; the group's Gluon GEMV is then planned to leave each SM room for them
+  (`LORA_GEMV_PER_SM`).
 - A row finishes at a stop token (kept) or at max_new_tokens.
 - AQN: the norm weights are read into the engine's buffers at the start of every call, so noise
   swapped in by `AdaptiveQuantNoise.applied()` (or trained norms) is what the rollout samples
@@ -44,6 +45,7 @@ Greedy output equals Hugging Face `generate` token for token; logprobs equal a f
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import warnings
 from typing import Sequence
@@ -69,6 +71,13 @@ LENGTH_BUCKET = 256
 # ~35 ms of GPU work), a larger one is not and would hold more graph memory.
 PROMPT_BUCKET = 64
 PREFILL_GRAPH_TOKENS = 2048
+# The Gluon GEMV of a linear group with LoRA is planned for this many programs per SM (its K split
+# fills that many x SMs slots) instead of 4: four of its programs (8 warps x 64 registers each)
+# fill an SM's register file, so the side stream's LoRA programs could only start as the GEMV's
+# drained. 0: plan as without LoRA. Same-process A/B at batch 8 (NOTES_rollout.md section 12):
+# 7B r16 0.910 -> 0.927 of the no-LoRA step, r64 0.841 -> 0.886 (and 0.838 -> 0.886 in a second
+# call), 14B r32 0.912 -> 0.928.
+LORA_GEMV_PER_SM = int(os.environ.get("QERL_LORA_GEMV_PER_SM", "3"))
 
 
 class EngineError(ValueError):
@@ -337,19 +346,34 @@ class RolloutEngine:
         slower: 0.72-0.79 of the no-LoRA step at 14B r64 against 0.89; NOTES_rollout.md section 7.)"""
         if not group.has_lora:
             return group.base_forward(x), None
-        key = (kind, tuple(group._a.shape), tuple(group._b.shape), group._a.dtype)
-        if key not in self._lora_buffers:
-            self._lora_buffers[key] = group.lora_workspace(self.max_batch)
-        workspace = self._lora_buffers[key]
+        workspace = self._lora_workspace(group, kind)
         if self._side is None:
             return group.base_forward(x), group.lora(x, workspace)
         main = torch.cuda.current_stream(self.device)
         self._side.wait_stream(main)
         with torch.cuda.stream(self._side):
             lo = group.lora(x, workspace)
-        y = group.base_forward(x)
+        with self._lora_gemv_plan():
+            y = group.base_forward(x)
         main.wait_stream(self._side)
         return y, (lo if lo.dtype == y.dtype else lo.to(y.dtype))
+
+    def _lora_workspace(self, group: LinearGroup, kind: str) -> tuple[torch.Tensor, ...]:
+        """The preallocated LoRA buffers of this group kind and shape (made on first use)."""
+        key = (kind, tuple(group._a.shape), tuple(group._b.shape), group._a.dtype)
+        if key not in self._lora_buffers:
+            self._lora_buffers[key] = group.lora_workspace(self.max_batch)
+        return self._lora_buffers[key]
+
+    def _lora_gemv_plan(self):
+        """The planning of a LoRA group's Gluon GEMV (LORA_GEMV_PER_SM); a no-op when off."""
+        if LORA_GEMV_PER_SM <= 0:
+            return contextlib.nullcontext()
+        try:
+            from qerl.kernels import w4a16_gluon
+        except ImportError:  # a Triton without Gluon: no Gluon GEMV to plan
+            return contextlib.nullcontext()
+        return w4a16_gluon.defaults(PER_SM=LORA_GEMV_PER_SM)
 
     def _sample_and_advance(self, logits: torch.Tensor, rows: int, sampling: tuple) -> None:
         """Sample token self._step for every row, record it, and move the state one token on.
