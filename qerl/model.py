@@ -9,7 +9,7 @@
   trust_remote_code off unless the spec says otherwise.
 - "random:<preset>": a randomly initialised model from a config, for tests ("tiny-llama",
   with the embedded tokenizer) and for shape/speed work ("qwen2.5-3b", "qwen2.5-7b",
-  "qwen2.5-14b", "qwen2.5-32b"; no tokenizer). Random weights are honest for speed, not quality.
+  "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b"; no tokenizer). Random weights are honest for speed, not quality.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ QWEN_PRESETS = {
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
     "qwen2.5-14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False),
     "qwen2.5-32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False),
+    "qwen2.5-72b": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False),
 }
 RANDOM_PRESETS = ("tiny-llama", *QWEN_PRESETS)
 

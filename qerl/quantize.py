@@ -5,6 +5,9 @@ serving engine fuses share one global scale: q/k/v of each attention block and g
 MLP (the smallest g of the group, i.e. from the group's largest amax), as vLLM expects.
 
     summary = quantize_(model, "nvfp4")
+
+`check_group_sizes` and `quantize_linears_` are its two steps, usable on a subset of the
+linears (qerl.build quantises one decoder layer at a time with them).
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ from qerl.nn.quant_linear import QuantLinear
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 NOT_QUANTISED = ("lm_head",)
 
-__all__ = ["FormatError", "QuantSummary", "check_format", "decoder_linears", "quantize_"]
+__all__ = [
+    "FormatError", "QuantSummary", "check_format", "check_group_sizes", "decoder_linears", "quantize_",
+    "quantize_linears_",
+]
 
 
 @dataclass
@@ -60,6 +66,66 @@ def _fused_global_scales(linears: dict[str, nn.Linear]) -> dict[str, object]:
     return scales
 
 
+def check_group_sizes(linears: dict[str, nn.Linear], fmt: str, allow_bf16_fallback: bool = False) -> set[str]:
+    """Names of the linears whose input dimension the format's group size does not divide.
+    FormatError (naming the first, counting all) unless `allow_bf16_fallback` keeps them bf16."""
+    if fmt == "bf16":
+        return set()
+    group = GROUP_SIZE[fmt]
+    bad = {n: m for n, m in linears.items() if m.in_features % group}
+    if bad and not allow_bf16_fallback:
+        name, mod = next(iter(bad.items()))
+        raise FormatError(
+            f"layer {name} has input dimension {mod.in_features}, not divisible by the {fmt} group size {group} "
+            f"({len(bad)} such layers); set allow_bf16_fallback to keep them bf16"
+        )
+    return set(bad)
+
+
+def quantize_linears_(
+    model: nn.Module,
+    linears: dict[str, nn.Linear],
+    fmt: str,
+    summary: QuantSummary,
+    *,
+    skip: set[str] = frozenset(),
+    mxfp4_scale_rule: str = "ct",
+    nf4_double_quant: bool = False,
+    backend: str = "auto",
+    progress: bool = False,
+) -> None:
+    """Replace the given linears of `model` (qualified name -> module, e.g. one decoder layer's)
+    by QuantLinear in place; names in `skip` stay bf16. `linears` is consumed (emptied) so that
+    each bf16 layer is freed once replaced. nvfp4 fused groups (q/k/v, gate/up) share one global
+    scale when all members are in `linears`. Records names in `summary`."""
+    gscales = _fused_global_scales(linears) if fmt == "nvfp4" else {}
+    names = list(linears)
+    if progress:
+        from tqdm.auto import tqdm
+
+        names = tqdm(names, desc=f"quantize {fmt}", unit="layer", leave=False)
+    for name in names:
+        # popped, so the bf16 layer is freed once replaced: peak memory = the model + one layer
+        # (a 32B bf16 model that fills most of an 80 GB GPU can be quantised in place)
+        lin = linears.pop(name)
+        if name in skip:
+            summary.layers_skipped.append(name)
+            continue
+        options = {}
+        if fmt == "nvfp4" and name in gscales:
+            options["weight_global_scale"] = gscales[name]
+        elif fmt == "mxfp4":
+            options["scale_rule"] = mxfp4_scale_rule
+        elif fmt == "nf4":
+            options["double_quant"] = nf4_double_quant
+        try:
+            q = QuantLinear.from_linear(lin, fmt, backend=backend, **options)
+        except FormatError as e:
+            raise FormatError(f"layer {name}: {e}") from None
+        _set_child(model, name, q)
+        summary.layers_quantized.append(name)
+
+
 def quantize_(
     model: nn.Module,
     fmt: str,
@@ -76,40 +142,11 @@ def quantize_(
     if fmt == "bf16":
         summary.layers_skipped = []
         return summary
-    group = GROUP_SIZE[fmt]
-    bad = {n: m for n, m in linears.items() if m.in_features % group}
-    if bad and not allow_bf16_fallback:
-        name, mod = next(iter(bad.items()))
-        raise FormatError(
-            f"layer {name} has input dimension {mod.in_features}, not divisible by the {fmt} group size {group} "
-            f"({len(bad)} such layers); set allow_bf16_fallback to keep them bf16"
-        )
-    gscales = _fused_global_scales(linears) if fmt == "nvfp4" else {}
-    names = list(linears)
-    if progress:
-        from tqdm.auto import tqdm
-
-        names = tqdm(names, desc=f"quantize {fmt}", unit="layer", leave=False)
-    for name in names:
-        # popped, so the bf16 layer is freed once replaced: peak memory = the model + one layer
-        # (a 32B bf16 model that fills most of an 80 GB GPU can be quantised in place)
-        lin = linears.pop(name)
-        if name in bad:
-            summary.layers_skipped.append(name)
-            continue
-        options = {}
-        if fmt == "nvfp4" and name in gscales:
-            options["weight_global_scale"] = gscales[name]
-        elif fmt == "mxfp4":
-            options["scale_rule"] = mxfp4_scale_rule
-        elif fmt == "nf4":
-            options["double_quant"] = nf4_double_quant
-        try:
-            q = QuantLinear.from_linear(lin, fmt, backend=backend, **options)
-        except FormatError as e:
-            raise FormatError(f"layer {name}: {e}") from None
-        _set_child(model, name, q)
-        summary.layers_quantized.append(name)
+    bad = check_group_sizes(linears, fmt, allow_bf16_fallback)
+    quantize_linears_(
+        model, linears, fmt, summary, skip=bad, mxfp4_scale_rule=mxfp4_scale_rule,
+        nf4_double_quant=nf4_double_quant, backend=backend, progress=progress,
+    )
     from qerl.memory import memory_report
 
     summary.bits_per_weight = memory_report(model)["bits_per_weight"] if summary.layers_quantized else NOMINAL_BITS["bf16"]
