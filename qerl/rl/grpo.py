@@ -112,6 +112,12 @@ class GRPOSettings(BaseModel):
     # model types it supports, else the Hugging Face KV-cache loop; "hf": always that loop
     rollout_engine: Literal["qerl", "hf"] = "qerl"
     gradient_checkpointing: bool = False
+    # the lm_head + log-softmax of the training forward run this many tokens at a time, each chunk
+    # recomputed in the backward pass, so [tokens x vocab] logits never exist whole (0: all at once)
+    logprob_chunk_tokens: int = Field(1024, ge=0)
+    # free the rollout engine's KV cache and CUDA graphs after each rollout phase, so the training
+    # phase gets that memory (they are re-made at the next rollout: costs the graph captures)
+    release_rollout_memory: bool = True
     # logging
     log_completions: bool = False  # append every sampled completion to out_dir/completions.jsonl
     # checkpoints

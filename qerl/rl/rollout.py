@@ -18,7 +18,10 @@ trainer calls (a GPU engine can replace it: any callable with the same signature
 completions under the current (training) policy, with autograd. With `share_prompt=True` the
 prompt is run once per distinct prompt and its KV cache (with its graph) is gathered for the
 rows, so training costs one prompt pass per group plus the completion tokens; the result
-equals a full forward over prompt + completion (tests check this).
+equals a full forward over prompt + completion (tests check this). The decoder runs once; the
+lm_head and log-softmax run LOGPROB_CHUNK_TOKENS positions at a time, each chunk checkpointed, so
+the [tokens x vocab] logits never exist whole, in the forward or the backward pass (a 2048-token
+completion of a 152k-word vocabulary would be 1.2 GB of float32 logits per row).
 
 Try it:  pytest tests/test_grpo.py -q -k rollout
 """
@@ -35,9 +38,11 @@ import torch
 from qerl.rollout.sampling import draw_uniform, sample_next
 
 __all__ = [
+    "LOGPROB_CHUNK_TOKENS",
     "RolloutBatch",
     "RolloutFn",
     "RolloutSettings",
+    "chunked_logprobs",
     "pad_prompts",
     "policy_logprobs",
     "sample_rollouts",
@@ -213,14 +218,61 @@ def sample_rollouts(
 
 # ----------------------------------------------------------------------------- training logprobs
 
+# Tokens per chunk of the lm_head + log-softmax in `policy_logprobs`: the [tokens x vocab] logits
+# exist one chunk at a time (Qwen2.5's 152064-word vocabulary: 1024 tokens = 0.6 GB in float32),
+# and the backward pass recomputes each chunk from its hidden states instead of keeping them.
+LOGPROB_CHUNK_TOKENS = 1024
 
-def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / T)[token], in float32, without keeping a second [.., V] tensor."""
-    scaled = logits.float()
+
+def _head_chunk(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float):
+    """(logprob of each token, entropy of its distribution) for one chunk of hidden states."""
+    scaled = head(hidden).float()
     if temperature not in (0.0, 1.0):
         scaled = scaled / temperature
-    picked = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(scaled, dim=-1)
+    lse = torch.logsumexp(scaled, dim=-1)
+    logp = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+    with torch.no_grad():  # entropy is a metric: no gradient, so nothing of it is kept for backward
+        entropy = lse - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
+    return logp, entropy
+
+
+def chunked_logprobs(
+    head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, chunk_tokens: int = LOGPROB_CHUNK_TOKENS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(head(hidden) / T)[tokens] and the entropies, [*tokens.shape] float32 each,
+    `chunk_tokens` positions at a time (<= 0: all at once). Under autograd each chunk is
+    checkpointed: only its hidden states are kept, its logits are rebuilt in the backward pass."""
+    from torch.utils.checkpoint import checkpoint
+
+    shape = tokens.shape
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = tokens.reshape(-1)
+    n = t.numel()
+    step = n if chunk_tokens <= 0 else int(chunk_tokens)
+    grad = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in head.parameters()))
+    lps, ents = [], []
+    for s in range(0, max(n, 1), max(step, 1)):
+        hs, ts = h[s:s + step], t[s:s + step]
+        if grad and step < n:
+            lp, ent = checkpoint(_head_chunk, head, hs, ts, temperature, use_reentrant=False)
+        else:
+            lp, ent = _head_chunk(head, hs, ts, temperature)
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps).reshape(shape), torch.cat(ents).reshape(shape)
+
+
+def _decoder_and_head(model):
+    """(the decoder stack returning hidden states, the lm_head) of a causal LM or a PeftModel over
+    one, or None for a model without that split (then the full logits are computed)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        decoder, head = base.get_decoder(), base.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    if decoder is None or head is None or decoder is base:
+        return None
+    return decoder, head
 
 
 def policy_logprobs(
@@ -229,10 +281,15 @@ def policy_logprobs(
     rows: torch.Tensor | Sequence[int] | None = None,
     temperature: float = 1.0,
     share_prompt: bool = True,
-) -> torch.Tensor:
-    """Logprobs [len(rows), T] of the sampled completion tokens under `model` (autograd on).
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs [len(rows), T] of the sampled completion tokens under `model` (autograd on), and
+    with `return_entropy` the entropies [len(rows), T] of the same distributions (no gradient).
 
-    The distribution is softmax(logits / temperature) (temperature 0 is treated as 1)."""
+    The distribution is softmax(logits / temperature) (temperature 0 is treated as 1). The
+    decoder runs once over the rows; the lm_head and the log-softmax run `chunk_tokens`
+    positions at a time (`chunked_logprobs`), so the [tokens x vocab] logits never exist whole."""
     device = _device(model)
     rows = torch.arange(batch.num_rows) if rows is None else torch.as_tensor(rows, dtype=torch.long)
     comp = batch.completion_ids[rows].to(device)
@@ -240,24 +297,47 @@ def policy_logprobs(
     pidx = batch.prompt_index[rows]
     n, t = comp.shape
     temp = temperature if temperature > 0 else 1.0
+    split = _decoder_and_head(model)
+    if split is None:  # no decoder / head split: full logits (small or exotic models)
+        lp = _full_logprobs(model, batch, pidx, comp, cmask, temp, device)
+        if not return_entropy:
+            return lp
+        raise ValueError("return_entropy needs a model with get_decoder() / get_output_embeddings()")
+    decoder, head = split
+
+    def heads(hidden, tokens):
+        return chunked_logprobs(head, hidden, tokens, temp, chunk_tokens)
+
     if share_prompt:
         uniq, inv = torch.unique(pidx, return_inverse=True)
         p_ids = batch.prompt_ids[uniq].to(device)
         p_mask = batch.prompt_mask[uniq].to(device)
-        first_logits, cache = _prefill(model, p_ids, p_mask, True)
+        out = decoder(input_ids=p_ids, attention_mask=p_mask, position_ids=_positions(p_mask), use_cache=True)
         inv_d = inv.to(device)
-        first = _token_logprobs(first_logits[inv_d], comp[:, 0], temp)[:, None]
-        if t == 1:
-            return first
-        cache.reorder_cache(inv_d)
-        attention = torch.cat([p_mask[inv_d], cmask[:, :-1]], dim=-1)
-        positions = p_mask[inv_d].sum(-1, keepdim=True) + torch.arange(t - 1, device=device)[None, :]
-        out = model(
-            input_ids=comp[:, :-1], attention_mask=attention, position_ids=positions,
-            past_key_values=cache, use_cache=True,
-        )
-        rest = _token_logprobs(out.logits, comp[:, 1:], temp)
-        return torch.cat([first, rest], dim=1)
+        lp, ent = heads(out.last_hidden_state[:, -1, :][inv_d][:, None, :], comp[:, :1])
+        if t > 1:
+            cache = out.past_key_values
+            cache.reorder_cache(inv_d)
+            attention = torch.cat([p_mask[inv_d], cmask[:, :-1]], dim=-1)
+            positions = p_mask[inv_d].sum(-1, keepdim=True) + torch.arange(t - 1, device=device)[None, :]
+            rest = decoder(
+                input_ids=comp[:, :-1], attention_mask=attention, position_ids=positions,
+                past_key_values=cache, use_cache=True,
+            )
+            lp2, ent2 = heads(rest.last_hidden_state, comp[:, 1:])
+            lp, ent = torch.cat([lp, lp2], dim=1), torch.cat([ent, ent2], dim=1)
+    else:
+        p_ids = batch.prompt_ids[pidx].to(device)
+        p_mask = batch.prompt_mask[pidx].to(device)
+        ids = torch.cat([p_ids, comp], dim=1)
+        attention = torch.cat([p_mask, cmask], dim=1)
+        out = decoder(input_ids=ids, attention_mask=attention, position_ids=_positions(attention), use_cache=False)
+        lp, ent = heads(out.last_hidden_state[:, -(t + 1):-1, :], comp)
+    return (lp, ent) if return_entropy else lp
+
+
+def _full_logprobs(model, batch, pidx, comp, cmask, temp, device) -> torch.Tensor:
+    t = comp.shape[1]
     p_ids = batch.prompt_ids[pidx].to(device)
     p_mask = batch.prompt_mask[pidx].to(device)
     ids = torch.cat([p_ids, comp], dim=1)
@@ -266,4 +346,4 @@ def policy_logprobs(
     if "logits_to_keep" in _base_forward_params(model):
         kwargs["logits_to_keep"] = t + 1
     logits = model(**kwargs).logits[:, -(t + 1):-1, :]
-    return _token_logprobs(logits, comp, temp)
+    return _head_chunk(torch.nn.Identity(), logits, comp, temp)[0]

@@ -33,6 +33,7 @@ Try it:  python -m qerl.rl.demo --help
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -80,6 +81,10 @@ METRIC_KEYS = (
     "aqn_sigma",
     "rollout_tokens_per_s",
     "step_time_s",
+    "rollout_s",
+    "logprob_s",
+    "backward_s",
+    "optimizer_s",
     "peak_memory_bytes",
     "loss",
     "grad_norm",
@@ -94,7 +99,19 @@ OOM_HINT = (
     "per_device_train_batch_size (prompts per step) or enable gradient_checkpointing"
 )
 
-__all__ = ["METRIC_KEYS", "TrainResult", "TrainingError", "TrainingOOM", "latest_checkpoint", "train"]
+__all__ = [
+    "METRIC_KEYS",
+    "PhaseTimer",
+    "TrainResult",
+    "TrainingError",
+    "TrainingOOM",
+    "latest_checkpoint",
+    "make_optimizer",
+    "optimise",
+    "prepare_policy",
+    "run_rollout",
+    "train",
+]
 
 
 class TrainingError(RuntimeError):
@@ -216,6 +233,62 @@ def _finite_or_raise(value: torch.Tensor | float, what: str, step: int) -> None:
         raise TrainingError(
             f"non-finite {what} at step {step}: training stopped; the last checkpoint is the last good one"
         )
+
+
+class PhaseTimer:
+    """Wall time per phase of a step (seconds, summed over its uses). On a GPU the device is
+    synchronised at each phase's end, so a phase's time includes its kernels, not just launches."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+def prepare_policy(model: nn.Module, settings: GRPOSettings, lora_settings: LoraSettings | None = None) -> nn.Module:
+    """The trained policy: `model` with LoRA adapters (`apply_lora`, unless it is a PeftModel
+    already) and, with `settings.gradient_checkpointing`, activation checkpointing per layer."""
+    if not _is_peft(model):
+        model = apply_lora(model, lora_settings or LoraSettings())
+    if settings.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "enable_input_require_grads"):
+            model.enable_input_require_grads()
+    return model
+
+
+def make_optimizer(model: nn.Module, settings: GRPOSettings):
+    """AdamW over the trainable (LoRA / norm) parameters and its LR schedule over all updates."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise TrainingError("the model has no trainable parameters (expected LoRA adapters)")
+    optimizer = torch.optim.AdamW(
+        params, lr=settings.learning_rate, betas=(settings.adam_beta1, settings.adam_beta2),
+        eps=settings.adam_epsilon, weight_decay=settings.weight_decay,
+    )
+    total_updates = settings.max_steps * settings.num_iterations
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(settings, total_updates))
+
+
+def run_rollout(model, rollout_fn, prompt_ids, rollout_settings: RolloutSettings, generator, aqn: AdaptiveQuantNoise,
+                noisy: bool) -> RolloutBatch:
+    """One rollout call in eval + inference mode, with AQN's noisy norms applied when `noisy`."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode(), aqn.applied(noisy):
+            return rollout_fn(model, prompt_ids, rollout_settings, generator)
+    finally:
+        model.train(was_training)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -348,24 +421,10 @@ def train(
 
     torch.manual_seed(settings.seed)
     random.seed(settings.seed)
-    if not _is_peft(model):
-        model = apply_lora(model, lora_settings or LoraSettings())
+    model = prepare_policy(model, settings, lora_settings)
     device = _device(model)
-    if settings.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if hasattr(model, "enable_input_require_grads"):
-            model.enable_input_require_grads()
     share_train = settings.share_prompt_prefix and not settings.gradient_checkpointing
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise TrainingError("the model has no trainable parameters (expected LoRA adapters)")
-    optimizer = torch.optim.AdamW(
-        params, lr=settings.learning_rate, betas=(settings.adam_beta1, settings.adam_beta2),
-        eps=settings.adam_epsilon, weight_decay=settings.weight_decay,
-    )
-    total_updates = settings.max_steps * settings.num_iterations
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(settings, total_updates))
+    optimizer, scheduler = make_optimizer(model, settings)
     stream = _PromptStream(len(problems), settings.seed)
     gen = torch.Generator(device="cpu" if device.type != "cuda" else device)
     gen.manual_seed(settings.seed)
@@ -435,6 +494,7 @@ def train(
         t0 = time.perf_counter()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        timer = PhaseTimer(device)
         try:
             sigma = aqn.resample(step)
             # ---- rollout (+ DAPO refill) ------------------------------------------------
@@ -449,13 +509,8 @@ def train(
                 idx = stream.take(need)
                 probs = [problems[i] for i in idx]
                 prompts = [_prompt_text(tokenizer, p) for p in probs]
-                was_training = model.training
-                model.eval()
-                try:
-                    with torch.inference_mode(), aqn.applied(aqn_settings.enabled):
-                        batch = rollout_fn(model, tokenize(prompts), rollout_settings, gen)
-                finally:
-                    model.train(was_training)
+                with timer("rollout_s"):
+                    batch = run_rollout(model, rollout_fn, tokenize(prompts), rollout_settings, gen, aqn, aqn_settings.enabled)
                 gen_time += batch.elapsed_s
                 gen_tokens += int(batch.completion_mask.sum())
                 rows_p = [probs[int(i)] for i in batch.prompt_index]
@@ -498,6 +553,10 @@ def train(
                     kept.append((batch, rows_p, rewards, None))
                     break
 
+            if settings.release_rollout_memory:
+                from qerl.rollout.engine import release_rollout_memory
+
+                release_rollout_memory(model)
             # ---- training batch ---------------------------------------------------------
             groups_trained = sum(k[0].num_rows for k in kept) // G
             if settings.dynamic_sampling and groups_trained > P:  # keep exactly P groups
@@ -520,8 +579,8 @@ def train(
                 parts = [
                     (b, r, group_advantages(r, G, "none") / (std + 1e-4)) for b, r, _ in parts
                 ]
-            stats = _optimise(
-                model, parts, settings, optimizer, scheduler, aqn, noise_in_training, share_train, step + 1
+            stats = optimise(
+                model, parts, settings, optimizer, scheduler, aqn, noise_in_training, share_train, step + 1, timer
             )
 
             # ---- metrics ----------------------------------------------------------------
@@ -543,6 +602,8 @@ def train(
                 **stats,
             }
             metrics["step_time_s"] = time.perf_counter() - t0
+            for phase in ("rollout_s", "logprob_s", "backward_s", "optimizer_s"):
+                metrics[phase] = timer.seconds.get(phase, 0.0)
             metrics["peak_memory_bytes"] = _peak_memory(device)
         except torch.OutOfMemoryError as e:
             if isinstance(e, TrainingOOM):
@@ -583,11 +644,14 @@ def _decode(tokenizer, batch: RolloutBatch, stops: set[int]) -> list[str]:
     return texts
 
 
-def _optimise(
+def optimise(
     model, parts, settings: GRPOSettings, optimizer, scheduler, aqn: AdaptiveQuantNoise,
-    noise_in_training: bool, share_train: bool, step: int,
+    noise_in_training: bool, share_train: bool, step: int, timer: PhaseTimer | None = None,
 ) -> dict[str, float]:
-    """num_iterations AdamW updates over the kept groups; returns loss statistics."""
+    """num_iterations AdamW updates over the kept groups `parts` = [(RolloutBatch, rewards,
+    advantages)]; returns loss statistics. `timer` gets the phases logprob_s (training-policy
+    forwards), backward_s and optimizer_s (clip + step)."""
+    timer = timer or PhaseTimer(torch.device("cpu"))
     mb = settings.per_device_train_batch_size
     # Micro-batches: (batch, rows, advantages[rows], loss mask[rows]). The normalisers count every
     # row; with beta = 0 a row whose advantage is exactly 0 (e.g. a zero-variance group) has a
@@ -616,16 +680,17 @@ def _optimise(
 
     model.train()
     need_old = settings.num_iterations > 1
+    chunk = settings.logprob_chunk_tokens
     old, ref = [], []
     if need_old or settings.beta > 0:
-        with torch.no_grad():
+        with torch.no_grad(), timer("logprob_s"):
             for b, rows, _, _ in micro:
                 if need_old:
                     with aqn.applied(noise_in_training):
-                        old.append(policy_logprobs(model, b, rows, temp, share_train).float())
+                        old.append(policy_logprobs(model, b, rows, temp, share_train, chunk).float())
                 if settings.beta > 0:
                     with model.disable_adapter():
-                        ref.append(policy_logprobs(model, b, rows, temp, share_train).float())
+                        ref.append(policy_logprobs(model, b, rows, temp, share_train, chunk).float())
 
     tot = {"tokens": 0.0, "clip_low_tokens": 0.0, "clip_high_tokens": 0.0, "kl_sum": 0.0, "is_weight_sum": 0.0}
     loss_sum, gnorm = 0.0, 0.0
@@ -633,8 +698,8 @@ def _optimise(
         optimizer.zero_grad(set_to_none=True)
         for i, (b, rows, adv, mask) in enumerate(micro):
             mask = mask.to(device)
-            with aqn.applied(noise_in_training):
-                logp = policy_logprobs(model, b, rows, temp, share_train)
+            with aqn.applied(noise_in_training), timer("logprob_s"):
+                logp = policy_logprobs(model, b, rows, temp, share_train, chunk)
             logp_old = old[i].to(device) if need_old else logp.detach()
             isw = None
             if settings.vllm_importance_sampling_correction:
@@ -649,16 +714,18 @@ def _optimise(
                 num_sequences=num_seqs, num_tokens=num_tokens,
             )
             _finite_or_raise(loss.detach(), "loss", step)
-            loss.backward()
+            with timer("backward_s"):
+                loss.backward()
             loss_sum += float(loss.detach())
             for k in tot:
                 tot[k] += st.get(k, 0.0)
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        gn = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
-        _finite_or_raise(gn, "gradient norm", step)
-        gnorm += float(gn)
-        optimizer.step()
-        scheduler.step()
+        with timer("optimizer_s"):
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            gn = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
+            _finite_or_raise(gn, "gradient norm", step)
+            gnorm += float(gn)
+            optimizer.step()
+            scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     it = settings.num_iterations
     toks = max(tot["tokens"], 1.0)

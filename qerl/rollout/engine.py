@@ -61,7 +61,7 @@ from qerl.rollout.fuse import LinearGroup
 from qerl.kernels.sample_ops import SampleState, sample_step
 from qerl.rollout.sampling import draw_uniform
 
-__all__ = ["EngineError", "RolloutEngine", "engine_rollouts", "supports"]
+__all__ = ["EngineError", "RolloutEngine", "engine_rollouts", "release_rollout_memory", "supports"]
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 LENGTH_BUCKET = 256
@@ -200,10 +200,9 @@ class RolloutEngine:
             probe = torch.zeros(1, dtype=self.dtype, device=dev)
             cos, sin = inner.rotary_emb(probe, torch.arange(ml, device=dev)[None])
             self._cos, self._sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [max_len, head_dim]
-            shape = (mb, self.n_kv, ml, self.head_dim)
-            # zeros, not empty: a masked key still multiplies its value by 0, and 0 * NaN = NaN
-            self._k = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in self.layers]
-            self._v = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in self.layers]
+            self._k: list[torch.Tensor] = []
+            self._v: list[torch.Tensor] = []
+            self._allocate_cache()
             # the decode state the CUDA graphs read and advance (all on the device)
             self._tok = torch.zeros(mb, dtype=torch.long, device=dev)  # last sampled token
             self._pos = torch.zeros(mb, dtype=torch.long, device=dev)  # its RoPE position
@@ -473,6 +472,29 @@ class RolloutEngine:
         self._graphs.clear()
         self._pool = None
 
+    def _allocate_cache(self) -> None:
+        if self._k:
+            return
+        shape = (self.max_batch, self.n_kv, self.max_len, self.head_dim)
+        with _outside_inference_mode():
+            # zeros, not empty: a masked key still multiplies its value by 0, and 0 * NaN = NaN
+            self._k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+            self._v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes the KV cache holds now (0 after release_memory())."""
+        return sum(t.numel() * t.element_size() for t in (*self._k, *self._v))
+
+    def release_memory(self) -> int:
+        """Free the KV cache and the CUDA graphs (and their memory pool) until the next generate(),
+        which allocates and captures them again: the training phase of an RL step gets that memory
+        (the cache of 8 x 2304 tokens of a 32B model is 4.8 GB). Returns the cache bytes freed."""
+        freed = self.cache_bytes
+        self.release_graphs()
+        self._k, self._v = [], []
+        return freed
+
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[Sequence[int]], settings: RolloutSettings,
                  generator: torch.Generator | None = None) -> RolloutBatch:
@@ -494,6 +516,7 @@ class RolloutEngine:
             ids, mask = F.pad(p_ids, (width - plen, 0), value=settings.pad_id), F.pad(p_mask, (width - plen, 0), value=0)
             plen = width
         sampling = (float(settings.temperature), int(settings.top_k), float(settings.top_p))
+        self._allocate_cache()
         self.refresh()
         stops = tuple(int(s) for s in settings.stop_ids)
         self._is_stop.zero_()
@@ -578,3 +601,13 @@ def engine_rollouts(model, prompt_ids: Sequence[Sequence[int]], settings: Rollou
         engine = RolloutEngine(model, max_batch=rows, max_len=-(-length // LENGTH_BUCKET) * LENGTH_BUCKET)
         model.__dict__["_qerl_rollout_engine"] = engine
     return engine.generate(prompt_ids, settings, generator)
+
+
+def release_rollout_memory(model) -> int:
+    """Free the KV cache and CUDA graphs of `model`'s rollout engine, if it has one (the engine
+    stays, and re-allocates them at its next rollout). Returns the bytes of KV cache freed."""
+    engine = model.__dict__.get("_qerl_rollout_engine")
+    freed = engine.release_memory() if engine is not None else 0
+    if freed and torch.cuda.is_available() and engine.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return freed

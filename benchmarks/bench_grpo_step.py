@@ -1,0 +1,334 @@
+"""One full GRPO step (rollout, log-probs, backward, optimizer) per model, format and batch:
+seconds per phase and peak GPU memory, LoRA over bf16 / nf4 (QLoRA) / nvfp4 (QeRL) bases.
+
+Run on a CUDA GPU:
+
+    python benchmarks/bench_grpo_step.py --out-dir benchmarks/results \
+        --models qwen2.5-7b qwen2.5-14b --formats bf16 nf4 nvfp4 --batches 2 4 8
+    python benchmarks/bench_grpo_step.py --out-dir benchmarks/results --append \
+        --models qwen2.5-32b --formats nvfp4 bf16 --batches 1
+    # on a CPU, tiny and slow, to try the code path:
+    python benchmarks/bench_grpo_step.py --device cpu --models tiny-llama --batches 1 \
+        --generations 2 --prompt-len 8 --completion 8 --rank 4 --steps 1 --out-dir /tmp/bench
+
+What one configuration runs, each in its own process (so one that runs out of memory is recorded
+as "oom" and the next starts clean):
+- the model is built directly in its format, layer by layer (`qerl.build.build_model`,
+  random-initialised Qwen2.5-*-shaped weights: honest for speed and memory, not quality; no bf16
+  copy of a 4-bit model ever exists);
+- LoRA adapters of --rank on all seven linears of every layer (`qerl.rl.trainer.prepare_policy`,
+  gradient checkpointing on); AQN on for nvfp4 (QeRL), off for the bf16 and nf4 baselines;
+- --steps GRPO steps, each: `batch` random prompts of --prompt-len tokens x --generations samples
+  of exactly --completion tokens (no stop token can be sampled, so every row is full length and
+  every format does the same work) through the rollout engine (`run_rollout`), its KV cache and
+  graphs then freed (`release_rollout_memory`), rewards from the sampled tokens (fraction of even
+  ids: they differ within a group, so every row trains), group advantages, then the trainer's own
+  `optimise`: micro-batches of --micro-batch completions, chunked log-probs, backward, AdamW.
+The first step compiles kernels and captures graphs, so the last step is the one reported.
+
+Rows (memory.json): {"model", "format", "gpu", "generations", "completion_len", "lora_rank",
+"status": "ok" | "oom", "peak_gib", "rollout_s", "logprob_s", "backward_s", "optimizer_s",
+"step_s"} plus "batch" (prompts per step), "completions", the peak of each phase and the build.
+peak_gib is the peak of memory reserved by PyTorch's allocator over the step (what the card must
+hold, fragmentation included; the CUDA context, ~0.5 GiB, comes on top); peak_allocated_gib is the
+peak of live tensors. grpo_step.json: {"model", "format", "batch", "step_s", "bf16_step_s",
+"speedup"} with speedup = bf16 LoRA step time / this step time, same model and batch.
+Both files are rewritten after every configuration, so a call cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+FORMATS = ("bf16", "nf4", "mxfp4", "nvfp4")
+MEMORY_FIELDS = ("model", "format", "gpu", "generations", "completion_len", "lora_rank", "status", "peak_gib",
+                 "rollout_s", "logprob_s", "backward_s", "optimizer_s", "step_s")
+STEP_FIELDS = ("model", "format", "batch", "step_s", "bf16_step_s", "speedup")
+PHASES = ("rollout_s", "logprob_s", "backward_s", "optimizer_s")
+GIB = 2 ** 30
+ROW_TAG = "BENCH_ROW "
+
+
+def log(*a):
+    print(*a, flush=True, file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- one configuration
+
+
+class _Memory:
+    """Peak allocated / reserved bytes since the last mark (CUDA), or the process's max RSS (CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak(self) -> tuple[float, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() / GIB, torch.cuda.max_memory_reserved() / GIB
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+        return rss, rss
+
+
+def run_one(args, preset: str, fmt: str, batch: int) -> dict:
+    """Build, then --steps GRPO steps; the row of the last step (status "oom" where memory ran out)."""
+    from qerl.build import build_model
+    from qerl.nn.aqn import AdaptiveQuantNoise, AQNSettings
+    from qerl.nn.lora import LoraSettings
+    from qerl.rl.grpo import GRPOSettings, group_advantages
+    from qerl.rl.rollout import RolloutSettings
+    from qerl.rl.trainer import PhaseTimer, make_optimizer, optimise, prepare_policy, run_rollout
+    from qerl.rollout.engine import engine_rollouts, release_rollout_memory
+
+    device = torch.device(args.device)
+    gens = args.generations
+    completions = batch * gens
+    micro = min(args.micro_batch, completions)
+    if completions % micro:
+        raise SystemExit(f"{completions} completions do not split into micro-batches of {micro}")
+    aqn_on = fmt == "nvfp4" and not args.no_aqn
+    row = {
+        "model": preset, "format": fmt, "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "generations": gens, "completion_len": args.completion, "lora_rank": args.rank, "status": "ok",
+        "peak_gib": None, **{p: None for p in PHASES}, "step_s": None,
+        "batch": batch, "completions": completions, "prompt_len": args.prompt_len, "micro_batch": micro,
+        "aqn": aqn_on, "gradient_checkpointing": True, "logprob_chunk_tokens": args.chunk_tokens,
+        "steps": args.steps,
+    }
+    mem = _Memory(device)
+    phase = "build"
+    try:
+        mem.mark()
+        t0 = time.perf_counter()
+        model = build_model(f"random:{preset}", fmt, device, seed=0, progress=False)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        row["build_s"] = round(time.perf_counter() - t0, 2)
+        row["build_peak_gib"] = round(mem.peak()[1], 3)
+        row["weights_gib"] = round(sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) / GIB, 3)
+        settings = GRPOSettings(
+            num_generations=gens, per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
+            max_completion_length=args.completion, max_steps=args.steps, learning_rate=1e-5, loss_type="dapo",
+            epsilon_high=0.28, temperature=1.0, gradient_checkpointing=True, logprob_chunk_tokens=args.chunk_tokens,
+            release_rollout_memory=not args.keep_rollout_memory,
+        )
+        phase = "lora"
+        policy = prepare_policy(model, settings, LoraSettings(r=args.rank, lora_alpha=args.rank))
+        optimizer, scheduler = make_optimizer(policy, settings)
+        aqn = AdaptiveQuantNoise(policy, AQNSettings(enabled=aqn_on), total_steps=settings.max_steps)
+        g = torch.Generator().manual_seed(1)
+        vocab = int(model.config.vocab_size)
+        prompts = [torch.randint(0, min(vocab, 150000), (args.prompt_len,), generator=g).tolist() for _ in range(batch)]
+        # stop id outside the vocabulary: never sampled, so every row is --completion tokens long
+        rs = RolloutSettings(num_generations=gens, max_new_tokens=args.completion, temperature=1.0,
+                             stop_ids=[10**9], pad_id=0)
+        gen = torch.Generator(device=device).manual_seed(0)
+        for step in range(args.steps):
+            timer = PhaseTimer(device)
+            mem.mark()
+            t_step = time.perf_counter()
+            aqn.resample(step)
+            phase = "rollout"
+            with timer("rollout_s"):
+                rollout = run_rollout(policy, engine_rollouts, prompts, rs, gen, aqn, aqn_on)
+            engine = policy.__dict__.get("_qerl_rollout_engine")
+            row["kv_cache_gib"] = round(engine.cache_bytes / GIB, 3) if engine is not None else None
+            if settings.release_rollout_memory:
+                release_rollout_memory(policy)
+            rollout_peak = mem.peak()
+            mem.mark()
+            phase = "train"
+            rewards = (rollout.completion_ids % 2 == 0).double().mul(rollout.completion_mask).sum(-1)
+            rewards = rewards / rollout.completion_mask.sum(-1).clamp(min=1)
+            adv = group_advantages(rewards, gens, settings.reward_scaling)
+            stats = optimise(policy, [(rollout, rewards, adv)], settings, optimizer, scheduler, aqn, False, False,
+                             step + 1, timer)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            step_s = time.perf_counter() - t_step
+            train_peak = mem.peak()
+            tokens = int(rollout.completion_mask.sum())
+            row.update(
+                step_s=round(step_s, 3), **{p: round(timer.seconds.get(p, 0.0), 3) for p in PHASES},
+                peak_gib=round(max(rollout_peak[1], train_peak[1]), 3),
+                peak_allocated_gib=round(max(rollout_peak[0], train_peak[0]), 3),
+                rollout_peak_gib=round(rollout_peak[1], 3), train_peak_gib=round(train_peak[1], 3),
+                rollout_tokens=tokens, rollout_tokens_per_s=round(tokens / max(timer.seconds["rollout_s"], 1e-9), 1),
+                loss=stats["loss"], grad_norm=stats["grad_norm"],
+            )
+            if step == 0 and args.steps > 1:
+                row["warmup_step_s"] = round(step_s, 3)
+            log(f"  {preset} {fmt} batch {batch} step {step + 1}: {step_s:.2f} s, peak {row['peak_gib']:.2f} GiB "
+                f"({', '.join(f'{p} {row[p]:.2f}' for p in PHASES)})")
+    except torch.OutOfMemoryError:
+        row.update(status="oom", oom_phase=phase)
+        if device.type == "cuda":
+            row["peak_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 3)
+        log(f"  {preset} {fmt} batch {batch}: out of memory in {phase}")
+    return row
+
+
+# ----------------------------------------------------------------------------- the sweep
+
+
+def _key(row: dict) -> tuple:
+    return row["model"], row["format"], row["batch"]
+
+
+def step_rows(memory_rows: list[dict]) -> list[dict]:
+    """grpo_step.json rows: every measured (ok) configuration, with the bf16 LoRA step of the same
+    model and batch as its baseline (None where that one did not run or did not fit)."""
+    bf16 = {(r["model"], r["batch"]): r["step_s"] for r in memory_rows if r["format"] == "bf16" and r["status"] == "ok"}
+    out = []
+    for r in memory_rows:
+        if r["status"] != "ok":
+            continue
+        base = bf16.get((r["model"], r["batch"]))
+        out.append({"model": r["model"], "format": r["format"], "batch": r["batch"], "step_s": r["step_s"],
+                    "bf16_step_s": base, "speedup": round(base / r["step_s"], 3) if base else None})
+    return out
+
+
+def _child(args, preset: str, fmt: str, batch: int, timeout: float) -> tuple[dict | None, str]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{preset}:{fmt}:{batch}", *args.child_args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 1.0))
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        sys.stderr.write(err)
+        return None, f"timed out after {timeout:.0f} s"
+    sys.stderr.write(proc.stderr)
+    for line in proc.stdout.splitlines():
+        if line.startswith(ROW_TAG):
+            return json.loads(line[len(ROW_TAG):]), ""
+    last = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    return None, f"exit {proc.returncode}: {last[-1] if last else 'no output'}"
+
+
+def sweep(args) -> dict:
+    os.makedirs(args.out_dir, exist_ok=True)
+    mem_path = os.path.join(args.out_dir, args.memory_name)
+    step_path = os.path.join(args.out_dir, args.step_name)
+    device = torch.device(args.device)
+    rows: list[dict] = []
+    if args.append and os.path.exists(mem_path):
+        with open(mem_path) as f:
+            rows = json.load(f)["rows"]
+    meta = {
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python benchmarks/bench_grpo_step.py " + " ".join(args.argv),
+        "note": ("random-initialised Qwen2.5-*-shaped models (honest for speed and memory, not quality); batch = "
+                 "prompts per step, each with `generations` samples of exactly completion_len tokens; the last of "
+                 "`steps` steps is reported (the first compiles kernels and captures graphs)"),
+    }
+    not_run: list[dict] = []
+    started = time.perf_counter()
+
+    def save():
+        with open(mem_path, "w") as f:
+            json.dump(dict(meta, rows=rows, not_run=not_run), f, indent=1)
+        with open(step_path, "w") as f:
+            json.dump(dict(meta, rows=step_rows(rows)), f, indent=1)
+
+    for preset in args.models:
+        for batch in args.batches:
+            for fmt in sorted(args.formats, key=lambda f: f != "bf16"):  # the baseline first
+                left = args.time_budget_s - (time.perf_counter() - started)
+                if left < args.min_config_s:
+                    not_run.append({"model": preset, "format": fmt, "batch": batch, "why": "time budget"})
+                    continue
+                log(f"{preset} {fmt} batch {batch} ({left:.0f} s of the budget left)")
+                row, why = _child(args, preset, fmt, batch, left)
+                if row is None:
+                    not_run.append({"model": preset, "format": fmt, "batch": batch, "why": why})
+                else:
+                    rows[:] = [r for r in rows if _key(r) != _key(row)] + [row]
+                save()
+    save()
+    result = dict(meta, rows=rows, not_run=not_run)
+    print(table(result))
+    return result
+
+
+def table(result: dict) -> str:
+    steps = {(r["model"], r["format"], r["batch"]): r for r in step_rows(result["rows"])}
+    lines = ["| model | format | batch | status | step s | rollout | logprob | backward | optimizer | peak GiB | x bf16 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        s = steps.get(_key(r), {})
+        cells = [r["model"], r["format"], r["batch"], r["status"], r["step_s"], *[r[p] for p in PHASES], r["peak_gib"],
+                 s.get("speedup")]
+        lines.append("| " + " | ".join("" if c is None else (f"{c:.2f}" if isinstance(c, float) else str(c)) for c in cells) + " |")
+    for n in result.get("not_run", []):
+        lines.append(f"not run: {n['model']} {n['format']} batch {n['batch']}: {n['why']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--memory-name", default="memory.json")
+    ap.add_argument("--step-name", default="grpo_step.json")
+    ap.add_argument("--append", action="store_true", help="keep the rows of --out-dir's files that this call does not re-measure")
+    ap.add_argument("--models", nargs="+", default=["qwen2.5-7b", "qwen2.5-14b"])
+    ap.add_argument("--formats", nargs="+", default=["bf16", "nf4", "nvfp4"], choices=FORMATS)
+    ap.add_argument("--batches", nargs="+", type=int, default=[2, 4, 8], help="prompts per step")
+    ap.add_argument("--generations", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--completion", type=int, default=2048)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--micro-batch", type=int, default=8, help="completions per training micro-batch")
+    ap.add_argument("--chunk-tokens", type=int, default=1024, help="tokens per lm_head + log-softmax chunk")
+    ap.add_argument("--steps", type=int, default=2, help="GRPO steps per configuration; the last is reported")
+    ap.add_argument("--no-aqn", action="store_true", help="AQN off for nvfp4 too")
+    ap.add_argument("--keep-rollout-memory", action="store_true", help="keep the KV cache and graphs through training")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--time-budget-s", type=float, default=540)
+    ap.add_argument("--min-config-s", type=float, default=20, help="start no configuration with less of the budget left")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # MODEL:FORMAT:BATCH, in a child process
+    args = ap.parse_args(argv)
+    args.argv = list(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_grpo_step.py needs a CUDA GPU (or --device cpu for a tiny trial)")
+    if args.one:
+        preset, fmt, batch = args.one.split(":")
+        try:
+            row = run_one(args, preset, fmt, int(batch))
+        except Exception:
+            traceback.print_exc()
+            raise SystemExit(1)
+        print(ROW_TAG + json.dumps(row), flush=True)
+        return
+    # what every child process gets: the options of one configuration
+    child = ["--device", args.device, "--generations", str(args.generations), "--prompt-len", str(args.prompt_len),
+             "--completion", str(args.completion), "--rank", str(args.rank), "--micro-batch", str(args.micro_batch),
+             "--chunk-tokens", str(args.chunk_tokens), "--steps", str(args.steps)]
+    child += ["--no-aqn"] * args.no_aqn + ["--keep-rollout-memory"] * args.keep_rollout_memory
+    args.child_args = child
+    sweep(args)
+
+
+if __name__ == "__main__":
+    main()

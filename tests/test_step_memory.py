@@ -1,0 +1,172 @@
+"""The memory plan of a GRPO step (issue 9), on CPU with tiny models:
+
+- chunked log-probs (`qerl.rl.rollout.chunked_logprobs` / `policy_logprobs`): the same values,
+  entropies and gradients as the whole [tokens x vocab] logits at once, while the lm_head never
+  sees more than one chunk of positions, in the forward or the backward pass;
+- the rollout engine's KV cache and graphs are freed between rollout and training
+  (`release_memory`) and re-made by the next rollout, which samples exactly as before;
+- the trainer logs the time of each phase (rollout, log-probs, backward, optimizer) and frees the
+  rollout memory after the rollout phase when `release_rollout_memory` is on;
+- benchmarks/bench_grpo_step.py runs end to end on a tiny model and writes the issue's fields.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qerl.rl.rollout import RolloutSettings, chunked_logprobs, policy_logprobs
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def _lora(tiny_model):
+    from qerl.nn.lora import LoraSettings, apply_lora
+    from qerl.quantize import quantize_
+
+    model = copy.deepcopy(tiny_model)
+    quantize_(model, "nvfp4", progress=False)
+    model = apply_lora(model, LoraSettings(r=4, lora_alpha=8))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return model
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_equal_whole_logits(chunk, temperature):
+    torch.manual_seed(chunk)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(3, 11, 16, requires_grad=True)
+    tokens = torch.randint(0, 50, (3, 11))
+    lp, ent = chunked_logprobs(head, hidden, tokens, temperature, chunk)
+    logits = head(hidden).float() / temperature
+    want = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    p = torch.softmax(logits, -1)
+    want_ent = -(p * torch.log_softmax(logits, -1)).sum(-1)
+    torch.testing.assert_close(lp, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, want_ent.detach(), rtol=1e-5, atol=1e-5)
+    assert not ent.requires_grad
+    weights = torch.randn(3, 11)
+    g_h, g_w = torch.autograd.grad((lp * weights).sum(), (hidden, head.weight))
+    r_h, r_w = torch.autograd.grad((want * weights).sum(), (hidden, head.weight))
+    torch.testing.assert_close(g_h, r_h, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(g_w, r_w, rtol=1e-4, atol=1e-6)
+
+
+def test_policy_logprobs_chunks_never_build_whole_logits(tiny_model, tiny_tokenizer):
+    from qerl.eval.generate import stop_token_ids
+    from qerl.rl.rollout import sample_rollouts
+
+    model = _lora(tiny_model)
+    prompts = [tiny_tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("one two three", "four five")]
+    rs = RolloutSettings(num_generations=2, max_new_tokens=9, temperature=1.0, stop_ids=stop_token_ids(tiny_tokenizer),
+                         pad_id=151643)
+    batch = sample_rollouts(model, prompts, rs, torch.Generator().manual_seed(0))
+    mask = batch.completion_mask.float()
+    seen = []
+    head = model.get_base_model().lm_head
+    hook = head.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape[:-1].numel()))
+    results = {}
+    try:
+        for share in (True, False):
+            for chunk in (0, 5):
+                model.zero_grad()
+                seen.clear()
+                lp, ent = policy_logprobs(model, batch, share_prompt=share, chunk_tokens=chunk, return_entropy=True)
+                (lp * mask).sum().backward()
+                grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+                results[share, chunk] = (lp.detach(), ent, grads)
+                if chunk:  # the forward and the backward's recomputation: at most one chunk per call
+                    assert max(seen) <= chunk and len(seen) > 2, seen
+                else:
+                    assert max(seen) >= batch.completion_ids.numel() - batch.num_rows
+    finally:
+        hook.remove()
+    m = batch.completion_mask.bool()
+    ref_lp, ref_ent, ref_g = results[False, 0]
+    for (lp, ent, g) in results.values():
+        torch.testing.assert_close(lp[m], ref_lp[m], rtol=0, atol=2e-5)
+        torch.testing.assert_close(ent[m], ref_ent[m], rtol=0, atol=2e-5)
+        torch.testing.assert_close(g, ref_g, rtol=1e-3, atol=1e-5)  # float32 order of sums, as test_grpo
+    # the entropies are those of the sampling distribution the rollout recorded
+    torch.testing.assert_close(ref_ent[m], batch.entropies[m], rtol=0, atol=1e-4)
+    torch.testing.assert_close(ref_lp[m], batch.logprobs[m], rtol=0, atol=2e-5)
+
+
+def test_engine_releases_and_remakes_its_cache(tiny_model, tiny_tokenizer):
+    from qerl.rollout.engine import RolloutEngine, release_rollout_memory
+
+    model = copy.deepcopy(tiny_model)
+    prompts = [tiny_tokenizer("a b c d", add_special_tokens=False)["input_ids"]]
+    rs = RolloutSettings(num_generations=3, max_new_tokens=6, temperature=1.0, stop_ids=[10**9], pad_id=0)
+    engine = RolloutEngine(model, max_batch=3, max_len=32)
+    first = engine.generate(prompts, rs, torch.Generator().manual_seed(3))
+    cfg = model.config
+    want = 2 * cfg.num_hidden_layers * 3 * cfg.num_key_value_heads * 32 * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    assert engine.cache_bytes == want
+    assert engine.release_memory() == want and engine.cache_bytes == 0 and not engine._graphs
+    again = engine.generate(prompts, rs, torch.Generator().manual_seed(3))
+    assert engine.cache_bytes == want
+    assert torch.equal(first.completion_ids, again.completion_ids)
+    torch.testing.assert_close(first.logprobs, again.logprobs, rtol=0, atol=0)
+    model.__dict__["_qerl_rollout_engine"] = engine
+    assert release_rollout_memory(model) == want and release_rollout_memory(model) == 0
+    assert release_rollout_memory(copy.deepcopy(tiny_model)) == 0  # no engine: nothing to free
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_trainer_times_phases_and_frees_rollout_memory(tiny_model, tiny_tokenizer, tmp_path, release):
+    from qerl.rl.arith import make_problems
+    from qerl.rl.grpo import GRPOSettings
+    from qerl.rl.trainer import train
+
+    def reward(completions, **kwargs):
+        return [float(i % 2) for i in range(len(completions))]
+
+    settings = GRPOSettings(max_steps=1, num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                            max_completion_length=5, learning_rate=1e-3, save_steps=1, logprob_chunk_tokens=3,
+                            release_rollout_memory=release)
+    logged = []
+    result = train(copy.deepcopy(tiny_model), tiny_tokenizer, settings, None, make_problems(4, seed=0), [reward],
+                   tmp_path, log_fn=lambda s, m: logged.append(m))
+    m = logged[0]
+    phases = [m[k] for k in ("rollout_s", "logprob_s", "backward_s", "optimizer_s")]
+    assert all(p > 0 for p in phases), phases
+    assert sum(phases) <= m["step_time_s"]
+    engine = result.model.__dict__["_qerl_rollout_engine"]
+    assert (engine.cache_bytes == 0) == release
+
+
+@pytest.mark.slow
+def test_bench_grpo_step_runs_on_a_tiny_model(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_grpo_step.py"), "--device", "cpu",
+           "--models", "tiny-llama", "--formats", "bf16", "nvfp4", "--batches", "1", "--generations", "2",
+           "--prompt-len", "8", "--completion", "6", "--rank", "4", "--micro-batch", "1", "--chunk-tokens", "4",
+           "--steps", "2", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    memory = json.loads((tmp_path / "memory.json").read_text())
+    steps = json.loads((tmp_path / "grpo_step.json").read_text())
+    assert {"gpu", "torch", "date", "command", "rows"} <= set(memory)
+    assert [(r["format"], r["status"]) for r in memory["rows"]] == [("bf16", "ok"), ("nvfp4", "ok")]
+    for r in memory["rows"]:
+        assert set(r) >= {"model", "format", "gpu", "generations", "completion_len", "lora_rank", "status", "peak_gib",
+                          "rollout_s", "logprob_s", "backward_s", "optimizer_s", "step_s"}
+        assert r["generations"] == 2 and r["completion_len"] == 6 and r["lora_rank"] == 4
+        assert r["rollout_tokens"] == 2 * 6  # every row generates exactly --completion tokens
+        assert 0 < r["rollout_s"] + r["logprob_s"] + r["backward_s"] + r["optimizer_s"] <= r["step_s"]
+        assert r["aqn"] == (r["format"] == "nvfp4") and "warmup_step_s" in r
+    rows = {r["format"]: r for r in steps["rows"]}
+    assert set(rows["nvfp4"]) == {"model", "format", "batch", "step_s", "bf16_step_s", "speedup"}
+    assert rows["nvfp4"]["bf16_step_s"] == rows["bf16"]["step_s"]
+    assert rows["nvfp4"]["speedup"] == pytest.approx(rows["bf16"]["step_s"] / rows["nvfp4"]["step_s"], rel=1e-2)
+    assert "| tiny-llama | nvfp4 | 1 | ok |" in proc.stdout
