@@ -6,7 +6,8 @@ Run on a CUDA GPU:
     python benchmarks/bench_grpo_step.py --out-dir benchmarks/results \
         --models qwen2.5-7b qwen2.5-14b --formats bf16 nf4 nvfp4 --batches 2 4 8
     python benchmarks/bench_grpo_step.py --out-dir benchmarks/results --append \
-        --models qwen2.5-32b --formats nvfp4 bf16 --batches 1
+        --models qwen2.5-32b --formats nvfp4 bf16 --batches 1 --micro-batch 2
+    python benchmarks/bench_grpo_step.py --combine call1/memory.json call2/memory.json --out-dir benchmarks/results
     # on a CPU, tiny and slow, to try the code path:
     python benchmarks/bench_grpo_step.py --device cpu --models tiny-llama --batches 1 \
         --generations 2 --prompt-len 8 --completion 8 --rank 4 --steps 1 --out-dir /tmp/bench
@@ -32,7 +33,9 @@ Rows (memory.json): {"model", "format", "gpu", "generations", "completion_len", 
 peak_gib is the peak of memory reserved by PyTorch's allocator over the step (what the card must
 hold, fragmentation included; the CUDA context, ~0.5 GiB, comes on top); peak_allocated_gib is the
 peak of live tensors. grpo_step.json: {"model", "format", "batch", "step_s", "bf16_step_s",
-"speedup"} with speedup = bf16 LoRA step time / this step time, same model and batch.
+"speedup"} with speedup = bf16 LoRA step time / this step time, same model, batch and micro-batch
+(and both steady-state steps, or both single warm-up steps).
+Rows are keyed by (model, format, batch, micro-batch) and carry the command and date of their call.
 Both files are rewritten after every configuration, so a call cut short keeps what it measured.
 """
 
@@ -164,14 +167,17 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
                              step + 1, timer)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            step_s = time.perf_counter() - t_step
             train_peak = mem.peak()
+            if settings.release_rollout_memory and device.type == "cuda":
+                torch.cuda.empty_cache()  # as train() does: the next rollout starts from a clean pool
+            step_s = time.perf_counter() - t_step
             tokens = int(rollout.completion_mask.sum())
             row.update(
                 step_s=round(step_s, 3), **{p: round(timer.seconds.get(p, 0.0), 3) for p in PHASES},
                 peak_gib=round(max(rollout_peak[1], train_peak[1]), 3),
                 peak_allocated_gib=round(max(rollout_peak[0], train_peak[0]), 3),
                 rollout_peak_gib=round(rollout_peak[1], 3), train_peak_gib=round(train_peak[1], 3),
+                rollout_peak_allocated_gib=round(rollout_peak[0], 3), train_peak_allocated_gib=round(train_peak[0], 3),
                 rollout_tokens=tokens, rollout_tokens_per_s=round(tokens / max(timer.seconds["rollout_s"], 1e-9), 1),
                 loss=stats["loss"], grad_norm=stats["grad_norm"],
             )
@@ -191,20 +197,24 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
 
 
 def _key(row: dict) -> tuple:
-    return row["model"], row["format"], row["batch"]
+    return row["model"], row["format"], row["batch"], row["micro_batch"]
 
 
 def step_rows(memory_rows: list[dict]) -> list[dict]:
     """grpo_step.json rows: every measured (ok) configuration, with the bf16 LoRA step of the same
     model and batch as its baseline (None where that one did not run or did not fit)."""
-    bf16 = {(r["model"], r["batch"]): r["step_s"] for r in memory_rows if r["format"] == "bf16" and r["status"] == "ok"}
+    def pair(r):  # a one-step row includes the warm-up (compiles, captures): compared only with its like
+        return r["model"], r["batch"], r["micro_batch"], r.get("steps", 1) > 1
+
+    bf16 = {pair(r): r["step_s"] for r in memory_rows if r["format"] == "bf16" and r["status"] == "ok"}
     out = []
     for r in memory_rows:
         if r["status"] != "ok":
             continue
-        base = bf16.get((r["model"], r["batch"]))
+        base = bf16.get(pair(r))
         out.append({"model": r["model"], "format": r["format"], "batch": r["batch"], "step_s": r["step_s"],
-                    "bf16_step_s": base, "speedup": round(base / r["step_s"], 3) if base else None})
+                    "bf16_step_s": base, "speedup": round(base / r["step_s"], 3) if base else None,
+                    "micro_batch": r["micro_batch"], "generations": r["generations"], "completion_len": r["completion_len"]})
     return out
 
 
@@ -232,7 +242,8 @@ def sweep(args) -> dict:
     rows: list[dict] = []
     if args.append and os.path.exists(mem_path):
         with open(mem_path) as f:
-            rows = json.load(f)["rows"]
+            old = json.load(f)
+        rows = [dict({"command": old.get("command"), "date": old.get("date")}, **r) for r in old["rows"]]
     meta = {
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -260,6 +271,8 @@ def sweep(args) -> dict:
                     continue
                 log(f"{preset} {fmt} batch {batch} ({left:.0f} s of the budget left)")
                 row, why = _child(args, preset, fmt, batch, left)
+                if row is not None:
+                    row.update(command=meta["command"], date=meta["date"])
                 if row is None:
                     not_run.append({"model": preset, "format": fmt, "batch": batch, "why": why})
                 else:
@@ -271,14 +284,35 @@ def sweep(args) -> dict:
     return result
 
 
+def combine(paths: list[str], out_dir: str) -> dict:
+    """Merge the memory.json files of several calls (a later file's row of the same model, format,
+    batch and micro-batch replaces an earlier one; rows keep the command and date of their call)
+    into out_dir's memory.json and grpo_step.json."""
+    parts = [json.load(open(p)) for p in paths]
+    rows: dict[tuple, dict] = {}
+    for part in parts:
+        for r in part["rows"]:
+            rows[_key(r)] = dict({"command": part.get("command"), "date": part.get("date")}, **r)
+    meta = {k: v for k, v in parts[-1].items() if k not in ("rows", "not_run", "command", "date")}
+    meta.update(command=[p.get("command") for p in parts], date=[p.get("date") for p in parts])
+    result = dict(meta, rows=list(rows.values()))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "memory.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(out_dir, "grpo_step.json"), "w") as f:
+        json.dump(dict(meta, rows=step_rows(result["rows"])), f, indent=1)
+    print(table(result))
+    return result
+
+
 def table(result: dict) -> str:
-    steps = {(r["model"], r["format"], r["batch"]): r for r in step_rows(result["rows"])}
-    lines = ["| model | format | batch | status | step s | rollout | logprob | backward | optimizer | peak GiB | x bf16 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    steps = {_key(r): r for r in step_rows(result["rows"])}
+    lines = ["| model | format | batch | micro | status | step s | rollout | logprob | backward | optimizer | peak GiB | x bf16 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         s = steps.get(_key(r), {})
-        cells = [r["model"], r["format"], r["batch"], r["status"], r["step_s"], *[r[p] for p in PHASES], r["peak_gib"],
-                 s.get("speedup")]
+        cells = [r["model"], r["format"], r["batch"], r["micro_batch"], r["status"], r["step_s"], *[r[p] for p in PHASES],
+                 r["peak_gib"], s.get("speedup")]
         lines.append("| " + " | ".join("" if c is None else (f"{c:.2f}" if isinstance(c, float) else str(c)) for c in cells) + " |")
     for n in result.get("not_run", []):
         lines.append(f"not run: {n['model']} {n['format']} batch {n['batch']}: {n['why']}")
@@ -307,9 +341,14 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--time-budget-s", type=float, default=540)
     ap.add_argument("--min-config-s", type=float, default=20, help="start no configuration with less of the budget left")
+    ap.add_argument("--combine", nargs="+", default=None, metavar="MEMORY_JSON",
+                    help="merge the memory.json files of several calls into --out-dir (later rows replace earlier ones)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # MODEL:FORMAT:BATCH, in a child process
     args = ap.parse_args(argv)
     args.argv = list(argv)
+    if args.combine:
+        combine(args.combine, args.out_dir)
+        return
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_grpo_step.py needs a CUDA GPU (or --device cpu for a tiny trial)")
     if args.one:

@@ -166,7 +166,41 @@ def test_bench_grpo_step_runs_on_a_tiny_model(tmp_path):
         assert 0 < r["rollout_s"] + r["logprob_s"] + r["backward_s"] + r["optimizer_s"] <= r["step_s"]
         assert r["aqn"] == (r["format"] == "nvfp4") and "warmup_step_s" in r
     rows = {r["format"]: r for r in steps["rows"]}
-    assert set(rows["nvfp4"]) == {"model", "format", "batch", "step_s", "bf16_step_s", "speedup"}
+    assert set(rows["nvfp4"]) >= {"model", "format", "batch", "step_s", "bf16_step_s", "speedup"}
     assert rows["nvfp4"]["bf16_step_s"] == rows["bf16"]["step_s"]
     assert rows["nvfp4"]["speedup"] == pytest.approx(rows["bf16"]["step_s"] / rows["nvfp4"]["step_s"], rel=1e-2)
-    assert "| tiny-llama | nvfp4 | 1 | ok |" in proc.stdout
+    assert "| tiny-llama | nvfp4 | 1 | 1 | ok |" in proc.stdout
+    assert all(r["command"].startswith("python benchmarks/bench_grpo_step.py") for r in memory["rows"])
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_grpo_step", os.path.join(ROOT, "benchmarks", "bench_grpo_step.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_pairs_baselines_and_combines_calls(tmp_path):
+    bench = _bench_module()
+
+    def row(fmt, step_s, micro=8, steps=2, batch=2, model="m"):
+        return {"model": model, "format": fmt, "batch": batch, "micro_batch": micro, "steps": steps, "status": "ok",
+                "step_s": step_s, "generations": 8, "completion_len": 2048, "peak_gib": 1.0,
+                **{k: step_s / 4 for k in ("rollout_s", "logprob_s", "backward_s", "optimizer_s")}}
+
+    rows = [row("bf16", 20.0), row("nvfp4", 16.0), row("nvfp4", 10.0, micro=2), row("bf16", 30.0, steps=1),
+            row("nvfp4", 12.0, steps=1, micro=4), dict(row("nf4", 0.0), status="oom")]
+    got = {(r["format"], r["micro_batch"]): r for r in bench.step_rows(rows)}
+    assert got["nvfp4", 8]["speedup"] == 1.25 and got["nvfp4", 8]["bf16_step_s"] == 20.0
+    assert got["nvfp4", 2]["speedup"] is None  # no bf16 row at that micro-batch
+    assert got["nvfp4", 4]["speedup"] is None  # a warm-up step is not compared with a steady one
+    assert ("nf4", 8) not in got  # out-of-memory rows have no step time
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"gpu": "g", "command": "first", "date": "d1", "rows": [row("bf16", 20.0), row("nvfp4", 16.0)]}))
+    b.write_text(json.dumps({"gpu": "g", "command": "second", "date": "d2", "rows": [row("nvfp4", 15.0)]}))
+    out = bench.combine([str(a), str(b)], str(tmp_path / "out"))
+    assert [(r["format"], r["step_s"], r["command"]) for r in out["rows"]] == [("bf16", 20.0, "first"), ("nvfp4", 15.0, "second")]
+    steps = json.loads((tmp_path / "out" / "grpo_step.json").read_text())
+    assert steps["command"] == ["first", "second"] and steps["rows"][1]["speedup"] == round(20.0 / 15.0, 3)

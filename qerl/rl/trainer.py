@@ -582,6 +582,8 @@ def train(
             stats = optimise(
                 model, parts, settings, optimizer, scheduler, aqn, noise_in_training, share_train, step + 1, timer
             )
+            if settings.release_rollout_memory and device.type == "cuda":
+                torch.cuda.empty_cache()  # the next rollout (its KV cache, graph captures) starts from a clean pool
 
             # ---- metrics ----------------------------------------------------------------
             r_all = torch.cat(all_rewards)
