@@ -120,7 +120,9 @@ def test_engine_releases_and_remakes_its_cache(tiny_model, tiny_tokenizer):
     torch.testing.assert_close(first.logprobs, again.logprobs, rtol=0, atol=0)
     model.__dict__["_qerl_rollout_engine"] = engine
     assert release_rollout_memory(model) == want and release_rollout_memory(model) == 0
-    assert release_rollout_memory(copy.deepcopy(tiny_model)) == 0  # no engine: nothing to free
+    bare = copy.deepcopy(tiny_model)
+    bare.__dict__.pop("_qerl_rollout_engine", None)  # an earlier test may have run the shared fixture's engine
+    assert release_rollout_memory(bare) == 0  # no engine: nothing to free
 
 
 @pytest.mark.parametrize("release", [True, False])
@@ -204,3 +206,11 @@ def test_bench_pairs_baselines_and_combines_calls(tmp_path):
     assert [(r["format"], r["step_s"], r["command"]) for r in out["rows"]] == [("bf16", 20.0, "first"), ("nvfp4", 15.0, "second")]
     steps = json.loads((tmp_path / "out" / "grpo_step.json").read_text())
     assert steps["command"] == ["first", "second"] and steps["rows"][1]["speedup"] == round(20.0 / 15.0, 3)
+
+
+def test_demo_without_held_out_problems_reports_nan():
+    import math
+
+    from qerl.rl.demo import held_out_accuracy
+
+    assert math.isnan(held_out_accuracy(None, None, [], 8))  # `--num-eval 0` crashed in the tokenizer before

@@ -68,7 +68,10 @@ def _load(fmt: str, device: str):
 
 
 def held_out_accuracy(model, tokenizer, problems, max_new_tokens: int) -> float:
-    """Greedy accuracy on `problems` (gsm8k grading), with the training prompt format."""
+    """Greedy accuracy on `problems` (gsm8k grading), with the training prompt format; NaN for
+    no problems (`--num-eval 0` skips the held-out evaluation)."""
+    if not problems:
+        return float("nan")
     from qerl.eval.generate import stop_token_ids
     from qerl.rl.rewards import gsm8k_accuracy
     from qerl.rl.rollout import RolloutSettings, sample_rollouts
@@ -166,7 +169,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dynamic-sampling", action="store_true")
     ap.add_argument("--no-mask-truncated", action="store_true", help="keep truncated completions in the loss")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--num-eval", type=int, default=64)
+    ap.add_argument("--num-eval", type=int, default=64, help="held-out problems (0: no held-out evaluation)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--out", default="runs/rl-demo")
     ap.add_argument("--resume", action="store_true")
