@@ -224,24 +224,30 @@ def sample_rollouts(
 LOGPROB_CHUNK_TOKENS = 1024
 
 
-def _head_chunk(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float):
-    """(logprob of each token, entropy of its distribution) for one chunk of hidden states."""
+def _head_chunk(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool):
+    """(logprob of each token, entropy of its distribution or None) for one chunk of hidden states.
+    The entropy is one more pass over [chunk x vocab] (and again in a checkpointed backward), so
+    it is computed only when asked for."""
     scaled = head(hidden).float()
     if temperature not in (0.0, 1.0):
         scaled = scaled / temperature
     lse = torch.logsumexp(scaled, dim=-1)
     logp = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return logp, None
     with torch.no_grad():  # entropy is a metric: no gradient, so nothing of it is kept for backward
         entropy = lse - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
     return logp, entropy
 
 
 def chunked_logprobs(
-    head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, chunk_tokens: int = LOGPROB_CHUNK_TOKENS
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log softmax(head(hidden) / T)[tokens] and the entropies, [*tokens.shape] float32 each,
-    `chunk_tokens` positions at a time (<= 0: all at once). Under autograd each chunk is
-    checkpointed: only its hidden states are kept, its logits are rebuilt in the backward pass."""
+    head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+    entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(head(hidden) / T)[tokens] and the entropies (None unless `entropy`),
+    [*tokens.shape] float32 each, `chunk_tokens` positions at a time (<= 0: all at once). Under
+    autograd each chunk is checkpointed: only its hidden states are kept, its logits are rebuilt
+    in the backward pass."""
     from torch.utils.checkpoint import checkpoint
 
     shape = tokens.shape
@@ -254,12 +260,12 @@ def chunked_logprobs(
     for s in range(0, max(n, 1), max(step, 1)):
         hs, ts = h[s:s + step], t[s:s + step]
         if grad and step < n:
-            lp, ent = checkpoint(_head_chunk, head, hs, ts, temperature, use_reentrant=False)
+            lp, ent = checkpoint(_head_chunk, head, hs, ts, temperature, entropy, use_reentrant=False)
         else:
-            lp, ent = _head_chunk(head, hs, ts, temperature)
+            lp, ent = _head_chunk(head, hs, ts, temperature, entropy)
         lps.append(lp)
         ents.append(ent)
-    return torch.cat(lps).reshape(shape), torch.cat(ents).reshape(shape)
+    return torch.cat(lps).reshape(shape), (torch.cat(ents).reshape(shape) if entropy else None)
 
 
 def _decoder_and_head(model):
@@ -306,7 +312,7 @@ def policy_logprobs(
     decoder, head = split
 
     def heads(hidden, tokens):
-        return chunked_logprobs(head, hidden, tokens, temp, chunk_tokens)
+        return chunked_logprobs(head, hidden, tokens, temp, chunk_tokens, entropy=return_entropy)
 
     if share_prompt:
         uniq, inv = torch.unique(pidx, return_inverse=True)
@@ -325,25 +331,25 @@ def policy_logprobs(
                 past_key_values=cache, use_cache=True,
             )
             lp2, ent2 = heads(rest.last_hidden_state, comp[:, 1:])
-            lp, ent = torch.cat([lp, lp2], dim=1), torch.cat([ent, ent2], dim=1)
+            lp = torch.cat([lp, lp2], dim=1)
+            ent = torch.cat([ent, ent2], dim=1) if return_entropy else None
     else:
-        p_ids = batch.prompt_ids[pidx].to(device)
-        p_mask = batch.prompt_mask[pidx].to(device)
-        ids = torch.cat([p_ids, comp], dim=1)
-        attention = torch.cat([p_mask, cmask], dim=1)
-        out = decoder(input_ids=ids, attention_mask=attention, position_ids=_positions(attention), use_cache=False)
+        out = decoder(**_whole_sequences(batch, pidx, comp, cmask, device))
         lp, ent = heads(out.last_hidden_state[:, -(t + 1):-1, :], comp)
     return (lp, ent) if return_entropy else lp
 
 
+def _whole_sequences(batch, pidx, comp, cmask, device) -> dict:
+    """Forward kwargs for each row's prompt + completion as one left-padded sequence."""
+    ids = torch.cat([batch.prompt_ids[pidx].to(device), comp], dim=1)
+    attention = torch.cat([batch.prompt_mask[pidx].to(device), cmask], dim=1)
+    return dict(input_ids=ids, attention_mask=attention, position_ids=_positions(attention), use_cache=False)
+
+
 def _full_logprobs(model, batch, pidx, comp, cmask, temp, device) -> torch.Tensor:
     t = comp.shape[1]
-    p_ids = batch.prompt_ids[pidx].to(device)
-    p_mask = batch.prompt_mask[pidx].to(device)
-    ids = torch.cat([p_ids, comp], dim=1)
-    attention = torch.cat([p_mask, cmask], dim=1)
-    kwargs = dict(input_ids=ids, attention_mask=attention, position_ids=_positions(attention), use_cache=False)
+    kwargs = _whole_sequences(batch, pidx, comp, cmask, device)
     if "logits_to_keep" in _base_forward_params(model):
         kwargs["logits_to_keep"] = t + 1
     logits = model(**kwargs).logits[:, -(t + 1):-1, :]
-    return _head_chunk(torch.nn.Identity(), logits, comp, temp)[0]
+    return _head_chunk(torch.nn.Identity(), logits, comp, temp, False)[0]

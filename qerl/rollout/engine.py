@@ -608,6 +608,6 @@ def release_rollout_memory(model) -> int:
     stays, and re-allocates them at its next rollout). Returns the bytes of KV cache freed."""
     engine = model.__dict__.get("_qerl_rollout_engine")
     freed = engine.release_memory() if engine is not None else 0
-    if freed and torch.cuda.is_available() and engine.device.type == "cuda":
+    if freed and engine.device.type == "cuda":
         torch.cuda.empty_cache()
     return freed
