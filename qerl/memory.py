@@ -16,8 +16,7 @@ from qerl.nn.quant_linear import QuantLinear
 
 def _linear_bytes_and_weights(mod: nn.Module) -> tuple[int, int]:
     if isinstance(mod, QuantLinear):
-        nbytes = sum(b.numel() * b.element_size() for b in mod.quant_tensors().values())
-        return nbytes, mod.in_features * mod.out_features
+        return mod.storage_bytes(), mod.in_features * mod.out_features
     w = mod.weight
     return w.numel() * w.element_size(), w.numel()
 
@@ -48,6 +47,9 @@ def memory_report(model: nn.Module) -> dict:
             continue
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
+    # a weight held only in the kernels' layout (QuantLinear.compacted) counts at its format's size
+    total += sum(m.storage_bytes() - sum(b.numel() * b.element_size() for b in m.buffers(recurse=False))
+                 for m in model.modules() if isinstance(m, QuantLinear) and m.compacted)
     return {
         "per_layer": per_layer,
         "linear_bytes": linear_bytes,

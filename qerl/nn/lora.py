@@ -80,7 +80,7 @@ class QuantLoraLinear(nn.Module, LoraLayer):
         return base.in_features, base.out_features
 
     def _get_base_layer_device_and_dtype(self, base_layer: nn.Module):
-        return base_layer.weight_packed.device, getattr(base_layer, "compute_dtype", None)
+        return base_layer.storage_device, getattr(base_layer, "compute_dtype", None)
 
     @property
     def weight(self) -> torch.Tensor:  # some HF code reads `.weight.dtype/.device` of a linear
@@ -143,7 +143,7 @@ def lora_config(settings: LoraSettings, inference_mode: bool = False) -> LoraCon
 
 @contextlib.contextmanager
 def _peft_injection(model: nn.Module):
-    """Give each QuantLinear a `qweight` (its packed tensor) while PEFT injects adapters.
+    """Give each QuantLinear a `qweight` (an empty uint8 tensor where its weight lives) while PEFT injects adapters.
 
     PEFT reads the device of a target layer from `.weight`/`.qweight`, else from its first
     parameter; bias-free QuantLinears have none. The attribute is removed afterwards so no
@@ -151,7 +151,7 @@ def _peft_injection(model: nn.Module):
     tagged = []
     for mod in model.modules():
         if isinstance(mod, QuantLinear) and "qweight" not in mod.__dict__ and not hasattr(type(mod), "qweight"):
-            mod.__dict__["qweight"] = mod.weight_packed
+            mod.__dict__["qweight"] = torch.empty(0, dtype=torch.uint8, device=mod.storage_device)
             tagged.append(mod)
     try:
         yield

@@ -78,36 +78,39 @@ def _fuse_quant(bases: list[QuantLinear]) -> nn.Module | None:
     fmt = first.fmt
     names = _ROW_TENSORS.get(fmt)
     if names is None or any(b.fmt != fmt or b.in_features != first.in_features or b.backend != first.backend
-                            or set(b.quant_tensors()) != set(first.quant_tensors()) for b in bases):
+                            or set(b._spec) != set(first._spec) for b in bases):
         return None  # e.g. nf4 with double quantisation: its absmax blocks run across rows
     if fmt == "nvfp4" and not _same([b.weight_global_scale for b in bases]):
         return None
     n_total = sum(b.out_features for b in bases)
+    device = first.storage_device
     with torch.no_grad():
-        tensors = {name: torch.cat([getattr(b, name) for b in bases], 0) for name in names}
+        parts = [b.quant_tensors() for b in bases]  # rebuilt from a kernel layout where that is the only copy
+        tensors = {name: torch.cat([p[name] for p in parts], 0) for name in names}
+        del parts
         if fmt == "nvfp4":
             tensors["weight_global_scale"] = first.weight_global_scale.clone()
         fused = QuantLinear(first.in_features, n_total, fmt, bias=any(b.bias is not None for b in bases),
-                            backend=first.backend, device=first.weight_packed.device, compute_dtype=first.compute_dtype)
-        for name, t in tensors.items():  # adopt, not copy: the modules will point into these
-            fused._buffers[name] = t
+                            backend=first.backend, device="meta", compute_dtype=first.compute_dtype)
+        fused.share_tensors(tensors)  # adopt, not copy: the modules will point into these
         if fused.bias is not None:
-            fused.bias.data.copy_(torch.cat([b.bias if b.bias is not None else torch.zeros(b.out_features, dtype=fused.bias.dtype, device=fused.bias.device)
-                                             for b in bases]))
+            fused.bias = nn.Parameter(torch.cat([b.bias if b.bias is not None else torch.zeros(b.out_features, dtype=first.compute_dtype, device=device)
+                                                 for b in bases]), requires_grad=False)
     row = 0
     for b in bases:
         n = b.out_features
-        for name in names:
-            b._buffers[name] = tensors[name][row:row + n]
-        b._cache.clear()
+        b.share_tensors({name: tensors[name][row:row + n] for name in names})
         row += n
     return fused
 
 
 def _share_kernel_state(fused: QuantLinear, bases: list[QuantLinear]) -> None:
     """On the GPU: prepare the fused kernel layout once; modules whose rows fill whole 64-row
-    tiles get a slice of it as their own kernel state (the trainer's forward reads it)."""
-    if fused.weight_packed.device.type != "cuda" or fused.fmt not in ("nvfp4", "mxfp4"):
+    tiles get a slice of it as their own kernel state (the trainer's forward reads it). With
+    QuantLinear.SINGLE_COPY that layout is then the group's only copy of the weights (a module
+    whose rows do not fill whole tiles keeps its view of the fused checkpoint tensors, and with
+    it their storage)."""
+    if fused.storage_device.type != "cuda" or fused.fmt not in ("nvfp4", "mxfp4"):
         return
     from qerl import kernels
 
@@ -125,7 +128,7 @@ def _share_kernel_state(fused: QuantLinear, bases: list[QuantLinear]) -> None:
             sub["scale"] = state["scale"][row // tile:(row + n) // tile]
             sub["locks"] = torch.zeros_like(state["locks"])
             sub["locks_bwd"] = torch.zeros_like(state["locks_bwd"])
-            b._cache[("kernel", b.weight_packed.device)] = sub
+            b.adopt_kernel_state(sub)
         row += n
 
 
