@@ -109,13 +109,16 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
     if completions % micro:
         raise SystemExit(f"{completions} completions do not split into micro-batches of {micro}")
     aqn_on = fmt == "nvfp4" and not args.no_aqn
+    from qerl.nn import quant_linear
+
+    quant_linear.SINGLE_COPY = not args.keep_checkpoint_layout
     row = {
         "model": preset, "format": fmt, "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "generations": gens, "completion_len": args.completion, "lora_rank": args.rank, "status": "ok",
         "peak_gib": None, **{p: None for p in PHASES}, "step_s": None,
         "batch": batch, "completions": completions, "prompt_len": args.prompt_len, "micro_batch": micro,
         "aqn": aqn_on, "gradient_checkpointing": True, "logprob_chunk_tokens": args.chunk_tokens,
-        "steps": args.steps,
+        "steps": args.steps, "weight_copies": _copies(fmt, args.keep_checkpoint_layout),
     }
     mem = _Memory(device)
     phase = "build"
@@ -196,25 +199,40 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
 # ----------------------------------------------------------------------------- the sweep
 
 
+def _copies(fmt: str, keep_checkpoint_layout: bool) -> int:
+    """Copies of the 4-bit weights in memory: the fused kernels' layout and, kept or not, the
+    checkpoint tensors it was built from (QuantLinear.SINGLE_COPY)."""
+    return 2 if fmt in ("nvfp4", "mxfp4") and keep_checkpoint_layout else 1
+
+
+def _row_copies(row: dict) -> int:
+    # rows measured before the kernel layout became the only copy (session 13) held two
+    return row.get("weight_copies", _copies(row["format"], True))
+
+
 def _key(row: dict) -> tuple:
-    return row["model"], row["format"], row["batch"], row["micro_batch"]
+    return row["model"], row["format"], row["batch"], row["micro_batch"], _row_copies(row), row.get("gpu")
 
 
 def step_rows(memory_rows: list[dict]) -> list[dict]:
     """grpo_step.json rows: every measured (ok) configuration, with the bf16 LoRA step of the same
     model and batch as its baseline (None where that one did not run or did not fit)."""
     def pair(r):  # a one-step row includes the warm-up (compiles, captures): compared only with its like
-        return r["model"], r["batch"], r["micro_batch"], r.get("steps", 1) > 1
+        return r["model"], r["batch"], r["micro_batch"], r.get("steps", 1) > 1, r.get("gpu")
 
-    bf16 = {pair(r): r["step_s"] for r in memory_rows if r["format"] == "bf16" and r["status"] == "ok"}
+    bf16 = {pair(r): r for r in memory_rows if r["format"] == "bf16" and r["status"] == "ok"}
     out = []
     for r in memory_rows:
         if r["status"] != "ok":
             continue
-        base = bf16.get(pair(r))
+        base_row = bf16.get(pair(r))
+        base = base_row["step_s"] if base_row else None
         out.append({"model": r["model"], "format": r["format"], "batch": r["batch"], "step_s": r["step_s"],
                     "bf16_step_s": base, "speedup": round(base / r["step_s"], 3) if base else None,
-                    "micro_batch": r["micro_batch"], "generations": r["generations"], "completion_len": r["completion_len"]})
+                    "micro_batch": r["micro_batch"], "generations": r["generations"], "completion_len": r["completion_len"],
+                    "weight_copies": _row_copies(r), "gpu": r.get("gpu"),
+                    # when the baseline ran: the same call as this row, or another call on the same GPU model
+                    "date": r.get("date"), "bf16_date": base_row.get("date") if base_row else None})
     return out
 
 
@@ -307,11 +325,11 @@ def combine(paths: list[str], out_dir: str) -> dict:
 
 def table(result: dict) -> str:
     steps = {_key(r): r for r in step_rows(result["rows"])}
-    lines = ["| model | format | batch | micro | status | step s | rollout | logprob | backward | optimizer | peak GiB | x bf16 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | format | batch | micro | weight copies | status | step s | rollout | logprob | backward | optimizer | peak GiB | x bf16 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         s = steps.get(_key(r), {})
-        cells = [r["model"], r["format"], r["batch"], r["micro_batch"], r["status"], r["step_s"], *[r[p] for p in PHASES],
+        cells = [r["model"], r["format"], r["batch"], r["micro_batch"], _row_copies(r), r["status"], r["step_s"], *[r[p] for p in PHASES],
                  r["peak_gib"], s.get("speedup")]
         lines.append("| " + " | ".join("" if c is None else (f"{c:.2f}" if isinstance(c, float) else str(c)) for c in cells) + " |")
     for n in result.get("not_run", []):
@@ -337,6 +355,8 @@ def main(argv=None) -> None:
     ap.add_argument("--chunk-tokens", type=int, default=1024, help="tokens per lm_head + log-softmax chunk")
     ap.add_argument("--steps", type=int, default=2, help="GRPO steps per configuration; the last is reported")
     ap.add_argument("--no-aqn", action="store_true", help="AQN off for nvfp4 too")
+    ap.add_argument("--keep-checkpoint-layout", action="store_true",
+                    help="keep the 4-bit checkpoint tensors beside the kernels' layout (two copies; the old default)")
     ap.add_argument("--keep-rollout-memory", action="store_true", help="keep the KV cache and graphs through training")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--time-budget-s", type=float, default=540)
@@ -365,6 +385,7 @@ def main(argv=None) -> None:
              "--completion", str(args.completion), "--rank", str(args.rank), "--micro-batch", str(args.micro_batch),
              "--chunk-tokens", str(args.chunk_tokens), "--steps", str(args.steps)]
     child += ["--no-aqn"] * args.no_aqn + ["--keep-rollout-memory"] * args.keep_rollout_memory
+    child += ["--keep-checkpoint-layout"] * args.keep_checkpoint_layout
     args.child_args = child
     sweep(args)
 

@@ -171,7 +171,8 @@ def test_bench_grpo_step_runs_on_a_tiny_model(tmp_path):
     assert set(rows["nvfp4"]) >= {"model", "format", "batch", "step_s", "bf16_step_s", "speedup"}
     assert rows["nvfp4"]["bf16_step_s"] == rows["bf16"]["step_s"]
     assert rows["nvfp4"]["speedup"] == pytest.approx(rows["bf16"]["step_s"] / rows["nvfp4"]["step_s"], rel=1e-2)
-    assert "| tiny-llama | nvfp4 | 1 | 1 | ok |" in proc.stdout
+    assert "| tiny-llama | nvfp4 | 1 | 1 | 1 | ok |" in proc.stdout  # one weight copy: the kernel layout's
+    assert [r["weight_copies"] for r in memory["rows"]] == [1, 1]
     assert all(r["command"].startswith("python benchmarks/bench_grpo_step.py") for r in memory["rows"])
 
 
@@ -206,6 +207,13 @@ def test_bench_pairs_baselines_and_combines_calls(tmp_path):
     assert [(r["format"], r["step_s"], r["command"]) for r in out["rows"]] == [("bf16", 20.0, "first"), ("nvfp4", 15.0, "second")]
     steps = json.loads((tmp_path / "out" / "grpo_step.json").read_text())
     assert steps["command"] == ["first", "second"] and steps["rows"][1]["speedup"] == round(20.0 / 15.0, 3)
+    # rows from before the single-copy change (no field: two copies of the 4-bit weights) are kept
+    # beside a single-copy row of the same configuration, not replaced by it
+    c = tmp_path / "c.json"
+    c.write_text(json.dumps({"gpu": "g", "command": "third", "date": "d3", "rows": [dict(row("nvfp4", 14.0), weight_copies=1)]}))
+    out = bench.combine([str(a), str(b), str(c)], str(tmp_path / "out"))
+    assert [(r["format"], r["step_s"], bench._row_copies(r)) for r in out["rows"]] == [
+        ("bf16", 20.0, 1), ("nvfp4", 15.0, 2), ("nvfp4", 14.0, 1)]
 
 
 def test_demo_without_held_out_problems_reports_nan():
