@@ -35,13 +35,17 @@ hold, fragmentation included; the CUDA context, ~0.5 GiB, comes on top); peak_al
 peak of live tensors. grpo_step.json: {"model", "format", "batch", "step_s", "bf16_step_s",
 "speedup"} with speedup = bf16 LoRA step time / this step time, same model, batch and micro-batch
 (and both steady-state steps, or both single warm-up steps).
-Rows are keyed by (model, format, batch, micro-batch) and carry the command and date of their call.
+Rows are keyed by (model, format, batch, micro-batch, weight copies, GPU, bf16 autocast) and carry the command and
+date of their call. --profile-dir puts the last step's training phase under torch.profiler and
+writes its kernel table there (those rows are marked "profiled": their times carry the profiler's
+overhead, keep them out of the evidence).
 Both files are rewritten after every configuration, so a call cut short keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -119,6 +123,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
         "batch": batch, "completions": completions, "prompt_len": args.prompt_len, "micro_batch": micro,
         "aqn": aqn_on, "gradient_checkpointing": True, "logprob_chunk_tokens": args.chunk_tokens,
         "steps": args.steps, "weight_copies": _copies(fmt, args.keep_checkpoint_layout),
+        "bf16_autocast": args.bf16_autocast,
     }
     mem = _Memory(device)
     phase = "build"
@@ -135,7 +140,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
             num_generations=gens, per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
             max_completion_length=args.completion, max_steps=args.steps, learning_rate=1e-5, loss_type="dapo",
             epsilon_high=0.28, temperature=1.0, gradient_checkpointing=True, logprob_chunk_tokens=args.chunk_tokens,
-            release_rollout_memory=not args.keep_rollout_memory,
+            release_rollout_memory=not args.keep_rollout_memory, bf16_autocast=args.bf16_autocast,
         )
         phase = "lora"
         policy = prepare_policy(model, settings, LoraSettings(r=args.rank, lora_alpha=args.rank))
@@ -166,8 +171,10 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
             rewards = (rollout.completion_ids % 2 == 0).double().mul(rollout.completion_mask).sum(-1)
             rewards = rewards / rollout.completion_mask.sum(-1).clamp(min=1)
             adv = group_advantages(rewards, gens, settings.reward_scaling)
-            stats = optimise(policy, [(rollout, rewards, adv)], settings, optimizer, scheduler, aqn, False, False,
-                             step + 1, timer)
+            with _maybe_profile(args, step, f"{preset}_{fmt}_b{batch}"):
+                stats = optimise(policy, [(rollout, rewards, adv)], settings, optimizer, scheduler, aqn, False, False,
+                                 step + 1, timer)
+            row["profiled"] = bool(args.profile_dir)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             train_peak = mem.peak()
@@ -196,6 +203,24 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
     return row
 
 
+@contextlib.contextmanager
+def _maybe_profile(args, step: int, name: str):
+    """The last step's training phase under torch.profiler (CUDA kernels): its kernel table to
+    --profile-dir/profile_<name>.txt, sorted by GPU time."""
+    if not args.profile_dir or step != args.steps - 1:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if torch.device(args.device).type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        yield
+    sort = "cuda_time_total" if ProfilerActivity.CUDA in activities else "cpu_time_total"
+    os.makedirs(args.profile_dir, exist_ok=True)
+    with open(os.path.join(args.profile_dir, f"profile_{name}.txt"), "w") as f:
+        f.write(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=90))
+
+
 # ----------------------------------------------------------------------------- the sweep
 
 
@@ -211,14 +236,15 @@ def _row_copies(row: dict) -> int:
 
 
 def _key(row: dict) -> tuple:
-    return row["model"], row["format"], row["batch"], row["micro_batch"], _row_copies(row), row.get("gpu")
+    return (row["model"], row["format"], row["batch"], row["micro_batch"], _row_copies(row), row.get("gpu"),
+            row.get("bf16_autocast", False))
 
 
 def step_rows(memory_rows: list[dict]) -> list[dict]:
     """grpo_step.json rows: every measured (ok) configuration, with the bf16 LoRA step of the same
     model and batch as its baseline (None where that one did not run or did not fit)."""
     def pair(r):  # a one-step row includes the warm-up (compiles, captures): compared only with its like
-        return r["model"], r["batch"], r["micro_batch"], r.get("steps", 1) > 1, r.get("gpu")
+        return r["model"], r["batch"], r["micro_batch"], r.get("steps", 1) > 1, r.get("gpu"), r.get("bf16_autocast", False)
 
     bf16 = {pair(r): r for r in memory_rows if r["format"] == "bf16" and r["status"] == "ok"}
     out = []
@@ -230,7 +256,7 @@ def step_rows(memory_rows: list[dict]) -> list[dict]:
         out.append({"model": r["model"], "format": r["format"], "batch": r["batch"], "step_s": r["step_s"],
                     "bf16_step_s": base, "speedup": round(base / r["step_s"], 3) if base else None,
                     "micro_batch": r["micro_batch"], "generations": r["generations"], "completion_len": r["completion_len"],
-                    "weight_copies": _row_copies(r), "gpu": r.get("gpu"),
+                    "weight_copies": _row_copies(r), "gpu": r.get("gpu"), "bf16_autocast": r.get("bf16_autocast", False),
                     # when the baseline ran: the same call as this row, or another call on the same GPU model
                     "date": r.get("date"), "bf16_date": base_row.get("date") if base_row else None})
     return out
@@ -355,6 +381,8 @@ def main(argv=None) -> None:
     ap.add_argument("--chunk-tokens", type=int, default=1024, help="tokens per lm_head + log-softmax chunk")
     ap.add_argument("--steps", type=int, default=2, help="GRPO steps per configuration; the last is reported")
     ap.add_argument("--no-aqn", action="store_true", help="AQN off for nvfp4 too")
+    ap.add_argument("--bf16-autocast", action="store_true", help="GRPOSettings.bf16_autocast: LoRA in bf16 in training")
+    ap.add_argument("--profile-dir", default=None, help="profile the last step's training phase, kernel tables here")
     ap.add_argument("--keep-checkpoint-layout", action="store_true",
                     help="keep the 4-bit checkpoint tensors beside the kernels' layout (two copies; the old default)")
     ap.add_argument("--keep-rollout-memory", action="store_true", help="keep the KV cache and graphs through training")
@@ -385,7 +413,8 @@ def main(argv=None) -> None:
              "--completion", str(args.completion), "--rank", str(args.rank), "--micro-batch", str(args.micro_batch),
              "--chunk-tokens", str(args.chunk_tokens), "--steps", str(args.steps)]
     child += ["--no-aqn"] * args.no_aqn + ["--keep-rollout-memory"] * args.keep_rollout_memory
-    child += ["--keep-checkpoint-layout"] * args.keep_checkpoint_layout
+    child += ["--keep-checkpoint-layout"] * args.keep_checkpoint_layout + ["--bf16-autocast"] * args.bf16_autocast
+    child += ["--profile-dir", os.path.abspath(args.profile_dir)] if args.profile_dir else []
     args.child_args = child
     sweep(args)
 

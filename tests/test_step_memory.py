@@ -222,3 +222,45 @@ def test_demo_without_held_out_problems_reports_nan():
     from qerl.rl.demo import held_out_accuracy
 
     assert math.isnan(held_out_accuracy(None, None, [], 8))  # `--num-eval 0` crashed in the tokenizer before
+
+
+@pytest.mark.parametrize("gc", [False, True])
+def test_bf16_autocast_runs_the_lora_path_in_bf16_over_fp32_masters(tiny_model, gc):
+    """GRPOSettings.bf16_autocast: the training forwards (and the checkpointed recomputations)
+    run the LoRA matmuls in bf16; the adapters stay fp32, get fp32 gradients, and one update lands
+    close to the fp32 path's update (not bit-equal: it is a different rounding)."""
+    from qerl.nn.aqn import AdaptiveQuantNoise, AQNSettings
+    from qerl.rl.grpo import GRPOSettings, group_advantages
+    from qerl.rl.rollout import sample_rollouts
+    from qerl.rl.trainer import make_optimizer, optimise, prepare_policy, run_rollout
+
+    results = {}
+    for on in (False, True):
+        settings = GRPOSettings(max_steps=1, num_generations=2, per_device_train_batch_size=2,
+                                gradient_accumulation_steps=2, max_completion_length=6, learning_rate=1e-2,
+                                gradient_checkpointing=gc, logprob_chunk_tokens=4, bf16_autocast=on)
+        torch.manual_seed(0)  # the same adapters in both runs
+        policy = prepare_policy(_lora(tiny_model), settings)
+        optimizer, scheduler = make_optimizer(policy, settings)
+        aqn = AdaptiveQuantNoise(policy, AQNSettings(enabled=False), total_steps=1)
+        seen = set()
+        hooks = [m.register_forward_hook(lambda mod, inp, out: seen.add(out.dtype))
+                 for n, m in policy.named_modules() if n.endswith("lora_A.default")]
+        rs = RolloutSettings(num_generations=2, max_new_tokens=6, temperature=1.0, stop_ids=[10**9], pad_id=0)
+        rollout = run_rollout(policy, sample_rollouts, [[5, 6, 7], [8, 9]], rs, torch.Generator().manual_seed(0), aqn, False)
+        seen.clear()  # the rollout is not part of the training forward
+        rewards = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
+        adv = group_advantages(rewards, 2, settings.reward_scaling)
+        before = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
+        optimise(policy, [(rollout, rewards, adv)], settings, optimizer, scheduler, aqn, False, False, 1)
+        for h in hooks:
+            h.remove()
+        assert seen == ({torch.bfloat16} if on else {torch.float32}), seen
+        params = {n: p.detach() for n, p in policy.named_parameters() if p.requires_grad}
+        assert all(p.dtype == torch.float32 for p in params.values())
+        results[on] = {n: params[n] - before[n] for n in params}
+    moved = [n for n, d in results[False].items() if d.abs().max() > 0]
+    assert moved
+    for n in moved:  # AdamW's first update is ~lr * sign(grad): the same direction in both precisions
+        agree = (torch.sign(results[True][n]) == torch.sign(results[False][n])).float().mean()
+        assert agree > 0.9, (n, float(agree))

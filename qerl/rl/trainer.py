@@ -34,6 +34,7 @@ Try it:  python -m qerl.rl.demo --help
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -683,15 +684,19 @@ def optimise(
     model.train()
     need_old = settings.num_iterations > 1
     chunk = settings.logprob_chunk_tokens
+    # policy_logprobs under bf16 autocast when asked (GRPOSettings.bf16_autocast); the backward
+    # follows the dtypes autocast recorded, and checkpointed layers recompute under the same state
+    autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16,
+                                 enabled=settings.bf16_autocast)
     old, ref = [], []
     if need_old or settings.beta > 0:
         with torch.no_grad(), timer("logprob_s"):
             for b, rows, _, _ in micro:
                 if need_old:
-                    with aqn.applied(noise_in_training):
+                    with aqn.applied(noise_in_training), autocast():
                         old.append(policy_logprobs(model, b, rows, temp, share_train, chunk).float())
                 if settings.beta > 0:
-                    with model.disable_adapter():
+                    with model.disable_adapter(), autocast():
                         ref.append(policy_logprobs(model, b, rows, temp, share_train, chunk).float())
 
     tot = {"tokens": 0.0, "clip_low_tokens": 0.0, "clip_high_tokens": 0.0, "kl_sum": 0.0, "is_weight_sum": 0.0}
@@ -700,8 +705,8 @@ def optimise(
         optimizer.zero_grad(set_to_none=True)
         for i, (b, rows, adv, mask) in enumerate(micro):
             mask = mask.to(device)
-            with aqn.applied(noise_in_training), timer("logprob_s"):
-                logp = policy_logprobs(model, b, rows, temp, share_train, chunk)
+            with aqn.applied(noise_in_training), timer("logprob_s"), autocast():
+                logp = policy_logprobs(model, b, rows, temp, share_train, chunk).float()
             logp_old = old[i].to(device) if need_old else logp.detach()
             isw = None
             if settings.vllm_importance_sampling_correction:
