@@ -235,16 +235,20 @@ def _row_copies(row: dict) -> int:
     return row.get("weight_copies", _copies(row["format"], True))
 
 
+def _setup(row: dict) -> tuple:
+    """What a row shares with its bf16 baseline: model, batch, micro-batch, GPU, autocast."""
+    return row["model"], row["batch"], row["micro_batch"], row.get("gpu"), row.get("bf16_autocast", False)
+
+
 def _key(row: dict) -> tuple:
-    return (row["model"], row["format"], row["batch"], row["micro_batch"], _row_copies(row), row.get("gpu"),
-            row.get("bf16_autocast", False))
+    return (*_setup(row), row["format"], _row_copies(row))
 
 
 def step_rows(memory_rows: list[dict]) -> list[dict]:
     """grpo_step.json rows: every measured (ok) configuration, with the bf16 LoRA step of the same
     model and batch as its baseline (None where that one did not run or did not fit)."""
     def pair(r):  # a one-step row includes the warm-up (compiles, captures): compared only with its like
-        return r["model"], r["batch"], r["micro_batch"], r.get("steps", 1) > 1, r.get("gpu"), r.get("bf16_autocast", False)
+        return (*_setup(r), r.get("steps", 1) > 1)
 
     bf16 = {pair(r): r for r in memory_rows if r["format"] == "bf16" and r["status"] == "ok"}
     out = []

@@ -137,8 +137,7 @@ class QuantLinear(nn.Module):
     def storage_bytes(self) -> int:
         """Bytes of the checkpoint tensors (the format's size; the kernel layout, when it is the
         only copy, holds the same plus padding to whole 64 x 256 tiles)."""
-        return sum(torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-                   for shape, dtype in self._spec.values())
+        return sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in self._spec.values())
 
     # ---- one copy: the kernel layout ----------------------------------------------------
     def compact_(self) -> "QuantLinear":
@@ -158,18 +157,21 @@ class QuantLinear(nn.Module):
         """Use `state` (e.g. a row slice of a fused group's layout, fuse.py) as this module's
         kernel layout; it must encode this module's weight."""
         self._kernel = state
-        if SINGLE_COPY and self.storage_device.type == "cuda":
-            self._drop_checkpoint_layout()
+        self._drop_on_gpu()
 
     def share_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Point this module's checkpoint tensors at `tensors` (views of a fused weight, fuse.py),
         which must hold this module's values; any layout built from the old ones is forgotten."""
         kept = dict(self._buffers)
         self._buffers.clear()
-        for name in self._spec:
+        for name in self._spec:  # the format's order, so state_dict keys keep theirs
             self._buffers[name] = tensors[name] if name in tensors else kept[name]
         self._dropped = ()
         self._forget_layouts()
+
+    def _drop_on_gpu(self) -> None:
+        if SINGLE_COPY and self.storage_device.type == "cuda":
+            self._drop_checkpoint_layout()
 
     def _drop_checkpoint_layout(self) -> None:
         if self._dropped or self._kernel is None or self.fmt not in _KERNEL_FORMATS:
@@ -194,12 +196,7 @@ class QuantLinear(nn.Module):
         device = self.storage_device
         tensors = self._rebuilt() if fill else {
             name: torch.empty(self._spec[name][0], dtype=self._spec[name][1], device=device) for name in self._dropped}
-        kept = dict(self._buffers)
-        self._buffers.clear()
-        for name in self._spec:  # the format's order, so state_dict keys keep theirs
-            self._buffers[name] = tensors[name] if name in tensors else kept[name]
-        self._dropped = ()
-        self._forget_layouts()
+        self.share_tensors(tensors)
 
     def _forget_layouts(self) -> None:
         if self._dropped:
@@ -244,8 +241,7 @@ class QuantLinear(nn.Module):
 
             with _outside_inference_mode():
                 self._kernel = kernels.prepare(self.fmt, self.quant_tensors())
-            if SINGLE_COPY and self.storage_device.type == "cuda":
-                self._drop_checkpoint_layout()
+            self._drop_on_gpu()
         return self._kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -274,13 +270,10 @@ class QuantLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         """Moves follow the module; casts (model.float(), .half()) do not touch the packed
         tensors, whose dtypes are the format. They change the compute dtype instead."""
-        if self._dropped:
-            words = self._kernel["words"]
-            if fn(words) is not words:  # a real move: take the checkpoint tensors along
-                self._restore_checkpoint_layout(fill=True)
-            else:
-                self._cache.clear()
-        if not self._dropped:
+        if self._dropped and fn(self._kernel["words"]) is self._kernel["words"]:
+            self._cache.clear()  # a cast: the packed layout is untouched and stays the only copy
+        else:
+            self._restore_checkpoint_layout(fill=True)  # a real move takes the checkpoint tensors along
             self._forget_layouts()  # moved or cast: cached dense / kernel layouts are stale
         packed = {name: buf.dtype for name, buf in self._buffers.items() if buf is not None}
         out = super()._apply(fn, recurse)

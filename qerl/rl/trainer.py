@@ -706,7 +706,7 @@ def optimise(
         for i, (b, rows, adv, mask) in enumerate(micro):
             mask = mask.to(device)
             with aqn.applied(noise_in_training), timer("logprob_s"), autocast():
-                logp = policy_logprobs(model, b, rows, temp, share_train, chunk).float()
+                logp = policy_logprobs(model, b, rows, temp, share_train, chunk)
             logp_old = old[i].to(device) if need_old else logp.detach()
             isw = None
             if settings.vllm_importance_sampling_correction:
