@@ -243,12 +243,15 @@ def test_bf16_autocast_runs_the_lora_path_in_bf16_over_fp32_masters(tiny_model, 
         policy = prepare_policy(_lora(tiny_model), settings)
         optimizer, scheduler = make_optimizer(policy, settings)
         aqn = AdaptiveQuantNoise(policy, AQNSettings(enabled=False), total_steps=1)
-        seen = set()
+        seen, casts = set(), set()
         hooks = [m.register_forward_hook(lambda mod, inp, out: seen.add(out.dtype))
                  for n, m in policy.named_modules() if n.endswith("lora_A.default")]
+        hooks += [m.register_forward_pre_hook(lambda mod, inp: casts.add(mod.cast_input_dtype_enabled))
+                  for m in policy.modules() if hasattr(m, "lora_A") and hasattr(m, "cast_input_dtype_enabled")]
         rs = RolloutSettings(num_generations=2, max_new_tokens=6, temperature=1.0, stop_ids=[10**9], pad_id=0)
         rollout = run_rollout(policy, sample_rollouts, [[5, 6, 7], [8, 9]], rs, torch.Generator().manual_seed(0), aqn, False)
         seen.clear()  # the rollout is not part of the training forward
+        casts.clear()
         rewards = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
         adv = group_advantages(rewards, 2, settings.reward_scaling)
         before = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
@@ -256,6 +259,11 @@ def test_bf16_autocast_runs_the_lora_path_in_bf16_over_fp32_masters(tiny_model, 
         for h in hooks:
             h.remove()
         assert seen == ({torch.bfloat16} if on else {torch.float32}), seen
+        # under autocast the adapters take their input as it comes, in the forwards and in the
+        # checkpointed recomputations (no fp32 copy of bf16 activations for autocast to copy back);
+        # PEFT's casting is back on after the update
+        assert casts == ({False} if on else {True}), casts
+        assert all(m.cast_input_dtype_enabled for m in policy.modules() if hasattr(m, "cast_input_dtype_enabled"))
         params = {n: p.detach() for n, p in policy.named_parameters() if p.requires_grad}
         assert all(p.dtype == torch.float32 for p in params.values())
         results[on] = {n: params[n] - before[n] for n in params}

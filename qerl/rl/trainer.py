@@ -653,7 +653,23 @@ def optimise(
 ) -> dict[str, float]:
     """num_iterations AdamW updates over the kept groups `parts` = [(RolloutBatch, rewards,
     advantages)]; returns loss statistics. `timer` gets the phases logprob_s (training-policy
-    forwards), backward_s and optimizer_s (clip + step)."""
+    forwards), backward_s and optimizer_s (clip + step).
+
+    With bf16_autocast the LoRA layers keep their input as it comes (PEFT's
+    disable_input_dtype_casting) for the whole update, forwards and backward: otherwise each
+    adapter copies its bf16 input to fp32 (the masters' dtype) for autocast to copy it back, and a
+    checkpointed layer's recomputation in the backward must see the same dtypes as its forward."""
+    from peft.helpers import disable_input_dtype_casting
+
+    with disable_input_dtype_casting(model, active=settings.bf16_autocast):
+        return _optimise_steps(model, parts, settings, optimizer, scheduler, aqn, noise_in_training, share_train,
+                               step, timer)
+
+
+def _optimise_steps(
+    model, parts, settings: GRPOSettings, optimizer, scheduler, aqn: AdaptiveQuantNoise,
+    noise_in_training: bool, share_train: bool, step: int, timer: PhaseTimer | None,
+) -> dict[str, float]:
     timer = timer or PhaseTimer(torch.device("cpu"))
     mb = settings.per_device_train_batch_size
     # Micro-batches: (batch, rows, advantages[rows], loss mask[rows]). The normalisers count every
