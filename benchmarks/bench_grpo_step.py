@@ -124,6 +124,8 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
         "aqn": aqn_on, "gradient_checkpointing": True, "logprob_chunk_tokens": args.chunk_tokens,
         "steps": args.steps, "weight_copies": _copies(fmt, args.keep_checkpoint_layout),
         "bf16_autocast": args.bf16_autocast,
+        # the caching allocator's settings (e.g. expandable_segments:True), "" for the default
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
     }
     mem = _Memory(device)
     phase = "build"
@@ -236,8 +238,9 @@ def _row_copies(row: dict) -> int:
 
 
 def _setup(row: dict) -> tuple:
-    """What a row shares with its bf16 baseline: model, batch, micro-batch, GPU, autocast."""
-    return row["model"], row["batch"], row["micro_batch"], row.get("gpu"), row.get("bf16_autocast", False)
+    """What a row shares with its bf16 baseline: model, batch, micro-batch, GPU, autocast, allocator settings."""
+    return (row["model"], row["batch"], row["micro_batch"], row.get("gpu"), row.get("bf16_autocast", False),
+            row.get("alloc_conf", ""))
 
 
 def _key(row: dict) -> tuple:
