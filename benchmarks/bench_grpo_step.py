@@ -35,8 +35,8 @@ hold, fragmentation included; the CUDA context, ~0.5 GiB, comes on top); peak_al
 peak of live tensors. grpo_step.json: {"model", "format", "batch", "step_s", "bf16_step_s",
 "speedup"} with speedup = bf16 LoRA step time / this step time, same model, batch and micro-batch
 (and both steady-state steps, or both single warm-up steps).
-Rows are keyed by (model, format, batch, micro-batch, weight copies, GPU, bf16 autocast) and carry the command and
-date of their call. --profile-dir puts the last step's training phase under torch.profiler and
+Rows are keyed by (model, format, batch, micro-batch, weight copies, GPU, bf16 autocast, allocator
+settings) and carry the command and date of their call. --profile-dir puts the last step's training phase under torch.profiler and
 writes its kernel table there (those rows are marked "profiled": their times carry the profiler's
 overhead, keep them out of the evidence).
 Both files are rewritten after every configuration, so a call cut short keeps what it measured.
@@ -264,6 +264,7 @@ def step_rows(memory_rows: list[dict]) -> list[dict]:
                     "bf16_step_s": base, "speedup": round(base / r["step_s"], 3) if base else None,
                     "micro_batch": r["micro_batch"], "generations": r["generations"], "completion_len": r["completion_len"],
                     "weight_copies": _row_copies(r), "gpu": r.get("gpu"), "bf16_autocast": r.get("bf16_autocast", False),
+                    "alloc_conf": r.get("alloc_conf", ""),
                     # when the baseline ran: the same call as this row, or another call on the same GPU model
                     "date": r.get("date"), "bf16_date": base_row.get("date") if base_row else None})
     return out

@@ -119,9 +119,10 @@ class GRPOSettings(BaseModel):
     # phase gets that memory (they are re-made at the next rollout: costs the graph captures)
     release_rollout_memory: bool = True
     # run the training forwards (and so their backward) under torch.autocast(bfloat16), as TRL /
-    # accelerate do with bf16=True: the LoRA matmuls, input casts and adds run in bf16 over the
-    # fp32 adapter weights, which stay the optimiser's master copy. Off: the adapters compute in
-    # fp32 (a 7B profile put that fp32 path at ~45% of the training phase, benchmarks/NOTES_grpo.md)
+    # accelerate do with bf16=True: the LoRA matmuls and adds run in bf16 over the fp32 adapter
+    # weights, which stay the optimiser's master copy, and the adapters take their bf16 input
+    # without an fp32 copy (trainer.optimise). Off: the adapters compute in fp32 (a 7B profile put
+    # that fp32 path at ~45% of the training phase, benchmarks/NOTES_grpo.md)
     bf16_autocast: bool = False
     # logging
     log_completions: bool = False  # append every sampled completion to out_dir/completions.jsonl
