@@ -23,10 +23,13 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   kvpre / nokvpre (attention reads its first K / V block before the PDL wait),
                   ap528 / ap1056 (attention programs to aim for), ab16 / ab32 (attention key block),
                   br16 / br32 (LoRA shrink rows per program), lw8 (8 warps per shrink program),
-                  g:K1+K2:pPsS[wW][kK][x] (the Gluon GEMV for those group kinds, or "all", planned
-                  for P programs per SM with an S-stage ring, W consumer warps, K slices per row
-                  block forced, x loaded a step ahead, e.g. g:qkv+o:p2s6, g:down:p4s3x),
-                  xpf / noxpf (Gluon GEMV loads x a step ahead or not), oldepi (its epilogues
+                  g:K1+K2:pPsS[wW][kK][x][q][t] (the Gluon GEMV for those group kinds, or "all",
+                  planned for P programs per SM with an S-stage ring, W consumer warps, K slices per
+                  row block forced, x loaded a step ahead, stream-K, split tail forced, e.g.
+                  g:qkv+o:p2s6, g:down:p4s3x, g:gate_up:p4s3q),
+                  xpf / noxpf (Gluon GEMV loads x a step ahead or not), sk / nosk (its stream-K
+                  schedule on every launch / on none, the default), notail (no split tail; default:
+                  where w4a16_gluon.tail_plan finds one), oldepi (its epilogues
                   without the shared-memory sum), lsm0 / lsm2 (a LoRA group's Gluon GEMV planned
                   as without LoRA / for 2 programs per SM, not engine.LORA_GEMV_PER_SM), lora1k
                   (LoRA's shrink and expand as one launch, lora_ops.FUSED), nohoist (Gluon GEMV's
@@ -74,6 +77,9 @@ def _switches() -> dict:
     from qerl.rollout import engine as engine_mod
     table = {
         "lsm0": [(engine_mod, "LORA_GEMV_PER_SM", 0)],
+        "sk": [(w4a16_gluon, "STREAMK", True)],
+        "nosk": [(w4a16_gluon, "STREAMK", False)],
+        "notail": [(w4a16_gluon, "TAIL_SPLIT", False)],
         "lsm2": [(engine_mod, "LORA_GEMV_PER_SM", 2)],
         "lora1k": [(lora_ops, "FUSED", True)],
         "nowsmma": [(w4a16_triton, "WSMMA_MIN_NK", 0), (w4a16_triton, "WSMMA_MIN_NK_PDL", 0),
@@ -119,13 +125,14 @@ def variant_of(engine: RolloutEngine, name: str):
     for f in [f for f in flags if f.startswith("g:")]:
         flags.remove(f)
         kinds_, _, spec = f[2:].partition(":")
-        m = re.fullmatch(r"p(\d+)s(\d+)(?:w(\d+))?(?:k(\d+))?(x?)", spec)
+        m = re.fullmatch(r"p(\d+)s(\d+)(?:w(\d+))?(?:k(\d+))?(x?)(q?)(t?)", spec)
         targets = KINDS if kinds_ == "all" else tuple(kinds_.split("+"))
         if m is None or set(targets) - set(KINDS):
-            raise SystemExit(f"bad Gluon flag {f!r} in {name!r}: g:KIND+KIND:pPsS[wW][kK][x], KIND in {', '.join(KINDS)} or all")
+            raise SystemExit(f"bad Gluon flag {f!r} in {name!r}: g:KIND+KIND:pPsS[wW][kK][x][q][t], KIND in {', '.join(KINDS)} or all")
         for kind in targets:
             gluon_cfg[kind] = {"PER_SM": int(m[1]), "NUM_STAGES": int(m[2]), "num_warps": int(m[3] or 4),
-                               **({"S": int(m[4])} if m[4] else {}), **({"XPF": True} if m[5] else {})}
+                               **({"S": int(m[4])} if m[4] else {}), **({"XPF": True} if m[5] else {}),
+                               **({"STREAMK": True} if m[6] else {}), **({"TAIL_SPLIT": True} if m[7] else {})}
     unknown = set(flags) - set(table)
     if unknown:
         raise SystemExit(f"unknown variant flag(s) {sorted(unknown)} in {name!r}; valid: {', '.join(table)}")

@@ -108,7 +108,8 @@ def test_lora_gemv_plan_applies_per_sm_inside_only():
     before = dict(w4a16_gluon.DEFAULT)
     with engine_mod.RolloutEngine._lora_gemv_plan(None):
         assert w4a16_gluon.DEFAULT["PER_SM"] == engine_mod.LORA_GEMV_PER_SM == 3
-        assert {k: v for k, v in w4a16_gluon.DEFAULT.items() if k != "PER_SM"} == {
+        assert w4a16_gluon.DEFAULT["STREAMK"] is False  # LoRA groups keep the split tail (no stream-K)
+        assert {k: v for k, v in w4a16_gluon.DEFAULT.items() if k not in ("PER_SM", "STREAMK")} == {
             k: v for k, v in before.items() if k != "PER_SM"}
     assert w4a16_gluon.DEFAULT == before
     with pytest.raises(RuntimeError), w4a16_gluon.defaults(PER_SM=2):

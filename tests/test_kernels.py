@@ -404,6 +404,81 @@ def test_large_m_wgmma_rule_and_split():
     assert split(80, 20, 132, c0=2.0) == 3 and split(864, 20, 132, c0=2.0) == 1
 
 
+def test_gluon_streamk_schedule():
+    """The Gluon GEMV's stream-K schedule, simulated on the host with the kernel's formulas: every
+    (row block, K step) is covered by exactly one program, each program's runs differ by at most
+    one step, the programs that meet in a block are owner(first step) .. owner(last step), each
+    writes its partial of that block to its own workspace slot (2q for its first segment, 2q + 1
+    for its last), no two contributors share a slot, and streamk_plan's count of contributors is
+    the largest one seen."""
+    from qerl.kernels import w4a16_gluon as G
+
+    def owner(f, p, t):
+        return ((f + 1) * p - 1) // t
+
+    for blocks, kb, slots in [(592, 14, 528), (864, 20, 528), (72, 14, 528), (16, 8, 528), (3, 5, 7), (56, 74, 528),
+                              (1, 1, 528), (10, 3, 4)]:
+        p, most = G.streamk_plan(blocks, kb, slots)
+        t = blocks * kb
+        assert p == min(slots, t)
+        starts = [q * t // p for q in range(p + 1)]
+        assert min(b - a for a, b in zip(starts, starts[1:])) >= 1
+        assert max(b - a for a, b in zip(starts, starts[1:])) - min(b - a for a, b in zip(starts, starts[1:])) <= 1
+        seen = {}
+        for q in range(p):
+            f = starts[q]
+            while f < starts[q + 1]:  # the kernel's segment loop
+                blk = f // kb
+                s1 = min(starts[q + 1], blk * kb + kb) - blk * kb
+                slot = 2 * q + (f != starts[q])
+                seen.setdefault(blk, []).append((q, slot, f - blk * kb, s1))
+                f = blk * kb + s1
+        worst = 1
+        for blk, segs in seen.items():
+            steps = [k for _q, _s, a, b in segs for k in range(a, b)]
+            assert steps == list(range(kb))  # each step once, the programs in order
+            qs = [q for q, *_ in segs]
+            assert qs == list(range(owner(blk * kb, p, t), owner(blk * kb + kb - 1, p, t) + 1))
+            slots_used = [2 * q + (starts[q] // kb != blk) for q in qs]  # the fixup's reading of the slots
+            assert slots_used == [slot for _q, slot, *_ in segs] and len(set(slots_used)) == len(slots_used)
+            worst = max(worst, len(segs))
+        assert worst == most
+    assert G.STREAMK is None  # auto: inside PDL chains where a split tail would apply
+
+
+def test_gluon_tail_split_plan():
+    """The split-tail schedule: blocks below NW whole, the last wave's r = blocks % slots blocks in S
+    slices of CS steps, as the kernel maps program p: every (block, step) once, the tail's programs
+    fit the slots, and the fixup's contributors of a tail block are NW + (blk - NW) S .. + S - 1.
+    On an H100 (528 slots at 4 per SM) the 7B gate/up GEMV (592 blocks x 14) gets 528 whole blocks
+    and 64 in 7 slices of 2 steps; the 32B one (864 blocks, a 64%-full second wave), 14B's (432,
+    one wave) and layers with fewer blocks than slots get none."""
+    from qerl.kernels import w4a16_gluon as G
+
+    assert G.TAIL_SPLIT is None  # auto
+    slots = 4 * 132
+    assert G.tail_plan(592, 14, slots) == (528, 7, 2)
+    assert G.tail_plan(864, 20, slots) is None and G.tail_plan(432, 20, slots) is None
+    assert G.tail_plan(72, 14, slots) is None and G.tail_plan(1056, 14, slots) is None
+    for blocks, kb, sl in [(592, 14, 528), (141, 4, 132), (592, 14, 132), (600, 3, 528), (530, 80, 528)]:
+        nw, s, cs = G.tail_plan(blocks, kb, sl)
+        assert (blocks - nw) * s <= sl and s >= 2 and (s - 1) * cs < kb <= s * cs
+        cover = {}
+        for p in range(nw + (blocks - nw) * s):  # the kernel's mapping
+            if p >= nw:
+                q = p - nw
+                blk, k0 = nw + q // s, (q % s) * cs
+                k1 = min(k0 + cs, kb)
+            else:
+                blk, k0, k1 = p, 0, kb
+            cover.setdefault(blk, []).append((p, k0, k1))
+        assert sorted(cover) == list(range(blocks))
+        for blk, segs in cover.items():
+            assert [k for _p, a, b in segs for k in range(a, b)] == list(range(kb))
+            if blk >= nw:
+                assert [p for p, *_ in segs] == list(range(nw + (blk - nw) * s, nw + (blk - nw) * s + s))
+
+
 def test_gluon_xpf_auto_rule():
     """XPF = None (the default) loads x a step ahead only for M = 1 launches of one K slice per
     row block that take more than one wave of programs: on a 132-SM H100 at 4 programs per SM

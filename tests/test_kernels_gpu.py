@@ -430,6 +430,53 @@ def test_gluon_gemv_xpf_same_bits():
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+SCHED_CASES = [(37888, 3584, {"STREAMK": True}), (37888, 3584, {"STREAMK": True, "PER_SM": 1}),
+               (4608, 3584, {"STREAMK": True, "PER_SM": 2, "PDL": True}), (3584, 18944, {"STREAMK": True, "XPF": True}),
+               (1000, 1024, {"STREAMK": True, "NUM_STAGES": 6, "PDL": True}),
+               (37888, 3584, {"TAIL_SPLIT": True}), (37888, 3584, {"TAIL_SPLIT": True, "PER_SM": 1, "PDL": True}),
+               (37888, 3584, {"TAIL_SPLIT": True, "PER_SM": 2, "XPF": True}), (9000, 1024, {"TAIL_SPLIT": True, "PER_SM": 1})]
+
+
+@pytest.mark.parametrize("n,k,cfg", SCHED_CASES,
+                         ids=[f"{n}x{k}-" + "-".join(f"{key}{v}" for key, v in c.items()) for n, k, c in SCHED_CASES])
+def test_gluon_gemv_schedules(n, k, cfg):
+    """The Gluon GEMV's schedules for layers past one wave, forced on: stream-K (programs that run
+    across row-block boundaries; PER_SM 1 / 2: several whole blocks per program too) and the split
+    tail (the last wave's blocks in K slices; 9000 rows at PER_SM 1: 141 blocks on 132 slots, slices
+    of one step). M = 1 / 3 / 8 with a bias and N not a multiple of 64 where the shape allows: fp32
+    reference within 1e-2 per token on a NaN-poisoned output, bit-identical re-runs, counters back
+    at 0, a CUDA-graph replay on new data, and agreement with the plain split schedule."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_triton as W
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs Hopper (TMA, warp specialisation)")
+    t, st, w32 = _layer("nvfp4", n, k, seed=7)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    conf = dict(cfg, PATH="wsmma")
+    for m in (1, 3, 8):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        W.forward(x, st, config=conf)  # the first launch measures occupancy
+        y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        W.forward(x, st, bias=bias, config=conf, out=y)
+        ref = x.float() @ w32.T + bias.float()
+        assert not y.isnan().any()
+        for row in range(m):
+            assert _rel(y[row:row + 1], ref[row:row + 1]) < TOL, (m, row, _rel(y[row:row + 1], ref[row:row + 1]))
+        for _ in range(3):
+            assert torch.equal(W.forward(x, st, bias=bias, config=conf), y)
+        assert st["locks"].abs().sum().item() == 0
+        split = W.forward(x, st, bias=bias, config=dict(conf, STREAMK=False, TAIL_SPLIT=False))
+        assert _rel(y, split.float()) < 1e-2
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = W.forward(x, st, config=conf)
+        x.copy_(torch.randn(m, k, device="cuda").to(torch.bfloat16))
+        g.replay()
+        assert _rel(out, x.float() @ w32.T) < TOL, m
+        assert st["locks"].abs().sum().item() == 0
+
+
 @pytest.mark.parametrize("n,k", [(4608, 3584), (27648, 5120), (1000, 1024)])
 def test_gluon_gemv_epilogues(n, k, monkeypatch):
     """M = 1..8 on the Gluon GEMV: the shared-memory epilogues (EPI_SMEM, the default) and the

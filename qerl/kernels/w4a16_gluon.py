@@ -44,7 +44,10 @@ Schedule and fixup as `w4a16_gemv.py`: program p owns row block p // S and reduc
 [j*KB//S, (j+1)*KB//S), j = p % S; a block covered by several programs goes through the fp32
 workspace [grid, 64] and the block's counter; the last arrival sums the partials in program
 order (deterministic; all S loads issued at once), writes bf16 and resets the counter. One launch,
-no host sync. With PDL, everything that does not depend on the previous kernel happens before the
+no host sync. Layers with more row blocks than program slots and a nearly empty last wave (7B
+gate/up) run a split tail (the last wave's blocks in K slices; TAIL) or, in PDL chains, stream-K
+(one program per slot, equal runs of the flat (block, step) order, a segment and an epilogue per
+block it touches; SK); see TAIL_SPLIT / STREAMK below. With PDL, everything that does not depend on the previous kernel happens before the
 wait: the producer's weight copies and the consumer's alpha / bias rows (`_tile_consts`), so the
 last-arriving program's epilogue waits on no load (NOTES_w4a16.md section 16).
 """
@@ -52,6 +55,7 @@ last-arriving program's epilogue waits on no load (NOTES_w4a16.md section 16).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import triton
@@ -205,9 +209,9 @@ def _halves(v):
 
 @gluon.jit
 def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w_bufs, s_bufs, ready, empty,
-              p, blk, M, N, KB, k0, k1, S, SP: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+              p, blk, M, N, KB, k0, k1, S, NW, SP: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
               PDL: gl.constexpr, MT: gl.constexpr, XPF: gl.constexpr, STAMP: gl.constexpr, HOIST: gl.constexpr,
-              EPI: gl.constexpr, red, L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr,
+              EPI: gl.constexpr, SK: gl.constexpr, red, L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr,
               num_warps: gl.constexpr):
     # activations: x as int32 pairs, element (sc, i) of the 5-D tile needs word column c = 2 sc + i
     LSC: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4, L5))))
@@ -243,10 +247,6 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
     xmask = (g5 < M) & (xoff >= 0)  # [1, 1, 8, 16, 2]
 
     cz, _unused = _halves(gl.zeros([4, 2, 8, 16, 2], gl.float32, L5))
-    acc0 = cz
-    acc1 = cz
-    acc2 = cz
-    acc3 = cz
     if STAMP:  # per-program clocks (w4a16_triton.STAMP): start, PDL wait done, main loop done, end, ...
         _stamp(stamp_ptr, p, 0, "clock64")
         _stamp(stamp_ptr, p, 4, "smid")
@@ -257,10 +257,51 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
         _gdc("wait")
     if STAMP:
         _stamp(stamp_ptr, p, 1, "clock64")
+    if SK:  # stream-K: the flat steps [k0, k1) of the (row block, K step) order, one segment per row block
+        f = k0
+        while f < k1:
+            sblk = f // KB
+            s0 = f - sblk * KB
+            s1 = gl.minimum(k1, sblk * KB + KB) - sblk * KB
+            if HAS_BIAS:  # a later segment's rows (the first segment's were loaded before the wait)
+                if f != k0:
+                    alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, sblk, N, rows, HAS_BIAS, not EPI)
+            acc0, acc1, acc2, acc3 = _mainloop(xw_ptr, w_bufs, s_bufs, ready, empty, s0, s1, f - k0, xoff, xmask,
+                                               zero5, cz, NUM_STAGES, MT, XPF, L5, L2W, L2S)
+            if STAMP:
+                _stamp(stamp_ptr, p, 2, "clock64")
+            if MT == 1:
+                _epilogue_smem1(alpha, b_lo, red, c_ptr, ws_ptr, lock_ptr, acc0, acc2, p, sblk, N, s0, s1, S, SP,
+                                HAS_BIAS, LRED1, SK, k0, KB, 0)
+            else:
+                _epilogue_smem(alpha, b_lo, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
+                               p, sblk, M, N, s0, s1, S, SP, HAS_BIAS, LRED, SK, k0, KB, 0)
+            gl.thread_barrier()  # every warp has read `red` before a later segment's epilogue rewrites it
+            f = sblk * KB + s1
+    else:
+        acc0, acc1, acc2, acc3 = _mainloop(xw_ptr, w_bufs, s_bufs, ready, empty, k0, k1, 0, xoff, xmask, zero5, cz,
+                                           NUM_STAGES, MT, XPF, L5, L2W, L2S)
+        _block_epilogue(alpha_ptr, bias_ptr, alpha, b_lo, b_hi, red, c_ptr, ws_ptr, lock_ptr, stamp_ptr, acc0, acc1,
+                        acc2, acc3, p, blk, M, N, k0, k1, S, NW, SP, HAS_BIAS, MT, STAMP, HOIST, EPI, rows, sc5, zero5,
+                        LR, LR3, LRED, LRED1)
+    if STAMP:
+        _stamp(stamp_ptr, p, 3, "clock64")
+        _stamp(stamp_ptr, p, 6, "globaltimer")
+
+
+@gluon.jit
+def _mainloop(xw_ptr, w_bufs, s_bufs, ready, empty, k0, k1, i0, xoff, xmask, zero5, cz, NUM_STAGES: gl.constexpr,
+              MT: gl.constexpr, XPF: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr):
+    """Reduction steps [k0, k1) of one row block, the ring's stage counter starting at i0 ->
+    the four [4, 8, 16, 2] MMA accumulators (rows g / g + 8 x B columns 2t / 2t + 1)."""
+    acc0 = cz
+    acc1 = cz
+    acc2 = cz
+    acc3 = cz
     if XPF:  # x of the first step now, each later step's x one step ahead (its L2 latency behind a decode)
         n01, n23, n45, n67 = _x_step(xw_ptr, k0, xoff, xmask, MT)
     for kk in range(k0, k1):
-        i = kk - k0
+        i = i0 + kk - k0
         idx = i % NUM_STAGES
         if XPF:
             x01, x23, x45, x67 = n01 + zero5, n23 + zero5, n45 + zero5, n67 + zero5
@@ -297,13 +338,22 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
         acc0, acc1, acc2, acc3 = _mma(acc0, acc1, acc2, acc3, p0g, p0h, p1g, p1h, b01, b45)
         acc0, acc1, acc2, acc3 = _mma(acc0, acc1, acc2, acc3, p2g, p2h, p3g, p3h, b23, b67)
 
+    return acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _block_epilogue(alpha_ptr, bias_ptr, alpha, b_lo, b_hi, red, c_ptr, ws_ptr, lock_ptr, stamp_ptr, acc0, acc1, acc2,
+                    acc3, p, blk, M, N, k0, k1, S, NW, SP: gl.constexpr, HAS_BIAS: gl.constexpr, MT: gl.constexpr,
+                    STAMP: gl.constexpr, HOIST: gl.constexpr, EPI: gl.constexpr, rows, sc5, zero5, LR: gl.constexpr,
+                    LR3: gl.constexpr, LRED: gl.constexpr, LRED1: gl.constexpr):
+    """The split schedule's epilogue: one row block, K slice [k0, k1) of S."""
     if STAMP:
         _stamp(stamp_ptr, p, 2, "clock64")
     if not HOIST:  # (A/B switch) the constants loaded after the main loop, as before HOIST
         alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, blk, N, rows, HAS_BIAS, not EPI)
     if MT == 1 and EPI:
         _epilogue_smem1(alpha, b_lo, red, c_ptr, ws_ptr, lock_ptr, acc0, acc2, p, blk, N, k0, k1, S, SP, HAS_BIAS,
-                        LRED1)
+                        LRED1, False, 0, 0, NW)
     elif MT == 1:
         # acc0 (= acc1): row 16m + g, acc2 (= acc3): row 16m + 8 + g, for every lane t of the quad
         # (all B columns equal x): keep lane t = 0 (sc % 4 == 0), sum the word columns and the warps.
@@ -342,13 +392,10 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
             gl.store(c_ptr + n_hi, out_hi.to(gl.bfloat16), mask=n_hi < N)
     elif EPI:
         _epilogue_smem(alpha, b_lo, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
-                       p, blk, M, N, k0, k1, S, SP, HAS_BIAS, LRED)
+                       p, blk, M, N, k0, k1, S, SP, HAS_BIAS, LRED, False, 0, 0, NW)
     else:
         _epilogue_tokens(alpha, b_lo, b_hi, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
                          p, blk, M, N, k0, k1, S, SP, HAS_BIAS, LR3)
-    if STAMP:
-        _stamp(stamp_ptr, p, 3, "clock64")
-        _stamp(stamp_ptr, p, 6, "globaltimer")
 
 
 @gluon.jit
@@ -406,7 +453,8 @@ def _epilogue_tokens(alpha, b_lo, b_hi, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc
 
 @gluon.jit
 def _epilogue_smem(alpha, bias, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
-                   p, blk, M, N, k0, k1, S, SP: gl.constexpr, HAS_BIAS: gl.constexpr, LRED: gl.constexpr):
+                   p, blk, M, N, k0, k1, S, SP: gl.constexpr, HAS_BIAS: gl.constexpr, LRED: gl.constexpr,
+                   SK: gl.constexpr, f0, KB, NW):
     """MT = 8 through shared memory (EPI): each thread sums its two words i, writes its 16 partials
     [m, b, h] of warp w to `red` [4 m, 4 w, 8 g, 4 t, 2 b, 2 h] (16-byte rows, no bank conflict), one
     barrier, and reads back the four warps' values of its own (m, g, t) to sum them in registers:
@@ -421,12 +469,13 @@ def _epilogue_smem(alpha, bias, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, 
     row, tok = _red_idx(gl.SliceLayout(1, LRED))
     n = blk * 64 + row
     _fixup_store(part, tok * 64 + row, 512, c_ptr, tok * N + n, (n < N) & (tok < M), alpha, bias, ws_ptr, lock_ptr,
-                 p, blk, k0, k1, S, SP, HAS_BIAS)
+                 p, blk, N, k0, k1, S, SP, HAS_BIAS, SK, f0, KB, NW)
 
 
 @gluon.jit
 def _epilogue_smem1(alpha, bias, red, c_ptr, ws_ptr, lock_ptr, acc0, acc2, p, blk, N, k0, k1, S,
-                    SP: gl.constexpr, HAS_BIAS: gl.constexpr, LRED1: gl.constexpr):
+                    SP: gl.constexpr, HAS_BIAS: gl.constexpr, LRED1: gl.constexpr, SK: gl.constexpr, f0, KB,
+                    NW):
     """MT = 1 through shared memory (EPI): every B column holds x, so every lane t of a quad has the
     same sums. Each thread sums its two words i and writes its [m, h] partials to `red`
     [4 t, 4 m, 4 w, 8 g, 2 h]; one barrier; the t = 0 slice is read back with the four warps' values
@@ -437,28 +486,69 @@ def _epilogue_smem1(alpha, bias, red, c_ptr, ws_ptr, lock_ptr, acc0, acc2, p, bl
     part = gl.sum(gl.sum(red.slice(0, 1).load(LRED1), axis=2), axis=0)  # t = 0: [4 m, 8 g, 2 h]
     row = _red_idx1(gl.SliceLayout(0, gl.SliceLayout(2, LRED1)))
     n = blk * 64 + row
-    _fixup_store(part, row, 64, c_ptr, n, n < N, alpha, bias, ws_ptr, lock_ptr, p, blk, k0, k1, S, SP, HAS_BIAS)
+    _fixup_store(part, row, 64, c_ptr, n, n < N, alpha, bias, ws_ptr, lock_ptr, p, blk, N, k0, k1, S, SP, HAS_BIAS,
+                 SK, f0, KB, NW)
 
 
 @gluon.jit
-def _fixup_store(part, off, WS: gl.constexpr, c_ptr, c_off, c_mask, alpha, bias, ws_ptr, lock_ptr, p, blk, k0, k1,
-                 S, SP: gl.constexpr, HAS_BIAS: gl.constexpr):
-    """Split fixup and output of the shared-memory epilogues: with S > 1 a program writes its
-    partial to its WS-float workspace slot at `off` and the last-arriving of a row block's S
-    programs sums the S partials in program order (deterministic; all loads in flight at once) and
-    resets the counter; then y = part * alpha (+ bias) in bf16 at c_off where c_mask."""
+def _sk_start(q, T):
+    """Stream-K: the first flat step of program q of P (= the grid): q * T // P (int32: the host
+    keeps T * P below 2^31)."""
+    return q * T // gl.num_programs(0)
+
+
+@gluon.jit
+def _sk_owner(f, T):
+    """Stream-K: the program whose flat steps [q T / P, (q + 1) T / P) hold flat step f."""
+    return ((f + 1) * gl.num_programs(0) - 1) // T
+
+
+@gluon.jit
+def _split_sum(part, off, WS: gl.constexpr, ws_ptr, lock_ptr, slot, blk, q0, nq, SP: gl.constexpr, SK: gl.constexpr, T,
+               KB):
+    """Write this program's partial to workspace slot `slot`, count the arrival on the block's
+    counter; the last of the block's nq programs (q0 ..) sums all partials in program order
+    (all loads in flight at once) and resets the counter -> (sum or own partial, last?)."""
+    gl.store(ws_ptr + slot * WS + off, part)
+    gl.thread_barrier()  # all threads' partials are written before the counter moves
+    count = gl.atomic_add(lock_ptr + blk, 1, sem="acq_rel", scope="gpu")
+    done = count == nq - 1
+    if done:
+        part = gl.zeros_like(part)
+        for j in gl.static_range(SP):  # unrolled: all loads in flight at once, summed in program order
+            q = q0 + j
+            if SK:  # slot 2q + 1 unless this block is where q's range starts
+                sq = 2 * q + (_sk_start(q, T) // KB != blk).to(gl.int32)
+            else:
+                sq = q
+            part += gl.load(ws_ptr + sq * WS + off, mask=(off >= 0) & (j < nq), other=0.0, cache_modifier=".cg")
+        gl.atomic_xchg(lock_ptr + blk, 0)  # ready for the next launch
+    return part, done
+
+
+@gluon.jit
+def _fixup_store(part, off, WS: gl.constexpr, c_ptr, c_off, c_mask, alpha, bias, ws_ptr, lock_ptr, p, blk, N, k0, k1,
+                 S, SP: gl.constexpr, HAS_BIAS: gl.constexpr, SK: gl.constexpr, f0, KB, NW):
+    """Split fixup and output of the shared-memory epilogues. A row block covered by several
+    programs: each writes its partial to its WS-float workspace slot at `off`, and the last
+    arrival sums all partials in program order (deterministic; all loads in flight at once) and
+    resets the counter; then y = part * alpha (+ bias) in bf16 at c_off where c_mask.
+    Split schedule: the block's programs are blk * S .. blk * S + S - 1, slot = program; with a
+    split tail (TAIL) blocks below NW have one program each and block blk >= NW has programs
+    NW + (blk - NW) S .. + S - 1.
+    Stream-K (SK): this segment covers steps [k0, k1) of block blk (a program's first segment
+    starts at its flat step f0); the block's programs are owner(blk KB) .. owner(blk KB + KB - 1)
+    and program q keeps the partial of its first segment in slot 2q, of its last in slot 2q + 1."""
     done = k1 > k0
-    if S > 1:
-        gl.store(ws_ptr + p * WS + off, part)
-        gl.thread_barrier()  # all threads' partials are written before the counter moves
-        count = gl.atomic_add(lock_ptr + blk, 1, sem="acq_rel", scope="gpu")
-        done = count == S - 1
-        if done:
-            part = gl.zeros_like(part)
-            for j in gl.static_range(SP):  # unrolled: all S loads in flight at once, summed in order
-                part += gl.load(ws_ptr + (blk * S + j) * WS + off, mask=(off >= 0) & (j < S), other=0.0,
-                                cache_modifier=".cg")
-            gl.atomic_xchg(lock_ptr + blk, 0)  # ready for the next launch
+    if SK:
+        T = gl.cdiv(N, 64) * KB
+        q0 = _sk_owner(blk * KB, T)
+        if (k0 > 0) | (k1 < KB):  # a segment of the block
+            part, done = _split_sum(part, off, WS, ws_ptr, lock_ptr, 2 * p + (blk * KB + k0 != f0).to(gl.int32), blk,
+                                    q0, _sk_owner(blk * KB + KB - 1, T) - q0 + 1, SP, SK, T, KB)
+    elif S > 1:
+        if blk >= NW:
+            part, done = _split_sum(part, off, WS, ws_ptr, lock_ptr, p, blk, NW + (blk - NW) * S, S, SP, SK, 0, 0)
     if done:
         out = part * alpha
         if HAS_BIAS:
@@ -475,12 +565,29 @@ def _store_tokens(c_ptr, b, v, tok, n, M, N, HAS_BIAS: gl.constexpr):
 
 
 @gluon.jit
-def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, M, N, KB, S,
+def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, M, N, KB, S, NW, CS,
                        SP: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
                        MT: gl.constexpr, XPF: gl.constexpr, STAMP: gl.constexpr, HOIST: gl.constexpr,
                        EPI: gl.constexpr, PRODUCER_REGS: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr,
-                       L2S: gl.constexpr, num_warps: gl.constexpr):
+                       L2S: gl.constexpr, SK: gl.constexpr, TAIL: gl.constexpr, num_warps: gl.constexpr):
     p, blk, k0, k1, trow0, w_bufs, s_bufs, ready, empty = _setup(w_desc, s_desc, KB, S, NUM_STAGES, PDL)
+    if SK:  # stream-K: flat steps [k0, k1) of the (row block, K step) order; tile f sits at row f * 64
+        T = gl.cdiv(N, 64) * KB
+        k0 = _sk_start(p, T)
+        k1 = _sk_start(p + 1, T)
+        blk = k0 // KB
+        trow0 = k0 * 0
+    if TAIL:  # split tail: blocks below NW whole (one program each), block NW + i in S slices of CS steps
+        if p >= NW:
+            q = p - NW
+            blk = NW + q // S
+            k0 = (q - (q // S) * S) * CS
+            k1 = gl.minimum(k0 + CS, KB)
+        else:
+            blk = p
+            k0 = p * 0
+            k1 = k0 + KB
+        trow0 = blk * (KB * 64)
     if MT > 1 and EPI:  # the per-warp partials of the shared-memory epilogues (8 KB / 4 KB)
         red = gl.allocate_shared_memory(gl.float32, [4, 4, 8, 4, 2, 2],
                                         gl.SwizzledSharedLayout(1, 1, 1, [5, 4, 3, 2, 1, 0]))
@@ -490,8 +597,8 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_pt
         red = gl.allocate_shared_memory(gl.float32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     gl.warp_specialize([
         (_consumer, (xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w_bufs, s_bufs, ready, empty,
-                     p, blk, M, N, KB, k0, k1, S, SP, NUM_STAGES, HAS_BIAS, PDL, MT, XPF, STAMP, HOIST, EPI, red, L5,
-                     L2W, L2S, num_warps)),
+                     p, blk, M, N, KB, k0, k1, S, NW, SP, NUM_STAGES, HAS_BIAS, PDL, MT, XPF, STAMP, HOIST, EPI, SK, red,
+                     L5, L2W, L2S, num_warps)),
         (_gluon_producer, (w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, stamp_ptr, p, NUM_STAGES,
                            STAMP)),
     ], [1], [PRODUCER_REGS])
@@ -509,6 +616,19 @@ HOIST_CONSTS = True
 # `_epilogue_smem1`, MT = 1); False: per-accumulator reductions and layout changes (the A/B switch)
 EPI_SMEM = True
 MAX_M = 8  # tokens per launch: the 8 columns of an m16n8k16 MMA
+# Schedules for layers with more 64-row blocks than program slots and a partial last wave (where
+# `tail_plan` finds a split tail; e.g. the 7B gate/up GEMV on an H100), instead of the plain split:
+# - split tail: the blocks of the last wave are cut into K slices, so they spread over all slots as
+#   the first wave's programs finish (the hardware's block scheduler balances them); the default
+#   for launches without PDL (standalone 7B gate/up 43.2 -> 34.7 us at M = 1, 43.6 -> 39.5 at M = 8).
+# - stream-K: one program per slot, each an equal run of the flat (row block, K step) order; the
+#   default inside PDL chains, where all its programs are resident from the start and copy their
+#   first tiles before the wait (7B decode step +1.0% at b1, +1.5% at b8 over the split tail).
+# TAIL_SPLIT / STREAMK: None = that rule (PDL read as w4a16_triton.CHAIN_ROUTING says, so a run
+# without PDL can route as the chain does), True / False = forced / never (config keys override per
+# call). Both need HOIST_CONSTS and EPI_SMEM. NOTES_w4a16.md section 18 has the measurements.
+TAIL_SPLIT = None
+STREAMK = None
 
 
 @contextlib.contextmanager
@@ -533,6 +653,40 @@ def xpf_auto(mt: int, s: int, grid: int, slots: int) -> bool:
     return mt == 1 and s == 1 and grid > slots
 
 
+@functools.lru_cache(maxsize=1024)
+def streamk_plan(blocks: int, kb: int, slots: int) -> tuple[int, int]:
+    """Stream-K over `blocks` 64-row blocks of `kb` steps on `slots` program slots -> (programs P,
+    the most programs any block is split over). Program q takes flat steps [q T / P, (q + 1) T / P),
+    T = blocks x kb (flat step f = block f // kb, K step f % kb), as the kernel's _sk_start / _sk_owner."""
+    t = blocks * kb
+    p = max(1, min(slots, t))
+    if t * (p + 1) >= 2**31:
+        raise ValueError(f"stream-K: {blocks} x {kb} steps on {p} programs overflows the kernel's int32 schedule")
+    most = 1
+    for b in range(blocks):
+        first = ((b * kb + 1) * p - 1) // t
+        last = ((b * kb + kb) * p - 1) // t
+        most = max(most, last - first + 1)
+    return p, most
+
+
+def tail_plan(blocks: int, kb: int, slots: int) -> tuple[int, int, int] | None:
+    """Split tail for `blocks` 64-row blocks of `kb` K steps on `slots` program slots -> (NW whole
+    blocks, S slices per tail block, CS steps per slice), or None. Only when the blocks overrun one
+    wave with a partial last wave of r = blocks % slots blocks: those r blocks get S = min(kb,
+    slots // r, 16) slices (their r * S programs fit the slots freed by the first wave), e.g. the 7B
+    gate/up GEMV on an H100, 592 blocks x 14 steps on 528 slots: 528 whole blocks and 64 blocks in
+    7 slices of 2 steps. The 32B gate/up GEMV (864 blocks: r = 336, slots // r = 1) stays whole."""
+    if blocks <= slots or blocks % slots == 0:
+        return None
+    r = blocks % slots
+    nc = min(kb, slots // r, 16)  # at most 16 slices: the fixup unrolls its partial loads
+    if nc < 2:
+        return None
+    cs = -(-kb // nc)
+    return blocks - r, -(-kb // cs), cs
+
+
 def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | None = None) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for x [M, K] bf16 (contiguous, M <= 8) and an nvfp4 `state`
     (qerl.kernels.prepare). M = 1 puts x in every column of the MMA's B; M = 2..8 puts token g in
@@ -541,7 +695,8 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     config: NUM_STAGES (ring depth), PER_SM (programs per SM the grid is planned for, at most what
     the first launch measures fits), S (forced K slices per row block), num_warps (consumer warps: 4 or 8),
     maxnreg (register cap per thread), PRODUCER_REGS, PDL, XPF (x loaded one step ahead; None:
-    `xpf_auto`)."""
+    `xpf_auto`), TAIL_SPLIT / STREAMK (None: the module's TAIL_SPLIT / STREAMK; a forced S turns
+    both off)."""
     if state["fmt"] != "nvfp4":
         raise ValueError(f"the Gluon GEMV takes nvfp4 weights, got {state['fmt']}")
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_M:
@@ -553,7 +708,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     if x.shape[1] != k or x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bf16 [{m}, {k}]")
     cfg = dict(DEFAULT)
-    cfg.update({key: v for key, v in (config or {}).items() if key in DEFAULT or key == "S"})
+    cfg.update({key: v for key, v in (config or {}).items() if key in DEFAULT or key in ("S", "STREAMK", "TAIL_SPLIT")})
     nw = int(cfg["num_warps"])
     if nw not in (4, 8):
         raise ValueError(f"num_warps must be 4 or 8, got {nw}")
@@ -564,15 +719,38 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM)
     fits = min(_RESIDENT.get(key, per_sm), per_sm)
     s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), fits, mt)
-    xpf = bool(cfg["XPF"]) if cfg["XPF"] is not None else xpf_auto(mt, s, grid, fits * W._num_sms(x.device.index or 0))
+    slots = fits * W._num_sms(x.device.index or 0)
+    xpf = bool(cfg["XPF"]) if cfg["XPF"] is not None else xpf_auto(mt, s, grid, slots)
+    blocks, sp, nw_whole, cs = triton.cdiv(n, 64), triton.next_power_of_2(s), 0, 0
+    free = cfg.get("S") is None and HOIST_CONSTS and EPI_SMEM  # the other schedules need both
+    tail_on, sk_on = cfg.get("TAIL_SPLIT", TAIL_SPLIT), cfg.get("STREAMK", STREAMK)
+    # a split tail only where the blocks overrun the programs that really fit at once (a plan for fewer
+    # per SM, as the engine's for LoRA groups, still runs 432 blocks of 14B gate/up in one wave of 4
+    # per SM: split there it lost 1.8% at 14B b8 r32, NOTES_w4a16.md section 18)
+    resident = max(_RESIDENT.get(key, max(per_sm, 4)), fits) * W._num_sms(x.device.index or 0)  # 4: before measured
+    tail = tail_plan(blocks, kb, slots) if free and s == 1 and (tail_on or (tail_on is None and blocks > resident)) else None
+    chain = pdl if W.CHAIN_ROUTING is None else W.CHAIN_ROUTING  # as w4a16_triton routes a PDL chain
+    sk = free and (bool(sk_on) if sk_on is not None else (tail is not None and chain and not tail_on))
+    if sk:
+        tail = None
+    elif tail_on and tail is None and free:
+        raise ValueError(f"TAIL_SPLIT forced, but {blocks} blocks x {kb} steps on {slots} slots have no split tail")
+    if sk:  # one program per slot; workspace: two partial slots (first and last segment) per program
+        grid, most = streamk_plan(blocks, kb, slots)
+        sp = triton.next_power_of_2(most)
+        ws = torch.empty(2 * grid * 64 * mt, device=x.device, dtype=torch.float32)
+    elif tail is not None:  # workspace slot = program (the whole blocks' slots go unused)
+        nw_whole, s, cs = tail
+        grid, sp = nw_whole + (blocks - nw_whole) * s, triton.next_power_of_2(s)
+        ws = torch.empty(grid * 64 * mt, device=x.device, dtype=torch.float32)
     l5, l2w, l2s = _layouts(nw)
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
     stamps = W.stamp_slice(grid, n, k, s, m, "gluon")  # instrumentation, None when off (w4a16_triton.STAMP)
     kernel = _gluon_gemv_kernel[(grid,)](
         x.contiguous().view(torch.int32), w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws,
-        locks, stamps if stamps is not None else ws, m, n, kb, s, SP=triton.next_power_of_2(s), NUM_STAGES=ns,
+        locks, stamps if stamps is not None else ws, m, n, kb, 1 if sk else s, nw_whole, cs, SP=sp, NUM_STAGES=ns,
         HAS_BIAS=bias is not None, PDL=pdl, MT=mt, XPF=xpf,
-        STAMP=stamps is not None, HOIST=HOIST_CONSTS, EPI=EPI_SMEM, PRODUCER_REGS=preg,
+        STAMP=stamps is not None, HOIST=HOIST_CONSTS, EPI=EPI_SMEM, PRODUCER_REGS=preg, SK=sk, TAIL=tail is not None,
         L5=l5, L2W=l2w, L2S=l2s, num_warps=nw, launch_pdl=pdl, **extra,
     )
     if key not in _RESIDENT:

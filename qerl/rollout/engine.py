@@ -365,14 +365,17 @@ class RolloutEngine:
         return self._lora_buffers[key]
 
     def _lora_gemv_plan(self):
-        """The planning of a LoRA group's Gluon GEMV (LORA_GEMV_PER_SM); a no-op when off."""
+        """The planning of a LoRA group's Gluon GEMV (LORA_GEMV_PER_SM programs per SM, and no
+        stream-K: beside the side stream's LoRA kernels its persistent programs cost more than the
+        split tail gains, 7B b8 r32 0.863 vs 0.882 of the no-LoRA step, NOTES_w4a16.md section 18);
+        a no-op when LORA_GEMV_PER_SM is off."""
         if LORA_GEMV_PER_SM <= 0:
             return contextlib.nullcontext()
         try:
             from qerl.kernels import w4a16_gluon
         except ImportError:  # a Triton without Gluon: no Gluon GEMV to plan
             return contextlib.nullcontext()
-        return w4a16_gluon.defaults(PER_SM=LORA_GEMV_PER_SM)
+        return w4a16_gluon.defaults(PER_SM=LORA_GEMV_PER_SM, STREAMK=False)
 
     def _sample_and_advance(self, logits: torch.Tensor, rows: int, sampling: tuple) -> None:
         """Sample token self._step for every row, record it, and move the state one token on.
