@@ -402,12 +402,17 @@ def test_warp_specialised_gemv(name, n, k, path, cfg):
             assert _rel(y[row:row + 1], ref[row:row + 1]) < TOL, (m, row)
         assert torch.equal(W.forward(x, st, bias=bias, config=conf), y)
         assert st["locks"].abs().sum().item() == 0
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = W.forward(x, st, config=conf)
-        x.copy_(torch.randn(m, k, device="cuda").to(torch.bfloat16))
-        g.replay()
-        assert _rel(out, x.float() @ w32.T) < TOL, m
+        _graph_replay_matches(W, x, st, w32, conf)
+
+
+def _graph_replay_matches(W, x, st, w32, conf):
+    """A CUDA graph of one launch, replayed on new x, matches the fp32 reference."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = W.forward(x, st, config=conf)
+    x.copy_(torch.randn(*x.shape, device="cuda").to(torch.bfloat16))
+    g.replay()
+    assert _rel(out, x.float() @ w32.T) < TOL, x.shape[0]
 
 
 def test_gluon_gemv_xpf_same_bits():
@@ -468,12 +473,7 @@ def test_gluon_gemv_schedules(n, k, cfg):
         assert st["locks"].abs().sum().item() == 0
         split = W.forward(x, st, bias=bias, config=dict(conf, STREAMK=False, TAIL_SPLIT=False))
         assert _rel(y, split.float()) < 1e-2
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = W.forward(x, st, config=conf)
-        x.copy_(torch.randn(m, k, device="cuda").to(torch.bfloat16))
-        g.replay()
-        assert _rel(out, x.float() @ w32.T) < TOL, m
+        _graph_replay_matches(W, x, st, w32, conf)
         assert st["locks"].abs().sum().item() == 0
 
 
