@@ -28,8 +28,9 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   row block forced, x loaded a step ahead, stream-K, split tail forced, e.g.
                   g:qkv+o:p2s6, g:down:p4s3x, g:gate_up:p4s3q),
                   xpf / noxpf (Gluon GEMV loads x a step ahead or not), sk / nosk (its stream-K
-                  schedule on every launch / on none, the default), notail (no split tail; default:
-                  where w4a16_gluon.tail_plan finds one), oldepi (its epilogues
+                  schedule forced on every launch / off; default: in PDL chains where a split tail
+                  would apply), notail (no split tail; default: where w4a16_gluon.tail_plan finds
+                  one beyond the resident programs), oldepi (its epilogues
                   without the shared-memory sum), lsm0 / lsm2 (a LoRA group's Gluon GEMV planned
                   as without LoRA / for 2 programs per SM, not engine.LORA_GEMV_PER_SM), lora1k
                   (LoRA's shrink and expand as one launch, lora_ops.FUSED), nohoist (Gluon GEMV's

@@ -47,8 +47,8 @@ order (deterministic; all S loads issued at once), writes bf16 and resets the co
 no host sync. Layers with more row blocks than program slots and a nearly empty last wave (7B
 gate/up) run a split tail (the last wave's blocks in K slices; TAIL) or, in PDL chains, stream-K
 (one program per slot, equal runs of the flat (block, step) order, a segment and an epilogue per
-block it touches; SK); see TAIL_SPLIT / STREAMK below. With PDL, everything that does not depend on the previous kernel happens before the
-wait: the producer's weight copies and the consumer's alpha / bias rows (`_tile_consts`), so the
+block it touches; SK); see TAIL_SPLIT / STREAMK below. With PDL, everything that does not depend
+on the previous kernel happens before the wait: the producer's weight copies and the consumer's alpha / bias rows (`_tile_consts`), so the
 last-arriving program's epilogue waits on no load (NOTES_w4a16.md section 16).
 """
 
