@@ -490,3 +490,25 @@ def test_gluon_xpf_auto_rule():
     assert G.xpf_auto(1, 1, 37888 // 64, slots) and G.xpf_auto(1, 1, 55296 // 64, slots)
     assert not G.xpf_auto(1, 1, 27648 // 64, slots)
     assert not G.xpf_auto(1, 4, 112 * 4, slots) and not G.xpf_auto(8, 1, 864, slots)
+
+
+def test_gluon_schedule_choice():
+    """Which schedule a Gluon GEMV launch gets (w4a16_gluon.schedule), on a 132-SM H100 at 4 per SM:
+    the 7B gate/up GEMV (592 blocks x 14) runs stream-K in a PDL chain and the split tail without
+    one; a LoRA plan (3 per SM, stream-K off) keeps the tail where the blocks overrun the resident
+    programs (7B) and the plain split where they fit (14B, 432 blocks); split layers, a forced S and
+    STREAMK / TAIL_SPLIT off keep the split plan; a forced tail with none to make is an error."""
+    from qerl.kernels import w4a16_gluon as G
+
+    full, lora = 4 * 132, 3 * 132
+    assert G.schedule(592, 14, 1, 592, full, full, True, True, None, None) == ("sk", 528, 1, 0, 0, 2)
+    assert G.schedule(592, 14, 1, 592, full, full, False, True, None, None) == ("tail", 976, 7, 528, 2, 8)
+    assert G.schedule(592, 14, 1, 592, lora, full, True, True, None, False)[0] == "tail"
+    assert G.schedule(432, 20, 1, 432, lora, full, True, True, None, False) == ("split", 432, 1, 0, 0, 1)
+    assert G.schedule(72, 14, 7, 504, full, full, True, True, None, None) == ("split", 504, 7, 0, 0, 8)
+    assert G.schedule(592, 14, 1, 592, full, full, True, False, None, None)[0] == "split"  # forced S
+    assert G.schedule(592, 14, 1, 592, full, full, True, True, False, False)[0] == "split"
+    assert G.schedule(72, 14, 7, 504, full, full, True, True, None, True)[0] == "sk"  # forced stream-K
+    with pytest.raises(ValueError, match="no split tail"):
+        G.schedule(72, 14, 7, 504, full, full, False, True, True, None)
+

@@ -687,6 +687,27 @@ def tail_plan(blocks: int, kb: int, slots: int) -> tuple[int, int, int] | None:
     return blocks - r, -(-kb // cs), cs
 
 
+def schedule(blocks: int, kb: int, s: int, grid: int, slots: int, resident: int, chain: bool, free: bool,
+             tail_on: bool | None, sk_on: bool | None) -> tuple[str, int, int, int, int, int]:
+    """The launch's schedule from the split plan (`s` slices per block, `grid` programs for `slots`
+    planned slots; `resident`: the programs that really fit at once; `chain`: routed as a PDL chain;
+    `free`: no forced S and the kernel's other schedules available; TAIL_SPLIT / STREAMK as
+    `tail_on` / `sk_on`) -> (kind "split" | "tail" | "sk", grid, S, NW, CS, SP = the fixup's
+    unrolled partial count). The split tail where the blocks overrun the resident programs (or
+    forced), stream-K instead of it in PDL chains (or forced), else the split plan unchanged."""
+    tail = tail_plan(blocks, kb, slots) if free and s == 1 and (
+        tail_on or (tail_on is None and blocks > resident)) else None
+    if free and (bool(sk_on) if sk_on is not None else (tail is not None and chain and not tail_on)):
+        programs, most = streamk_plan(blocks, kb, slots)
+        return "sk", programs, 1, 0, 0, triton.next_power_of_2(most)
+    if tail is not None:
+        nw, slices, cs = tail
+        return "tail", nw + (blocks - nw) * slices, slices, nw, cs, triton.next_power_of_2(slices)
+    if tail_on and free:
+        raise ValueError(f"TAIL_SPLIT forced, but {blocks} blocks x {kb} steps on {slots} slots have no split tail")
+    return "split", grid, s, 0, 0, triton.next_power_of_2(s)
+
+
 def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | None = None) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for x [M, K] bf16 (contiguous, M <= 8) and an nvfp4 `state`
     (qerl.kernels.prepare). M = 1 puts x in every column of the MMA's B; M = 2..8 puts token g in
@@ -721,36 +742,23 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), fits, mt)
     slots = fits * W._num_sms(x.device.index or 0)
     xpf = bool(cfg["XPF"]) if cfg["XPF"] is not None else xpf_auto(mt, s, grid, slots)
-    blocks, sp, nw_whole, cs = triton.cdiv(n, 64), triton.next_power_of_2(s), 0, 0
     free = cfg.get("S") is None and HOIST_CONSTS and EPI_SMEM  # the other schedules need both
-    tail_on, sk_on = cfg.get("TAIL_SPLIT", TAIL_SPLIT), cfg.get("STREAMK", STREAMK)
-    # a split tail only where the blocks overrun the programs that really fit at once (a plan for fewer
-    # per SM, as the engine's for LoRA groups, still runs 432 blocks of 14B gate/up in one wave of 4
-    # per SM: split there it lost 1.8% at 14B b8 r32, NOTES_w4a16.md section 18)
     resident = max(_RESIDENT.get(key, max(per_sm, 4)), fits) * W._num_sms(x.device.index or 0)  # 4: before measured
-    tail = tail_plan(blocks, kb, slots) if free and s == 1 and (tail_on or (tail_on is None and blocks > resident)) else None
     chain = pdl if W.CHAIN_ROUTING is None else W.CHAIN_ROUTING  # as w4a16_triton routes a PDL chain
-    sk = free and (bool(sk_on) if sk_on is not None else (tail is not None and chain and not tail_on))
-    if sk:
-        tail = None
-    elif tail_on and tail is None and free:
-        raise ValueError(f"TAIL_SPLIT forced, but {blocks} blocks x {kb} steps on {slots} slots have no split tail")
-    if sk:  # one program per slot; workspace: two partial slots (first and last segment) per program
-        grid, most = streamk_plan(blocks, kb, slots)
-        sp = triton.next_power_of_2(most)
+    kind, grid, s, nw_whole, cs, sp = schedule(triton.cdiv(n, 64), kb, s, grid, slots, resident, chain, free,
+                                               cfg.get("TAIL_SPLIT", TAIL_SPLIT), cfg.get("STREAMK", STREAMK))
+    if kind == "sk":  # workspace: two partial slots (first and last segment) per program
         ws = torch.empty(2 * grid * 64 * mt, device=x.device, dtype=torch.float32)
-    elif tail is not None:  # workspace slot = program (the whole blocks' slots go unused)
-        nw_whole, s, cs = tail
-        grid, sp = nw_whole + (blocks - nw_whole) * s, triton.next_power_of_2(s)
+    elif kind == "tail":  # workspace slot = program (the whole blocks' slots go unused)
         ws = torch.empty(grid * 64 * mt, device=x.device, dtype=torch.float32)
     l5, l2w, l2s = _layouts(nw)
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
     stamps = W.stamp_slice(grid, n, k, s, m, "gluon")  # instrumentation, None when off (w4a16_triton.STAMP)
     kernel = _gluon_gemv_kernel[(grid,)](
         x.contiguous().view(torch.int32), w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws,
-        locks, stamps if stamps is not None else ws, m, n, kb, 1 if sk else s, nw_whole, cs, SP=sp, NUM_STAGES=ns,
+        locks, stamps if stamps is not None else ws, m, n, kb, s, nw_whole, cs, SP=sp, NUM_STAGES=ns,
         HAS_BIAS=bias is not None, PDL=pdl, MT=mt, XPF=xpf,
-        STAMP=stamps is not None, HOIST=HOIST_CONSTS, EPI=EPI_SMEM, PRODUCER_REGS=preg, SK=sk, TAIL=tail is not None,
+        STAMP=stamps is not None, HOIST=HOIST_CONSTS, EPI=EPI_SMEM, PRODUCER_REGS=preg, SK=kind == "sk", TAIL=kind == "tail",
         L5=l5, L2W=l2w, L2S=l2s, num_warps=nw, launch_pdl=pdl, **extra,
     )
     if key not in _RESIDENT:
