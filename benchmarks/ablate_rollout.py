@@ -30,7 +30,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   xpf / noxpf (Gluon GEMV loads x a step ahead or not), sk / nosk (its stream-K
                   schedule forced on every launch / off; default: in PDL chains where a split tail
                   would apply), notail (no split tail; default: where w4a16_gluon.tail_plan finds
-                  one beyond the resident programs), oldepi (its epilogues
+                  one beyond the resident programs), nosbits (its scales by the float conversion, not
+                  the integer one), oldepi (its epilogues
                   without the shared-memory sum), lsm0 / lsm2 (a LoRA group's Gluon GEMV planned
                   as without LoRA / for 2 programs per SM, not engine.LORA_GEMV_PER_SM), lora1k
                   (LoRA's shrink and expand as one launch, lora_ops.FUSED), nohoist (Gluon GEMV's
@@ -74,13 +75,14 @@ KINDS = ("qkv", "o", "gate_up", "down")
 
 def _switches() -> dict:
     """flag -> [(module, attribute, value)] set while a variant runs."""
-    from qerl.kernels import decode_ops, lora_ops, w4a16_gemv, w4a16_gluon, w4a16_triton
+    from qerl.kernels import decode_ops, lora_ops, w4a16_gemv, w4a16_gluon, w4a16_triton, w4a16_wgmma
     from qerl.rollout import engine as engine_mod
     table = {
         "lsm0": [(engine_mod, "LORA_GEMV_PER_SM", 0)],
         "sk": [(w4a16_gluon, "STREAMK", True)],
         "nosk": [(w4a16_gluon, "STREAMK", False)],
         "notail": [(w4a16_gluon, "TAIL_SPLIT", False)],
+        "nosbits": [(w4a16_gluon, "SCALE_BITS", False), (w4a16_wgmma, "SCALE_BITS", False)],
         "lsm2": [(engine_mod, "LORA_GEMV_PER_SM", 2)],
         "lora1k": [(lora_ops, "FUSED", True)],
         "nowsmma": [(w4a16_triton, "WSMMA_MIN_NK", 0), (w4a16_triton, "WSMMA_MIN_NK_PDL", 0),

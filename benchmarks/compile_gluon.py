@@ -3,9 +3,9 @@
 qerl/kernels/w4a16_wgmma.py).
 
     .venv/bin/python benchmarks/compile_gluon.py [--n 7168] [--k 5120] [--stages 6] [--warps 4]
-        [--maxnreg R (default 64, 0 = none)] [--producer-regs 24] [--bias] [--pdl] [--xpf] [--streamk] [--tail] [--dump DIR]
+        [--maxnreg R (default 64, 0 = none)] [--producer-regs 24] [--bias] [--pdl] [--xpf] [--streamk] [--tail] [--scale-bits] [--dump DIR]
     .venv/bin/python benchmarks/compile_gluon.py --kernel wgmma [--fmt nvfp4] [--m 64]
-        [--config '{"CPS": 4, "NSD": 2}'] [--bias] [--dump DIR]
+        [--config '{"CPS": 4, "NSD": 2}'] [--bias] [--scale-bits] [--dump DIR]
 
 Builds the kernel's GluonASTSource with a concrete signature (TMA descriptor types from CPU
 tensors), runs triton.compile for GPUTarget("cuda", 90, 32) (ptxas included), and prints
@@ -51,13 +51,14 @@ def _signature(n: int, k: int, has_bias: bool):
 
 
 def compile_kernel(n: int, k: int, stages: int, warps: int, maxnreg, producer_regs: int, bias: bool, pdl: bool,
-                   mt: int = 1, xpf: bool = False, stamp: bool = False, epi: bool = G.EPI_SMEM, sk: bool = False, tail: bool = False):
+                   mt: int = 1, xpf: bool = False, stamp: bool = False, epi: bool = G.EPI_SMEM, sk: bool = False, tail: bool = False,
+                   sbits: bool = False):
     fn = G._gluon_gemv_kernel
     sig = _signature(n, k, bias)
     l5, l2w, l2s = G._layouts(warps)
     # SP: the fixup's unrolled partial count (the wrapper passes next_power_of_2(S); 8 covers S <= 8)
     constexprs = {"NUM_STAGES": stages, "HAS_BIAS": bias, "PDL": pdl, "MT": mt, "XPF": xpf, "STAMP": stamp, "SP": 8,
-                  "HOIST": True, "EPI": epi, "SK": sk, "TAIL": tail, "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
+                  "HOIST": True, "EPI": epi, "SK": sk, "TAIL": tail, "SBITS": sbits, "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
     for name in constexprs:
         sig[name] = "constexpr"
     # pointers 16-byte aligned, as the JIT would specialise them on a GPU
@@ -133,7 +134,7 @@ def main_wgmma(a):
     if a.pdl:
         config["PDL"] = True
     try:
-        ck = WG.compile_offline(a.fmt, a.m, a.n, a.k, config=config, bias=a.bias)
+        ck = WG.compile_offline(a.fmt, a.m, a.n, a.k, config=config, bias=a.bias, sbits=a.scale_bits)
     except Exception as e:  # noqa: BLE001
         print(f"compile FAILED: {type(e).__name__}: {e}")
         sys.exit(1)
@@ -172,6 +173,7 @@ def main():
     ap.add_argument("--xpf", action="store_true", help="gemv: x loaded one step ahead")
     ap.add_argument("--streamk", action="store_true", help="gemv: the stream-K schedule (SK)")
     ap.add_argument("--tail", action="store_true", help="gemv: the split-tail schedule (TAIL)")
+    ap.add_argument("--scale-bits", action="store_true", help="gemv / wgmma nvfp4: scales by integer arithmetic (SBITS / FMT 2)")
     ap.add_argument("--old-epi", action="store_true", help="gemv, M > 1: the per-accumulator epilogue (EPI off)")
     ap.add_argument("--dump", default=None, help="write ttgir / llir / ptx / sass here")
     a = ap.parse_args()
@@ -179,14 +181,14 @@ def main():
         return main_wgmma(a)
     try:
         ck = compile_kernel(a.n, a.k, a.stages, a.warps, a.maxnreg, a.producer_regs, a.bias, a.pdl,
-                            1 if (a.m or 1) == 1 else G.MAX_M, a.xpf, epi=not a.old_epi, sk=a.streamk, tail=a.tail)
+                            1 if (a.m or 1) == 1 else G.MAX_M, a.xpf, epi=not a.old_epi, sk=a.streamk, tail=a.tail, sbits=a.scale_bits)
     except Exception as e:  # noqa: BLE001
         print(f"compile FAILED: {type(e).__name__}: {e}")
         sys.exit(1)
     md = ck.metadata
     n_regs, n_spills = _resources(ck.asm["cubin"])
     print(f"ptxas: OK (sm_90a)  N={a.n} K={a.k} stages={a.stages} consumer warps={a.warps} "
-          f"maxnreg={a.maxnreg} producer regs={a.producer_regs} bias={a.bias} pdl={a.pdl} xpf={a.xpf} streamk={a.streamk} tail={a.tail}")
+          f"maxnreg={a.maxnreg} producer regs={a.producer_regs} bias={a.bias} pdl={a.pdl} xpf={a.xpf} streamk={a.streamk} tail={a.tail} scale_bits={a.scale_bits}")
     print(f"registers/thread (kernel): {n_regs}  spills: {n_spills}  shared memory: {md.shared} B  "
           f"(ring {a.stages} x {64 * 32 * 4 + 64 * 16} B)  num_warps (total): {md.num_warps}")
     warps_total = -(-a.warps // 4) * 4 + 4  # registers are handed out per warpgroup

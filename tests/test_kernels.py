@@ -512,3 +512,31 @@ def test_gluon_schedule_choice():
     with pytest.raises(ValueError, match="no split tail"):
         G.schedule(72, 14, 7, 504, full, full, False, True, True, None)
 
+
+def test_scale_bits_exact_flag():
+    """prepare's nvfp4 `scale_bits`: the integer conversion (byte << 4) + 0x7700 gives the same bf16
+    bits as the float path (FP8-E4M3 -> fp32 x 2^118 -> bf16) for every positive normal byte, and the
+    flag is False as soon as one scale is subnormal, NaN or zero over a group with live codes."""
+    from qerl.kernels import prepare, scale_bits_exact
+
+    b = torch.arange(0, 128, dtype=torch.uint8)
+    f = (b.view(torch.float8_e4m3fn).float() * 2.0**118).to(torch.bfloat16).view(torch.int16).int() & 0xFFFF
+    i = (b.int() << 4) + 0x7700
+    assert torch.equal(f[8:127], i[8:127]) and not (f[:8] == i[:8]).any() and f[127] != i[127]
+    w = torch.randn(64, 256) * 0.02
+    t = quantize_weight(w, "nvfp4")
+    assert prepare("nvfp4", t)["scale_bits"] is True
+    packed, scale = t["weight_packed"].clone(), t["weight_scale"].view(torch.uint8).clone()
+    assert scale_bits_exact(packed, scale)
+    s2 = scale.clone()
+    s2[3, 5] = 0x05  # subnormal
+    assert not scale_bits_exact(packed, s2)
+    s2 = scale.clone()
+    s2[3, 5] = 0x7F  # NaN
+    assert not scale_bits_exact(packed, s2)
+    s2, p2 = scale.clone(), packed.clone()
+    s2[3, 5] = 0  # a zero scale over live codes
+    p2[3, 40:48] = 0x21
+    assert not scale_bits_exact(p2, s2)
+    p2[3, 40:48] = 0x88  # ... and over codes that are all +-0
+    assert scale_bits_exact(p2, s2)

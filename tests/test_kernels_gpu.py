@@ -477,6 +477,47 @@ def test_gluon_gemv_schedules(n, k, cfg):
         assert st["locks"].abs().sum().item() == 0
 
 
+@pytest.mark.parametrize("n,k", [(37888, 3584), (7168, 5120), (1000, 1024)])
+def test_gluon_gemv_scale_bits(n, k, monkeypatch):
+    """The integer scale conversion (on layers whose scales are all normal) gives the same bits as
+    the float conversion: the Gluon GEMV (SBITS) at M = 1 / 3 / 8 and the wgmma GEMM (FMT 2) at
+    M = 40 / 256, with a bias; a layer with one subnormal scale is flagged off by prepare and still
+    matches the fp32 reference."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_gluon as G
+    from qerl.kernels import w4a16_triton as W
+    from qerl.kernels import w4a16_wgmma as WG
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs Hopper (TMA, warp specialisation)")
+    t, st, w32 = _layer("nvfp4", n, k, seed=13)
+    assert st["scale_bits"] is True
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    for m in (1, 3, 8, 40, 256):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        path = "wsmma" if m <= 8 else "wgmma"
+        ys = []
+        for on in (True, False):
+            monkeypatch.setattr(G, "SCALE_BITS", on)
+            monkeypatch.setattr(WG, "SCALE_BITS", on)
+            W.forward(x, st, bias=bias, config={"PATH": path})  # the first launch measures residency (schedule)
+            ys.append(W.forward(x, st, bias=bias, config={"PATH": path}))
+        assert torch.equal(ys[0], ys[1]), m
+        assert _rel(ys[0], x.float() @ w32.T + bias.float()) < TOL
+    monkeypatch.setattr(G, "SCALE_BITS", True)
+    monkeypatch.setattr(WG, "SCALE_BITS", True)
+    t2 = dict(t)
+    sc = t["weight_scale"].view(torch.uint8).clone()
+    sc[1, 2] = 0x03  # one subnormal scale
+    t2["weight_scale"] = sc.view(t["weight_scale"].dtype)
+    st2 = prepare("nvfp4", t2)
+    assert st2["scale_bits"] is False
+    for m, path in ((3, "wsmma"), (64, "wgmma")):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        y = W.forward(x, st2, config={"PATH": path})
+        assert _rel(y, x.float() @ reference.dequant("nvfp4", t2, torch.float32).T) < TOL
+
+
 @pytest.mark.parametrize("n,k", [(4608, 3584), (27648, 5120), (1000, 1024)])
 def test_gluon_gemv_epilogues(n, k, monkeypatch):
     """M = 1..8 on the Gluon GEMV: the shared-memory epilogues (EPI_SMEM, the default) and the

@@ -72,10 +72,11 @@ def prepare(fmt: str, tensors: dict[str, torch.Tensor], locks: int | None = None
     both tiled [N/64, K/256, 64, .] as layout.py describes; `kb` = K/256 blocks; `alpha`
     float32 [1] on the device (the per-tensor factor applied to the fp32 accumulator: 2^8 / g
     for nvfp4, 2^J for mxfp4); `exp_bias`
-    (python int, mxfp4 only), and two int32 counter arrays for the split-reduction path.
+    (python int, mxfp4 only), `scale_bits` (nvfp4: every scale converts by integer arithmetic,
+    scale_bits_exact), and two int32 counter arrays for the split-reduction path.
     nf4 and bf16: the checkpoint tensors themselves (torch backend only).
 
-    This costs one host sync (mxfp4 exponent range); do it before CUDA-graph capture.
+    This costs one host sync (mxfp4 exponent range, nvfp4 scale check); do it before CUDA-graph capture.
     """
     if fmt == "bf16":
         return {"fmt": fmt, "weight": tensors["weight"], "n": tensors["weight"].shape[0], "k": tensors["weight"].shape[1]}
@@ -100,6 +101,7 @@ def prepare(fmt: str, tensors: dict[str, torch.Tensor], locks: int | None = None
         state["global_scale"] = g
         state["alpha"] = (2.0 ** layout.NVFP4_EXP_OFFSET) / g
         state["exp_bias"] = 0
+        state["scale_bits"] = scale_bits_exact(packed, scale_u8)
     else:
         # W' = q_sub * 2^(e + 126 - J - 127) must stay a normal bf16 and the multiplier
         # 2^(e - 1 - J) must not overflow: J = max(8, e_max - 128) covers any exponent spread
@@ -112,6 +114,22 @@ def prepare(fmt: str, tensors: dict[str, torch.Tensor], locks: int | None = None
     state["locks"] = torch.zeros(count, dtype=torch.int32, device=device)
     state["locks_bwd"] = torch.zeros(count, dtype=torch.int32, device=device)
     return state
+
+
+def scale_bits_exact(packed: torch.Tensor, scale_u8: torch.Tensor) -> bool:
+    """True when every nvfp4 group scale converts to the kernels' bf16 multiplier s * 2^118 by
+    integer arithmetic alone, bits = (byte << 4) + 0x7700: the byte is a positive normal FP8-E4M3
+    value (0x08..0x7E), or 0x00 in a group whose 16 codes are all +-0 (they decode to +-0 under any
+    finite multiplier). Zero scales with non-zero codes, subnormal, negative or NaN scales keep the
+    float conversion. One host sync."""
+    if scale_u8.numel() == 0:
+        return True
+    n = packed.shape[0]
+    mags = (packed & 0x77).reshape(n, -1, 8)  # the 16 codes of a group without their sign bits
+    live = (mags != 0).any(dim=2)
+    s = scale_u8.reshape(n, -1)
+    bad = ((s < 0x08) & ((s != 0) | live)) | (s > 0x7E)
+    return not bool(bad.any().item())
 
 
 def state_tensors(state: dict) -> dict[str, torch.Tensor]:

@@ -71,6 +71,9 @@ from qerl.kernels.w4a16_triton import _KA, _KM, _KS, _R1, _R2, _R3, _S0, _S3  # 
 from qerl.kernels.w4a16_ws import _gdc, _mul2, _rotr
 
 _NVFP4_SCALE_MUL = gl.constexpr(3.3230699894622897e35)  # 2^118: FP8-E4M3 scale times 2^(126 - J), J = 8
+# nvfp4 layers whose scales are all normal (prepare's `scale_bits`) convert them to the bf16
+# multiplier by integer arithmetic (FMT = 2, bit-identical there); False: the float conversion (A/B)
+SCALE_BITS = True
 
 
 def decoder_layouts(fmt: str, dw: int = 4):
@@ -114,11 +117,14 @@ def _decode_chunk(wc, sc, exp_bias, FMT: gl.constexpr, L3: gl.constexpr):
     WPS: gl.constexpr = L3.shape[2]
     words = gl.convert_layout(gl.reshape(wc, [64, SPC, WPS]), L3, assert_trivial=True).to(gl.uint32, bitcast=True)
     sraw = gl.convert_layout(sc, gl.SliceLayout(2, L3), assert_trivial=True)
-    if FMT == 0:
-        s = (sraw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _NVFP4_SCALE_MUL).to(gl.bfloat16)
+    if FMT == 2:  # nvfp4 whose scales are all normal (prepare: scale_bits): bf16 bits (b << 4) + 0x7700
+        s16 = (sraw.to(gl.uint8, bitcast=True).to(gl.uint32) << 4) + 0x7700
     else:
-        s = gl.exp2(sraw.to(gl.float32) + (exp_bias - 127).to(gl.float32)).to(gl.bfloat16)
-    s16 = s.to(gl.uint16, bitcast=True).to(gl.uint32)
+        if FMT == 0:
+            s = (sraw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _NVFP4_SCALE_MUL).to(gl.bfloat16)
+        else:
+            s = gl.exp2(sraw.to(gl.float32) + (exp_bias - 127).to(gl.float32)).to(gl.bfloat16)
+        s16 = s.to(gl.uint16, bitcast=True).to(gl.uint32)
     s2 = gl.expand_dims(s16 | (s16 << 16), 2)  # the scale in both halves, broadcast over its words
     p0 = _mul2((words & _KM) | (_rotr(words, _S0) & _KS), s2)
     p1 = _mul2(_rotr(words, _R1) & _KA, s2)
@@ -132,7 +138,7 @@ def _decode_chunk(wc, sc, exp_bias, FMT: gl.constexpr, L3: gl.constexpr):
 def _load_tile(w_bufs, s_bufs, idx, L2W: gl.constexpr, L2S: gl.constexpr, FMT: gl.constexpr):
     """A stage's row tile -> its four chunks of words [64, 8] and raw scales [64, SPC]."""
     words = w_bufs.index(idx).load(L2W)
-    if FMT == 0:
+    if FMT != 1:  # nvfp4
         sraw = s_bufs.index(idx).load(L2S)
     else:  # mxfp4: the 512-byte scale tile was copied as [32, 16] (TMA needs 16-byte rows)
         sraw = s_bufs.index(idx)._reinterpret(gl.uint8, [64, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).load(L2S)
@@ -563,6 +569,8 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         x = x.contiguous().clone() if x.data_ptr() % 16 else x.contiguous()
     m = x.shape[0]
     consts, cfg = kernel_args(fmt, m, config)
+    if fmt == "nvfp4" and SCALE_BITS and state.get("scale_bits", False):
+        consts = dict(consts, FMT=2)  # the integer scale conversion (w4a16_gluon.SCALE_BITS)
     bm, bn = consts["BM"], consts["num_warps"] * 16
     nt, mt = triton.cdiv(n, bn), triton.cdiv(m, bm)
     tiles = nt * mt
@@ -595,7 +603,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
 
 
 def compile_offline(fmt: str = "nvfp4", m: int = 64, n: int = 7168, k: int = 5120, config: dict | None = None,
-                    bias: bool = False):
+                    bias: bool = False, sbits: bool = False):
     """Compile the kernel for sm_90a without a GPU (ptxas included) -> triton CompiledKernel.
     benchmarks/compile_gluon.py --kernel wgmma prints its resources; tests/test_kernels.py checks it."""
     from triton.backends.compiler import GPUTarget
@@ -610,7 +618,7 @@ def compile_offline(fmt: str = "nvfp4", m: int = 64, n: int = 7168, k: int = 512
     sig = {"x_desc": mangle_type(x_desc), "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc),
            "alpha_ptr": "*fp32", "bias_ptr": "*bf16", "c_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
            "M": "i32", "N": "i32", "KB": "i32", "S": "i32", "MT": "i32", "exp_bias": "i32"}
-    consts = dict(consts, HAS_BIAS=bias)
+    consts = dict(consts, HAS_BIAS=bias, FMT=2 if sbits and fmt == "nvfp4" else consts["FMT"])
     sig.update({name: "constexpr" for name in consts})
     # pointers 16-byte aligned, as the JIT specialises them on a GPU
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
