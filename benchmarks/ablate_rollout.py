@@ -31,7 +31,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   schedule forced on every launch / off; default: in PDL chains where a split tail
                   would apply), notail (no split tail; default: where w4a16_gluon.tail_plan finds
                   one beyond the resident programs), nosbits (its scales by the float conversion, not
-                  the integer one), oldepi (its epilogues
+                  the integer one), norope / nocomb (RoPE / the split combine in launches of their
+                  own, not inside the attention kernel), comb (the combine inside), oldepi (its epilogues
                   without the shared-memory sum), lsm0 / lsm2 (a LoRA group's Gluon GEMV planned
                   as without LoRA / for 2 programs per SM, not engine.LORA_GEMV_PER_SM), lora1k
                   (LoRA's shrink and expand as one launch, lora_ops.FUSED), nohoist (Gluon GEMV's
@@ -105,6 +106,9 @@ def _switches() -> dict:
         "nohoist": [(w4a16_gluon, "HOIST_CONSTS", False), (decode_ops, "NORM_W_EARLY", False)],
         "kvpre": [(decode_ops, "ATTN_PREFETCH", True)],
         "nokvpre": [(decode_ops, "ATTN_PREFETCH", False)],
+        "norope": [(decode_ops, "ATTN_ROPE", False)],
+        "nocomb": [(decode_ops, "ATTN_COMBINE", False)],
+        "comb": [(decode_ops, "ATTN_COMBINE", True)],
         "ap528": [(decode_ops, "ATTN_PROGRAMS", 528)],
         "ap1056": [(decode_ops, "ATTN_PROGRAMS", 1056)],
     }

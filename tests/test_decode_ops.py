@@ -62,6 +62,30 @@ _SCRIPT = textwrap.dedent(
             got = ops.decode_attention_triton(q, kc[:b], vc[:b], valid[:b], keys, dim ** -0.5, slot)
             ref = ops.decode_attention_reference(q, kc[:b], vc[:b], valid[:b], keys, dim ** -0.5)
             out.append(("attention", b, heads, keys, small, early_v, prefetch, err(got, ref)))
+    # RoPE inside the attention kernel (and the combine too, with counters): output and caches
+    # against rope_to_cache_reference + the attention reference; the counters come back to zero
+    ops.ATTN_BLOCK_SMALL = 32
+    for prefetch, combine in ((False, False), (True, True), (False, True)):
+        ops.ATTN_PREFETCH = prefetch
+        for b, heads, kv, dim, length, keys in cases:
+            qkv = torch.randn(b, (heads + 2 * kv) * dim)
+            extra = torch.randn_like(qkv) * 0.1 if heads == 6 else None
+            ang = torch.rand(b, dim // 2) * 6.28
+            cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+            kc_t, vc_t = torch.randn(b + 1, kv, length, dim), torch.randn(b + 1, kv, length, dim)
+            kc_r, vc_r = kc_t.clone(), vc_t.clone()
+            valid = torch.rand(b + 1, length) > 0.3
+            valid[:, 0] = True
+            slot = torch.tensor([keys - 1 if heads == 4 else keys // 3])
+            valid[:, slot] = True
+            cnt = torch.zeros(b * kv + 3, dtype=torch.int32) if combine else None
+            got = ops.decode_attention_rope_triton(qkv, cos, sin, kc_t[:b], vc_t[:b], slot, valid[:b], keys,
+                                                   dim ** -0.5, heads, kv, extra, cnt)
+            q = ops.rope_to_cache_reference(qkv, cos, sin, kc_r[:b], vc_r[:b], slot, heads, kv, extra)
+            ref = ops.decode_attention_reference(q, kc_r[:b], vc_r[:b], valid[:b], keys, dim ** -0.5)
+            zero = 0.0 if cnt is None or not cnt.any() else 1.0
+            out.append(("attention_rope", b, heads, keys, prefetch, combine,
+                        max(err(got, ref), err(kc_t, kc_r), err(vc_t, vc_r), zero)))
     print("RESULTS" + json.dumps(out))
     """
 )
@@ -70,7 +94,7 @@ _SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize("seed", [0, 1])
 def test_triton_decode_ops_under_interpreter(seed):
     results = run_interpreted(_SCRIPT, seed)
-    assert len(results) == 29
+    assert len(results) == 38
     bad = [r for r in results if not r[-1] <= 1e-5]
     assert not bad, bad
 

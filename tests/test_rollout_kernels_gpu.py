@@ -145,3 +145,66 @@ def test_engine_prefill_graph_replays_the_eager_prefill(fmt):
         assert g.prompt_ids.shape == (3, 70)
         assert torch.equal(g.completion_ids, w.completion_ids)
         assert torch.equal(g.logprobs, w.logprobs)
+
+
+@pytest.mark.parametrize("rows,heads,kv,keys", [(1, 28, 4, 300), (8, 28, 4, 512), (8, 40, 8, 1000), (3, 64, 8, 70)])
+def test_attention_rope_kernel_matches_three_launches(rows, heads, kv, keys, monkeypatch):
+    """decode_attention_rope on the GPU (bf16, RoPE in the attention kernel, with and without the
+    combine in it, a LoRA `extra`): the caches get the very bits rope_to_cache writes; the output
+    equals the three launches' bit for bit without the in-kernel combine, and within bf16 rounding
+    with it (another summation order); the counters are back at zero, also after a second call."""
+    from qerl.kernels import decode_ops as ops
+
+    gen = torch.Generator(device="cuda").manual_seed(rows * 1000 + keys)
+    dev, d, length = "cuda", 128, keys + 24
+    qkv = torch.randn(rows, (heads + 2 * kv) * d, generator=gen, device=dev).to(torch.bfloat16)
+    extra = (torch.randn(qkv.shape, generator=gen, device=dev) * 0.1).to(torch.bfloat16)
+    pos = torch.randint(0, 4000, (rows,), generator=gen, device=dev)
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev).float() / d))
+    ang = torch.cat([pos[:, None].float() * inv] * 2, -1)
+    cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+    kc = torch.randn(rows, kv, length, d, generator=gen, device=dev).to(torch.bfloat16)
+    vc = torch.randn(rows, kv, length, d, generator=gen, device=dev).to(torch.bfloat16)
+    valid = torch.rand(rows, length, generator=gen, device=dev) > 0.2
+    slot = torch.tensor([keys - 5], device=dev)
+    valid[:, keys - 5] = True
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q = ops.rope_to_cache_triton(qkv, cos, sin, kc_ref, vc_ref, slot, heads, kv, extra)
+    ref = ops.decode_attention_triton(q, kc_ref, vc_ref, valid, keys, d ** -0.5, slot)
+    cnt = torch.zeros(rows * kv, dtype=torch.int32, device=dev)
+    for combine in (False, True, True):
+        monkeypatch.setattr(ops, "ATTN_COMBINE", combine)
+        k2, v2 = kc.clone(), vc.clone()
+        got = ops.decode_attention_rope(qkv, cos, sin, k2, v2, slot, valid, keys, d ** -0.5, heads, kv, extra, cnt)
+        torch.cuda.synchronize()
+        assert torch.equal(k2, kc_ref) and torch.equal(v2, vc_ref)
+        assert not torch.isnan(got).any() and cnt.abs().sum().item() == 0
+        if combine:
+            assert (got.float() - ref.float()).abs().max().item() <= 2e-2 * ref.float().abs().max().item()
+        else:
+            assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_engine_attention_rope_changes_nothing(fmt, monkeypatch):
+    """The engine with RoPE inside the attention kernel (decode_ops.ATTN_ROPE, combine separate)
+    gives the rollout of the separate RoPE launch token for token and logprob for logprob; with
+    the combine inside too (ATTN_COMBINE) the logprobs stay within bf16 noise of it."""
+    from qerl.kernels import decode_ops
+    from qerl.rl.rollout import RolloutSettings
+    from qerl.rollout.engine import RolloutEngine
+
+    model = _small_model(fmt)
+    prompts = [torch.randint(0, 4096, (n,)).tolist() for n in (5, 70, 33)]
+    settings = RolloutSettings(num_generations=2, max_new_tokens=80, temperature=0.0, stop_ids=[10**9], pad_id=0)
+    runs = []
+    for rope, combine in ((False, False), (True, False), (True, True)):
+        monkeypatch.setattr(decode_ops, "ATTN_ROPE", rope)
+        monkeypatch.setattr(decode_ops, "ATTN_COMBINE", combine)
+        with torch.inference_mode():
+            runs.append(RolloutEngine(model, max_batch=8, max_len=256).generate(
+                prompts, settings, torch.Generator(device="cuda").manual_seed(0)))
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+    assert torch.equal(runs[0].logprobs, runs[1].logprobs)
+    assert torch.equal(runs[0].completion_ids[:, :16], runs[2].completion_ids[:, :16])
+    assert (runs[0].logprobs[:, :16] - runs[2].logprobs[:, :16]).abs().max().item() < 0.05

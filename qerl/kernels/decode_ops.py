@@ -29,7 +29,7 @@ import os
 
 import torch
 
-__all__ = ["add_rms_norm", "add_rms_norm_reference", "decode_attention", "decode_attention_reference",
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "decode_attention", "decode_attention_reference", "decode_attention_rope",
            "rope_to_cache", "rope_to_cache_reference", "rotary", "silu_mul", "silu_mul_reference"]
 
 
@@ -227,12 +227,37 @@ def _triton_kernels():
         tl.store(out_ptr + row * inter + cols, (s * u).to(dt), mask=m)
 
     @triton.jit
+    def _rope_rows(src_ptr, e_ptr, cos_ptr, sin_ptr, rows, d, D: tl.constexpr, HAS_EXTRA: tl.constexpr, dt):
+        # rope_cache_kernel's arithmetic for rows of D at src + rows * D: bf16(bf16(x cos) + bf16(rot(x) sin)),
+        # rot(x)[d] = -x[d + D/2] (d < D/2) or x[d - D/2]; `extra` added first and rounded once
+        dp = (d + D // 2) % D
+        x = tl.load(src_ptr + rows[:, None] * D + d[None, :])
+        xp = tl.load(src_ptr + rows[:, None] * D + dp[None, :])
+        if HAS_EXTRA:
+            x = (x.to(tl.float32) + tl.load(e_ptr + rows[:, None] * D + d[None, :]).to(tl.float32)).to(dt)
+            xp = (xp.to(tl.float32) + tl.load(e_ptr + rows[:, None] * D + dp[None, :]).to(tl.float32)).to(dt)
+        c = tl.load(cos_ptr + d).to(tl.float32)
+        sn = tl.load(sin_ptr + d).to(tl.float32) * tl.where(d < D // 2, -1.0, 1.0)
+        return ((x.to(tl.float32) * c[None, :]).to(dt).to(tl.float32)
+                + (xp.to(tl.float32) * sn[None, :]).to(dt).to(tl.float32)).to(dt)
+
+    # the kernel below calls it by name: Triton (and its interpreter) look names up in the module
+    globals()["_rope_rows"] = _rope_rows
+
+    @triton.jit
     def attn_partial_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, po_ptr, pm_ptr, pl_ptr,
-                            kc_b, kc_h, kc_l, vc_b, vc_h, vc_l, valid_b, keys, splits, scale, CHUNK: tl.constexpr,
+                            kc_b, kc_h, kc_l, vc_b, vc_h, vc_l, valid_b, keys, splits, scale,
+                            e_ptr, cos_ptr, sin_ptr, cnt_ptr, out_ptr, CHUNK: tl.constexpr,
                             KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                            PDL: tl.constexpr = False, EARLY_V: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                            PDL: tl.constexpr = False, EARLY_V: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                            ROPE: tl.constexpr = False, HAS_EXTRA: tl.constexpr = False, COMBINE: tl.constexpr = False):
         # one (row, KV head, key chunk): the G query heads of that KV head against CHUNK keys,
-        # online softmax; partial output, max and sum per query head to po / pm / pl
+        # online softmax; partial output, max and sum per query head to po / pm / pl.
+        # ROPE (decode_attention_rope): q_ptr is the qkv projection [B, (KV G + 2 KV) D]; the
+        # program rotates its q heads itself, and the program whose chunk holds `slot` rotates the
+        # new key, writes key and value to the cache and uses them for that slot (rope_to_cache's
+        # work, without its launch). COMBINE: the last of a (row, KV head)'s programs to finish
+        # (counter cnt_ptr, reset by it) does attn_combine_kernel's sum for the G heads.
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -243,16 +268,38 @@ def _triton_kernels():
         stop = tl.minimum(start + CHUNK, keys)
         if PDL:  # see decode_ops.PDL
             tl.extra.cuda.gdc_launch_dependents()
-        if PREFETCH:  # (ATTN_PREFETCH) the chunk's first K / V block read before the wait: every
-            # slot but `slot` (written by this step's RoPE kernel) was final before this step began
+        if PREFETCH or ROPE:
             slot = tl.load(slot_ptr)
+        if PREFETCH:  # (ATTN_PREFETCH) the chunk's first K / V block read before the wait: every
+            # slot but `slot` (written in this step: by the RoPE kernel, or with ROPE below) was
+            # final before this step began
             n = start + tl.arange(0, BLOCK)
             old = (n < stop) & (n != slot)
             k_pre = tl.load(k_ptr + b * kc_b + h * kc_h + n[:, None] * kc_l + d[None, :], mask=old[:, None], other=0.0)
             v_pre = tl.load(v_ptr + b * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=old[:, None], other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        q = tl.load(q_ptr + ((b * KV + h) * G + g[:, None]) * D + d[None, :], mask=gm[:, None], other=0.0)
+        if ROPE:
+            dt = k_ptr.dtype.element_ty
+            width = (KV * G + 2 * KV) * D
+            q = _rope_rows(q_ptr + b * width, e_ptr + b * width, cos_ptr + b * D, sin_ptr + b * D,
+                           h * G + tl.minimum(g, G - 1), d, D, HAS_EXTRA, dt)
+            new = (slot >= start) & ((slot < stop) | ((s == splits - 1) & (slot >= keys)))
+            if new:  # this program's chunk holds this step's slot: the new key and value, to the cache
+                one = tl.zeros([1], tl.int32)
+                k_new = tl.reshape(_rope_rows(q_ptr + b * width + (KV * G + h) * D, e_ptr + b * width + (KV * G + h) * D,
+                                              cos_ptr + b * D, sin_ptr + b * D, one, d, D, HAS_EXTRA, dt), [D])
+                vrow = q_ptr + b * width + (KV * G + KV + h) * D + d
+                v_new = tl.load(vrow)
+                if HAS_EXTRA:
+                    v_new = (v_new.to(tl.float32) + tl.load(e_ptr + b * width + (KV * G + KV + h) * D + d).to(tl.float32)).to(dt)
+                tl.store(k_ptr + b * kc_b + h * kc_h + slot * kc_l + d, k_new)
+                tl.store(v_ptr + b * vc_b + h * vc_h + slot * vc_l + d, v_new)
+            else:
+                k_new = tl.zeros([D], dt)
+                v_new = tl.zeros([D], dt)
+        else:
+            q = tl.load(q_ptr + ((b * KV + h) * G + g[:, None]) * D + d[None, :], mask=gm[:, None], other=0.0)
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
@@ -261,17 +308,23 @@ def _triton_kernels():
             nm = n < stop
             ok = tl.load(valid_ptr + b * valid_b + n, mask=nm, other=0) != 0
             # K, and V too where it is loaded with K (ATTN_EARLY_V: not after the block's softmax;
-            # PREFETCH: the first block's rows but `slot` come from the prefetch)
+            # PREFETCH: the first block's rows but `slot` come from the prefetch; ROPE: the slot's
+            # row is the program's own k_new / v_new, never read back)
             if PREFETCH:
                 fresh = nm & ((n0 > 0) | (n == slot))
             else:
                 fresh = nm
+            if ROPE:
+                mine = n == slot
+                fresh = fresh & (n != slot)
             k = tl.load(k_ptr + b * kc_b + h * kc_h + n[:, None] * kc_l + d[None, :], mask=fresh[:, None], other=0.0)
             if EARLY_V or PREFETCH:
                 v = tl.load(v_ptr + b * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=fresh[:, None], other=0.0)
             if PREFETCH:
                 k = tl.where(fresh[:, None], k, k_pre)
                 v = tl.where(fresh[:, None], v, v_pre)
+            if ROPE:
+                k = tl.where(mine[:, None], k_new[None, :], k)
             sc = tl.dot(q, tl.trans(k)) * scale
             sc = tl.where(ok[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
@@ -280,13 +333,36 @@ def _triton_kernels():
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if not (EARLY_V or PREFETCH):
-                v = tl.load(v_ptr + b * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=nm[:, None], other=0.0)
+                v = tl.load(v_ptr + b * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=fresh[:, None], other=0.0)
+            if ROPE:
+                v = tl.where(mine[:, None], v_new[None, :], v)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         base = ((b * KV + h) * splits + s) * G + g
         tl.store(po_ptr + base[:, None] * D + d[None, :], acc, mask=gm[:, None])
         tl.store(pm_ptr + base, m_i, mask=gm)
         tl.store(pl_ptr + base, l_i, mask=gm)
+        if COMBINE:
+            tl.debug_barrier()  # every thread's partial stored before the counter's release
+            done = tl.atomic_add(cnt_ptr + b * KV + h, 1, sem="acq_rel")
+            if done == splits - 1:  # the last program of (b, h): the others' partials are visible
+                tl.store(cnt_ptr + b * KV + h, 0)  # for the next launch (graph replays)
+                # the splits' partials one at a time (a [splits, G, D] tile would spill): the
+                # largest max first, then the weighted sums
+                row0 = (b * KV + h) * splits * G
+                big = tl.full([GP], float("-inf"), tl.float32)
+                for j in range(0, splits):
+                    big = tl.maximum(big, tl.load(pm_ptr + row0 + j * G + g, mask=gm, other=float("-inf"), volatile=True))
+                big = tl.where(big == float("-inf"), 0.0, big)
+                num = tl.zeros([GP, D], tl.float32)
+                den = tl.zeros([GP], tl.float32)
+                for j in range(0, splits):
+                    w = tl.exp(tl.load(pm_ptr + row0 + j * G + g, mask=gm, other=float("-inf"), volatile=True) - big)
+                    den += tl.load(pl_ptr + row0 + j * G + g, mask=gm, other=0.0, volatile=True) * w
+                    num += tl.load(po_ptr + (row0 + j * G + g[:, None]) * D + d[None, :], mask=gm[:, None], other=0.0,
+                                   volatile=True) * w[:, None]
+                tl.store(out_ptr + ((b * KV + h) * G + g[:, None]) * D + d[None, :],
+                         (num / den[:, None]).to(out_ptr.dtype.element_ty), mask=gm[:, None])
 
     @triton.jit
     def attn_combine_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, splits, KV: tl.constexpr, G: tl.constexpr,
@@ -352,6 +428,22 @@ def silu_mul(gate_up, extra=None):
     return silu_mul_reference(gate_up, extra)
 
 
+def decode_attention_rope(qkv, cos, sin, k_cache, v_cache, slot, valid, keys: int, scale: float, heads: int,
+                          kv_heads: int, extra=None, counters=None):
+    """rope_to_cache then decode_attention, one kernel on a GPU (ATTN_ROPE): the attention's
+    programs rotate q themselves and the one whose key chunk holds `slot` writes the new key and
+    value; with `counters` (int32 zeros, >= B * kv_heads, kept at zero) the combine runs in the
+    same launch (ATTN_COMBINE). Returns [B, heads * D], as decode_attention."""
+    d = cos.shape[-1]
+    if (ATTN_ROPE and _on_gpu(qkv, "attention") and _on_gpu(qkv, "rope") and qkv.is_contiguous() and d >= 16
+            and not d & (d - 1) and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and valid.is_contiguous()
+            and _same_dtype(qkv, extra, k_cache, v_cache)):
+        return decode_attention_rope_triton(qkv, cos, sin, k_cache, v_cache, slot, valid, keys, scale, heads,
+                                            kv_heads, extra, counters)
+    q = rope_to_cache(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads, extra)
+    return decode_attention(q, k_cache, v_cache, valid, keys, scale, slot)
+
+
 def decode_attention(q, k_cache, v_cache, valid, keys: int, scale: float, slot=None):
     """Attention of one query per row over cache slots [0, keys); `slot` ([1] long, optional) is the
     slot written in this step (ATTN_PREFETCH reads every other slot before the PDL wait)."""
@@ -385,12 +477,36 @@ ATTN_PREFETCH = os.environ.get("QERL_ATTN_PREFETCH", "0") == "1"
 # rewrites it between steps), so nothing after the reduction waits on a load. False: after the
 # reduction (the A/B switch of benchmarks/NOTES_rollout.md section 10).
 NORM_W_EARLY = True
+# RoPE (q, and the new key to the cache) done inside the attention kernel's programs instead of
+# its own launch before it (decode_attention_rope), and the split combine done by the last program
+# of each (row, KV head) instead of a second launch after it: two kernels fewer per layer on the
+# decode chain (benchmarks/NOTES_rollout.md section 14). ATTN_ROPE measured (H100, 7B nvfp4, same
+# process): +0.9% at batch 1, +1.5% at batch 8. ATTN_COMBINE: its first form (all splits' partials
+# as one [splits, G, D] tile) was 15% slower at batch 8; the split-by-split form is off unless
+# QERL_ATTN_COMBINE=1 until measured. False: separate launches (the A/B switches).
+ATTN_ROPE = True
+ATTN_COMBINE = os.environ.get("QERL_ATTN_COMBINE", "0") == "1"
 
 
 def decode_attention_triton(q, k_cache, v_cache, valid, keys: int, scale: float, slot=None):
     """Flash-decoding: the keys split over programs (partial softmax each), then one combine."""
+    return _attention_launch(q, q.shape[1], k_cache, v_cache, valid, keys, scale, slot)
+
+
+def decode_attention_rope_triton(qkv, cos, sin, k_cache, v_cache, slot, valid, keys: int, scale: float,
+                                 heads: int, kv_heads: int, extra=None, counters=None):
+    """rope_to_cache + decode_attention as one launch (ATTN_ROPE); with ATTN_COMBINE and
+    `counters` (int32 [>= B * KV], zeros; left at zero) the combine rides in it too."""
+    d = cos.shape[-1]
+    rope = (qkv.contiguous(), extra.contiguous() if extra is not None else None, cos.contiguous(), sin.contiguous())
+    return _attention_launch(qkv.view(qkv.shape[0], heads + 2 * kv_heads, d), heads, k_cache, v_cache, valid, keys,
+                             scale, slot, rope, counters if ATTN_COMBINE else None)
+
+
+def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: float, slot=None, rope=None,
+                      counters=None):
     partial, combine = _triton_kernels()[3:5]
-    b, heads, d = q.shape
+    b, d = q.shape[0], q.shape[2]
     kv = k_cache.shape[1]
     group = heads // kv
     block = ATTN_BLOCK if b * kv * -(-keys // ATTN_BLOCK) >= ATTN_PROGRAMS else ATTN_BLOCK_SMALL
@@ -402,16 +518,22 @@ def decode_attention_triton(q, k_cache, v_cache, valid, keys: int, scale: float,
     po = torch.empty(b, kv, splits, group, d, dtype=torch.float32, device=q.device)
     pm = torch.empty(b, kv, splits, group, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
+    out = torch.empty(b, heads * d, dtype=q.dtype, device=q.device)
     prefetch = ATTN_PREFETCH and slot is not None
-    partial[(b, kv, splits)](q, k_cache, v_cache, valid, slot if prefetch else valid, po, pm, pl,
+    qkv, e, cos, sin = rope if rope is not None else (q, None, q, q)
+    sp = max(2, _next_pow2(splits))
+    partial[(b, kv, splits)](qkv, k_cache, v_cache, valid, slot if (prefetch or rope is not None) else valid, po, pm, pl,
                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), valid.stride(0),
-                             keys, splits, float(scale), CHUNK=chunk, KV=kv, G=group, GP=max(16, _next_pow2(group)), D=d,
+                             keys, splits, float(scale), e if e is not None else qkv, cos, sin,
+                             counters if counters is not None else valid, out,
+                             CHUNK=chunk, KV=kv, G=group, GP=max(16, _next_pow2(group)), D=d,
                              BLOCK=block, num_warps=4, PDL=pdl_on(q), EARLY_V=ATTN_EARLY_V, PREFETCH=prefetch,
+                             ROPE=rope is not None, HAS_EXTRA=e is not None, COMBINE=counters is not None,
                              launch_pdl=pdl_on(q))
-    out = torch.empty(b, heads * d, dtype=q.dtype, device=q.device)
-    combine[(b, heads)](po, pm, pl, out, splits, KV=kv, G=group, D=d, SP=max(2, _next_pow2(splits)), num_warps=1,
-                        PDL=pdl_on(q), launch_pdl=pdl_on(q))
+    if counters is None:
+        combine[(b, heads)](po, pm, pl, out, splits, KV=kv, G=group, D=d, SP=sp, num_warps=1,
+                            PDL=pdl_on(q), launch_pdl=pdl_on(q))
     return out
 
 

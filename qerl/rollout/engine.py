@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl.nn.quant_linear import _outside_inference_mode
-from qerl.kernels.decode_ops import add_rms_norm, decode_attention, pdl_on, rope_to_cache, rotary, silu_mul
+from qerl.kernels.decode_ops import add_rms_norm, decode_attention_rope, pdl_on, rotary, silu_mul
 from qerl.rl.rollout import RolloutBatch, RolloutSettings, pad_prompts
 from qerl.rollout.fuse import LinearGroup
 from qerl.kernels.sample_ops import SampleState, sample_step
@@ -209,6 +209,7 @@ class RolloutEngine:
             self._slot = torch.zeros(1, dtype=torch.long, device=dev)  # its cache slot
             self._step = torch.zeros(1, dtype=torch.long, device=dev)  # index of the token to sample
             self._valid = torch.zeros(mb, ml, dtype=torch.bool, device=dev)  # keys a row may attend
+            self._attn_counters = torch.zeros(mb * self.n_kv, dtype=torch.int32, device=dev)  # decode_attention_rope
             self._finished = torch.zeros(mb, dtype=torch.bool, device=dev)
             self._row_map = torch.zeros(mb, dtype=torch.long, device=dev)  # decoding row -> output row
             self._uniform = torch.zeros(ml, mb, dtype=torch.float32, device=dev)
@@ -323,15 +324,14 @@ class RolloutEngine:
             h, x = layer.attn_norm(delta, h, lo_down)
             kc, vc = self._k[i][:rows], self._v[i][:rows]
             qkv, lo = self._linear(layer.qkv, x, "qkv")
-            if layer.q_norm is None:
-                q = rope_to_cache(qkv, cos, sin, kc, vc, self._slot, self.n_heads, self.n_kv, lo)
-            else:  # Qwen3: per-head norms on q and k before RoPE
+            if layer.q_norm is not None:  # Qwen3: per-head norms on q and k before RoPE
                 d = self.head_dim
                 qkv = qkv if lo is None else qkv + lo
                 q, k, v = qkv.view(rows, -1, d).split([self.n_heads, self.n_kv, self.n_kv], dim=1)
                 q, k = layer.q_norm(None, q)[1], layer.k_norm(None, k)[1]
-                q = rope_to_cache(torch.cat([q, k, v], 1).reshape(rows, -1), cos, sin, kc, vc, self._slot, self.n_heads, self.n_kv)
-            attn = decode_attention(q, kc, vc, valid, keys, self.scaling, self._slot)
+                qkv, lo = torch.cat([q, k, v], 1).reshape(rows, -1), None
+            attn = decode_attention_rope(qkv, cos, sin, kc, vc, self._slot, valid, keys, self.scaling, self.n_heads,
+                                         self.n_kv, lo, self._attn_counters)
             o, lo = self._linear(layer.o, attn, "o")
             h, x = layer.mlp_norm(o, h, lo)
             gu, lo = self._linear(layer.gate_up, x, "gate_up")
