@@ -97,24 +97,32 @@ def _small_model(fmt):
     return model
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_engine_attention_prefetch_changes_nothing(fmt, monkeypatch):
-    """decode_ops.ATTN_PREFETCH reads K / V before the PDL wait, all but this step's slot: a
-    graphed rollout with it equals the one without, token for token and logprob for logprob (a
-    stale read of the slot RoPE writes would change them)."""
+def _rollouts_per_switches(fmt, monkeypatch, temperature, switches):
+    """One graphed rollout of the small model (3 prompts x 2, 80 tokens, seed 0) per dict of
+    decode_ops switches."""
     from qerl.kernels import decode_ops
     from qerl.rl.rollout import RolloutSettings
     from qerl.rollout.engine import RolloutEngine
 
     model = _small_model(fmt)
     prompts = [torch.randint(0, 4096, (n,)).tolist() for n in (5, 70, 33)]
-    settings = RolloutSettings(num_generations=2, max_new_tokens=80, temperature=1.0, stop_ids=[10**9], pad_id=0)
+    settings = RolloutSettings(num_generations=2, max_new_tokens=80, temperature=temperature, stop_ids=[10**9], pad_id=0)
     runs = []
-    for prefetch in (False, True):
-        monkeypatch.setattr(decode_ops, "ATTN_PREFETCH", prefetch)
+    for switch in switches:
+        for name, value in switch.items():
+            monkeypatch.setattr(decode_ops, name, value)
         with torch.inference_mode():
             runs.append(RolloutEngine(model, max_batch=8, max_len=256).generate(
                 prompts, settings, torch.Generator(device="cuda").manual_seed(0)))
+    return runs
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_engine_attention_prefetch_changes_nothing(fmt, monkeypatch):
+    """decode_ops.ATTN_PREFETCH reads K / V before the PDL wait, all but this step's slot: a
+    graphed rollout with it equals the one without, token for token and logprob for logprob (a
+    stale read of the slot RoPE writes would change them)."""
+    runs = _rollouts_per_switches(fmt, monkeypatch, 1.0, [{"ATTN_PREFETCH": False}, {"ATTN_PREFETCH": True}])
     assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
     assert torch.equal(runs[0].logprobs, runs[1].logprobs)
 
@@ -190,20 +198,8 @@ def test_engine_attention_rope_changes_nothing(fmt, monkeypatch):
     """The engine with RoPE inside the attention kernel (decode_ops.ATTN_ROPE, combine separate)
     gives the rollout of the separate RoPE launch token for token and logprob for logprob; with
     the combine inside too (ATTN_COMBINE) the logprobs stay within bf16 noise of it."""
-    from qerl.kernels import decode_ops
-    from qerl.rl.rollout import RolloutSettings
-    from qerl.rollout.engine import RolloutEngine
-
-    model = _small_model(fmt)
-    prompts = [torch.randint(0, 4096, (n,)).tolist() for n in (5, 70, 33)]
-    settings = RolloutSettings(num_generations=2, max_new_tokens=80, temperature=0.0, stop_ids=[10**9], pad_id=0)
-    runs = []
-    for rope, combine in ((False, False), (True, False), (True, True)):
-        monkeypatch.setattr(decode_ops, "ATTN_ROPE", rope)
-        monkeypatch.setattr(decode_ops, "ATTN_COMBINE", combine)
-        with torch.inference_mode():
-            runs.append(RolloutEngine(model, max_batch=8, max_len=256).generate(
-                prompts, settings, torch.Generator(device="cuda").manual_seed(0)))
+    runs = _rollouts_per_switches(fmt, monkeypatch, 0.0, [{"ATTN_ROPE": rope, "ATTN_COMBINE": combine}
+                                                         for rope, combine in ((False, False), (True, False), (True, True))])
     assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
     assert torch.equal(runs[0].logprobs, runs[1].logprobs)
     assert torch.equal(runs[0].completion_ids[:, :16], runs[2].completion_ids[:, :16])
