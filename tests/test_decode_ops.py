@@ -62,10 +62,12 @@ _SCRIPT = textwrap.dedent(
             got = ops.decode_attention_triton(q, kc[:b], vc[:b], valid[:b], keys, dim ** -0.5, slot)
             ref = ops.decode_attention_reference(q, kc[:b], vc[:b], valid[:b], keys, dim ** -0.5)
             out.append(("attention", b, heads, keys, small, early_v, prefetch, err(got, ref)))
-    # RoPE inside the attention kernel (and the combine too, with counters): output and caches
-    # against rope_to_cache_reference + the attention reference; the counters come back to zero
-    ops.ATTN_BLOCK_SMALL = 32
-    for prefetch, combine in ((False, False), (True, True), (False, True)):
+    # RoPE inside the attention kernel: output and caches against rope_to_cache_reference + the
+    # attention reference, with and without the prefetch. The combine inside it (ATTN_COMBINE) is
+    # covered on the GPU only (test_rollout_kernels_gpu): Triton's interpreter cannot run its loop
+    # over the runtime split count. With it off, counters passed in must stay untouched.
+    ops.ATTN_BLOCK_SMALL, ops.ATTN_COMBINE = 32, False
+    for prefetch, with_counters in ((False, False), (True, True), (False, True)):
         ops.ATTN_PREFETCH = prefetch
         for b, heads, kv, dim, length, keys in cases:
             qkv = torch.randn(b, (heads + 2 * kv) * dim)
@@ -78,13 +80,13 @@ _SCRIPT = textwrap.dedent(
             valid[:, 0] = True
             slot = torch.tensor([keys - 1 if heads == 4 else keys // 3])
             valid[:, slot] = True
-            cnt = torch.zeros(b * kv + 3, dtype=torch.int32) if combine else None
+            cnt = torch.zeros(b * kv + 3, dtype=torch.int32) if with_counters else None
             got = ops.decode_attention_rope_triton(qkv, cos, sin, kc_t[:b], vc_t[:b], slot, valid[:b], keys,
                                                    dim ** -0.5, heads, kv, extra, cnt)
             q = ops.rope_to_cache_reference(qkv, cos, sin, kc_r[:b], vc_r[:b], slot, heads, kv, extra)
             ref = ops.decode_attention_reference(q, kc_r[:b], vc_r[:b], valid[:b], keys, dim ** -0.5)
             zero = 0.0 if cnt is None or not cnt.any() else 1.0
-            out.append(("attention_rope", b, heads, keys, prefetch, combine,
+            out.append(("attention_rope", b, heads, keys, prefetch, with_counters,
                         max(err(got, ref), err(kc_t, kc_r), err(vc_t, vc_r), zero)))
     print("RESULTS" + json.dumps(out))
     """
