@@ -36,7 +36,9 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   without the shared-memory sum), lsm0 / lsm2 (a LoRA group's Gluon GEMV planned
                   as without LoRA / for 2 programs per SM, not engine.LORA_GEMV_PER_SM), lora1k
                   (LoRA's shrink and expand as one launch, lora_ops.FUSED), nohoist (Gluon GEMV's
-                  alpha / bias and the norm weight loaded after the PDL wait, not before)
+                  alpha / bias and the norm weight loaded after the PDL wait, not before),
+                  gr56 / gr48p4 / gr48 / gr40 (Gluon GEMV capped at 56 / 48 / 48 / 40 registers,
+                  planned for 4 / 4 / 5 / 6 programs per SM: 8 warps x 32 x regs registers each)
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
 its median: the GPU drifts by up to ~6% over a call (the first and last "base" of one list
 differed that much), so single back-to-back timings of two variants mislead.
@@ -112,6 +114,9 @@ def _switches() -> dict:
         "ap528": [(decode_ops, "ATTN_PROGRAMS", 528)],
         "ap1056": [(decode_ops, "ATTN_PROGRAMS", 1056)],
     }
+    for name, regs, per_sm in (("gr56", 56, 4), ("gr48p4", 48, 4), ("gr48", 48, 5), ("gr40", 40, 6)):
+        table[name] = [
+            (w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "maxnreg": regs, "PER_SM": per_sm})]
     for n in (16, 32, 64):
         table[f"ab{n}"] = [(decode_ops, "ATTN_BLOCK", n), (decode_ops, "ATTN_BLOCK_SMALL", n)]
         table[f"br{n}"] = [(lora_ops, "SHRINK_BR", n)]
