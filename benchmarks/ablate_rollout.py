@@ -38,9 +38,7 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   (LoRA's shrink and expand as one launch, lora_ops.FUSED), nohoist (Gluon GEMV's
                   alpha / bias and the norm weight loaded after the PDL wait, not before),
                   gr56 / gr48p4 / gr48 / gr40 (Gluon GEMV capped at 56 / 48 / 48 / 40 registers,
-                  planned for 4 / 4 / 5 / 6 programs per SM: 8 warps x 32 x regs registers each),
-                  l2pfN / nol2pf (the attention kernel prefetches the first N MB of the layer's
-                  gate/up weight into L2, engine.L2_PREFETCH_MB; N in 8, 16, 24, 32, 48, 64 / off)
+                  planned for 4 / 4 / 5 / 6 programs per SM: 8 warps x 32 x regs registers each)
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
 its median: the GPU drifts by up to ~6% over a call (the first and last "base" of one list
 differed that much), so single back-to-back timings of two variants mislead.
@@ -119,9 +117,6 @@ def _switches() -> dict:
     for name, regs, per_sm in (("gr56", 56, 4), ("gr48p4", 48, 4), ("gr48", 48, 5), ("gr40", 40, 6)):
         table[name] = [
             (w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "maxnreg": regs, "PER_SM": per_sm})]
-    for n in (8, 16, 24, 32, 48, 64):
-        table[f"l2pf{n}"] = [(engine_mod, "L2_PREFETCH_MB", float(n))]
-    table["nol2pf"] = [(engine_mod, "L2_PREFETCH_MB", 0.0)]
     for n in (16, 32, 64):
         table[f"ab{n}"] = [(decode_ops, "ATTN_BLOCK", n), (decode_ops, "ATTN_BLOCK_SMALL", n)]
         table[f"br{n}"] = [(lora_ops, "SHRINK_BR", n)]

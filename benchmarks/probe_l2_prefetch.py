@@ -1,5 +1,7 @@
 """Does a 4-bit GEMV run faster when part of its weights was prefetched into L2 by an earlier,
-latency-bound kernel? Standalone on the GPU, bench_w4a16's method (weight copies rotated past L2,
+latency-bound kernel? (Measured in session 18, NOTES_rollout.md section 15: no - at most 3% on an
+H200, where the GEMV streams at 2.7 of 4.8 TB/s; the engine-side version, commit 15a2433, cost
+26-38% of the decode step and was taken out.) Standalone on the GPU, bench_w4a16's method (weight copies rotated past L2,
 CUDA-graph replays, median).
 
 Each iteration of the captured chain is [wait kernel, T us, one program per SM] then [GEMV on weight
@@ -29,8 +31,67 @@ from bench_w4a16 import Layer, activations, time_per_call  # noqa: E402
 from probe_gemv_schedule import _mode  # noqa: E402
 
 
+CHUNK = 32768  # bytes per cp.async.bulk.prefetch.L2 instruction
+
+
+def _kernel():
+    """A kernel of one-warp programs that issue L2 prefetches (sm_90's cp.async.bulk.prefetch.L2,
+    fire and forget) of up to two spans, chunk c by program c // 32 % programs, one chunk per
+    lane, and then wait until wait_ns have passed since they started (a stand-in for a
+    latency-bound kernel of the decode step)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def globaltimer(dep):
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+
+    @triton.jit
+    def prefetch_span(base_ptr, nbytes, pid, nprog, CHUNK: tl.constexpr, LANES: tl.constexpr):
+        chunks = (nbytes + CHUNK - 1) // CHUNK
+        lane = tl.arange(0, LANES)
+        for c0 in range(pid * LANES, chunks, nprog * LANES):
+            c = c0 + lane
+            off = c.to(tl.int64) * CHUNK
+            size = tl.where(c < chunks, tl.minimum(nbytes - off, CHUNK), 0).to(tl.int32)
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                "=r,l,r", [base_ptr + off, size], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def prefetch_wait_kernel(p0, n0, p1, n1, wait_ns, CHUNK: tl.constexpr, LANES: tl.constexpr):
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        t0 = globaltimer(pid)
+        if n0 > 0:
+            prefetch_span(p0, n0, pid, nprog, CHUNK, LANES)
+        if n1 > 0:
+            prefetch_span(p1, n1, pid, nprog, CHUNK, LANES)
+        while globaltimer(pid) - t0 < wait_ns:
+            pass
+
+    return prefetch_wait_kernel
+
+
+_KERNEL = []
+
+
+def prefetch_wait(spans, programs: int, wait_ns: int, like: torch.Tensor) -> None:
+    """Launch the kernel above for up to two (tensor, nbytes) spans from each tensor's start
+    (nbytes rounded down to 16, the instruction's unit)."""
+    if not _KERNEL:
+        _KERNEL.append(_kernel())
+    args = []
+    for t, nbytes in list(spans)[:2] + [(None, 0)] * (2 - len(list(spans)[:2])):
+        if t is None:
+            args += [like, 0]
+        else:
+            args += [t.reshape(-1).view(torch.uint8), min(int(nbytes), t.numel() * t.element_size()) // 16 * 16]
+    _KERNEL[0][(programs,)](*args, int(wait_ns), CHUNK=CHUNK, LANES=32, num_warps=1)
+
+
 def main(argv=None) -> int:
-    from qerl.kernels import decode_ops
     from qerl.kernels import w4a16_triton as W
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -48,7 +109,7 @@ def main(argv=None) -> int:
     like = torch.zeros(16, dtype=torch.uint8, device="cuda")
 
     def wait_only(i):
-        decode_ops.l2_prefetch_wait([], sms, wait_ns, like)
+        prefetch_wait([], sms, wait_ns, like)
 
     base_wait = time_per_call(wait_only, 8)
     print(json.dumps({"wait_kernel_us": round(base_wait, 2)}), flush=True)
@@ -65,7 +126,7 @@ def main(argv=None) -> int:
                         st = sts[i % len(sts)]
                         spans = [] if frac <= 0 else [(t, int(t.numel() * t.element_size() * frac) // 16 * 16)
                                                       for t in (st["words"], st["scale"])]
-                        decode_ops.l2_prefetch_wait(spans, sms, wait_ns, like)
+                        prefetch_wait(spans, sms, wait_ns, like)
                         return W.forward(xs[i % len(xs)], st, config=cfg)
 
                     try:

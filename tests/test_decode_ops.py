@@ -126,23 +126,3 @@ def test_references_equal_hugging_face_modules():
         with torch.no_grad():  # HF's SiLU module vs F.silu: last-bit differences in float32
             tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
             torch.testing.assert_close(mlp.down_proj(ops.silu_mul(gu)), mlp(x), **tol)
-
-
-def test_l2_prefetch_spans_are_clipped_and_aligned():
-    """The L2 prefetch arguments: each span from its tensor's start, at most the tensor's bytes,
-    rounded down to 16 (cp.async.bulk.prefetch's unit); missing spans are empty; a span on
-    another device is refused."""
-    from qerl.kernels.decode_ops import _l2_args
-
-    like = torch.zeros(4, dtype=torch.bfloat16)
-    words = torch.zeros(100, dtype=torch.int32)  # 400 bytes
-    scale = torch.zeros(7, dtype=torch.uint8)
-    p0, n0, p1, n1 = _l2_args([(words, 1000), (scale, 7)], like)
-    assert (p0.dtype, p0.numel(), n0) == (torch.uint8, 400, 400)
-    assert (p1.numel(), n1) == (7, 0)
-    p0, n0, p1, n1 = _l2_args([(words, 33)], like)
-    assert (n0, p1 is like, n1) == (32, True, 0)
-    assert _l2_args(None, like) == [like, 0, like, 0]
-    if torch.cuda.is_available():
-        with pytest.raises(ValueError):
-            _l2_args([(words, 16)], like.cuda())

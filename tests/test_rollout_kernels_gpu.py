@@ -99,10 +99,9 @@ def _small_model(fmt):
 
 def _rollouts_per_switches(fmt, monkeypatch, temperature, switches):
     """One graphed rollout of the small model (3 prompts x 2, 80 tokens, seed 0) per dict of
-    switches (decode_ops attributes; "engine.NAME" for the engine module's)."""
+    decode_ops switches."""
     from qerl.kernels import decode_ops
     from qerl.rl.rollout import RolloutSettings
-    from qerl.rollout import engine as engine_mod
     from qerl.rollout.engine import RolloutEngine
 
     model = _small_model(fmt)
@@ -111,8 +110,7 @@ def _rollouts_per_switches(fmt, monkeypatch, temperature, switches):
     runs = []
     for switch in switches:
         for name, value in switch.items():
-            mod, _, attr = name.rpartition(".")
-            monkeypatch.setattr(engine_mod if mod == "engine" else decode_ops, attr, value)
+            monkeypatch.setattr(decode_ops, name, value)
         with torch.inference_mode():
             runs.append(RolloutEngine(model, max_batch=8, max_len=256).generate(
                 prompts, settings, torch.Generator(device="cuda").manual_seed(0)))
@@ -127,17 +125,6 @@ def test_engine_attention_prefetch_changes_nothing(fmt, monkeypatch):
     runs = _rollouts_per_switches(fmt, monkeypatch, 1.0, [{"ATTN_PREFETCH": False}, {"ATTN_PREFETCH": True}])
     assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
     assert torch.equal(runs[0].logprobs, runs[1].logprobs)
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_engine_l2_prefetch_changes_nothing(fmt, monkeypatch):
-    """engine.L2_PREFETCH_MB has each layer's attention kernel ask for gate/up weights in L2 (a
-    part of them, and all of them): a hint only, so the graphed rollouts equal the one without,
-    token for token and logprob for logprob."""
-    runs = _rollouts_per_switches(fmt, monkeypatch, 1.0, [{"engine.L2_PREFETCH_MB": v} for v in (0.0, 0.05, 1000.0)])
-    for run in runs[1:]:
-        assert torch.equal(runs[0].completion_ids, run.completion_ids)
-        assert torch.equal(runs[0].logprobs, run.logprobs)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])

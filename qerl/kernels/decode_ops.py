@@ -140,9 +140,6 @@ def _triton_kernels():
 
     import triton.language.extra.cuda  # noqa: F401  (gdc_* for PDL)
 
-    globals()["_l2_prefetch_span"] = _l2_kernels()[0]  # called by attn_partial_kernel (L2PF)
-    globals()["L2_CHUNK_C"] = tl.constexpr(L2_CHUNK)
-
     @triton.jit
     def add_rms_norm_kernel(d_ptr, e_ptr, h_ptr, w_ptr, h_out, x_out, n, eps, HAS_DELTA: tl.constexpr,
                             HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
@@ -250,12 +247,10 @@ def _triton_kernels():
     @triton.jit
     def attn_partial_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, po_ptr, pm_ptr, pl_ptr,
                             kc_b, kc_h, kc_l, vc_b, vc_h, vc_l, valid_b, keys, splits, scale,
-                            e_ptr, cos_ptr, sin_ptr, cnt_ptr, out_ptr, pf0_ptr, pf0_n, pf1_ptr, pf1_n,
-                            CHUNK: tl.constexpr,
+                            e_ptr, cos_ptr, sin_ptr, cnt_ptr, out_ptr, CHUNK: tl.constexpr,
                             KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                             PDL: tl.constexpr = False, EARLY_V: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                            ROPE: tl.constexpr = False, HAS_EXTRA: tl.constexpr = False, COMBINE: tl.constexpr = False,
-                            L2PF: tl.constexpr = False):
+                            ROPE: tl.constexpr = False, HAS_EXTRA: tl.constexpr = False, COMBINE: tl.constexpr = False):
         # one (row, KV head, key chunk): the G query heads of that KV head against CHUNK keys,
         # online softmax; partial output, max and sum per query head to po / pm / pl.
         # ROPE (decode_attention_rope): q_ptr is the qkv projection [B, (KV G + 2 KV) D]; the
@@ -263,17 +258,9 @@ def _triton_kernels():
         # new key, writes key and value to the cache and uses them for that slot (rope_to_cache's
         # work, without its launch). COMBINE: the last of a (row, KV head)'s programs to finish
         # (counter cnt_ptr, reset by it) does attn_combine_kernel's sum for the G heads.
-        # L2PF: first, before the PDL wait, the programs issue L2 prefetches of two spans (the next
-        # weights of the step, L2_PREFETCH in the engine): they load while this latency-bound
-        # kernel and the ones after it run, on DRAM that would otherwise idle.
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
-        if L2PF:
-            pid = (b * KV + h) * splits + s
-            nprog = tl.num_programs(0) * KV * splits
-            _l2_prefetch_span(pf0_ptr, pf0_n, pid, nprog, L2_CHUNK_C, 32)
-            _l2_prefetch_span(pf1_ptr, pf1_n, pid, nprog, L2_CHUNK_C, 32)
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
         gm = g < G
@@ -404,74 +391,6 @@ def _triton_kernels():
     return add_rms_norm_kernel, rope_cache_kernel, silu_mul_kernel, attn_partial_kernel, attn_combine_kernel
 
 
-@functools.lru_cache(maxsize=None)
-def _l2_kernels():
-    """L2 prefetch (sm_90's cp.async.bulk.prefetch.L2): `l2_prefetch_span` for use inside other
-    kernels, and a standalone kernel that prefetches up to two spans and then waits (the probe's
-    stand-in for a latency-bound kernel, benchmarks/probe_l2_prefetch.py)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def globaltimer(dep):
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=tl.int64, is_pure=False,
-                                         pack=1)
-
-    @triton.jit
-    def l2_prefetch_span(base_ptr, nbytes, pid, nprog, CHUNK: tl.constexpr, LANES: tl.constexpr):
-        """Chunks c of CHUNK bytes of [base, base + nbytes) (nbytes a multiple of 16), chunk c by
-        program c // LANES % nprog, one per lane: fire and forget, no completion to wait for."""
-        chunks = (nbytes + CHUNK - 1) // CHUNK
-        lane = tl.arange(0, LANES)
-        for c0 in range(pid * LANES, chunks, nprog * LANES):
-            c = c0 + lane
-            off = c.to(tl.int64) * CHUNK
-            size = tl.where(c < chunks, tl.minimum(nbytes - off, CHUNK), 0).to(tl.int32)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [base_ptr + off, size], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def l2_prefetch_wait_kernel(p0, n0, p1, n1, wait_ns, CHUNK: tl.constexpr, LANES: tl.constexpr):
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        t0 = globaltimer(pid)
-        if n0 > 0:
-            l2_prefetch_span(p0, n0, pid, nprog, CHUNK, LANES)
-        if n1 > 0:
-            l2_prefetch_span(p1, n1, pid, nprog, CHUNK, LANES)
-        while globaltimer(pid) - t0 < wait_ns:
-            pass
-
-    return l2_prefetch_span, l2_prefetch_wait_kernel
-
-
-L2_CHUNK = 32768  # bytes per cp.async.bulk.prefetch.L2 instruction
-
-
-def _l2_args(spans, like: torch.Tensor) -> list:
-    """[ptr0, n0, ptr1, n1] for up to two (tensor, nbytes) spans from each tensor's start (nbytes
-    rounded down to 16; missing spans are empty)."""
-    spans = list(spans or [])[:2]
-    if len(spans) > 0 and any(t.device != like.device for t, _ in spans):
-        raise ValueError("L2 prefetch spans must be on the kernel's device")
-    args = []
-    for t, nbytes in spans + [(None, 0)] * (2 - len(spans)):
-        if t is None:
-            args += [like, 0]
-        else:
-            args += [t.reshape(-1).view(torch.uint8), min(int(nbytes), t.numel() * t.element_size()) // 16 * 16]
-    return args
-
-
-def l2_prefetch_wait(spans, programs: int, wait_ns: int, like: torch.Tensor) -> None:
-    """One kernel of `programs` programs that issues L2 prefetches of up to two (tensor, nbytes)
-    spans and then waits until wait_ns nanoseconds have passed since it started (a stand-in for a
-    latency-bound kernel, benchmarks/probe_l2_prefetch.py). GPU (sm_90+) only."""
-    kern = _l2_kernels()[1]
-    kern[(programs,)](*_l2_args(spans, like), int(wait_ns), CHUNK=L2_CHUNK, LANES=32, num_warps=1)
-
-
 def _next_pow2(n: int) -> int:
     return 1 << (int(n) - 1).bit_length()
 
@@ -510,19 +429,17 @@ def silu_mul(gate_up, extra=None):
 
 
 def decode_attention_rope(qkv, cos, sin, k_cache, v_cache, slot, valid, keys: int, scale: float, heads: int,
-                          kv_heads: int, extra=None, counters=None, prefetch=None):
+                          kv_heads: int, extra=None, counters=None):
     """rope_to_cache then decode_attention, one kernel on a GPU (ATTN_ROPE): the attention's
     programs rotate q themselves and the one whose key chunk holds `slot` writes the new key and
     value; with `counters` (int32 zeros, >= B * kv_heads, kept at zero) the combine runs in the
-    same launch (ATTN_COMBINE). `prefetch`: up to two (tensor, nbytes) spans the kernel asks the
-    GPU to bring into L2 (sm_90+; a hint, ignored elsewhere). Returns [B, heads * D], as
-    decode_attention."""
+    same launch (ATTN_COMBINE). Returns [B, heads * D], as decode_attention."""
     d = cos.shape[-1]
     if (ATTN_ROPE and _on_gpu(qkv, "attention") and _on_gpu(qkv, "rope") and qkv.is_contiguous() and d >= 16
             and not d & (d - 1) and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and valid.is_contiguous()
             and _same_dtype(qkv, extra, k_cache, v_cache)):
         return decode_attention_rope_triton(qkv, cos, sin, k_cache, v_cache, slot, valid, keys, scale, heads,
-                                            kv_heads, extra, counters, prefetch if pdl_on(qkv) else None)
+                                            kv_heads, extra, counters)
     q = rope_to_cache(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads, extra)
     return decode_attention(q, k_cache, v_cache, valid, keys, scale, slot)
 
@@ -577,18 +494,17 @@ def decode_attention_triton(q, k_cache, v_cache, valid, keys: int, scale: float,
 
 
 def decode_attention_rope_triton(qkv, cos, sin, k_cache, v_cache, slot, valid, keys: int, scale: float,
-                                 heads: int, kv_heads: int, extra=None, counters=None, prefetch=None):
+                                 heads: int, kv_heads: int, extra=None, counters=None):
     """rope_to_cache + decode_attention as one launch (ATTN_ROPE); with ATTN_COMBINE and
-    `counters` (int32 [>= B * KV], zeros; left at zero) the combine rides in it too; `prefetch`
-    spans are issued as L2 prefetches (sm_90+) before the PDL wait."""
+    `counters` (int32 [>= B * KV], zeros; left at zero) the combine rides in it too."""
     d = cos.shape[-1]
     rope = (qkv.contiguous(), extra.contiguous() if extra is not None else None, cos.contiguous(), sin.contiguous())
     return _attention_launch(qkv.view(qkv.shape[0], heads + 2 * kv_heads, d), heads, k_cache, v_cache, valid, keys,
-                             scale, slot, rope, counters if ATTN_COMBINE else None, prefetch)
+                             scale, slot, rope, counters if ATTN_COMBINE else None)
 
 
 def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: float, slot=None, rope=None,
-                      counters=None, l2_spans=None):
+                      counters=None):
     partial, combine = _triton_kernels()[3:5]
     b, d = q.shape[0], q.shape[2]
     kv = k_cache.shape[1]
@@ -606,16 +522,15 @@ def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: 
     prefetch = ATTN_PREFETCH and slot is not None
     qkv, e, cos, sin = rope if rope is not None else (q, None, q, q)
     sp = max(2, _next_pow2(splits))
-    pf = _l2_args(l2_spans, q)
     partial[(b, kv, splits)](qkv, k_cache, v_cache, valid, slot if (prefetch or rope is not None) else valid, po, pm, pl,
                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), valid.stride(0),
                              keys, splits, float(scale), e if e is not None else qkv, cos, sin,
-                             counters if counters is not None else valid, out, *pf,
+                             counters if counters is not None else valid, out,
                              CHUNK=chunk, KV=kv, G=group, GP=max(16, _next_pow2(group)), D=d,
                              BLOCK=block, num_warps=4, PDL=pdl_on(q), EARLY_V=ATTN_EARLY_V, PREFETCH=prefetch,
                              ROPE=rope is not None, HAS_EXTRA=e is not None, COMBINE=counters is not None,
-                             L2PF=bool(l2_spans), launch_pdl=pdl_on(q))
+                             launch_pdl=pdl_on(q))
     if counters is None:
         combine[(b, heads)](po, pm, pl, out, splits, KV=kv, G=group, D=d, SP=sp, num_warps=1,
                             PDL=pdl_on(q), launch_pdl=pdl_on(q))

@@ -79,14 +79,6 @@ PREFILL_GRAPH_TOKENS = 2048
 # call), 14B r32 0.912 -> 0.928.
 LORA_GEMV_PER_SM = int(os.environ.get("QERL_LORA_GEMV_PER_SM", "3"))
 
-# L2 prefetch of each decode layer's gate/up weights (sm_90+): the layer's attention kernel asks
-# the GPU to bring the first L2_PREFETCH_MB megabytes of the fused gate/up weight into L2 (for
-# the 4-bit formats the same fraction of the packed words and of the scales: the tiles the
-# product's first programs read). Those bytes then load while attention, the o product and the
-# norm run, latency-bound kernels that leave DRAM mostly idle. A hint: no result depends on it.
-# 0 turns it off.
-L2_PREFETCH_MB = float(os.environ.get("QERL_L2_PREFETCH_MB", "0"))
-
 
 class EngineError(ValueError):
     """The model or the request does not fit the engine."""
@@ -339,29 +331,12 @@ class RolloutEngine:
                 q, k = layer.q_norm(None, q)[1], layer.k_norm(None, k)[1]
                 qkv, lo = torch.cat([q, k, v], 1).reshape(rows, -1), None
             attn = decode_attention_rope(qkv, cos, sin, kc, vc, self._slot, valid, keys, self.scaling, self.n_heads,
-                                         self.n_kv, lo, self._attn_counters, self._l2_spans(layer.gate_up))
+                                         self.n_kv, lo, self._attn_counters)
             o, lo = self._linear(layer.o, attn, "o")
             h, x = layer.mlp_norm(o, h, lo)
             gu, lo = self._linear(layer.gate_up, x, "gate_up")
             delta, lo_down = self._linear(layer.down, layer.gate(gu, lo), "down")
         return self.lm_head(self.final_norm(delta, h, lo_down)[1])
-
-    def _l2_spans(self, group: LinearGroup) -> list | None:
-        """The (tensor, nbytes) spans of `group`'s weight to prefetch into L2 (L2_PREFETCH_MB)."""
-        limit = int(L2_PREFETCH_MB * 1e6)
-        base = group.base
-        if limit <= 0 or base is None or self.device.type != "cuda":
-            return None
-        if isinstance(base, nn.Linear):
-            tensors = [base.weight]
-        elif hasattr(base, "kernel_state"):
-            state = base.kernel_state()
-            tensors = [state[k] for k in ("words", "scale") if isinstance(state.get(k), torch.Tensor)]
-        else:
-            return None
-        sizes = [t.numel() * t.element_size() for t in tensors]
-        frac = min(1.0, limit / max(sum(sizes), 1))
-        return [(t, int(n * frac)) for t, n in zip(tensors, sizes)] or None
 
     def _linear(self, group: LinearGroup, x: torch.Tensor, kind: str):
         """(base product, LoRA delta or None): on a GPU the delta's two kernels run on the side
