@@ -38,7 +38,9 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   (LoRA's shrink and expand as one launch, lora_ops.FUSED), nohoist (Gluon GEMV's
                   alpha / bias and the norm weight loaded after the PDL wait, not before),
                   gr56 / gr48p4 / gr48 / gr40 (Gluon GEMV capped at 56 / 48 / 48 / 40 registers,
-                  planned for 4 / 4 / 5 / 6 programs per SM: 8 warps x 32 x regs registers each)
+                  planned for 4 / 4 / 5 / 6 programs per SM: 8 warps x 32 x regs registers each),
+                  nobf16gemv (one-row bf16 products, the lm_head's included, through cuBLAS, not
+                  qerl.kernels.bf16_gemv)
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
 its median: the GPU drifts by up to ~6% over a call (the first and last "base" of one list
 differed that much), so single back-to-back timings of two variants mislead.
@@ -78,7 +80,7 @@ KINDS = ("qkv", "o", "gate_up", "down")
 
 def _switches() -> dict:
     """flag -> [(module, attribute, value)] set while a variant runs."""
-    from qerl.kernels import decode_ops, lora_ops, w4a16_gemv, w4a16_gluon, w4a16_triton, w4a16_wgmma
+    from qerl.kernels import bf16_gemv, decode_ops, lora_ops, w4a16_gemv, w4a16_gluon, w4a16_triton, w4a16_wgmma
     from qerl.rollout import engine as engine_mod
     table = {
         "lsm0": [(engine_mod, "LORA_GEMV_PER_SM", 0)],
@@ -117,6 +119,7 @@ def _switches() -> dict:
     for name, regs, per_sm in (("gr56", 56, 4), ("gr48p4", 48, 4), ("gr48", 48, 5), ("gr40", 40, 6)):
         table[name] = [
             (w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "maxnreg": regs, "PER_SM": per_sm})]
+    table["nobf16gemv"] = [(bf16_gemv, "ENABLED", False)]
     for n in (16, 32, 64):
         table[f"ab{n}"] = [(decode_ops, "ATTN_BLOCK", n), (decode_ops, "ATTN_BLOCK_SMALL", n)]
         table[f"br{n}"] = [(lora_ops, "SHRINK_BR", n)]

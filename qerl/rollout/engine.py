@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl.nn.quant_linear import _outside_inference_mode
+from qerl.kernels import bf16_gemv
 from qerl.kernels.decode_ops import add_rms_norm, decode_attention_rope, pdl_on, rotary, silu_mul
 from qerl.rl.rollout import RolloutBatch, RolloutSettings, pad_prompts
 from qerl.rollout.fuse import LinearGroup
@@ -336,7 +337,11 @@ class RolloutEngine:
             h, x = layer.mlp_norm(o, h, lo)
             gu, lo = self._linear(layer.gate_up, x, "gate_up")
             delta, lo_down = self._linear(layer.down, layer.gate(gu, lo), "down")
-        return self.lm_head(self.final_norm(delta, h, lo_down)[1])
+        x = self.final_norm(delta, h, lo_down)[1]
+        head = self.lm_head
+        if type(head) is nn.Linear and bf16_gemv.usable(x, head.weight):  # batch 1: the PDL-chained GEMV
+            return bf16_gemv.linear(x, head.weight, head.bias, pdl=pdl_on(x))
+        return head(x)
 
     def _linear(self, group: LinearGroup, x: torch.Tensor, kind: str):
         """(base product, LoRA delta or None): on a GPU the delta's two kernels run on the side
