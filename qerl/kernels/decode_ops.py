@@ -482,8 +482,10 @@ NORM_W_EARLY = True
 # of each (row, KV head) instead of a second launch after it: two kernels fewer per layer on the
 # decode chain (benchmarks/NOTES_rollout.md section 14). ATTN_ROPE measured (H100, 7B nvfp4, same
 # process): +0.9% at batch 1, +1.5% at batch 8. ATTN_COMBINE: its first form (all splits' partials
-# as one [splits, G, D] tile) was 15% slower at batch 8; the split-by-split form is off unless
-# QERL_ATTN_COMBINE=1 until measured. False: separate launches (the A/B switches).
+# as one [splits, G, D] tile) was 15% slower at batch 8, and the split-by-split form that replaced
+# it 5.6% slower at batch 1 and 2.8% at batch 8 (the last program's serial sum costs more than the
+# launch it saves), so it stays off unless QERL_ATTN_COMBINE=1. False: separate launches (the A/B
+# switches).
 ATTN_ROPE = True
 ATTN_COMBINE = os.environ.get("QERL_ATTN_COMBINE", "0") == "1"
 
