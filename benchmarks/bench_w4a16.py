@@ -138,6 +138,14 @@ def dump_rows(out_path: str | None, rows: list) -> None:
             json.dump({**META, "rows": rows}, f, indent=1)
 
 
+def write_probe(path: str | None, rows: list, **extra) -> None:
+    """A probe script's JSON (gpu, torch, `extra`, its command line, rows); nothing when path is None."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, **extra,
+                       "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+
+
 # --------------------------------------------------------------------------- weights
 
 

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_w4a16 import activations, copies, time_per_call, weight_bytes  # noqa: E402
+from bench_w4a16 import activations, copies, time_per_call, weight_bytes, write_probe  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -59,10 +59,7 @@ def main(argv=None) -> int:
             print(json.dumps(row), flush=True)
         del ws, w
         torch.cuda.empty_cache()
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                       "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+    write_probe(a.out, rows)
     return 0
 
 

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_w4a16 import Layer, measure  # noqa: E402
+from bench_w4a16 import Layer, measure, write_probe  # noqa: E402
 
 
 def _mode(spec: str) -> tuple[str, dict]:
@@ -98,10 +98,7 @@ def main(argv=None) -> int:
                 print(json.dumps(row), flush=True)
         del layer
         torch.cuda.empty_cache()
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "sm_mhz": sm_mhz,
-                       "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+    write_probe(a.out, rows, sm_mhz=sm_mhz)
     return 0
 
 

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_w4a16 import Layer, activations, time_per_call  # noqa: E402
+from bench_w4a16 import Layer, activations, time_per_call, write_probe  # noqa: E402
 from probe_gemv_schedule import _mode  # noqa: E402
 
 
@@ -144,10 +144,7 @@ def main(argv=None) -> int:
                     print(json.dumps(row), flush=True)
         del layer, sts
         torch.cuda.empty_cache()
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "wait_kernel_us": base_wait,
-                       "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+    write_probe(a.out, rows, wait_kernel_us=base_wait)
     return 0
 
 
