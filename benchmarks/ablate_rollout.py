@@ -14,7 +14,7 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
   ...@FLAG[@FLAG]  with switches (see _switches): nowsmma (no Gluon tensor-core GEMVs), nopdl,
                   late / early (the 4-bit kernels trigger their dependents after the main loop /
                   at their start), pf0..pf3 (GEMV
-                  weight prefetch depth before the PDL wait), gsm3 (Gluon GEMV at 3 programs per SM), s8 / s16 / s32
+                  weight prefetch depth before the PDL wait), gsm3 (Gluon GEMV at 3 programs per SM), s8 / s16 / s32 / s64 / s128 / s256
                   (LoRA shrink slices), gemv0 (every M = 1 layer on the Gluon GEMV), in the decode chain:
                   tok0 (every M = 2..8 layer on the Gluon GEMV, the default), tokall (those with
                   K >= 4096), tokold (N >= 16384 and K >= 4096, the rule before session 12),
@@ -125,7 +125,7 @@ def _switches() -> dict:
         table[f"br{n}"] = [(lora_ops, "SHRINK_BR", n)]
     for d in (0, 1, 2, 3):
         table[f"pf{d}"] = [(w4a16_gemv, "PF_DEPTH", d)]
-    for n in (8, 16, 32):
+    for n in (8, 16, 32, 64, 128, 256):
         table[f"s{n}"] = [(lora_ops, "MAX_SPLITS", n)]
     return table
 

@@ -126,6 +126,13 @@ def _expand_meta(n: int, bounds: tuple[int, int], rank: int, m: int) -> dict:
                 BN=128 if n >= 16384 else 64)
 
 
+def _check_partials(partials: torch.Tensor, s: int, m: int, r: int) -> None:
+    """The kernels write S x M x R fp32 partials: refuse a workspace made for fewer (another MAX_SPLITS)."""
+    if partials.shape[0] < s or partials.shape[1] < m or partials.shape[2] < r:
+        raise ValueError(f"LoRA workspace partials {tuple(partials.shape)} too small for {s} K slices x {m} rows x "
+                         f"rank {r} (made under another MAX_SPLITS?)")
+
+
 def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, buffers: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """h [M, R] fp32 = x @ a^T into buffers[1] (the first of lora_delta_triton's two kernels)."""
     from qerl.kernels.decode_ops import pdl_on
@@ -136,6 +143,7 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, buffers: tuple[torch.Te
     partials, h, locks, _ = buffers
     meta = _shrink_meta(m, k, r)
     rb = meta.pop("RB")
+    _check_partials(partials, meta["S"], m, r)
     pdl = pdl_on(x)
     shrink[(meta["S"], rb)](x, a, partials, h, locks, m, k, r, x.stride(0), partials.stride(0), partials.stride(1),
                             h.stride(0), **meta, PDL=pdl, num_warps=SHRINK_WARPS, launch_pdl=pdl)
@@ -168,6 +176,7 @@ def lora_fused_triton(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds:
     r, n = a.shape[0], b.shape[0]
     partials, h, locks, out = buffers
     shrink = _shrink_meta(m, k, r)
+    _check_partials(partials, shrink["S"], m, r)
     expand = _expand_meta(n, bounds, rank, m)
     grid = shrink["S"] * shrink["RB"] + -(-n // expand["BN"])
     pdl = pdl_on(x)

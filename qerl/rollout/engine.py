@@ -364,7 +364,10 @@ class RolloutEngine:
 
     def _lora_workspace(self, group: LinearGroup, kind: str) -> tuple[torch.Tensor, ...]:
         """The preallocated LoRA buffers of this group kind and shape (made on first use)."""
-        key = (kind, tuple(group._a.shape), tuple(group._b.shape), group._a.dtype)
+        from qerl.kernels.lora_ops import shrink_splits
+
+        # the shrink's K slices size its partials: a changed lora_ops.MAX_SPLITS needs new buffers
+        key = (kind, tuple(group._a.shape), tuple(group._b.shape), group._a.dtype, shrink_splits(group._a.shape[1]))
         if key not in self._lora_buffers:
             self._lora_buffers[key] = group.lora_workspace(self.max_batch)
         return self._lora_buffers[key]
