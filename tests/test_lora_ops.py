@@ -74,3 +74,17 @@ def test_shrink_splits_bound_the_partials():
     for k in (64, 896, 3584, 5120, 18944, 27648, 29568):
         bk, s = lora_ops.shrink_splits(k)
         assert bk >= 128 and bk & (bk - 1) == 0 and s <= 64 and (s - 1) * bk < k <= s * bk
+
+
+def test_workspace_too_small_for_the_split_is_refused():
+    """The shrink writes S x M x R fp32 partials: a workspace made for fewer K slices (another
+    MAX_SPLITS), rows or rank is refused before any launch, never written past."""
+    from qerl.kernels import lora_ops
+
+    k, r = 18944, 32
+    s = lora_ops.shrink_splits(k)[1]
+    ws = lora_ops.workspace(8, k, r, 64, torch.bfloat16, "cpu")
+    lora_ops._check_partials(ws[0], s, 8, r)
+    for bad in ((s + 1, 8, r), (s, 9, r), (s, 8, r + 1)):
+        with pytest.raises(ValueError, match="too small"):
+            lora_ops._check_partials(ws[0], *bad)
