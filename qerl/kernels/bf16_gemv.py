@@ -12,9 +12,9 @@ fixed summation order: deterministic); 8 KB weight tiles [8, 512], the next tile
 before the current tile's products (two in flight per program); fp32 products summed per row on
 the CUDA cores.
 
-Measured against cuBLAS (H100, benchmarks/probe_bf16_gemv.py, chained with PDL; NOTES_rollout.md
-section 15): 7B q/k/v x1.17, o x1.14, gate/up x1.10, down x1.08; 14B q/k/v x1.03, gate/up x1.07,
-down x1.10. A tensor-core variant for 2..8 rows lost to cuBLAS on every 7B shape, so the engine
+Measured against cuBLAS (H100, benchmarks/probe_bf16_gemv.py, chained with PDL,
+benchmarks/results/bf16_gemv.json; NOTES_rollout.md section 15): 7B q/k/v x1.13, o x1.12, gate/up
+x1.13, down x1.08, lm_head x1.085; 14B q/k/v x1.03, gate/up x1.07, down x1.08, lm_head x1.08. A tensor-core variant for 2..8 rows lost to cuBLAS on every 7B shape, so the engine
 (qerl.rollout.fuse.LinearGroup, decode) routes one-row bf16 products here and everything else to
 cuBLAS. ENABLED = False (or QERL_BF16_GEMV=0): cuBLAS always.
 """
