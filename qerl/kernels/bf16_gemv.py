@@ -80,11 +80,23 @@ BK = 512
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Where the engine routes x @ weight^T here: one bf16 row, a contiguous bf16 weight, an sm_90+
     GPU."""
+    from qerl.kernels.decode_ops import _sm90  # cached per device: this runs for every decode product
+
     if not ENABLED or x.device.type != "cuda" or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         return False
     return (x.numel() == x.shape[-1] and weight.dim() == 2 and weight.is_contiguous()
             and weight.shape[1] == x.shape[-1]
-            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+            and _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+
+
+def dense(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """module(x) for the decode step: a plain bf16 nn.Linear on one row through this kernel (PDL as
+    the chain has it), anything else through the module itself."""
+    from qerl.kernels.decode_ops import pdl_on
+
+    if type(module) is torch.nn.Linear and usable(x, module.weight):
+        return linear(x, module.weight, module.bias, pdl=pdl_on(x))
+    return module(x)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, pdl: bool = True,

@@ -56,6 +56,7 @@ from torch import nn
 
 from qerl.nn.quant_linear import _outside_inference_mode
 from qerl.kernels import bf16_gemv
+from qerl.kernels.lora_ops import shrink_splits
 from qerl.kernels.decode_ops import add_rms_norm, decode_attention_rope, pdl_on, rotary, silu_mul
 from qerl.rl.rollout import RolloutBatch, RolloutSettings, pad_prompts
 from qerl.rollout.fuse import LinearGroup
@@ -337,11 +338,7 @@ class RolloutEngine:
             h, x = layer.mlp_norm(o, h, lo)
             gu, lo = self._linear(layer.gate_up, x, "gate_up")
             delta, lo_down = self._linear(layer.down, layer.gate(gu, lo), "down")
-        x = self.final_norm(delta, h, lo_down)[1]
-        head = self.lm_head
-        if type(head) is nn.Linear and bf16_gemv.usable(x, head.weight):  # batch 1: the PDL-chained GEMV
-            return bf16_gemv.linear(x, head.weight, head.bias, pdl=pdl_on(x))
-        return head(x)
+        return bf16_gemv.dense(self.lm_head, self.final_norm(delta, h, lo_down)[1])  # batch 1: the PDL GEMV
 
     def _linear(self, group: LinearGroup, x: torch.Tensor, kind: str):
         """(base product, LoRA delta or None): on a GPU the delta's two kernels run on the side
@@ -364,8 +361,6 @@ class RolloutEngine:
 
     def _lora_workspace(self, group: LinearGroup, kind: str) -> tuple[torch.Tensor, ...]:
         """The preallocated LoRA buffers of this group kind and shape (made on first use)."""
-        from qerl.kernels.lora_ops import shrink_splits
-
         # the shrink's K slices size its partials: a changed lora_ops.MAX_SPLITS needs new buffers
         key = (kind, tuple(group._a.shape), tuple(group._b.shape), group._a.dtype, shrink_splits(group._a.shape[1]))
         if key not in self._lora_buffers:

@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from qerl.kernels import bf16_gemv
-from qerl.kernels.decode_ops import pdl_on
 from qerl.nn.quant_linear import QuantLinear, _outside_inference_mode
 
 __all__ = ["LinearGroup", "base_layer"]
@@ -215,15 +214,7 @@ class LinearGroup:
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The product without this group's LoRA (with it, where the modules apply it themselves)."""
-        return self(x) if self._per_module else self._base(x)
-
-    def _base(self, x: torch.Tensor) -> torch.Tensor:
-        """The base product: a bf16 nn.Linear at decode sizes through the PDL-chained GEMV
-        (qerl.kernels.bf16_gemv) on sm_90+, everything else through the module."""
-        base = self.base
-        if type(base) is nn.Linear and bf16_gemv.usable(x, base.weight):
-            return bf16_gemv.linear(x, base.weight, base.bias, pdl=pdl_on(x))
-        return base(x)
+        return self(x) if self._per_module else bf16_gemv.dense(self.base, x)
 
     def lora_workspace(self, rows: int) -> tuple[torch.Tensor, ...]:
         """Preallocated buffers for `lora` at up to `rows` rows (qerl.kernels.lora_ops.workspace)."""
@@ -244,7 +235,7 @@ class LinearGroup:
         if self._per_module:
             outs = [m(x) for m in self.modules]
             return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
-        y = self._base(x)
+        y = bf16_gemv.dense(self.base, x)
         if self._a is not None:
             y.view(-1, y.shape[-1]).add_(self.lora(x).to(y.dtype))
         return y
