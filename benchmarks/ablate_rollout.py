@@ -40,7 +40,9 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   gr56 / gr48p4 / gr48 / gr40 (Gluon GEMV capped at 56 / 48 / 48 / 40 registers,
                   planned for 4 / 4 / 5 / 6 programs per SM: 8 warps x 32 x regs registers each),
                   nobf16gemv (one-row bf16 products, the lm_head's included, through cuBLAS, not
-                  qerl.kernels.bf16_gemv)
+                  qerl.kernels.bf16_gemv),
+                  lnull / lshrink / lexpand (with lora: the side stream keeps its fork and join but
+                  runs one empty kernel / the shrink alone / the expand alone, delta zero: timing only)
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
 its median: the GPU drifts by up to ~6% over a call (the first and last "base" of one list
 differed that much), so single back-to-back timings of two variants mislead.
@@ -57,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import re
@@ -120,6 +123,9 @@ def _switches() -> dict:
         table[name] = [
             (w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "maxnreg": regs, "PER_SM": per_sm})]
     table["nobf16gemv"] = [(bf16_gemv, "ENABLED", False)]
+    from qerl.rollout import fuse
+    for part in ("null", "shrink", "expand"):
+        table[f"l{part}"] = [(fuse.LinearGroup, "lora", _lora_part(part))]
     for n in (16, 32, 64):
         table[f"ab{n}"] = [(decode_ops, "ATTN_BLOCK", n), (decode_ops, "ATTN_BLOCK_SMALL", n)]
         table[f"br{n}"] = [(lora_ops, "SHRINK_BR", n)]
@@ -128,6 +134,50 @@ def _switches() -> dict:
     for n in (8, 16, 32, 64, 128, 256):
         table[f"s{n}"] = [(lora_ops, "MAX_SPLITS", n)]
     return table
+
+
+@functools.lru_cache(maxsize=None)
+def _noop_kernel():
+    import triton
+
+    @triton.jit
+    def _noop(p):
+        pass
+
+    return _noop
+
+
+def _lora_part(part: str):
+    """A stand-in for LinearGroup.lora that keeps the side stream's fork and join but runs only part
+    of the LoRA work there ("null": one empty kernel; "shrink": the shrink alone; "expand": the
+    expand alone, from a zeroed h) and hands back a zeroed delta, so the rollout is the base one:
+    what the fork / join structure costs on its own, and each kernel's share (timing only)."""
+    from qerl.kernels import lora_ops
+    from qerl.rollout import fuse
+
+    zeroed: set = set()
+    real = fuse.LinearGroup.lora  # the prefill (no workspace) keeps the real delta
+
+    def zeros(t: torch.Tensor) -> torch.Tensor:  # zero-filled once, in the eager warm-up before capture
+        if t.data_ptr() not in zeroed:
+            t.zero_()
+            zeroed.add(t.data_ptr())
+        return t
+
+    def lora(self, x, workspace=None):
+        if workspace is None:
+            return real(self, x)
+        m = x.reshape(-1, self.in_features).shape[0]
+        if part == "null":
+            _noop_kernel()[(1,)](workspace[3])
+        elif part == "shrink":
+            lora_ops.lora_shrink_triton(x.reshape(-1, self.in_features), self._a, workspace)
+        else:
+            lora_ops.lora_expand_triton(zeros(workspace[1])[:m], self._b, self.bounds, self.rank, m, workspace)
+            return workspace[3][:m]
+        return zeros(workspace[3])[:m]
+
+    return lora
 
 
 @contextlib.contextmanager
