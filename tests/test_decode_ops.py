@@ -126,3 +126,59 @@ def test_references_equal_hugging_face_modules():
         with torch.no_grad():  # HF's SiLU module vs F.silu: last-bit differences in float32
             tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
             torch.testing.assert_close(mlp.down_proj(ops.silu_mul(gu)), mlp(x), **tol)
+
+
+_READY_SCRIPT = textwrap.dedent(
+    """
+    import json, torch
+    from qerl.kernels import decode_ops as ops
+    torch.manual_seed(int(__import__("os").environ.get("SEED", "0")))
+    out = []
+    joins = []
+    def ready(t, count=7):  # a delta whose producer has counted up to its target already
+        return ops.Ready(t, torch.tensor([count], dtype=torch.int32), 7, lambda: joins.append(1))
+    def same(a, b):
+        return bool(torch.equal(a, b))
+    h, d, w = torch.randn(3, 96), torch.randn(3, 96), torch.rand(96) + 0.5
+    e = torch.randn(3, 96) * 0.1
+    got = ops.add_rms_norm_triton(d, h, w, 1e-6, ready(e, 9))
+    ref = ops.add_rms_norm_triton(d, h, w, 1e-6, e)
+    out.append(("norm", same(got[0], ref[0]) and same(got[1], ref[1])))
+    gu = torch.randn(5, 2 * 300) * 3
+    eg = torch.randn_like(gu)
+    out.append(("silu", same(ops.silu_mul_triton(gu, ready(eg)), ops.silu_mul_triton(gu, eg))))
+    b, heads, kv, dim, keys = 3, 6, 2, 32, 130
+    qkv = torch.randn(b, (heads + 2 * kv) * dim)
+    extra = torch.randn_like(qkv) * 0.1
+    ang = torch.rand(b, dim // 2) * 6.28
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    kc, vc = torch.randn(b, kv, 140, dim), torch.randn(b, kv, 140, dim)
+    valid = torch.rand(b, 140) > 0.3
+    slot = torch.tensor([40])
+    valid[:, 0] = valid[:, 40] = True
+    res = []
+    for e_ in (ready(extra), extra):
+        k1, v1 = kc.clone(), vc.clone()
+        res.append((ops.decode_attention_rope_triton(qkv, cos, sin, k1, v1, slot, valid, keys, dim ** -0.5, heads, kv, e_),
+                    k1, v1))
+    out.append(("attention_rope", all(same(x, y) for x, y in zip(*res))))
+    out.append(("no joins on the polling paths", not joins))
+    # a delta that is not contiguous would be copied on this stream first: it is joined instead
+    wide = torch.randn(3, 192) * 0.1
+    got = ops.add_rms_norm_triton(d, h, w, 1e-6, ready(wide[:, ::2]))
+    out.append(("strided delta joined", len(joins) == 1 and same(got[1], ops.add_rms_norm_triton(d, h, w, 1e-6, wide[:, ::2].contiguous())[1])))
+    # the torch paths join and read the tensor
+    out.append(("reference joins", same(ops.silu_mul(gu.double(), ops.Ready(eg.double(), None, 7, lambda: joins.append(2))),
+                                        ops.silu_mul_reference(gu.double(), eg.double())) and joins[-1] == 2))
+    print("RESULTS" + json.dumps(out))
+    """
+)
+
+
+def test_ready_extras_under_interpreter():
+    """A decode_ops.Ready (a LoRA delta from another stream): the norm, SiLU and attention kernels
+    poll its counter and then compute the same bits as with the plain tensor; a strided delta and
+    the torch paths join the producing stream instead."""
+    results = run_interpreted(_READY_SCRIPT, 0)
+    assert len(results) == 6
+    assert all(ok for _, ok in results), results
