@@ -42,10 +42,9 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   nobf16gemv (one-row bf16 products, the lm_head's included, through cuBLAS, not
                   qerl.kernels.bf16_gemv),
                   lnull / lshrink / lexpand (with lora: the side stream keeps its fork and join but
-                  runs one empty kernel / the shrink alone / the expand alone, delta zero: timing only),
-                  dj / nodj (the LoRA delta waited for on the device by the kernel that adds it, one
-                  side-stream join per step / a join per group: engine.LORA_DEVICE_JOIN), djearly (dj,
-                  and the waiting kernel lets its dependents launch before its wait: READY_EARLY_TRIGGER)
+                  runs one empty kernel / the shrink alone / the expand alone, delta zero: timing only;
+                  the device-side join these were measured against, flags dj / djearly, is
+                  benchmarks/patches/lora_device_join_prototype.patch, NOTES_rollout.md section 16)
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
 its median: the GPU drifts by up to ~6% over a call (the first and last "base" of one list
 differed that much), so single back-to-back timings of two variants mislead.
@@ -127,12 +126,8 @@ def _switches() -> dict:
             (w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "maxnreg": regs, "PER_SM": per_sm})]
     table["nobf16gemv"] = [(bf16_gemv, "ENABLED", False)]
     from qerl.rollout import fuse
-    for part in ("null", "shrink", "expand"):  # (with dj only the empty kernel signals: the others join per group)
-        table[f"l{part}"] = [(fuse.LinearGroup, "lora", _lora_part(part)),
-                             (fuse.LinearGroup, "lora_signals", (lambda self, x: 1) if part == "null" else (lambda self, x: 0))]
-    table["dj"] = [(engine_mod, "LORA_DEVICE_JOIN", True)]
-    table["djearly"] = [(engine_mod, "LORA_DEVICE_JOIN", True), (decode_ops, "READY_EARLY_TRIGGER", True)]
-    table["nodj"] = [(engine_mod, "LORA_DEVICE_JOIN", False)]
+    for part in ("null", "shrink", "expand"):
+        table[f"l{part}"] = [(fuse.LinearGroup, "lora", _lora_part(part))]
     for n in (16, 32, 64):
         table[f"ab{n}"] = [(decode_ops, "ATTN_BLOCK", n), (decode_ops, "ATTN_BLOCK_SMALL", n)]
         table[f"br{n}"] = [(lora_ops, "SHRINK_BR", n)]
@@ -147,12 +142,9 @@ def _switches() -> dict:
 def _noop_kernel():
     import triton
 
-    import triton.language as tl
-
     @triton.jit
-    def _noop(p, SIGNAL: tl.constexpr):
-        if SIGNAL:  # count the stand-in's one program as done (decode_ops.Ready, with dj)
-            tl.atomic_add(p, 1, sem="release", scope="gpu")
+    def _noop(p):
+        pass
 
     return _noop
 
@@ -174,12 +166,12 @@ def _lora_part(part: str):
             zeroed.add(t.data_ptr())
         return t
 
-    def lora(self, x, workspace=None, signal=None):
+    def lora(self, x, workspace=None):
         if workspace is None:
             return real(self, x)
         m = x.reshape(-1, self.in_features).shape[0]
         if part == "null":
-            _noop_kernel()[(1,)](workspace[3] if signal is None else signal, SIGNAL=signal is not None)
+            _noop_kernel()[(1,)](workspace[3])
         elif part == "shrink":
             lora_ops.lora_shrink_triton(x.reshape(-1, self.in_features), self._a, workspace)
         else:

@@ -11,8 +11,6 @@ Skipped without a GPU.
   roles) and the two kernels give the same bits, also when the launches queue up back to back.
 """
 
-import contextlib
-
 import pytest
 import torch
 
@@ -239,33 +237,3 @@ def test_engine_bf16_gemv_keeps_greedy_rollouts(monkeypatch):
     runs = _rollouts_per_switches("bf16", monkeypatch, 0.0, [{"bf16_gemv.ENABLED": v} for v in (False, True)])
     assert torch.equal(runs[0].completion_ids[:, :16], runs[1].completion_ids[:, :16])
     assert (runs[0].logprobs[:, :16] - runs[1].logprobs[:, :16]).abs().max().item() < 0.05
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_engine_lora_device_join_changes_nothing(fmt, monkeypatch):
-    """LoRA deltas from the side stream waited for on the device (engine.LORA_DEVICE_JOIN: the
-    adding kernel polls the expand's counter, one stream join per step) give the rollout of the
-    stream join after every group, token for token and logprob for logprob, sampled and in graphs;
-    a missed wait would read a stale or half-written delta and change them (the adapters move the
-    logprobs: checked against the model without them)."""
-    from qerl.nn.lora import LoraSettings, apply_lora
-    from qerl.rl.rollout import RolloutSettings
-    from qerl.rollout import engine as engine_mod
-
-    model = apply_lora(_small_model(fmt), LoraSettings(r=16, lora_alpha=32)).eval()
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    prompts = [torch.randint(0, 4096, (n,)).tolist() for n in (5, 70, 33)]
-    settings = RolloutSettings(num_generations=2, max_new_tokens=80, temperature=1.0, stop_ids=[10**9], pad_id=0)
-    runs = []
-    for join in (False, True, None):
-        monkeypatch.setattr(engine_mod, "LORA_DEVICE_JOIN", bool(join))
-        with torch.inference_mode(), (model.disable_adapter() if join is None else contextlib.nullcontext()):
-            runs.append(engine_mod.RolloutEngine(model, max_batch=8, max_len=256).generate(
-                prompts, settings, torch.Generator(device="cuda").manual_seed(0)))
-    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
-    assert torch.equal(runs[0].logprobs, runs[1].logprobs)
-    assert (runs[0].logprobs[:, :8] - runs[2].logprobs[:, :8]).abs().max().item() > 1e-3

@@ -26,50 +26,11 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Callable, NamedTuple
 
 import torch
 
-__all__ = ["Ready", "add_rms_norm", "add_rms_norm_reference", "decode_attention", "decode_attention_reference",
-           "decode_attention_rope", "joined", "rope_to_cache", "rope_to_cache_reference", "rotary", "silu_mul", "silu_mul_reference"]
-
-
-class Ready(NamedTuple):
-    """An `extra` (a LoRA delta) that another stream may still be computing. The kernel that adds
-    it waits on the device: its programs poll the int32 counter `flag` until it reaches `target`
-    (each program of the producer adds one after its stores, lora_ops' `signal`), and only then let
-    their own dependents launch. A path that cannot wait on the device (torch, a kernel without the
-    poll) calls `join()` first, which makes the current stream wait for the producing one. The
-    rollout engine's LoRA side stream hands these out instead of joining after every linear
-    (engine.LORA_DEVICE_JOIN: a stream join is a full graph edge, so the kernel after it lost its
-    programmatic early launch)."""
-    delta: torch.Tensor
-    flag: torch.Tensor
-    target: int
-    join: Callable[[], None]
-
-
-def joined(extra):
-    """`extra` as a tensor the current stream may read: a Ready is joined first."""
-    if isinstance(extra, Ready):
-        extra.join()
-        return extra.delta
-    return extra
-
-
-def _delta(extra):
-    """The tensor of an `extra` (for dtype and shape checks; not safe to read)."""
-    return extra.delta if isinstance(extra, Ready) else extra
-
-
-def _ready_args(extra, ref: torch.Tensor):
-    """(extra tensor, flag, target, has_ready) for a kernel launch; a delta that would need a copy
-    first (not contiguous) is joined, since the copy would read it on this stream."""
-    if isinstance(extra, Ready):
-        if extra.delta.is_contiguous():
-            return extra.delta, extra.flag, int(extra.target), True
-        extra = joined(extra)
-    return extra, ref, 0, False
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "decode_attention", "decode_attention_reference", "decode_attention_rope",
+           "rope_to_cache", "rope_to_cache_reference", "rotary", "silu_mul", "silu_mul_reference"]
 
 
 # --------------------------------------------------------------------------- references
@@ -180,39 +141,9 @@ def _triton_kernels():
     import triton.language.extra.cuda  # noqa: F401  (gdc_* for PDL)
 
     @triton.jit
-    def _wait_ready(r_ptr, target):
-        # (Ready) poll with volatile loads (no atomic traffic), then an acquire whose value is used
-        # (an unused one is dropped, and then nothing orders the loads of the delta after it)
-        done = tl.load(r_ptr, volatile=True)
-        while done < target:
-            done = tl.load(r_ptr, volatile=True)
-        done = tl.atomic_add(r_ptr, 0, sem="acquire", scope="gpu")
-        while done < target:
-            done = tl.atomic_add(r_ptr, 0, sem="acquire", scope="gpu")
-
-    @triton.jit
-    def _pdl_enter(r_ptr, target, PDL: tl.constexpr, HAS_READY: tl.constexpr, EARLY: tl.constexpr = False):
-        # the PDL trigger and wait (see decode_ops.PDL), then a Ready's device wait; with a Ready the
-        # dependents launch only after it (unless EARLY, READY_EARLY_TRIGGER), so none of their
-        # programs holds an SM slot while this kernel waits on another stream
-        if PDL:
-            if EARLY or not HAS_READY:
-                tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        if HAS_READY:
-            _wait_ready(r_ptr, target)
-            if PDL and not EARLY:
-                tl.extra.cuda.gdc_launch_dependents()
-
-    # the kernels below call them by name: Triton (and its interpreter) look names up in the module
-    globals()["_wait_ready"] = _wait_ready
-    globals()["_pdl_enter"] = _pdl_enter
-
-    @triton.jit
-    def add_rms_norm_kernel(d_ptr, e_ptr, h_ptr, w_ptr, h_out, x_out, n, eps, r_ptr, r_target, HAS_DELTA: tl.constexpr,
+    def add_rms_norm_kernel(d_ptr, e_ptr, h_ptr, w_ptr, h_out, x_out, n, eps, HAS_DELTA: tl.constexpr,
                             HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-                            W_EARLY: tl.constexpr = True, HAS_READY: tl.constexpr = False,
-                            EARLY: tl.constexpr = False):
+                            W_EARLY: tl.constexpr = True):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < n
@@ -220,12 +151,14 @@ def _triton_kernels():
         # read before the wait, so the multiply after the reduction waits on no load
         if W_EARLY:
             w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        _pdl_enter(r_ptr, r_target, PDL, HAS_READY, EARLY)
+        if PDL:  # see decode_ops.PDL
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         h = tl.load(h_ptr + row * n + cols, mask=m, other=0.0)
         if HAS_DELTA:
             d = tl.load(d_ptr + row * n + cols, mask=m, other=0.0)
-            if HAS_EXTRA:  # .cg: another stream may have written it just now (L1 is not coherent)
-                e = tl.load(e_ptr + row * n + cols, mask=m, other=0.0, cache_modifier=".cg")
+            if HAS_EXTRA:
+                e = tl.load(e_ptr + row * n + cols, mask=m, other=0.0)
                 d = (d.to(tl.float32) + e.to(tl.float32)).to(h_out.dtype.element_ty)
             h = (h.to(tl.float32) + d.to(tl.float32)).to(h_out.dtype.element_ty)
             tl.store(h_out + row * n + cols, h, mask=m)
@@ -276,9 +209,11 @@ def _triton_kernels():
             tl.store(dst + D // 2 + half, x2)
 
     @triton.jit
-    def silu_mul_kernel(gu_ptr, e_ptr, out_ptr, inter, r_ptr, r_target, HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr = False, HAS_READY: tl.constexpr = False, EARLY: tl.constexpr = False):
-        _pdl_enter(r_ptr, r_target, PDL, HAS_READY, EARLY)
+    def silu_mul_kernel(gu_ptr, e_ptr, out_ptr, inter, HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr = False):
+        if PDL:  # see decode_ops.PDL
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < inter
@@ -286,10 +221,8 @@ def _triton_kernels():
         u = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=m, other=0.0).to(tl.float32)
         dt = out_ptr.dtype.element_ty
         if HAS_EXTRA:
-            eg = tl.load(e_ptr + row * 2 * inter + cols, mask=m, other=0.0, cache_modifier=".cg")
-            eu = tl.load(e_ptr + row * 2 * inter + inter + cols, mask=m, other=0.0, cache_modifier=".cg")
-            g = (g + eg.to(tl.float32)).to(dt).to(tl.float32)
-            u = (u + eu.to(tl.float32)).to(dt).to(tl.float32)
+            g = (g + tl.load(e_ptr + row * 2 * inter + cols, mask=m, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+            u = (u + tl.load(e_ptr + row * 2 * inter + inter + cols, mask=m, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         tl.store(out_ptr + row * inter + cols, (s * u).to(dt), mask=m)
 
@@ -301,11 +234,8 @@ def _triton_kernels():
         x = tl.load(src_ptr + rows[:, None] * D + d[None, :])
         xp = tl.load(src_ptr + rows[:, None] * D + dp[None, :])
         if HAS_EXTRA:
-            # .cg: another stream may have written `extra` just now (a Ready; L1 is not coherent)
-            ex = tl.load(e_ptr + rows[:, None] * D + d[None, :], cache_modifier=".cg")
-            exp_ = tl.load(e_ptr + rows[:, None] * D + dp[None, :], cache_modifier=".cg")
-            x = (x.to(tl.float32) + ex.to(tl.float32)).to(dt)
-            xp = (xp.to(tl.float32) + exp_.to(tl.float32)).to(dt)
+            x = (x.to(tl.float32) + tl.load(e_ptr + rows[:, None] * D + d[None, :]).to(tl.float32)).to(dt)
+            xp = (xp.to(tl.float32) + tl.load(e_ptr + rows[:, None] * D + dp[None, :]).to(tl.float32)).to(dt)
         c = tl.load(cos_ptr + d).to(tl.float32)
         sn = tl.load(sin_ptr + d).to(tl.float32) * tl.where(d < D // 2, -1.0, 1.0)
         return ((x.to(tl.float32) * c[None, :]).to(dt).to(tl.float32)
@@ -317,11 +247,10 @@ def _triton_kernels():
     @triton.jit
     def attn_partial_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, po_ptr, pm_ptr, pl_ptr,
                             kc_b, kc_h, kc_l, vc_b, vc_h, vc_l, valid_b, keys, splits, scale,
-                            e_ptr, cos_ptr, sin_ptr, cnt_ptr, out_ptr, r_ptr, r_target, CHUNK: tl.constexpr,
+                            e_ptr, cos_ptr, sin_ptr, cnt_ptr, out_ptr, CHUNK: tl.constexpr,
                             KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                             PDL: tl.constexpr = False, EARLY_V: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                            ROPE: tl.constexpr = False, HAS_EXTRA: tl.constexpr = False, COMBINE: tl.constexpr = False,
-                            HAS_READY: tl.constexpr = False, EARLY: tl.constexpr = False):
+                            ROPE: tl.constexpr = False, HAS_EXTRA: tl.constexpr = False, COMBINE: tl.constexpr = False):
         # one (row, KV head, key chunk): the G query heads of that KV head against CHUNK keys,
         # online softmax; partial output, max and sum per query head to po / pm / pl.
         # ROPE (decode_attention_rope): q_ptr is the qkv projection [B, (KV G + 2 KV) D]; the
@@ -337,7 +266,7 @@ def _triton_kernels():
         gm = g < G
         start = s * CHUNK
         stop = tl.minimum(start + CHUNK, keys)
-        if PDL and (EARLY or not HAS_READY):  # see decode_ops.PDL (with a Ready: after its wait, _pdl_enter)
+        if PDL:  # see decode_ops.PDL
             tl.extra.cuda.gdc_launch_dependents()
         if PREFETCH or ROPE:
             slot = tl.load(slot_ptr)
@@ -350,10 +279,6 @@ def _triton_kernels():
             v_pre = tl.load(v_ptr + b * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=old[:, None], other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        if HAS_READY:
-            _wait_ready(r_ptr, r_target)
-            if PDL and not EARLY:
-                tl.extra.cuda.gdc_launch_dependents()
         if ROPE:
             dt = k_ptr.dtype.element_ty
             width = (KV * G + 2 * KV) * D
@@ -367,8 +292,7 @@ def _triton_kernels():
                 vrow = q_ptr + b * width + (KV * G + KV + h) * D + d
                 v_new = tl.load(vrow)
                 if HAS_EXTRA:
-                    ev = tl.load(e_ptr + b * width + (KV * G + KV + h) * D + d, cache_modifier=".cg")
-                    v_new = (v_new.to(tl.float32) + ev.to(tl.float32)).to(dt)
+                    v_new = (v_new.to(tl.float32) + tl.load(e_ptr + b * width + (KV * G + KV + h) * D + d).to(tl.float32)).to(dt)
                 tl.store(k_ptr + b * kc_b + h * kc_h + slot * kc_l + d, k_new)
                 tl.store(v_ptr + b * vc_b + h * vc_h + slot * vc_l + d, v_new)
             else:
@@ -483,16 +407,14 @@ def _same_dtype(ref, *ts) -> bool:
 
 
 def add_rms_norm(delta, h, weight, eps, extra=None):
-    """(h + delta, RMSNorm(h + delta) * weight); delta None = no residual add (h returned as is).
-    `extra` (a tensor or a Ready) is added to delta first."""
-    if not _on_gpu(h, "norm") or not _same_dtype(h, weight, delta, _delta(extra)):
-        return add_rms_norm_reference(delta, h, weight, eps, joined(extra))
+    """(h + delta, RMSNorm(h + delta) * weight); delta None = no residual add (h returned as is)."""
+    if not _on_gpu(h, "norm") or not _same_dtype(h, weight, delta, extra):
+        return add_rms_norm_reference(delta, h, weight, eps, extra)
     return add_rms_norm_triton(delta, h, weight, eps, extra)
 
 
 def rope_to_cache(qkv, cos, sin, k_cache, v_cache, slot, heads: int, kv_heads: int, extra=None):
     d = cos.shape[-1]
-    extra = joined(extra)  # its kernel does not poll a Ready (the engine's decode uses decode_attention_rope)
     if (not _on_gpu(qkv, "rope") or not qkv.is_contiguous() or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1
             or d & (d - 1) or not _same_dtype(qkv, extra)):
         return rope_to_cache_reference(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads, extra)
@@ -500,11 +422,10 @@ def rope_to_cache(qkv, cos, sin, k_cache, v_cache, slot, heads: int, kv_heads: i
 
 
 def silu_mul(gate_up, extra=None):
-    """silu(gate) * up for gate_up = [.., 2I] (gate first, as fuse.LinearGroup stacks gate/up);
-    `extra` (a tensor or a Ready) is added to gate_up first."""
-    if _on_gpu(gate_up, "silu") and _same_dtype(gate_up, _delta(extra)):
+    """silu(gate) * up for gate_up = [.., 2I] (gate first, as fuse.LinearGroup stacks gate/up)."""
+    if _on_gpu(gate_up, "silu") and _same_dtype(gate_up, extra):
         return silu_mul_triton(gate_up, extra)
-    return silu_mul_reference(gate_up, joined(extra))
+    return silu_mul_reference(gate_up, extra)
 
 
 def decode_attention_rope(qkv, cos, sin, k_cache, v_cache, slot, valid, keys: int, scale: float, heads: int,
@@ -516,10 +437,10 @@ def decode_attention_rope(qkv, cos, sin, k_cache, v_cache, slot, valid, keys: in
     d = cos.shape[-1]
     if (ATTN_ROPE and _on_gpu(qkv, "attention") and _on_gpu(qkv, "rope") and qkv.is_contiguous() and d >= 16
             and not d & (d - 1) and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and valid.is_contiguous()
-            and _same_dtype(qkv, _delta(extra), k_cache, v_cache)):
+            and _same_dtype(qkv, extra, k_cache, v_cache)):
         return decode_attention_rope_triton(qkv, cos, sin, k_cache, v_cache, slot, valid, keys, scale, heads,
                                             kv_heads, extra, counters)
-    q = rope_to_cache(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads, joined(extra))
+    q = rope_to_cache(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads, extra)
     return decode_attention(q, k_cache, v_cache, valid, keys, scale, slot)
 
 
@@ -566,10 +487,6 @@ NORM_W_EARLY = True
 # launch it saves), so it stays off unless QERL_ATTN_COMBINE=1. False: separate launches (the A/B
 # switches).
 ATTN_ROPE = True
-# A kernel that waits for a Ready lets its own dependents launch at its start, as without one,
-# instead of after the wait. Experimental (the dependents' programs then hold SM slots while this
-# kernel waits on the producing stream, which needs slots of its own): off.
-READY_EARLY_TRIGGER = False
 ATTN_COMBINE = os.environ.get("QERL_ATTN_COMBINE", "0") == "1"
 
 
@@ -583,14 +500,13 @@ def decode_attention_rope_triton(qkv, cos, sin, k_cache, v_cache, slot, valid, k
     """rope_to_cache + decode_attention as one launch (ATTN_ROPE); with ATTN_COMBINE and
     `counters` (int32 [>= B * KV], zeros; left at zero) the combine rides in it too."""
     d = cos.shape[-1]
-    extra, flag, target, ready = _ready_args(extra, qkv)
     rope = (qkv.contiguous(), extra.contiguous() if extra is not None else None, cos.contiguous(), sin.contiguous())
     return _attention_launch(qkv.view(qkv.shape[0], heads + 2 * kv_heads, d), heads, k_cache, v_cache, valid, keys,
-                             scale, slot, rope, counters if ATTN_COMBINE else None, (flag, target, ready))
+                             scale, slot, rope, counters if ATTN_COMBINE else None)
 
 
 def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: float, slot=None, rope=None,
-                      counters=None, ready=None):
+                      counters=None):
     partial, combine = _triton_kernels()[3:5]
     b, d = q.shape[0], q.shape[2]
     kv = k_cache.shape[1]
@@ -612,11 +528,10 @@ def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: 
                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), valid.stride(0),
                              keys, splits, float(scale), e if e is not None else qkv, cos, sin,
-                             counters if counters is not None else valid, out, *(ready or (valid, 0, False))[:2],
+                             counters if counters is not None else valid, out,
                              CHUNK=chunk, KV=kv, G=group, GP=max(16, _next_pow2(group)), D=d,
                              BLOCK=block, num_warps=4, PDL=pdl_on(q), EARLY_V=ATTN_EARLY_V, PREFETCH=prefetch,
                              ROPE=rope is not None, HAS_EXTRA=e is not None, COMBINE=counters is not None,
-                             HAS_READY=bool(ready and ready[2] and e is not None), EARLY=READY_EARLY_TRIGGER,
                              launch_pdl=pdl_on(q))
     if counters is None:
         combine[(b, heads)](po, pm, pl, out, splits, KV=kv, G=group, D=d, SP=sp, num_warps=1,
@@ -629,15 +544,13 @@ def add_rms_norm_triton(delta, h, weight, eps, extra=None):
     n = h.shape[-1]
     h2 = h.reshape(-1, n).contiguous()
     d2 = delta.reshape(-1, n).contiguous() if delta is not None else h2
-    extra, flag, target, ready = _ready_args(extra, h2)
     e2 = extra.reshape(-1, n).contiguous() if extra is not None else d2
     h_out = torch.empty_like(h2) if delta is not None else h2
     x_out = torch.empty_like(h2)
     block = _next_pow2(n)
-    has_extra = delta is not None and extra is not None
-    kern[(h2.shape[0],)](d2, e2, h2, weight, h_out, x_out, n, float(eps), flag, target, HAS_DELTA=delta is not None,
-                         HAS_EXTRA=has_extra, BLOCK=block, num_warps=min(16, max(1, block // 256)), PDL=pdl_on(h2),
-                         W_EARLY=NORM_W_EARLY, HAS_READY=ready and has_extra, EARLY=READY_EARLY_TRIGGER,
+    kern[(h2.shape[0],)](d2, e2, h2, weight, h_out, x_out, n, float(eps), HAS_DELTA=delta is not None,
+                         HAS_EXTRA=delta is not None and extra is not None,
+                         BLOCK=block, num_warps=min(16, max(1, block // 256)), PDL=pdl_on(h2), W_EARLY=NORM_W_EARLY,
                          launch_pdl=pdl_on(h2))
     return h_out.view(h.shape), x_out.view(h.shape)
 
@@ -659,11 +572,9 @@ def silu_mul_triton(gate_up, extra=None):
     kern = _triton_kernels()[2]
     inter = gate_up.shape[-1] // 2
     gu = gate_up.reshape(-1, 2 * inter).contiguous()
-    extra, flag, target, ready = _ready_args(extra, gu)
     e = extra.reshape(-1, 2 * inter).contiguous() if extra is not None else gu
     out = torch.empty(gu.shape[0], inter, dtype=gu.dtype, device=gu.device)
     block = 1024
-    kern[(gu.shape[0], -(-inter // block))](gu, e, out, inter, flag, target, HAS_EXTRA=extra is not None, BLOCK=block,
-                                            num_warps=4, PDL=pdl_on(gu), HAS_READY=ready, EARLY=READY_EARLY_TRIGGER,
-                                            launch_pdl=pdl_on(gu))
+    kern[(gu.shape[0], -(-inter // block))](gu, e, out, inter, HAS_EXTRA=extra is not None, BLOCK=block, num_warps=4,
+                                            PDL=pdl_on(gu), launch_pdl=pdl_on(gu))
     return out.view(*gate_up.shape[:-1], inter)

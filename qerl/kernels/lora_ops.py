@@ -39,8 +39,8 @@ import os
 
 import torch
 
-__all__ = ["expand_programs", "lora_delta", "lora_delta_reference", "lora_delta_triton", "lora_expand_triton",
-           "lora_fused_triton", "lora_shrink_triton", "shrink_splits", "triton_applies"]
+__all__ = ["lora_delta", "lora_delta_reference", "lora_delta_triton", "lora_expand_triton", "lora_fused_triton",
+           "lora_shrink_triton", "shrink_splits"]
 
 
 def lora_delta_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: tuple[int, int], rank: int,
@@ -150,16 +150,9 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, buffers: tuple[torch.Te
     return h
 
 
-def expand_programs(n: int) -> int:
-    """How many programs the expand runs for N output rows: each adds one to a `signal` counter."""
-    return -(-n // _expand_meta(n, (n, n), 1, 1)["BN"])
-
-
 def lora_expand_triton(h: torch.Tensor, b: torch.Tensor, bounds: tuple[int, int], rank: int, m: int,
-                       buffers: tuple[torch.Tensor, ...], signal: torch.Tensor | None = None) -> torch.Tensor:
-    """delta [M, N] = per-segment h @ b^T into buffers[3] (the second kernel). `signal` (an int32
-    element): each program adds one to it after its stores (release), expand_programs(N) in all,
-    so a kernel on another stream can wait for the delta on the device (decode_ops.Ready)."""
+                       buffers: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """delta [M, N] = per-segment h @ b^T into buffers[3] (the second kernel)."""
     from qerl.kernels.decode_ops import pdl_on
 
     expand = _kernels()[1]
@@ -167,9 +160,8 @@ def lora_expand_triton(h: torch.Tensor, b: torch.Tensor, bounds: tuple[int, int]
     out = buffers[3]
     meta = _expand_meta(n, bounds, rank, m)
     pdl = pdl_on(h)
-    expand[(expand_programs(n),)](h, b, out, m, n, rank, bounds[0], bounds[1], h.stride(0), out.stride(0),
-                                  signal if signal is not None else out, **meta, PDL=pdl, SIGNAL=signal is not None,
-                                  num_warps=4, launch_pdl=pdl)
+    expand[(-(-n // meta["BN"]),)](h, b, out, m, n, rank, bounds[0], bounds[1], h.stride(0), out.stride(0), **meta,
+                                   PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out[:m]
 
 
@@ -196,34 +188,25 @@ def lora_fused_triton(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds:
 
 
 def lora_delta_triton(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: tuple[int, int], rank: int,
-                      buffers: tuple[torch.Tensor, ...] | None = None, signal: torch.Tensor | None = None) -> torch.Tensor:
+                      buffers: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """x [M, K] (row stride free, unit column stride), a [R, K], b [N, rank] contiguous; `buffers`
-    from `workspace` (preallocated: the engine's, so a side stream allocates nothing); `signal`:
-    see lora_expand_triton (the two-kernel form only)."""
+    from `workspace` (preallocated: the engine's, so a side stream allocates nothing)."""
     m, k = x.shape
     if buffers is None:
         buffers = workspace(m, k, a.shape[0], b.shape[0], x.dtype, x.device)
-    if FUSED and signal is None:
+    if FUSED:
         return lora_fused_triton(x, a, b, bounds, rank, buffers)
     h = lora_shrink_triton(x, a, buffers)
-    return lora_expand_triton(h, b, bounds, rank, m, buffers, signal)
-
-
-def triton_applies(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether lora_delta takes the Triton kernels for these operands (x [M, K] as lora_delta gets it)."""
-    from qerl.kernels.decode_ops import _on_gpu
-
-    return (x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= 64 and x.stride(-1) == 1
-            and a.is_contiguous() and b.is_contiguous() and _on_gpu(x, "lora"))
+    return lora_expand_triton(h, b, bounds, rank, m, buffers)
 
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: tuple[int, int], rank: int,
-               buffers: tuple[torch.Tensor, ...] | None = None, signal: torch.Tensor | None = None) -> torch.Tensor:
+               buffers: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """The group's LoRA delta [M, N] (module docstring): the two Triton kernels on CUDA for bf16 /
-    fp16 with M <= 64; torch otherwise (or with `lora` in QERL_DECODE_OPS_TORCH). A `signal` needs
-    the kernels (check triton_applies first)."""
-    if triton_applies(x, a, b):
-        return lora_delta_triton(x, a, b, bounds, rank, buffers, signal)
-    if signal is not None:
-        raise ValueError("lora_delta: a device signal needs the Triton kernels (triton_applies is False here)")
+    fp16 with M <= 64; torch otherwise (or with `lora` in QERL_DECODE_OPS_TORCH)."""
+    from qerl.kernels.decode_ops import _on_gpu
+
+    if (x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= 64 and x.stride(-1) == 1
+            and a.is_contiguous() and b.is_contiguous() and _on_gpu(x, "lora")):
+        return lora_delta_triton(x, a, b, bounds, rank, buffers)
     return lora_delta_reference(x, a, b, bounds, rank, None if buffers is None else buffers[-1][:x.shape[0]])

@@ -98,16 +98,13 @@ def lora_shrink_kernel(x_ptr, a_ptr, p_ptr, h_ptr, lock_ptr, M, K, R, stride_xm,
             stride_pm, stride_hm, S, BK, KC, MP, BR, MR, SB, PDL)
 
 @triton.jit
-def lora_expand_kernel(h_ptr, b_ptr, out_ptr, M, N, rank, n1, n2, stride_hm, stride_om, sig_ptr,
+def lora_expand_kernel(h_ptr, b_ptr, out_ptr, M, N, rank, n1, n2, stride_hm, stride_om,
                        NSEG: tl.constexpr, MP: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr,
-                       PDL: tl.constexpr = False, SIGNAL: tl.constexpr = False):
+                       PDL: tl.constexpr = False):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     _expand(h_ptr, b_ptr, out_ptr, tl.program_id(0), M, N, rank, n1, n2, stride_hm, stride_om, h_ptr, 0,
             NSEG, MP, RP, BN, PDL, False)
-    if SIGNAL:  # count this program's rows as written (decode_ops.Ready: the consumer polls the count)
-        tl.debug_barrier()  # every thread's stores before the release
-        tl.atomic_add(sig_ptr, 1, sem="release", scope="gpu")
 
 @triton.jit
 def lora_fused_kernel(x_ptr, a_ptr, b_ptr, p_ptr, h_ptr, out_ptr, lock_ptr, M, K, R, N, rank, n1, n2,

@@ -45,7 +45,6 @@ Greedy output equals Hugging Face `generate` token for token; logprobs equal a f
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import time
 import warnings
@@ -58,7 +57,7 @@ from torch import nn
 from qerl.nn.quant_linear import _outside_inference_mode
 from qerl.kernels import bf16_gemv
 from qerl.kernels.lora_ops import shrink_splits
-from qerl.kernels.decode_ops import Ready, add_rms_norm, decode_attention_rope, joined, pdl_on, rotary, silu_mul
+from qerl.kernels.decode_ops import add_rms_norm, decode_attention_rope, pdl_on, rotary, silu_mul
 from qerl.rl.rollout import RolloutBatch, RolloutSettings, pad_prompts
 from qerl.rollout.fuse import LinearGroup
 from qerl.kernels.sample_ops import SampleState, sample_step
@@ -81,14 +80,6 @@ PREFILL_GRAPH_TOKENS = 2048
 # 7B r16 0.910 -> 0.927 of the no-LoRA step, r64 0.841 -> 0.886 (and 0.838 -> 0.886 in a second
 # call), 14B r32 0.912 -> 0.928.
 LORA_GEMV_PER_SM = int(os.environ.get("QERL_LORA_GEMV_PER_SM", "3"))
-# The side stream's LoRA delta reaches the kernel that adds it as a decode_ops.Ready: that kernel
-# waits on the device (it polls a counter the expand's programs count up) instead of the main
-# stream joining the side stream after every linear group. A stream join is a full edge of the
-# step's graph, so the kernel after each LoRA group lost its programmatic early launch: with an
-# empty kernel in place of the LoRA work, fork + join alone cost 5.1% of the 7B b8 step (a43,
-# NOTES_rollout.md section 16). The side stream joins once, after the lm_head. False: a join per
-# group (the A/B switch).
-LORA_DEVICE_JOIN = os.environ.get("QERL_LORA_DEVICE_JOIN", "0") == "1"
 
 
 class EngineError(ValueError):
@@ -167,7 +158,7 @@ class _Layer:
         """act(gate) * up from the fused gate/up output (+ its LoRA delta)."""
         if self.silu:
             return silu_mul(gu, extra)
-        gate, up = (gu if extra is None else gu + joined(extra)).chunk(2, dim=-1)
+        gate, up = (gu if extra is None else gu + extra).chunk(2, dim=-1)
         return self.act(gate) * up
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
@@ -246,9 +237,6 @@ class RolloutEngine:
         # (high priority: when a 4-bit kernel frees an SM, the small LoRA GEMMs get it first)
         self._side = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self._lora_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # kind -> LinearGroup.lora_workspace
-        # LORA_DEVICE_JOIN: one int32 counter per LoRA group call of a decode step, zeroed at its start
-        self._ready = torch.zeros(4 * len(self.layers) + 4, dtype=torch.int32, device=self.device)
-        self._ready_used: int | None = None  # counters handed out in this step; None: join per group
         self.stats: dict = {}
 
     # ------------------------------------------------------------------ forward pieces
@@ -334,18 +322,13 @@ class RolloutEngine:
         cos, sin = self._cos[pos], self._sin[pos]
         valid = self._valid[:rows]
         h, delta, lo_down = self.embed(tok), None, None
-        main = torch.cuda.current_stream(self.device) if self._side is not None else None
-        self._ready_used = None
-        if main is not None and LORA_DEVICE_JOIN and any(g.has_lora for l in self.layers for g in l.groups()):
-            self._ready.zero_()  # after the previous step's last side-stream kernel (its final join)
-            self._ready_used = 0
         for i, layer in enumerate(self.layers):
             h, x = layer.attn_norm(delta, h, lo_down)
             kc, vc = self._k[i][:rows], self._v[i][:rows]
             qkv, lo = self._linear(layer.qkv, x, "qkv")
             if layer.q_norm is not None:  # Qwen3: per-head norms on q and k before RoPE
                 d = self.head_dim
-                qkv = qkv if lo is None else qkv + joined(lo)
+                qkv = qkv if lo is None else qkv + lo
                 q, k, v = qkv.view(rows, -1, d).split([self.n_heads, self.n_kv, self.n_kv], dim=1)
                 q, k = layer.q_norm(None, q)[1], layer.k_norm(None, k)[1]
                 qkv, lo = torch.cat([q, k, v], 1).reshape(rows, -1), None
@@ -355,11 +338,7 @@ class RolloutEngine:
             h, x = layer.mlp_norm(o, h, lo)
             gu, lo = self._linear(layer.gate_up, x, "gate_up")
             delta, lo_down = self._linear(layer.down, layer.gate(gu, lo), "down")
-        logits = bf16_gemv.dense(self.lm_head, self.final_norm(delta, h, lo_down)[1])  # batch 1: the PDL GEMV
-        if self._ready_used is not None:  # the side stream's one join of the step (LORA_DEVICE_JOIN)
-            main.wait_stream(self._side)
-            self._ready_used = None
-        return logits
+        return bf16_gemv.dense(self.lm_head, self.final_norm(delta, h, lo_down)[1])  # batch 1: the PDL GEMV
 
     def _linear(self, group: LinearGroup, x: torch.Tensor, kind: str):
         """(base product, LoRA delta or None): on a GPU the delta's two kernels run on the side
@@ -373,17 +352,10 @@ class RolloutEngine:
             return group.base_forward(x), group.lora(x, workspace)
         main = torch.cuda.current_stream(self.device)
         self._side.wait_stream(main)
-        programs = group.lora_signals(x) if self._ready_used is not None else 0
-        flag = None
-        if programs and self._ready_used < self._ready.numel():
-            flag = self._ready[self._ready_used:self._ready_used + 1]
-            self._ready_used += 1
         with torch.cuda.stream(self._side):
-            lo = group.lora(x, workspace, signal=flag)
+            lo = group.lora(x, workspace)
         with self._lora_gemv_plan():
             y = group.base_forward(x)
-        if flag is not None and lo.dtype == y.dtype:  # the consumer waits on the device (decode_ops.Ready)
-            return y, Ready(lo, flag, programs, functools.partial(main.wait_stream, self._side))
         main.wait_stream(self._side)
         return y, (lo if lo.dtype == y.dtype else lo.to(y.dtype))
 

@@ -223,27 +223,13 @@ class LinearGroup:
         with _outside_inference_mode():
             return workspace(rows, self.in_features, self._a.shape[0], self._b.shape[0], self._a.dtype, self._a.device)
 
-    def lora(self, x: torch.Tensor, workspace: tuple[torch.Tensor, ...] | None = None,
-             signal: torch.Tensor | None = None) -> torch.Tensor:
+    def lora(self, x: torch.Tensor, workspace: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """The LoRA delta [rows, sum of out_features] (has_lora must be True); `workspace` from
-        `lora_workspace` (the engine's, so a side stream allocates nothing); `signal`: an int32
-        element the delta's kernels count up once it is written (lora_ops.lora_expand_triton; only
-        where `lora_signals(x)`)."""
+        `lora_workspace` (the engine's, so a side stream allocates nothing)."""
         from qerl.kernels.lora_ops import lora_delta
 
         x2 = x.reshape(-1, self.in_features).to(self._a.dtype)
-        return lora_delta(x2, self._a, self._b, self.bounds, self.rank, workspace, signal)
-
-    def lora_signals(self, x: torch.Tensor) -> int:
-        """How far `lora(x, signal=...)` counts its signal up (the expand's programs), or 0 where
-        the delta takes no kernel that signals (torch on a CPU, another dtype, the fused form)."""
-        from qerl.kernels import lora_ops
-
-        x2 = x.reshape(-1, self.in_features)
-        if (lora_ops.FUSED or x2.dtype != self._a.dtype
-                or not lora_ops.triton_applies(x2, self._a, self._b)):
-            return 0
-        return lora_ops.expand_programs(self._b.shape[0])
+        return lora_delta(x2, self._a, self._b, self.bounds, self.rank, workspace)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._per_module:
