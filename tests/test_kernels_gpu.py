@@ -595,3 +595,64 @@ def test_wgmma_kernel(fmt, cfg):
     x.copy_(torch.randn(64, k, device="cuda").to(torch.bfloat16))
     g.replay()
     assert _rel(out, x.float() @ w32.T) < TOL
+
+
+MT16_CASES = [(4608, 3584, {}), (27648, 5120, {}), (3584, 18944, {"PDL": True}), (37888, 3584, {"STREAMK": True}),
+              (37888, 3584, {"TAIL_SPLIT": True}), (1000, 1024, {"PDL": True}), (9000, 1024, {"STREAMK": True, "PER_SM": 1})]
+
+
+@pytest.mark.parametrize("n,k,cfg", MT16_CASES,
+                         ids=[f"{n}x{k}-" + "-".join(f"{key}{v}" for key, v in c.items()) for n, k, c in MT16_CASES])
+def test_gluon_gemv_16_tokens(n, k, cfg):
+    """M = 9..16 on the Gluon GEMV (MT = 16: a second MMA per decoded weight fragment for tokens
+    8..15, which have their own epilogue, workspace half and counters): split (4608x3584, down),
+    unsplit (27648x5120), stream-K and the split tail (7B gate/up; 9000 rows at PER_SM 1: programs
+    across row blocks), N not a multiple of 64, with a bias: the fp32 reference within 1e-2 per
+    token on a NaN-poisoned output, bit-identical re-runs, both counter sets back at 0, a CUDA-graph
+    replay on new data; tokens 0..7 agree with an M = 8 launch of the same rows."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_triton as W
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs Hopper (TMA, warp specialisation)")
+    t, st, w32 = _layer("nvfp4", n, k, seed=11)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    conf = dict(cfg, PATH="wsmma")
+    for m in (9, 12, 16):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        W.forward(x, st, config=conf)  # the first launch measures occupancy
+        y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        W.forward(x, st, bias=bias, config=conf, out=y)
+        ref = x.float() @ w32.T + bias.float()
+        assert not y.isnan().any()
+        for row in range(m):
+            assert _rel(y[row:row + 1], ref[row:row + 1]) < TOL, (m, row, _rel(y[row:row + 1], ref[row:row + 1]))
+        for _ in range(3):
+            assert torch.equal(W.forward(x, st, bias=bias, config=conf), y)
+        assert st["locks"].abs().sum().item() == 0
+        eight = W.forward(x[:8].contiguous(), st, bias=bias, config=conf)
+        assert _rel(y[:8], eight.float()) < 1e-2
+        _graph_replay_matches(W, x, st, w32, conf)
+        assert st["locks"].abs().sum().item() == 0
+
+
+def test_decode_chain_routes_16_tokens_to_gluon(monkeypatch):
+    """In a PDL chain, 9..16-token nvfp4 layers take the Gluon GEMV (WSMMA_TOKENS_MAX_M_PDL = 16)
+    and give what the fused Triton kernel gives (tok8: WSMMA_TOKENS_MAX_M_PDL = 8) within bf16."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_gluon as G
+    from qerl.kernels import w4a16_triton as W
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs Hopper (TMA, warp specialisation)")
+    t, st, w32 = _layer("nvfp4", 4608, 3584, seed=2)
+    x = torch.randn(16, 3584, device="cuda").to(torch.bfloat16)
+    monkeypatch.setattr(W, "CHAIN_ROUTING", True)
+    calls = []
+    real = G.forward
+    monkeypatch.setattr(G, "forward", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    y16 = W.forward(x, st)
+    monkeypatch.setattr(W, "WSMMA_TOKENS_MAX_M_PDL", 8)
+    y8 = W.forward(x, st)
+    assert calls == [16]
+    assert _rel(y16, y8.float()) < 1e-2 and _rel(y16, x.float() @ w32.T) < TOL
