@@ -17,12 +17,11 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   weight prefetch depth before the PDL wait), gsm3 (Gluon GEMV at 3 programs per SM), s8 / s16 / s32 / s64 / s128 / s256
                   (LoRA shrink slices), gemv0 (every M = 1 layer on the Gluon GEMV), in the decode chain:
                   tok0 (every M = 2..8 layer on the Gluon GEMV, the default), tokall (those with
-                  K >= 4096), tokold (N >= 16384 and K >= 4096, the rule before session 12), tok8 (9..16-token layers
-                  on the fused Triton kernel, not the Gluon GEMV's MT = 16: the rule before session 19),
-                  wg9 / wg9all / wg9two (9..16-token layers not on the Gluon GEMV: the wgmma GEMM by
-                  _small_m_wgmma's rule / on every layer at one / two programs per SM),
-                  m16w8 / m16p2 (MT = 16 launches with 8 consumer warps at 64 registers, 2 per SM /
-                  4 warps at 96 registers, 2 per SM, instead of w4a16_gluon.DEFAULT_MT16),
+                  K >= 4096), tokold (N >= 16384 and K >= 4096, the rule before session 12),
+                  wg9 / wg9all / wg9two (9..16-token layers on the wgmma GEMM where _small_m_wgmma
+                  picks it / on every layer at one / two programs per SM, not the fused Triton kernel;
+                  tok8 / m16w8 / m16p2, for the Gluon GEMV at 9..16 tokens, are in
+                  benchmarks/patches/gluon_gemv_16_tokens_prototype.patch, NOTES_rollout.md section 16),
                   wsmma20m (in the decode chain, M = 1 layers from 20M weights on the Gluon GEMV),
                   earlyv (attention loads V with K),
                   kvpre / nokvpre (attention reads its first K / V block before the PDL wait),
@@ -111,13 +110,10 @@ def _switches() -> dict:
         "tokall": [(w4a16_triton, "WSMMA_TOKENS_MIN_N_PDL", 1), (w4a16_triton, "WSMMA_TOKENS_MIN_K_PDL", 4096)],
         "tok0": [(w4a16_triton, "WSMMA_TOKENS_MIN_N_PDL", 1), (w4a16_triton, "WSMMA_TOKENS_MIN_K_PDL", 0)],
         "tokold": [(w4a16_triton, "WSMMA_TOKENS_MIN_N_PDL", 16384), (w4a16_triton, "WSMMA_TOKENS_MIN_K_PDL", 4096)],
-        "tok8": [(w4a16_triton, "WSMMA_TOKENS_MAX_M_PDL", 8)],
         "wg9": [(w4a16_triton, "WGMMA_SMALL_M", 9)],
         "wg9all": [(w4a16_triton, "WGMMA_SMALL_M", 9), (w4a16_triton, "_small_m_wgmma", lambda n, k, m: {})],
         "wg9two": [(w4a16_triton, "WGMMA_SMALL_M", 9),
                    (w4a16_triton, "_small_m_wgmma", lambda n, k, m: dict(w4a16_triton.WGMMA_TWO_PER_SM))],
-        "m16w8": [(w4a16_gluon, "DEFAULT_MT16", dict(num_warps=8, PER_SM=2, maxnreg=64))],
-        "m16p2": [(w4a16_gluon, "DEFAULT_MT16", dict(num_warps=4, PER_SM=2, maxnreg=96))],
         "lw8": [(lora_ops, "SHRINK_WARPS", 8)],
         "wsmma20m": [(w4a16_triton, "WSMMA_MIN_NK_PDL", 20_000_000)],
         "earlyv": [(decode_ops, "ATTN_EARLY_V", True)],

@@ -46,7 +46,7 @@ def _signature(n: int, k: int, has_bias: bool):
     return {
         "xw_ptr": "*i32", "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc), "alpha_ptr": "*fp32",
         "bias_ptr": "*bf16", "c_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
-        "stamp_ptr": "*i64", "M": "i32", "N": "i32", "KB": "i32", "S": "i32", "NW": "i32", "CS": "i32", "WSH": "i32", "LKH": "i32",
+        "stamp_ptr": "*i64", "M": "i32", "N": "i32", "KB": "i32", "S": "i32", "NW": "i32", "CS": "i32",
     }
 
 
@@ -160,7 +160,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernel", choices=("gemv", "wgmma"), default="gemv")
     ap.add_argument("--fmt", default="nvfp4", help="wgmma: nvfp4 or mxfp4")
-    ap.add_argument("--m", type=int, default=None, help="tokens (wgmma: default 64; gemv: 1, 2..8 or 9..16)")
+    ap.add_argument("--m", type=int, default=None, help="tokens (wgmma: default 64; gemv: 1, or 2..8)")
     ap.add_argument("--config", default=None, help="wgmma: JSON config (w4a16_wgmma.forward keys)")
     ap.add_argument("--n", type=int, default=7168)
     ap.add_argument("--k", type=int, default=5120)
@@ -181,7 +181,7 @@ def main():
         return main_wgmma(a)
     try:
         ck = compile_kernel(a.n, a.k, a.stages, a.warps, a.maxnreg, a.producer_regs, a.bias, a.pdl,
-                            1 if (a.m or 1) == 1 else (8 if a.m <= 8 else 16), a.xpf, epi=not a.old_epi, sk=a.streamk, tail=a.tail, sbits=a.scale_bits)
+                            1 if (a.m or 1) == 1 else G.MAX_M, a.xpf, epi=not a.old_epi, sk=a.streamk, tail=a.tail, sbits=a.scale_bits)
     except Exception as e:  # noqa: BLE001
         print(f"compile FAILED: {type(e).__name__}: {e}")
         sys.exit(1)

@@ -209,7 +209,7 @@ def _halves(v):
 
 @gluon.jit
 def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w_bufs, s_bufs, ready, empty,
-              p, blk, M, N, KB, k0, k1, S, NW, WSH, LKH, SP: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+              p, blk, M, N, KB, k0, k1, S, NW, SP: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
               PDL: gl.constexpr, MT: gl.constexpr, XPF: gl.constexpr, STAMP: gl.constexpr, HOIST: gl.constexpr,
               EPI: gl.constexpr, SK: gl.constexpr, red, L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr,
               SBITS: gl.constexpr, num_warps: gl.constexpr):
@@ -245,9 +245,6 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
     if MT > 1:
         xoff = xoff + g5 * (KB * 128)
     xmask = (g5 < M) & (xoff >= 0)  # [1, 1, 8, 16, 2]
-    # MT = 16: tokens 8..15 in the columns of a second MMA per K pair (x rows g + 8)
-    xoff2 = xoff + 8 * (KB * 128)
-    xmask2 = (g5 + 8 < M) & (xoff2 >= 0)
 
     cz, _unused = _halves(gl.zeros([4, 2, 8, 16, 2], gl.float32, L5))
     if STAMP:  # per-program clocks (w4a16_triton.STAMP): start, PDL wait done, main loop done, end, ...
@@ -269,9 +266,8 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
             if HAS_BIAS:  # a later segment's rows (the first segment's were loaded before the wait)
                 if f != k0:
                     alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, sblk, N, rows, HAS_BIAS, not EPI)
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _mainloop(
-                xw_ptr, w_bufs, s_bufs, ready, empty, s0, s1, f - k0, xoff, xmask, xoff2, xmask2, zero5, cz, NUM_STAGES,
-                MT, XPF, L5, L2W, L2S, SBITS)
+            acc0, acc1, acc2, acc3 = _mainloop(xw_ptr, w_bufs, s_bufs, ready, empty, s0, s1, f - k0, xoff, xmask,
+                                               zero5, cz, NUM_STAGES, MT, XPF, L5, L2W, L2S, SBITS)
             if STAMP:
                 _stamp(stamp_ptr, p, 2, "clock64")
             if MT == 1:
@@ -280,43 +276,29 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
             else:
                 _epilogue_smem(alpha, b_lo, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
                                p, sblk, M, N, s0, s1, S, SP, HAS_BIAS, LRED, SK, k0, KB, 0)
-                if MT == 16:  # tokens 8..15: their own workspace half and counters
-                    gl.thread_barrier()
-                    _epilogue_smem(alpha, b_lo, red, c_ptr + 8 * N, ws_ptr + WSH, lock_ptr + LKH, acc4, acc5, acc6,
-                                   acc7, p, sblk, M - 8, N, s0, s1, S, SP, HAS_BIAS, LRED, SK, k0, KB, 0)
             gl.thread_barrier()  # every warp has read `red` before a later segment's epilogue rewrites it
             f = sblk * KB + s1
     else:
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _mainloop(
-            xw_ptr, w_bufs, s_bufs, ready, empty, k0, k1, 0, xoff, xmask, xoff2, xmask2, zero5, cz, NUM_STAGES, MT, XPF,
-            L5, L2W, L2S, SBITS)
+        acc0, acc1, acc2, acc3 = _mainloop(xw_ptr, w_bufs, s_bufs, ready, empty, k0, k1, 0, xoff, xmask, zero5, cz,
+                                           NUM_STAGES, MT, XPF, L5, L2W, L2S, SBITS)
         _block_epilogue(alpha_ptr, bias_ptr, alpha, b_lo, b_hi, red, c_ptr, ws_ptr, lock_ptr, stamp_ptr, acc0, acc1,
                         acc2, acc3, p, blk, M, N, k0, k1, S, NW, SP, HAS_BIAS, MT, STAMP, HOIST, EPI, rows, sc5, zero5,
                         LR, LR3, LRED, LRED1)
-        if MT == 16:  # tokens 8..15 (EPI only): their own workspace half and counters
-            gl.thread_barrier()  # every warp has read `red` before the second epilogue rewrites it
-            _epilogue_smem(alpha, b_lo, red, c_ptr + 8 * N, ws_ptr + WSH, lock_ptr + LKH, acc4, acc5, acc6, acc7,
-                           p, blk, M - 8, N, k0, k1, S, SP, HAS_BIAS, LRED, False, 0, 0, NW)
     if STAMP:
         _stamp(stamp_ptr, p, 3, "clock64")
         _stamp(stamp_ptr, p, 6, "globaltimer")
 
 
 @gluon.jit
-def _mainloop(xw_ptr, w_bufs, s_bufs, ready, empty, k0, k1, i0, xoff, xmask, xoff2, xmask2, zero5, cz,
-              NUM_STAGES: gl.constexpr, MT: gl.constexpr, XPF: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr,
-              L2S: gl.constexpr, SBITS: gl.constexpr):
+def _mainloop(xw_ptr, w_bufs, s_bufs, ready, empty, k0, k1, i0, xoff, xmask, zero5, cz, NUM_STAGES: gl.constexpr,
+              MT: gl.constexpr, XPF: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr,
+              SBITS: gl.constexpr):
     """Reduction steps [k0, k1) of one row block, the ring's stage counter starting at i0 ->
-    the four [4, 8, 16, 2] MMA accumulators (rows g / g + 8 x B columns 2t / 2t + 1) of tokens
-    0..7, and (MT = 16) the four of tokens 8..15: the same decoded A fragments against a second B."""
+    the four [4, 8, 16, 2] MMA accumulators (rows g / g + 8 x B columns 2t / 2t + 1)."""
     acc0 = cz
     acc1 = cz
     acc2 = cz
     acc3 = cz
-    acc4 = cz
-    acc5 = cz
-    acc6 = cz
-    acc7 = cz
     if XPF:  # x of the first step now, each later step's x one step ahead (its L2 latency behind a decode)
         n01, n23, n45, n67 = _x_step(xw_ptr, k0, xoff, xmask, MT)
     for kk in range(k0, k1):
@@ -328,8 +310,6 @@ def _mainloop(xw_ptr, w_bufs, s_bufs, ready, empty, k0, k1, i0, xoff, xmask, xof
         else:
             x01, x23, x45, x67 = _x_step(xw_ptr, kk, xoff, xmask, MT)  # pairs (8c, 8c+1), (8c+2, 8c+3), ...
             x01, x23, x45, x67 = x01 + zero5, x23 + zero5, x45 + zero5, x67 + zero5
-        if MT == 16:  # tokens 8..15, loaded with the first eight (XPF is not offered at MT = 16)
-            y01, y23, y45, y67 = _x_step(xw_ptr, kk, xoff2, xmask2, MT)
         mbarrier.wait(ready.index(idx), (i // NUM_STAGES) & 1)
         w2 = w_bufs.index(idx).load(L2W)
         s2d = s_bufs.index(idx).load(L2S)
@@ -361,15 +341,8 @@ def _mainloop(xw_ptr, w_bufs, s_bufs, ready, empty, k0, k1, i0, xoff, xmask, xof
         b67, _u3 = _halves(x67)
         acc0, acc1, acc2, acc3 = _mma(acc0, acc1, acc2, acc3, p0g, p0h, p1g, p1h, b01, b45)
         acc0, acc1, acc2, acc3 = _mma(acc0, acc1, acc2, acc3, p2g, p2h, p3g, p3h, b23, b67)
-        if MT == 16:
-            c01, _v0 = _halves(y01 + zero5)
-            c23, _v1 = _halves(y23 + zero5)
-            c45, _v2 = _halves(y45 + zero5)
-            c67, _v3 = _halves(y67 + zero5)
-            acc4, acc5, acc6, acc7 = _mma(acc4, acc5, acc6, acc7, p0g, p0h, p1g, p1h, c01, c45)
-            acc4, acc5, acc6, acc7 = _mma(acc4, acc5, acc6, acc7, p2g, p2h, p3g, p3h, c23, c67)
 
-    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+    return acc0, acc1, acc2, acc3
 
 
 @gluon.jit
@@ -597,7 +570,6 @@ def _store_tokens(c_ptr, b, v, tok, n, M, N, HAS_BIAS: gl.constexpr):
 
 @gluon.jit
 def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, M, N, KB, S, NW, CS,
-                       WSH, LKH,
                        SP: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
                        MT: gl.constexpr, XPF: gl.constexpr, STAMP: gl.constexpr, HOIST: gl.constexpr,
                        EPI: gl.constexpr, PRODUCER_REGS: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr,
@@ -630,7 +602,7 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_pt
         red = gl.allocate_shared_memory(gl.float32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     gl.warp_specialize([
         (_consumer, (xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w_bufs, s_bufs, ready, empty,
-                     p, blk, M, N, KB, k0, k1, S, NW, WSH, LKH, SP, NUM_STAGES, HAS_BIAS, PDL, MT, XPF, STAMP, HOIST, EPI, SK, red,
+                     p, blk, M, N, KB, k0, k1, S, NW, SP, NUM_STAGES, HAS_BIAS, PDL, MT, XPF, STAMP, HOIST, EPI, SK, red,
                      L5, L2W, L2S, SBITS, num_warps)),
         (_gluon_producer, (w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, stamp_ptr, p, NUM_STAGES,
                            STAMP)),
@@ -648,10 +620,7 @@ HOIST_CONSTS = True
 # the epilogue's cross-warp sum through one shared-memory round trip (`_epilogue_smem`, MT = 8;
 # `_epilogue_smem1`, MT = 1); False: per-accumulator reductions and layout changes (the A/B switch)
 EPI_SMEM = True
-MAX_M = 16  # tokens per launch: the 8 columns of an m16n8k16 MMA, twice for 9..16 tokens (MT = 16)
-# MT = 16 launches: the eight accumulators of two token sets need 80 registers (offline build: no
-# spills, 352 SASS per main-loop step against MT = 8's 320; 72 spill), so 3 programs per SM.
-DEFAULT_MT16 = dict(num_warps=4, PER_SM=3, maxnreg=80)
+MAX_M = 8  # tokens per launch: the 8 columns of an m16n8k16 MMA
 # Schedules for layers with more 64-row blocks than program slots and a partial last wave (where
 # `tail_plan` finds a split tail; e.g. the 7B gate/up GEMV on an H100), instead of the plain split:
 # - split tail: the blocks of the last wave are cut into K slices, so they spread over all slots as
@@ -749,11 +718,9 @@ def schedule(blocks: int, kb: int, s: int, grid: int, slots: int, resident: int,
 
 
 def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | None = None) -> torch.Tensor:
-    """y = x @ dequant(W)^T (+ bias) for x [M, K] bf16 (contiguous, M <= 16) and an nvfp4 `state`
+    """y = x @ dequant(W)^T (+ bias) for x [M, K] bf16 (contiguous, M <= 8) and an nvfp4 `state`
     (qerl.kernels.prepare). M = 1 puts x in every column of the MMA's B; M = 2..8 puts token g in
-    column g (MT = 8), at the same MMA count per weight; M = 9..16 runs a second MMA per decoded
-    A fragment for tokens 8..15 (MT = 16, DEFAULT_MT16: 8 consumer warps), each token set with its
-    own epilogue, workspace half and counters.
+    column g (MT = 8), at the same MMA count per weight.
 
     config: NUM_STAGES (ring depth), PER_SM (programs per SM the grid is planned for, at most what
     the first launch measures fits), S (forced K slices per row block), num_warps (consumer warps: 4 or 8),
@@ -770,19 +737,15 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     m = x.shape[0]
     if x.shape[1] != k or x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bf16 [{m}, {k}]")
-    mt = 1 if m == 1 else (8 if m <= 8 else 16)
-    if mt == 16 and not EPI_SMEM:
-        raise ValueError("the Gluon GEMV takes 9..16 tokens only with its shared-memory epilogue (EPI_SMEM)")
-    cfg = dict(DEFAULT, **(DEFAULT_MT16 if mt == 16 else {}))
+    cfg = dict(DEFAULT)
     cfg.update({key: v for key, v in (config or {}).items() if key in DEFAULT or key in ("S", "STREAMK", "TAIL_SPLIT")})
-    if mt == 16:
-        cfg["XPF"] = False  # not offered at MT = 16
     nw = int(cfg["num_warps"])
     if nw not in (4, 8):
         raise ValueError(f"num_warps must be 4 or 8, got {nw}")
     ns, per_sm = int(cfg["NUM_STAGES"]), int(cfg["PER_SM"])
     pdl = bool(W.PDL if cfg["PDL"] is None else cfg["PDL"])
     preg = int(cfg["PRODUCER_REGS"])
+    mt = 1 if m == 1 else MAX_M
     key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM)  # (occupancy; SBITS keeps it)
     fits = min(_RESIDENT.get(key, per_sm), per_sm)
     s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), fits, mt)
@@ -797,17 +760,12 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         ws = torch.empty(2 * grid * 64 * mt, device=x.device, dtype=torch.float32)
     elif kind == "tail":  # workspace slot = program (the whole blocks' slots go unused)
         ws = torch.empty(grid * 64 * mt, device=x.device, dtype=torch.float32)
-    # MT = 16: tokens 8..15 use the workspace's second half and a second set of block counters
-    wsh = (2 * grid if kind == "sk" else grid) * 512 if mt == 16 and ws.numel() > 1 else 0
-    lkh = triton.cdiv(n, 64) if mt == 16 else 0
-    if mt == 16 and locks.numel() < 2 * lkh:
-        locks = torch.zeros(2 * lkh, dtype=torch.int32, device=x.device)
     l5, l2w, l2s = _layouts(nw)
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
     stamps = W.stamp_slice(grid, n, k, s, m, "gluon")  # instrumentation, None when off (w4a16_triton.STAMP)
     kernel = _gluon_gemv_kernel[(grid,)](
         x.contiguous().view(torch.int32), w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws,
-        locks, stamps if stamps is not None else ws, m, n, kb, s, nw_whole, cs, wsh, lkh, SP=sp, NUM_STAGES=ns,
+        locks, stamps if stamps is not None else ws, m, n, kb, s, nw_whole, cs, SP=sp, NUM_STAGES=ns,
         HAS_BIAS=bias is not None, PDL=pdl, MT=mt, XPF=xpf,
         STAMP=stamps is not None, HOIST=HOIST_CONSTS, EPI=EPI_SMEM, PRODUCER_REGS=preg, SK=kind == "sk", TAIL=kind == "tail",
         SBITS=SCALE_BITS and bool(state.get("scale_bits", False)),

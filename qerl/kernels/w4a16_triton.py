@@ -112,11 +112,6 @@ WSMMA_TOKENS_MIN_K = 4096
 # section 11). With the old epilogue the same routing lost 16%. 0 disables it.
 WSMMA_TOKENS_MIN_N_PDL = int(os.environ.get("QERL_W4A16_WSMMA_TOKENS_MIN_N_PDL", "1" if WSMMA_TOKENS_MIN_N else "0"))
 WSMMA_TOKENS_MIN_K_PDL = 0
-# The largest M routed there: 8 (one token per MMA column), or 16 (w4a16_gluon's MT = 16: a second
-# MMA per decoded weight fragment for tokens 8..15) in PDL chains, where the fused Triton kernel it
-# replaces loads its weights only after the wait. Standalone stays at 8 (not measured against it).
-WSMMA_TOKENS_MAX_M = 8
-WSMMA_TOKENS_MAX_M_PDL = int(os.environ.get("QERL_W4A16_WSMMA_TOKENS_MAX_M_PDL", "16"))
 # Forward with WGMMA_SMALL_M <= M < WGMMA_MIN_M on Hopper: the wgmma GEMM where it beat the fused
 # Triton kernel on the H100 (_small_m_wgmma; NOTES_w4a16.md section 15). 0 disables it.
 WGMMA_SMALL_M = int(os.environ.get("QERL_W4A16_WGMMA_SMALL_M", "17"))
@@ -930,14 +925,13 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
         # (modifier keys such as PDL keep the dispatch)
         nk = state["n"] * state["k"]
         chain = PDL if CHAIN_ROUTING is None else CHAIN_ROUTING
-        min_nk, tok_min_n, tok_min_k, tok_max_m = (
-            (WSMMA_MIN_NK_PDL, WSMMA_TOKENS_MIN_N_PDL, WSMMA_TOKENS_MIN_K_PDL, WSMMA_TOKENS_MAX_M_PDL) if chain
-            else (WSMMA_MIN_NK, WSMMA_TOKENS_MIN_N, WSMMA_TOKENS_MIN_K, WSMMA_TOKENS_MAX_M))
+        min_nk, tok_min_n, tok_min_k = ((WSMMA_MIN_NK_PDL, WSMMA_TOKENS_MIN_N_PDL, WSMMA_TOKENS_MIN_K_PDL) if chain
+                                        else (WSMMA_MIN_NK, WSMMA_TOKENS_MIN_N, WSMMA_TOKENS_MIN_K))
         if m == 1 and state["fmt"] == "nvfp4" and 0 < min_nk <= nk and _wsmma_ok(x.device, state):
             path = "wsmma"  # (checked first: with PDL its threshold may be below GEMV_MAX_NK)
         elif m <= GEMV_MAX_M and nk <= GEMV_MAX_NK:
             path = "gemv"
-        elif (2 <= m <= min(tok_max_m, 16) and state["fmt"] == "nvfp4" and 0 < tok_min_n <= state["n"]
+        elif (2 <= m <= 8 and state["fmt"] == "nvfp4" and 0 < tok_min_n <= state["n"]
               and state["k"] >= tok_min_k and _wsmma_ok(x.device, state)):
             path = "wsmma"
         elif 0 < WGMMA_MIN_M <= m and _wsmma_ok(x.device, state):
