@@ -5,7 +5,8 @@
         --timeline base lora --out ablate.json
 
 One engine, built once; for each variant the CUDA graphs are captured afresh and the graph step
-is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py). Variants:
+is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py; --keys N: the
+(N - 255)..N bucket). Variants:
   base            LoRA off (the base products only)
   lora            LoRA on every group, on the side stream (the engine's default)
   serial          LoRA on every group, on the main stream after the base product
@@ -25,7 +26,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   wsmma20m (in the decode chain, M = 1 layers from 20M weights on the Gluon GEMV),
                   earlyv (attention loads V with K),
                   kvpre / nokvpre (attention reads its first K / V block before the PDL wait),
-                  ap528 / ap1056 (attention programs to aim for), ab16 / ab32 (attention key block),
+                  ap528 / ap1056 (attention programs to aim for), amb0 / amb2 / amb8 (key blocks per
+                  attention program at most: off / 2 / 8, not ATTN_MAX_BLOCKS), ab16 / ab32 (attention key block),
                   br16 / br32 (LoRA shrink rows per program), lw8 (8 warps per shrink program),
                   g:K1+K2:pPsS[wW][kK][x][q][t] (the Gluon GEMV for those group kinds, or "all",
                   planned for P programs per SM with an S-stage ring, W consumer warps, K slices per
@@ -128,6 +130,9 @@ def _switches() -> dict:
         "comb": [(decode_ops, "ATTN_COMBINE", True)],
         "ap528": [(decode_ops, "ATTN_PROGRAMS", 528)],
         "ap1056": [(decode_ops, "ATTN_PROGRAMS", 1056)],
+        "amb0": [(decode_ops, "ATTN_MAX_BLOCKS", 0)],
+        "amb2": [(decode_ops, "ATTN_MAX_BLOCKS", 2)],
+        "amb8": [(decode_ops, "ATTN_MAX_BLOCKS", 8)],
     }
     for name, regs, per_sm in (("gr56", 56, 4), ("gr48p4", 48, 4), ("gr48", 48, 5), ("gr40", 40, 6)):
         table[name] = [
@@ -264,13 +269,13 @@ def variant_of(engine: RolloutEngine, name: str):
         del engine._linear  # back to the class method
 
 
-def timeline(graph, rows: int, engine: RolloutEngine) -> dict:
+def timeline(graph, rows: int, engine: RolloutEngine, keys: int = 512) -> dict:
     """One profiled replay: per-stream kernel sums and what each kernel adds to the critical path."""
     from torch.profiler import ProfilerActivity, profile
 
     events = []
     for _ in range(2):  # the first window warms CUPTI up; keep the second
-        rewind(engine, rows)
+        rewind(engine, rows, keys)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             graph.replay()
@@ -365,14 +370,14 @@ def stamp_summary(graph, sm_mhz: float) -> dict:
     return out
 
 
-def time_variant(engine: RolloutEngine, prompts: list, settings, with_timeline: bool) -> dict:
-    """Capture the step graphs afresh (two generates) and time 64 replays of the 512-key graph."""
+def time_variant(engine: RolloutEngine, prompts: list, settings, with_timeline: bool, keys: int = 512) -> dict:
+    """Capture the step graphs afresh (two generates) and time 64 replays of the `keys`-key graph."""
     rows = len(prompts)
-    graph, ms = graph_step_ms(engine, prompts, settings)
+    graph, ms = graph_step_ms(engine, prompts, settings, keys=keys)
     row = {"step_ms": round(ms, 4), "tokens_per_s": round(rows * 1e3 / ms, 1), "gpu_state": gpu_state()}
     if with_timeline:
         try:
-            row["timeline"] = timeline(graph, rows, engine)
+            row["timeline"] = timeline(graph, rows, engine, keys)
         except Exception as exc:  # the timings above stand without it
             row["timeline"] = {"error": f"{type(exc).__name__}: {exc}"}
     return row
@@ -414,23 +419,29 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="time the variant list this many times over (medians)")
     ap.add_argument("--stamp", nargs="*", default=[],
                     help="variants to run once more with the 4-bit kernels' per-program clocks (stamp_summary)")
+    ap.add_argument("--keys", type=int, default=512,
+                    help="the key bucket of the timed step graph (a multiple of 256; 512: slots 257..512)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.keys % 256 or a.keys < 512:
+        raise SystemExit(f"--keys must be a multiple of 256 from 512, got {a.keys}")
     model = build(a.model, a.format)
     if a.lora:
         from qerl.nn.lora import LoraSettings, apply_lora
 
         model = apply_lora(model, LoraSettings(r=a.lora, lora_alpha=a.lora)).eval()
-    engine = RolloutEngine(model, max_batch=max(a.batch), max_len=768)
-    settings = RolloutSettings(max_new_tokens=512, temperature=1.0, stop_ids=[10**9], pad_id=0)
+    # 256-token prompts: 512 new tokens reach the 768-key bucket, keys - 192 the `keys` one
+    engine = RolloutEngine(model, max_batch=max(a.batch), max_len=max(768, a.keys + 64))
+    settings = RolloutSettings(max_new_tokens=512 if a.keys == 512 else a.keys - 192, temperature=1.0,
+                               stop_ids=[10**9], pad_id=0)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
-              "model": a.model, "format": a.format, "lora_rank": a.lora, "rows": []}
+              "model": a.model, "format": a.format, "lora_rank": a.lora, "keys": a.keys, "rows": []}
     for batch in a.batch:
         prompts = [torch.randint(0, 150000, (256,)).tolist() for _ in range(batch)]
         for rnd, name in ((r, n) for r in range(a.rounds) for n in a.variants):
             with variant_of(engine, name), torch.inference_mode():
                 row = {"batch": batch, "variant": name, "round": rnd,
-                       **time_variant(engine, prompts, settings, rnd == 0 and name in a.timeline)}
+                       **time_variant(engine, prompts, settings, rnd == 0 and name in a.timeline, a.keys)}
             result["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "timeline"}), flush=True)  # with gpu_state
             save(result, a.out)
@@ -440,7 +451,7 @@ def main() -> None:
             w4a16_triton.STAMP = {"buf": torch.empty(32 << 20, dtype=torch.int64, device="cuda"), "used": 0, "calls": []}
             try:
                 with variant_of(engine, name), torch.inference_mode():
-                    graph, ms = graph_step_ms(engine, prompts, settings)
+                    graph, ms = graph_step_ms(engine, prompts, settings, keys=a.keys)
                     state = gpu_state()
                     row = {"batch": batch, "variant": name, "stamped": True, "step_ms": round(ms, 4), "gpu_state": state,
                            "stamps": stamp_summary(graph, float(state.get("sm_mhz") or 1980))}

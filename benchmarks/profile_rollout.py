@@ -45,22 +45,25 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def rewind(engine: RolloutEngine, rows: int) -> None:
-    """Put the decode state back inside the 257..512-key bucket (timed replays advance it)."""
-    engine._slot.fill_(300)
-    engine._step.fill_(44)
-    engine._pos[:rows].fill_(300)
+def rewind(engine: RolloutEngine, rows: int, keys: int = 512) -> None:
+    """Put the decode state back inside the (keys - 255)..keys bucket (timed replays advance it):
+    slot keys - 212 of 256-token prompts (300 for the 512-key bucket)."""
+    engine._slot.fill_(keys - 212)
+    engine._step.fill_(keys - 212 - 256)
+    engine._pos[:rows].fill_(keys - 212)
 
 
-def graph_step_ms(engine: RolloutEngine, prompts: list, settings: RolloutSettings, replays: int = 64):
+def graph_step_ms(engine: RolloutEngine, prompts: list, settings: RolloutSettings, replays: int = 64,
+                  keys: int = 512):
     """(graph, ms): capture the decode graphs (two generates: a warm-up step, then the capture) and
-    time `replays` replays of the 512-key graph, rewound into its bucket; the median, CUDA events."""
+    time `replays` replays of the `keys`-key graph (a multiple of 256; the generates must reach
+    it), rewound into its bucket; the median, CUDA events."""
     rows = len(prompts)
     gen = torch.Generator(device="cuda").manual_seed(0)
     engine.generate(prompts, settings, gen)
     engine.generate(prompts, settings, gen)
-    graph = engine._graphs[(rows, 512, (float(settings.temperature), int(settings.top_k), float(settings.top_p)))][0]
-    rewind(engine, rows)
+    graph = engine._graphs[(rows, keys, (float(settings.temperature), int(settings.top_k), float(settings.top_p)))][0]
+    rewind(engine, rows, keys)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(replays):

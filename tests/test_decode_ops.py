@@ -126,3 +126,31 @@ def test_references_equal_hugging_face_modules():
         with torch.no_grad():  # HF's SiLU module vs F.silu: last-bit differences in float32
             tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
             torch.testing.assert_close(mlp.down_proj(ops.silu_mul(gu)), mlp(x), **tol)
+
+
+def test_attention_splits_rule(monkeypatch):
+    """The split decode attention's key splits (attention_splits): ~ATTN_PROGRAMS programs; where
+    that leaves a program more than ATTN_MAX_BLOCKS key blocks, more splits, up to 2 x ATTN_PROGRAMS
+    programs (the shapes measured in benchmarks/NOTES_rollout.md section 16: 7B has 4 KV heads,
+    14B 8)."""
+    monkeypatch.setattr(ops, "ATTN_PROGRAMS", 264)
+    monkeypatch.setattr(ops, "ATTN_BLOCK", 64)
+    monkeypatch.setattr(ops, "ATTN_BLOCK_SMALL", 32)
+    monkeypatch.setattr(ops, "ATTN_MAX_BLOCKS", 4)
+    # (rows, kv, keys) -> (block, keys per program, splits)
+    assert ops.attention_splits(16, 4, 2048) == (64, 256, 8)  # was 5 splits of 448 keys
+    assert ops.attention_splits(32, 4, 2048) == (64, 512, 4)  # capped at 528 programs
+    assert ops.attention_splits(8, 8, 2048) == (64, 256, 8)
+    assert ops.attention_splits(64, 4, 2048) == (64, 1024, 2)  # the cap keeps the old split
+    assert ops.attention_splits(64, 8, 512) == (64, 512, 1)
+    assert ops.attention_splits(8, 4, 512) == (32, 64, 8)  # unchanged where walks are short
+    assert ops.attention_splits(1, 4, 512) == (32, 32, 16)
+    for rows, kv, keys in ((1, 4, 2048), (8, 4, 2048), (8, 4, 1024), (16, 4, 1024), (1, 8, 4096)):
+        on = ops.attention_splits(rows, kv, keys)
+        monkeypatch.setattr(ops, "ATTN_MAX_BLOCKS", 0)
+        assert ops.attention_splits(rows, kv, keys) == on, (rows, kv, keys)
+        monkeypatch.setattr(ops, "ATTN_MAX_BLOCKS", 4)
+    for rows, kv, keys in ((16, 4, 2304), (3, 4, 5000), (64, 4, 4096)):
+        block, chunk, splits = ops.attention_splits(rows, kv, keys)
+        assert splits * chunk >= keys > (splits - 1) * chunk and chunk % block == 0
+        assert chunk // block <= 4 or rows * kv * splits > 264

@@ -237,3 +237,29 @@ def test_engine_bf16_gemv_keeps_greedy_rollouts(monkeypatch):
     runs = _rollouts_per_switches("bf16", monkeypatch, 0.0, [{"bf16_gemv.ENABLED": v} for v in (False, True)])
     assert torch.equal(runs[0].completion_ids[:, :16], runs[1].completion_ids[:, :16])
     assert (runs[0].logprobs[:, :16] - runs[1].logprobs[:, :16]).abs().max().item() < 0.05
+
+
+@pytest.mark.parametrize("rows,kv,keys", [(16, 4, 2048), (32, 4, 2048), (8, 8, 2304), (64, 4, 1024)])
+def test_attention_max_blocks_split_matches_reference(rows, kv, keys, monkeypatch):
+    """decode_ops.ATTN_MAX_BLOCKS (more key splits for many rows at long contexts) changes the
+    split count, not the result: the bf16 split attention against the fp32 reference (torch SDPA
+    with the key mask) with the rule on and off, at shapes where it binds (16 / 32 rows at 2048
+    keys, 8 KV heads at 2304) and where the program cap keeps the old split (64 rows)."""
+    from qerl.kernels import decode_ops as ops
+
+    gen = torch.Generator(device="cuda").manual_seed(rows + keys)
+    dev, d, heads = "cuda", 128, kv * 7
+    q = torch.randn(rows, heads, d, generator=gen, device=dev).to(torch.bfloat16)
+    kc = torch.randn(rows, kv, keys + 16, d, generator=gen, device=dev).to(torch.bfloat16)
+    vc = torch.randn(rows, kv, keys + 16, d, generator=gen, device=dev).to(torch.bfloat16)
+    valid = torch.rand(rows, keys + 16, generator=gen, device=dev) > 0.2
+    valid[:, 0] = True
+    ref = ops.decode_attention_reference(q.float(), kc.float(), vc.float(), valid, keys, d ** -0.5)
+    outs = []
+    for amb in (4, 0):
+        monkeypatch.setattr(ops, "ATTN_MAX_BLOCKS", amb)
+        outs.append(ops.decode_attention_triton(q, kc, vc, valid, keys, d ** -0.5).float())
+    for got in outs:
+        assert not torch.isnan(got).any()
+        assert (got - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+    assert (outs[0] - outs[1]).abs().max().item() <= 2e-2 * ref.abs().max().item()

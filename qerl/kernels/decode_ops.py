@@ -464,6 +464,13 @@ ATTN_PROGRAMS = 264  # about two per SM on an H100: enough key splits to keep th
 # splits. Measured (H100, 32B nvfp4 batch 1, step time): +1.2% alone, +2.5% with the GEMV's late
 # PDL trigger (benchmarks/NOTES_rollout.md section 7).
 ATTN_BLOCK_SMALL = 32
+# At most this many key blocks per program, as long as that takes no more than 2 x ATTN_PROGRAMS
+# programs: with many (row, KV head) pairs and long contexts ATTN_PROGRAMS alone leaves each
+# program a long serial walk (7B at 16 rows and 2048 keys: 7 blocks of 64). Measured (H100, 7B
+# nvfp4 decode step at the 2048-key bucket, benchmarks/NOTES_rollout.md section 16): 16 rows 4.273
+# -> 3.985 ms with 8 splits of 4 blocks; at 64 rows 8 splits (2048 programs) were 6% slower than 2,
+# hence the cap. Batch 1 and 8 keep their split counts up to 2048 keys. 0: ATTN_PROGRAMS alone.
+ATTN_MAX_BLOCKS = int(os.environ.get("QERL_ATTN_MAX_BLOCKS", "4"))
 # Load each key block's V together with its K (two DRAM round trips in flight, not one after the
 # other). Measured (H100, 14B nvfp4, medians of 3 interleaved rounds): batch 1 +0.7%, batch 8 +2.1%,
 # within the call's drift (benchmarks/NOTES_rollout.md section 9), so off unless QERL_ATTN_EARLY_V=1.
@@ -490,6 +497,21 @@ ATTN_ROPE = True
 ATTN_COMBINE = os.environ.get("QERL_ATTN_COMBINE", "0") == "1"
 
 
+def attention_splits(rows: int, kv: int, keys: int) -> tuple[int, int, int]:
+    """(key block, keys per program, programs per (row, KV head)) of the split decode attention:
+    ~ATTN_PROGRAMS programs in all, more where that leaves a program over ATTN_MAX_BLOCKS blocks
+    (up to 2 x ATTN_PROGRAMS)."""
+    pairs = rows * kv
+    block = ATTN_BLOCK if pairs * -(-keys // ATTN_BLOCK) >= ATTN_PROGRAMS else ATTN_BLOCK_SMALL
+    blocks = -(-keys // block)
+    want = -(-ATTN_PROGRAMS // pairs)
+    if ATTN_MAX_BLOCKS > 0:
+        want = max(want, min(-(-blocks // ATTN_MAX_BLOCKS), 2 * ATTN_PROGRAMS // pairs))
+    splits = max(1, min(blocks, want))
+    chunk = -(-blocks // splits) * block
+    return block, chunk, -(-keys // chunk)
+
+
 def decode_attention_triton(q, k_cache, v_cache, valid, keys: int, scale: float, slot=None):
     """Flash-decoding: the keys split over programs (partial softmax each), then one combine."""
     return _attention_launch(q, q.shape[1], k_cache, v_cache, valid, keys, scale, slot)
@@ -511,11 +533,7 @@ def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: 
     b, d = q.shape[0], q.shape[2]
     kv = k_cache.shape[1]
     group = heads // kv
-    block = ATTN_BLOCK if b * kv * -(-keys // ATTN_BLOCK) >= ATTN_PROGRAMS else ATTN_BLOCK_SMALL
-    blocks = -(-keys // block)
-    splits = max(1, min(blocks, -(-ATTN_PROGRAMS // (b * kv))))
-    chunk = -(-blocks // splits) * block
-    splits = -(-keys // chunk)
+    block, chunk, splits = attention_splits(b, kv, keys)
     q = q.contiguous()
     po = torch.empty(b, kv, splits, group, d, dtype=torch.float32, device=q.device)
     pm = torch.empty(b, kv, splits, group, dtype=torch.float32, device=q.device)
