@@ -466,10 +466,12 @@ ATTN_PROGRAMS = 264  # about two per SM on an H100: enough key splits to keep th
 ATTN_BLOCK_SMALL = 32
 # At most this many key blocks per program, as long as that takes no more than 2 x ATTN_PROGRAMS
 # programs: with many (row, KV head) pairs and long contexts ATTN_PROGRAMS alone leaves each
-# program a long serial walk (7B at 16 rows and 2048 keys: 7 blocks of 64). Measured (H100, 7B
-# nvfp4 decode step at the 2048-key bucket, benchmarks/NOTES_rollout.md section 16): 16 rows 4.273
-# -> 3.985 ms with 8 splits of 4 blocks; at 64 rows 8 splits (2048 programs) were 6% slower than 2,
-# hence the cap. Batch 1 and 8 keep their split counts up to 2048 keys. 0: ATTN_PROGRAMS alone.
+# program a long serial walk (7B at 16 rows and 2048 keys: 7 blocks of 64). Measured (H100, nvfp4
+# decode step at the 2048-key bucket, same process, benchmarks/NOTES_rollout.md section 16): 7B 16
+# rows 4.273 -> 3.985 ms, 32 rows 5.747 -> 5.463, 14B 8 rows 6.782 -> 6.221; at 64 rows more splits
+# were 2-6% slower, hence the cap (64 rows keep theirs). Unchanged: 4 KV heads (7B) at batch 1 and
+# 8 up to 2048 keys, 8 KV heads at batch 8 up to 1280, and every shape of bench_rollout.py (768
+# keys at most). 0: ATTN_PROGRAMS alone.
 ATTN_MAX_BLOCKS = int(os.environ.get("QERL_ATTN_MAX_BLOCKS", "4"))
 # Load each key block's V together with its K (two DRAM round trips in flight, not one after the
 # other). Measured (H100, 14B nvfp4, medians of 3 interleaved rounds): batch 1 +0.7%, batch 8 +2.1%,
