@@ -182,11 +182,12 @@ def _lora_part(part: str):
     def lora(self, x, workspace=None):
         if workspace is None:
             return real(self, x)
-        m = x.reshape(-1, self.in_features).shape[0]
+        x2 = x.reshape(-1, self.in_features)
+        m = x2.shape[0]
         if part == "null":
             _noop_kernel()[(1,)](workspace[3])
         elif part == "shrink":
-            lora_ops.lora_shrink_triton(x.reshape(-1, self.in_features), self._a, workspace)
+            lora_ops.lora_shrink_triton(x2, self._a, workspace)
         else:
             lora_ops.lora_expand_triton(zeros(workspace[1])[:m], self._b, self.bounds, self.rank, m, workspace)
             return workspace[3][:m]

@@ -37,26 +37,26 @@ def main(argv=None) -> int:
         g = torch.Generator(device="cuda").manual_seed(n * 31 + k)
         w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
         ws = [w] + [w.clone() for _ in range(copies(weight_bytes("bf16", n, k)) - 1)]
-        for m in (1,):
-            xs = activations(m, k, len(ws))
-            ref = (xs[0].float() @ w.float().T)
-            got = bf16_gemv.linear(xs[0], w, pdl=False).float()
-            err = ((got - ref).norm() / ref.norm()).item()
-            calls = max(len(ws), len(xs), 3)
-            cublas = time_per_call(lambda i: torch.matmul(xs[i % len(xs)], ws[i % len(ws)].T), calls)
-            plain = time_per_call(lambda i: bf16_gemv.linear(xs[i % len(xs)], ws[i % len(ws)], pdl=False), calls)
-            pdl = time_per_call(lambda i: bf16_gemv.linear(xs[i % len(xs)], ws[i % len(ws)], pdl=True), calls)
-            tiles = {}
-            for spec in filter(None, a.tiles.split(",")):
-                t = tuple(int(v) for v in spec.split("x"))
-                tiles[spec] = round(time_per_call(lambda i, t=t: bf16_gemv.linear(xs[i % len(xs)], ws[i % len(ws)], pdl=True,
-                                                                                 tile=t), calls), 2)
-            row = {"n": n, "k": k, "m": m, "routed": bf16_gemv.usable(xs[0], w), "rel_err": err, "cublas_us": round(cublas, 2), "kernel_us": round(plain, 2),
-                   "kernel_pdl_us": round(pdl, 2), "x_cublas": round(cublas / plain, 3),
-                   "x_cublas_pdl": round(cublas / pdl, 3), "kernel_pdl_gbps": round(2 * n * k / pdl / 1e3, 1),
-                   "tiles_pdl_us": tiles}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        m = 1  # the kernel takes one row
+        xs = activations(m, k, len(ws))
+        ref = (xs[0].float() @ w.float().T)
+        got = bf16_gemv.linear(xs[0], w, pdl=False).float()
+        err = ((got - ref).norm() / ref.norm()).item()
+        calls = max(len(ws), len(xs), 3)
+        cublas = time_per_call(lambda i: torch.matmul(xs[i % len(xs)], ws[i % len(ws)].T), calls)
+        plain = time_per_call(lambda i: bf16_gemv.linear(xs[i % len(xs)], ws[i % len(ws)], pdl=False), calls)
+        pdl = time_per_call(lambda i: bf16_gemv.linear(xs[i % len(xs)], ws[i % len(ws)], pdl=True), calls)
+        tiles = {}
+        for spec in filter(None, a.tiles.split(",")):
+            t = tuple(int(v) for v in spec.split("x"))
+            tiles[spec] = round(time_per_call(lambda i, t=t: bf16_gemv.linear(xs[i % len(xs)], ws[i % len(ws)], pdl=True,
+                                                                             tile=t), calls), 2)
+        row = {"n": n, "k": k, "m": m, "routed": bf16_gemv.usable(xs[0], w), "rel_err": err, "cublas_us": round(cublas, 2), "kernel_us": round(plain, 2),
+               "kernel_pdl_us": round(pdl, 2), "x_cublas": round(cublas / plain, 3),
+               "x_cublas_pdl": round(cublas / pdl, 3), "kernel_pdl_gbps": round(2 * n * k / pdl / 1e3, 1),
+               "tiles_pdl_us": tiles}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
         del ws, w
         torch.cuda.empty_cache()
     write_probe(a.out, rows)

@@ -18,6 +18,7 @@ step's attention and small kernels. Reported: time per iteration minus the wait 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -34,6 +35,7 @@ from probe_gemv_schedule import _mode  # noqa: E402
 CHUNK = 32768  # bytes per cp.async.bulk.prefetch.L2 instruction
 
 
+@functools.lru_cache(maxsize=None)
 def _kernel():
     """A kernel of one-warp programs that issue L2 prefetches (sm_90's cp.async.bulk.prefetch.L2,
     fire and forget) of up to two spans, chunk c by program c // 32 % programs, one chunk per
@@ -74,21 +76,16 @@ def _kernel():
     return prefetch_wait_kernel
 
 
-_KERNEL = []
-
-
 def prefetch_wait(spans, programs: int, wait_ns: int, like: torch.Tensor) -> None:
     """Launch the kernel above for up to two (tensor, nbytes) spans from each tensor's start
     (nbytes rounded down to 16, the instruction's unit)."""
-    if not _KERNEL:
-        _KERNEL.append(_kernel())
     args = []
     for t, nbytes in list(spans)[:2] + [(None, 0)] * (2 - len(list(spans)[:2])):
         if t is None:
             args += [like, 0]
         else:
             args += [t.reshape(-1).view(torch.uint8), min(int(nbytes), t.numel() * t.element_size()) // 16 * 16]
-    _KERNEL[0][(programs,)](*args, int(wait_ns), CHUNK=CHUNK, LANES=32, num_warps=1)
+    _kernel()[(programs,)](*args, int(wait_ns), CHUNK=CHUNK, LANES=32, num_warps=1)
 
 
 def main(argv=None) -> int:
