@@ -22,10 +22,14 @@ as "oom" and the next starts clean):
 - --steps GRPO steps, each: `batch` random prompts of --prompt-len tokens x --generations samples
   of exactly --completion tokens (no stop token can be sampled, so every row is full length and
   every format does the same work) through the rollout engine (`run_rollout`), its KV cache and
-  graphs then freed (`release_rollout_memory`), rewards from the sampled tokens (fraction of even
-  ids: they differ within a group, so every row trains), group advantages, then the trainer's own
-  `optimise`: micro-batches of --micro-batch completions, chunked log-probs, backward, AdamW.
-The first step compiles kernels and captures graphs, so the last step is the one reported.
+  graphs then freed or kept as --rollout-memory says (`qerl.rl.memory_plan`, as the trainer does),
+  rewards from the sampled tokens (fraction of even ids: they differ within a group, so every row
+  trains), group advantages, then the trainer's own `optimise`: micro-batches of --micro-batch
+  completions, chunked log-probs, backward, AdamW.
+The first step compiles kernels and captures graphs, so the last step is the one reported. With
+--rollout-memory auto (the trainer's default) the first step frees the rollout memory and measures
+training; the second re-captures the graphs and keeps them if they fit; the third (--steps 3) is
+the steady state. --rollout-memory release reproduces the smallest peak (the 32B memory goal).
 
 Rows (memory.json): {"model", "format", "gpu", "generations", "completion_len", "lora_rank",
 "status": "ok" | "oom", "peak_gib", "rollout_s", "logprob_s", "backward_s", "optimizer_s",
@@ -36,7 +40,7 @@ peak of live tensors. grpo_step.json: {"model", "format", "batch", "step_s", "bf
 "speedup"} with speedup = bf16 LoRA step time / this step time, same model, batch and micro-batch
 (and both steady-state steps, or both single warm-up steps).
 Rows are keyed by (model, format, batch, micro-batch, weight copies, GPU, bf16 autocast, allocator
-settings) and carry the command and date of their call. --profile-dir puts the last step's training phase under torch.profiler and
+settings, rollout memory) and carry the command and date of their call. --profile-dir puts the last step's training phase under torch.profiler and
 writes its kernel table there (those rows are marked "profiled": their times carry the profiler's
 overhead, keep them out of the evidence).
 Both files are rewritten after every configuration, so a call cut short keeps what it measured.
@@ -64,6 +68,7 @@ MEMORY_FIELDS = ("model", "format", "gpu", "generations", "completion_len", "lor
                  "rollout_s", "logprob_s", "backward_s", "optimizer_s", "step_s")
 STEP_FIELDS = ("model", "format", "batch", "step_s", "bf16_step_s", "speedup")
 PHASES = ("rollout_s", "logprob_s", "backward_s", "optimizer_s")
+ROLLOUT_MEMORY = {"auto": "auto", "release": True, "keep": False}  # --rollout-memory -> GRPOSettings
 GIB = 2 ** 30
 ROW_TAG = "BENCH_ROW "
 
@@ -103,8 +108,9 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
     from qerl.nn.lora import LoraSettings
     from qerl.rl.grpo import GRPOSettings, group_advantages
     from qerl.rl.rollout import RolloutSettings
-    from qerl.rl.trainer import PhaseTimer, make_optimizer, optimise, prepare_policy, run_rollout
-    from qerl.rollout.engine import engine_rollouts, release_rollout_memory
+    from qerl.rl.memory_plan import RolloutMemoryPlan
+    from qerl.rl.trainer import PhaseTimer, make_optimizer, optimise, prepare_policy, run_rollout, sequence_lengths
+    from qerl.rollout.engine import engine_rollouts
 
     device = torch.device(args.device)
     gens = args.generations
@@ -126,6 +132,9 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
         "bf16_autocast": args.bf16_autocast,
         # the caching allocator's settings (e.g. expandable_segments:True), "" for the default
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        # GRPOSettings.release_rollout_memory as a name; rollout_memory_released: whether the reported
+        # step freed the KV cache and graphs (auto frees until a measured step says keeping fits)
+        "rollout_memory": args.rollout_memory,
     }
     mem = _Memory(device)
     phase = "build"
@@ -142,7 +151,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
             num_generations=gens, per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
             max_completion_length=args.completion, max_steps=args.steps, learning_rate=1e-5, loss_type="dapo",
             epsilon_high=0.28, temperature=1.0, gradient_checkpointing=True, logprob_chunk_tokens=args.chunk_tokens,
-            release_rollout_memory=not args.keep_rollout_memory, bf16_autocast=args.bf16_autocast,
+            release_rollout_memory=ROLLOUT_MEMORY[args.rollout_memory], bf16_autocast=args.bf16_autocast,
         )
         phase = "lora"
         policy = prepare_policy(model, settings, LoraSettings(r=args.rank, lora_alpha=args.rank))
@@ -155,6 +164,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
         rs = RolloutSettings(num_generations=gens, max_new_tokens=args.completion, temperature=1.0,
                              stop_ids=[10**9], pad_id=0)
         gen = torch.Generator(device=device).manual_seed(0)
+        plan = RolloutMemoryPlan(settings.release_rollout_memory, device)
         for step in range(args.steps):
             timer = PhaseTimer(device)
             mem.mark()
@@ -165,8 +175,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
                 rollout = run_rollout(policy, engine_rollouts, prompts, rs, gen, aqn, aqn_on)
             engine = policy.__dict__.get("_qerl_rollout_engine")
             row["kv_cache_gib"] = round(engine.cache_bytes / GIB, 3) if engine is not None else None
-            if settings.release_rollout_memory:
-                release_rollout_memory(policy)
+            plan.after_rollout(policy)
             rollout_peak = mem.peak()
             mem.mark()
             phase = "train"
@@ -180,8 +189,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             train_peak = mem.peak()
-            if settings.release_rollout_memory and device.type == "cuda":
-                torch.cuda.empty_cache()  # as train() does: the next rollout starts from a clean pool
+            plan.after_training(*sequence_lengths([rollout], settings))  # as train() does
             step_s = time.perf_counter() - t_step
             tokens = int(rollout.completion_mask.sum())
             row.update(
@@ -191,7 +199,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
                 rollout_peak_gib=round(rollout_peak[1], 3), train_peak_gib=round(train_peak[1], 3),
                 rollout_peak_allocated_gib=round(rollout_peak[0], 3), train_peak_allocated_gib=round(train_peak[0], 3),
                 rollout_tokens=tokens, rollout_tokens_per_s=round(tokens / max(timer.seconds["rollout_s"], 1e-9), 1),
-                loss=stats["loss"], grad_norm=stats["grad_norm"],
+                loss=stats["loss"], grad_norm=stats["grad_norm"], rollout_memory_released=plan.released,
             )
             if step == 0 and args.steps > 1:
                 row["warmup_step_s"] = round(step_s, 3)
@@ -240,7 +248,7 @@ def _row_copies(row: dict) -> int:
 def _setup(row: dict) -> tuple:
     """What a row shares with its bf16 baseline: model, batch, micro-batch, GPU, autocast, allocator settings."""
     return (row["model"], row["batch"], row["micro_batch"], row.get("gpu"), row.get("bf16_autocast", False),
-            row.get("alloc_conf", ""))
+            row.get("alloc_conf", ""), row.get("rollout_memory", "release"))
 
 
 def _key(row: dict) -> tuple:
@@ -264,7 +272,7 @@ def step_rows(memory_rows: list[dict]) -> list[dict]:
                     "bf16_step_s": base, "speedup": round(base / r["step_s"], 3) if base else None,
                     "micro_batch": r["micro_batch"], "generations": r["generations"], "completion_len": r["completion_len"],
                     "weight_copies": _row_copies(r), "gpu": r.get("gpu"), "bf16_autocast": r.get("bf16_autocast", False),
-                    "alloc_conf": r.get("alloc_conf", ""),
+                    "alloc_conf": r.get("alloc_conf", ""), "rollout_memory": r.get("rollout_memory", "release"),
                     # when the baseline ran: the same call as this row, or another call on the same GPU model
                     "date": r.get("date"), "bf16_date": base_row.get("date") if base_row else None})
     return out
@@ -387,13 +395,17 @@ def main(argv=None) -> None:
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--micro-batch", type=int, default=8, help="completions per training micro-batch")
     ap.add_argument("--chunk-tokens", type=int, default=1024, help="tokens per lm_head + log-softmax chunk")
-    ap.add_argument("--steps", type=int, default=2, help="GRPO steps per configuration; the last is reported")
+    ap.add_argument("--steps", type=int, default=3,
+                    help="GRPO steps per configuration; the last is reported (with --rollout-memory auto the third is "
+                         "the first that neither compiles nor re-captures graphs)")
     ap.add_argument("--no-aqn", action="store_true", help="AQN off for nvfp4 too")
     ap.add_argument("--bf16-autocast", action="store_true", help="GRPOSettings.bf16_autocast: LoRA in bf16 in training")
     ap.add_argument("--profile-dir", default=None, help="profile the last step's training phase, kernel tables here")
     ap.add_argument("--keep-checkpoint-layout", action="store_true",
                     help="keep the 4-bit checkpoint tensors beside the kernels' layout (two copies; the old default)")
-    ap.add_argument("--keep-rollout-memory", action="store_true", help="keep the KV cache and graphs through training")
+    ap.add_argument("--rollout-memory", choices=list(ROLLOUT_MEMORY), default="auto",
+                    help="GRPOSettings.release_rollout_memory: free the KV cache and graphs after each rollout (release), "
+                         "never (keep), or once measured training leaves room, keep them (auto, the trainer's default)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--time-budget-s", type=float, default=540)
     ap.add_argument("--min-config-s", type=float, default=20, help="start no configuration with less of the budget left")
@@ -420,7 +432,7 @@ def main(argv=None) -> None:
     child = ["--device", args.device, "--generations", str(args.generations), "--prompt-len", str(args.prompt_len),
              "--completion", str(args.completion), "--rank", str(args.rank), "--micro-batch", str(args.micro_batch),
              "--chunk-tokens", str(args.chunk_tokens), "--steps", str(args.steps)]
-    child += ["--no-aqn"] * args.no_aqn + ["--keep-rollout-memory"] * args.keep_rollout_memory
+    child += ["--no-aqn"] * args.no_aqn + ["--rollout-memory", args.rollout_memory]
     child += ["--keep-checkpoint-layout"] * args.keep_checkpoint_layout + ["--bf16-autocast"] * args.bf16_autocast
     child += ["--profile-dir", os.path.abspath(args.profile_dir)] if args.profile_dir else []
     args.child_args = child

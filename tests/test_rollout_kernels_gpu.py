@@ -263,3 +263,41 @@ def test_attention_max_blocks_split_matches_reference(rows, kv, keys, monkeypatc
         assert not torch.isnan(got).any()
         assert (got - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
     assert (outs[0] - outs[1]).abs().max().item() <= 2e-2 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_kept_graphs_replay_updated_adapters_and_norms(fmt):
+    """What GRPOSettings.release_rollout_memory = "auto" relies on: decode and prefill graphs
+    captured in one RL step and replayed in the next, after the optimiser changed the LoRA weights
+    and AQN the norm weights in place, give the rollout of a fresh (eager) engine, token for token
+    and logprob for logprob, and capture nothing new."""
+    from qerl.nn.lora import LoraSettings, apply_lora
+    from qerl.rl.rollout import RolloutSettings
+    from qerl.rollout.engine import RolloutEngine
+
+    model = apply_lora(_small_model(fmt), LoraSettings(r=8, lora_alpha=8)).eval()
+    prompts = [torch.randint(0, 4096, (n,)).tolist() for n in (5, 70, 33)]
+    settings = RolloutSettings(num_generations=2, max_new_tokens=40, temperature=1.0, stop_ids=[10**9], pad_id=0)
+
+    def run(engine):
+        with torch.inference_mode():
+            return engine.generate(prompts, settings, torch.Generator(device="cuda").manual_seed(0))
+
+    engine = RolloutEngine(model, max_batch=8, max_len=256)
+    run(engine)  # eager warm-up of every shape
+    before = run(engine)  # captured
+    graphs = dict(engine._graphs)
+    assert graphs and all(v not in ("warm", "eager") for v in graphs.values())
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    with torch.no_grad():  # an optimiser step on the adapters, AQN on the norms: both in place
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(0.05 * torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype))
+            elif name.endswith("norm.weight"):
+                p.mul_(1 + 0.05 * torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype))
+    kept = run(engine)
+    assert engine._graphs.keys() == graphs.keys() and all(engine._graphs[k] is graphs[k] for k in graphs)
+    fresh = run(RolloutEngine(model, max_batch=8, max_len=256, cuda_graphs=False))
+    assert not torch.equal(kept.completion_ids, before.completion_ids)  # the updates reached the rollout
+    assert torch.equal(kept.completion_ids, fresh.completion_ids)
+    assert torch.equal(kept.logprobs, fresh.logprobs)

@@ -125,7 +125,7 @@ def test_engine_releases_and_remakes_its_cache(tiny_model, tiny_tokenizer):
     assert release_rollout_memory(bare) == 0  # no engine: nothing to free
 
 
-@pytest.mark.parametrize("release", [True, False])
+@pytest.mark.parametrize("release", [True, False, "auto"])
 def test_trainer_times_phases_and_frees_rollout_memory(tiny_model, tiny_tokenizer, tmp_path, release):
     from qerl.rl.arith import make_problems
     from qerl.rl.grpo import GRPOSettings
@@ -145,7 +145,71 @@ def test_trainer_times_phases_and_frees_rollout_memory(tiny_model, tiny_tokenize
     assert all(p > 0 for p in phases), phases
     assert sum(phases) <= m["step_time_s"]
     engine = result.model.__dict__["_qerl_rollout_engine"]
-    assert (engine.cache_bytes == 0) == release
+    assert (engine.cache_bytes == 0) == (release is True)  # "auto" keeps on a CPU: nothing to give training
+    assert m["rollout_memory_released"] == float(release is True)
+
+
+class _Allocator:
+    """A scripted caching allocator for RolloutMemoryPlan: reserved() answers from `script` in
+    turn, peak() gives `peaks` in turn; counts empty_cache() calls."""
+
+    def __init__(self, total, script, peaks):
+        self.total, self.script, self.peaks, self.emptied = total, list(script), list(peaks), 0
+
+    def reserved(self):
+        return self.script.pop(0)
+
+    def peak(self):
+        return self.peaks.pop(0)
+
+    def empty_cache(self):
+        self.emptied += 1
+
+
+def test_rollout_memory_plan_keeps_once_a_measured_step_fits_and_frees_again_when_not():
+    from qerl.rl.memory_plan import RolloutMemoryPlan, fits_with_rollout_memory
+
+    GB = 10**9
+    # 100 GB card, 10% headroom -> 90 GB usable
+    assert fits_with_rollout_memory(20 * GB, 60 * GB, 10 * GB, 100 * GB)  # 60 + 10 <= 90
+    assert not fits_with_rollout_memory(20 * GB, 60 * GB, 31 * GB, 100 * GB)  # 91 > 90
+    assert not fits_with_rollout_memory(20 * GB, 60 * GB, 10 * GB, 100 * GB, length_ratio=2.0)  # 20 + 80 + 10
+    assert fits_with_rollout_memory(20 * GB, 60 * GB, 10 * GB, 100 * GB, length_ratio=0.5)  # never shrinks below measured
+
+    model = torch.nn.Linear(2, 2)  # no engine: release_rollout_memory frees nothing, the allocator script decides
+    # step 1 frees (30 -> 20 GB reserved, so 10 GB held), training peaks at 60: keep next time
+    # step 2 keeps (30 GB reserved at its start), training peaks at 85 at a 1.1x longer limit: 30 + 55 * 1.1 > 90
+    # step 3 frees again
+    alloc = _Allocator(100 * GB, script=[30 * GB, 20 * GB, 30 * GB, 30 * GB, 32 * GB, 21 * GB], peaks=[60 * GB, 85 * GB, 50 * GB])
+    plan = RolloutMemoryPlan("auto", torch.device("cpu"), memory=alloc)
+    assert not plan.keeping
+    plan.after_rollout(model)
+    assert plan.released
+    plan.after_training(trained_len=1000, max_len=1000)
+    assert plan.keeping and alloc.emptied == 1
+    plan.after_rollout(model)
+    assert not plan.released
+    plan.after_training(trained_len=1000, max_len=1100)
+    assert not plan.keeping and alloc.emptied == 1  # a keeping step leaves the cache as it is
+    plan.after_rollout(model)
+    assert plan.released
+    plan.after_training(trained_len=1000, max_len=1000)
+    assert plan.keeping and alloc.emptied == 2
+
+
+@pytest.mark.parametrize("setting", [True, False])
+def test_rollout_memory_plan_fixed_settings_never_change(setting):
+    from qerl.rl.memory_plan import RolloutMemoryPlan
+
+    GB = 10**9
+    alloc = _Allocator(100 * GB, script=[1 * GB] * 8, peaks=[99 * GB, 1 * GB])
+    plan = RolloutMemoryPlan(setting, torch.device("cpu"), memory=alloc)
+    for _ in range(2):
+        plan.after_rollout(torch.nn.Linear(2, 2))
+        assert plan.released is setting and plan.keeping is (not setting)
+        plan.after_training(1, 1)
+    with pytest.raises(ValueError, match="release_rollout_memory"):
+        RolloutMemoryPlan("sometimes", torch.device("cpu"))
 
 
 @pytest.mark.slow

@@ -116,8 +116,10 @@ class GRPOSettings(BaseModel):
     # recomputed in the backward pass, so [tokens x vocab] logits never exist whole (0: all at once)
     logprob_chunk_tokens: int = Field(1024, ge=0)
     # free the rollout engine's KV cache and CUDA graphs after each rollout phase, so the training
-    # phase gets that memory (they are re-made at the next rollout: costs the graph captures)
-    release_rollout_memory: bool = True
+    # phase gets that memory (they are re-made at the next rollout: costs the graph captures).
+    # "auto": free after the first rollout, then keep them while the measured training peak leaves
+    # room for them (qerl/rl/memory_plan.py); true: always free; false: never
+    release_rollout_memory: bool | Literal["auto"] = "auto"
     # run the training forwards (and so their backward) under torch.autocast(bfloat16), as TRL /
     # accelerate do with bf16=True: the LoRA matmuls and adds run in bf16 over the fp32 adapter
     # weights, which stay the optimiser's master copy, and the adapters take their bf16 input

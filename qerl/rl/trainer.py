@@ -60,6 +60,7 @@ from qerl.rl.grpo import (
     overlong_penalty,
     zero_variance_groups,
 )
+from qerl.rl.memory_plan import RolloutMemoryPlan
 from qerl.rl.rewards import NUMBER_TASKS
 from qerl.rl.rollout import RolloutBatch, RolloutSettings, policy_logprobs, sample_rollouts
 
@@ -87,6 +88,7 @@ METRIC_KEYS = (
     "backward_s",
     "optimizer_s",
     "peak_memory_bytes",
+    "rollout_memory_released",
     "loss",
     "grad_norm",
     "learning_rate",
@@ -97,7 +99,8 @@ METRIC_KEYS = (
 
 OOM_HINT = (
     "out of GPU memory during RL training: lower num_generations, max_completion_length, "
-    "per_device_train_batch_size (prompts per step) or enable gradient_checkpointing"
+    "per_device_train_batch_size (prompts per step), enable gradient_checkpointing, or set "
+    "release_rollout_memory: true"
 )
 
 __all__ = [
@@ -192,6 +195,16 @@ def _lr_lambda(settings: GRPOSettings, total: int) -> Callable[[int], float]:
         return max(0.0, 1.0 - progress)  # linear
 
     return f
+
+
+def sequence_lengths(batches: Sequence[RolloutBatch], settings: GRPOSettings) -> tuple[int, int]:
+    """(the longest sequence, prompt + completion, in `batches`; the longest the settings allow:
+    the widest prompt, or max_prompt_length where set, + max_completion_length)."""
+    if not batches:
+        return 1, 1
+    prompt = max(int(b.prompt_ids.shape[1]) for b in batches)
+    trained = max(int(b.prompt_ids.shape[1] + b.completion_ids.shape[1]) for b in batches)
+    return trained, max(prompt, settings.max_prompt_length or 0) + settings.max_completion_length
 
 
 def _peak_memory(device: torch.device) -> int:
@@ -491,6 +504,7 @@ def train(
             ids = [x[-settings.max_prompt_length:] for x in ids]
         return ids
 
+    memory_plan = RolloutMemoryPlan(settings.release_rollout_memory, device)
     for step in range(start_step, settings.max_steps):
         t0 = time.perf_counter()
         if device.type == "cuda":
@@ -554,10 +568,7 @@ def train(
                     kept.append((batch, rows_p, rewards, None))
                     break
 
-            if settings.release_rollout_memory:
-                from qerl.rollout.engine import release_rollout_memory
-
-                release_rollout_memory(model)
+            memory_plan.after_rollout(model)
             # ---- training batch ---------------------------------------------------------
             groups_trained = sum(k[0].num_rows for k in kept) // G
             if settings.dynamic_sampling and groups_trained > P:  # keep exactly P groups
@@ -583,8 +594,7 @@ def train(
             stats = optimise(
                 model, parts, settings, optimizer, scheduler, aqn, noise_in_training, share_train, step + 1, timer
             )
-            if settings.release_rollout_memory and device.type == "cuda":
-                torch.cuda.empty_cache()  # the next rollout (its KV cache, graph captures) starts from a clean pool
+            memory_plan.after_training(*sequence_lengths([p[0] for p in parts], settings))
 
             # ---- metrics ----------------------------------------------------------------
             r_all = torch.cat(all_rewards)
@@ -608,6 +618,7 @@ def train(
             for phase in ("rollout_s", "logprob_s", "backward_s", "optimizer_s"):
                 metrics[phase] = timer.seconds.get(phase, 0.0)
             metrics["peak_memory_bytes"] = _peak_memory(device)
+            metrics["rollout_memory_released"] = float(memory_plan.released)
         except torch.OutOfMemoryError as e:
             if isinstance(e, TrainingOOM):
                 raise
