@@ -109,7 +109,8 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
     from qerl.rl.grpo import GRPOSettings, group_advantages
     from qerl.rl.rollout import RolloutSettings
     from qerl.rl.memory_plan import RolloutMemoryPlan
-    from qerl.rl.trainer import PhaseTimer, make_optimizer, optimise, prepare_policy, run_rollout, sequence_lengths
+    from qerl.rl.trainer import (PhaseTimer, make_optimizer, optimise_planned, prepare_policy, run_rollout,
+                                 sequence_lengths)
     from qerl.rollout.engine import engine_rollouts
 
     device = torch.device(args.device)
@@ -183,8 +184,8 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
             rewards = rewards / rollout.completion_mask.sum(-1).clamp(min=1)
             adv = group_advantages(rewards, gens, settings.reward_scaling)
             with _maybe_profile(args, step, f"{preset}_{fmt}_b{batch}"):
-                stats = optimise(policy, [(rollout, rewards, adv)], settings, optimizer, scheduler, aqn, False, False,
-                                 step + 1, timer)
+                stats = optimise_planned(policy, [(rollout, rewards, adv)], settings, optimizer, scheduler, aqn, False,
+                                         False, step + 1, timer, plan)
             row["profiled"] = bool(args.profile_dir)
             if device.type == "cuda":
                 torch.cuda.synchronize()

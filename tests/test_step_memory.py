@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -336,3 +337,63 @@ def test_bf16_autocast_runs_the_lora_path_in_bf16_over_fp32_masters(tiny_model, 
     for n in moved:  # AdamW's first update is ~lr * sign(grad): the same direction in both precisions
         agree = (torch.sign(results[True][n]) == torch.sign(results[False][n])).float().mean()
         assert agree > 0.9, (n, float(agree))
+
+
+def _flaky_optimise(monkeypatch, fail_at, after_update=False):
+    """qerl.rl.trainer.optimise raising torch.OutOfMemoryError on its calls numbered in `fail_at`
+    (from 1), before any update, or after one optimiser + scheduler step with `after_update`:
+    the out-of-memory error a GPU would give, injected (a CPU has no such limit)."""
+    from qerl.rl import trainer as trainer_mod
+
+    real, calls = trainer_mod.optimise, []
+
+    def flaky(model, parts, settings, optimizer, scheduler, *rest):
+        calls.append(1)
+        if len(calls) in fail_at:
+            if after_update:
+                optimizer.step()
+                scheduler.step()
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(model, parts, settings, optimizer, scheduler, *rest)
+
+    monkeypatch.setattr(trainer_mod, "optimise", flaky)
+    return calls
+
+
+def _train_two_steps(tiny_model, tiny_tokenizer, tmp_path, release):
+    from qerl.rl.arith import make_problems
+    from qerl.rl.grpo import GRPOSettings
+    from qerl.rl.trainer import train
+
+    def reward(completions, **kwargs):
+        return [float(i % 2) for i in range(len(completions))]
+
+    settings = GRPOSettings(max_steps=2, num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                            max_completion_length=5, learning_rate=1e-3, save_steps=1, logprob_chunk_tokens=3,
+                            release_rollout_memory=release)
+    logged = []
+    result = train(copy.deepcopy(tiny_model), tiny_tokenizer, settings, None, make_problems(4, seed=0), [reward],
+                   tmp_path, log_fn=lambda s, m: logged.append(m))
+    return result, logged
+
+
+def test_kept_rollout_memory_is_freed_and_the_step_retrained_after_an_oom(tiny_model, tiny_tokenizer, tmp_path,
+                                                                          monkeypatch):
+    calls = _flaky_optimise(monkeypatch, fail_at={1})
+    with pytest.warns(RuntimeWarning, match="ran out of memory.*trains again"):
+        result, logged = _train_two_steps(tiny_model, tiny_tokenizer, tmp_path, "auto")
+    assert len(calls) == 3  # step 1 twice, step 2 once
+    assert [m["rollout_memory_released"] for m in logged] == [1.0, 1.0]  # freed for good after the OOM
+    assert result.model.__dict__["_qerl_rollout_engine"].cache_bytes == 0
+    assert all(math.isfinite(m["loss"]) for m in logged)
+
+
+@pytest.mark.parametrize("release,after_update", [(True, False), ("auto", True)])
+def test_an_oom_with_nothing_to_free_or_after_an_update_stops_the_run(tiny_model, tiny_tokenizer, tmp_path, monkeypatch,
+                                                                      release, after_update):
+    from qerl.rl.trainer import TrainingOOM
+
+    calls = _flaky_optimise(monkeypatch, fail_at={1}, after_update=after_update)
+    with pytest.raises(TrainingOOM, match="release_rollout_memory"):
+        _train_two_steps(tiny_model, tiny_tokenizer, tmp_path, release)
+    assert len(calls) == 1

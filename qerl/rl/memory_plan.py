@@ -16,8 +16,10 @@ cost a 7B batch-2 step about 1.05 s of its 9.1 s nvfp4 rollout and 0.67 s of bf1
   the training phase, `held` what freeing gave back, and longest / trained the ratio of the
   longest sequence the settings allow to the longest one this step trained (training activations
   grow with it). While keeping, each step checks the same bound with its own numbers (`held` is
-  then inside the measured peak) and goes back to freeing when it fails. On a CPU there is
-  nothing to free, so "auto" keeps.
+  then inside the measured peak) and goes back to freeing when it fails. If a kept step's
+  training still runs out of memory before its optimiser step, the trainer frees them, trains
+  that step again and frees after every rollout from then on (`free_after_oom`). On a CPU there
+  is nothing to free, so "auto" keeps.
 
 The bound counts the rollout's own cached blocks in `held` and scales the whole training
 increment by the length ratio, so it errs towards freeing.
@@ -83,6 +85,7 @@ class RolloutMemoryPlan:
         self.keeping = setting is False or (setting == "auto" and memory is None)
         self.released = False
         self._base = self._held = None
+        self._gave_up = False  # auto after a training phase ran out of memory with the rollout's kept
 
     def after_rollout(self, model) -> int:
         """Free the engine's KV cache and graphs unless the plan keeps them; returns the bytes of KV
@@ -105,6 +108,21 @@ class RolloutMemoryPlan:
         peak = self.memory.peak()
         if self.released:
             self.memory.empty_cache()  # the next rollout (its KV cache, graph captures) starts from a clean pool
-        if self.setting == "auto" and self._base is not None:
+        if self.setting == "auto" and self._base is not None and not self._gave_up:
             self.keeping = fits_with_rollout_memory(self._base, peak, self._held, self.memory.total,
                                                     max_len / max(1, trained_len), self.headroom)
+
+    def free_after_oom(self, model) -> bool:
+        """After the training phase ran out of memory: under "auto", if this step kept the
+        engine's KV cache and graphs, free them now and free them after every rollout from here
+        on; True then (the caller may train this step again), False when the plan kept nothing."""
+        from qerl.rollout.engine import release_rollout_memory
+
+        if self.setting != "auto" or self.released:
+            return False
+        release_rollout_memory(model)
+        if self.memory:
+            self.memory.empty_cache()
+        self.released, self.keeping, self._gave_up = True, False, True
+        return True
+

@@ -42,6 +42,7 @@ import random
 import resource
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -112,8 +113,10 @@ __all__ = [
     "latest_checkpoint",
     "make_optimizer",
     "optimise",
+    "optimise_planned",
     "prepare_policy",
     "run_rollout",
+    "sequence_lengths",
     "train",
 ]
 
@@ -591,9 +594,8 @@ def train(
                 parts = [
                     (b, r, group_advantages(r, G, "none") / (std + 1e-4)) for b, r, _ in parts
                 ]
-            stats = optimise(
-                model, parts, settings, optimizer, scheduler, aqn, noise_in_training, share_train, step + 1, timer
-            )
+            stats = optimise_planned(model, parts, settings, optimizer, scheduler, aqn, noise_in_training,
+                                     share_train, step + 1, timer, memory_plan)
             memory_plan.after_training(*sequence_lengths([p[0] for p in parts], settings))
 
             # ---- metrics ----------------------------------------------------------------
@@ -656,6 +658,27 @@ def _decode(tokenizer, batch: RolloutBatch, stops: set[int]) -> list[str]:
             ids = ids[:-1]
         texts.append(tokenizer.decode(ids, skip_special_tokens=True))
     return texts
+
+
+def optimise_planned(model, parts, settings: GRPOSettings, optimizer, scheduler, aqn: AdaptiveQuantNoise,
+                     noise_in_training: bool, share_train: bool, step: int, timer: PhaseTimer,
+                     memory_plan: RolloutMemoryPlan) -> dict[str, float]:
+    """`optimise`; when it runs out of memory before any optimiser step while the memory plan kept
+    the rollout engine's KV cache and graphs, those are freed (for the rest of the run) and the
+    update runs again from the same weights. Any other out-of-memory error propagates."""
+    first_update = scheduler.last_epoch
+    try:
+        return optimise(model, parts, settings, optimizer, scheduler, aqn, noise_in_training, share_train, step, timer)
+    except torch.OutOfMemoryError:
+        # the adapters are unchanged until the scheduler has stepped: the update can start over
+        if scheduler.last_epoch != first_update or not memory_plan.free_after_oom(model):
+            raise
+    warnings.warn(f"step {step}: training ran out of memory with the rollout engine's KV cache and CUDA graphs "
+                  "kept (release_rollout_memory: auto); they are freed after every rollout from now on, and this "
+                  "step trains again", RuntimeWarning, stacklevel=2)
+    if _device(model).type == "cuda":
+        torch.cuda.empty_cache()  # what the failed attempt's activations held
+    return optimise(model, parts, settings, optimizer, scheduler, aqn, noise_in_training, share_train, step, timer)
 
 
 def optimise(
