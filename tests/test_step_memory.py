@@ -265,6 +265,10 @@ def test_bench_pairs_baselines_and_combines_calls(tmp_path):
     assert got["nvfp4", 2]["speedup"] is None  # no bf16 row at that micro-batch
     assert got["nvfp4", 4]["speedup"] is None  # a warm-up step is not compared with a steady one
     assert ("nf4", 8) not in got  # out-of-memory rows have no step time
+    # rows from before --rollout-memory count as freed each step: an auto row pairs only with an auto baseline
+    auto = [dict(row("nvfp4", 12.5), rollout_memory="auto"), dict(row("bf16", 18.75), rollout_memory="auto")]
+    paired = {(r["format"], r["rollout_memory"]): r for r in bench.step_rows(rows + auto) if r["micro_batch"] == 8}
+    assert paired["nvfp4", "auto"]["speedup"] == 1.5 and paired["nvfp4", "release"]["speedup"] == 1.25
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps({"gpu": "g", "command": "first", "date": "d1", "rows": [row("bf16", 20.0), row("nvfp4", 16.0)]}))
     b.write_text(json.dumps({"gpu": "g", "command": "second", "date": "d2", "rows": [row("nvfp4", 15.0)]}))
