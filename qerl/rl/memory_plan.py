@@ -85,7 +85,7 @@ class RolloutMemoryPlan:
         self.keeping = setting is False or (setting == "auto" and memory is None)
         self.released = False
         self._base = self._held = None
-        self._gave_up = False  # auto after a training phase ran out of memory with the rollout's kept
+        self._gave_up = False  # auto, after a training phase ran out of memory with the rollout memory kept
 
     def after_rollout(self, model) -> int:
         """Free the engine's KV cache and graphs unless the plan keeps them; returns the bytes of KV
@@ -125,4 +125,3 @@ class RolloutMemoryPlan:
             self.memory.empty_cache()
         self.released, self.keeping, self._gave_up = True, False, True
         return True
-
