@@ -126,8 +126,8 @@ def test_engine_releases_and_remakes_its_cache(tiny_model, tiny_tokenizer):
     assert release_rollout_memory(bare) == 0  # no engine: nothing to free
 
 
-@pytest.mark.parametrize("release", [True, False, "auto"])
-def test_trainer_times_phases_and_frees_rollout_memory(tiny_model, tiny_tokenizer, tmp_path, release):
+def _train_steps(tiny_model, tiny_tokenizer, tmp_path, release, steps=1):
+    """`steps` GRPO steps of the tiny model on arithmetic problems; (TrainResult, logged metrics)."""
     from qerl.rl.arith import make_problems
     from qerl.rl.grpo import GRPOSettings
     from qerl.rl.trainer import train
@@ -135,12 +135,18 @@ def test_trainer_times_phases_and_frees_rollout_memory(tiny_model, tiny_tokenize
     def reward(completions, **kwargs):
         return [float(i % 2) for i in range(len(completions))]
 
-    settings = GRPOSettings(max_steps=1, num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                            max_completion_length=5, learning_rate=1e-3, save_steps=1, logprob_chunk_tokens=3,
-                            release_rollout_memory=release)
+    settings = GRPOSettings(max_steps=steps, num_generations=2, per_device_train_batch_size=2,
+                            gradient_accumulation_steps=2, max_completion_length=5, learning_rate=1e-3, save_steps=1,
+                            logprob_chunk_tokens=3, release_rollout_memory=release)
     logged = []
     result = train(copy.deepcopy(tiny_model), tiny_tokenizer, settings, None, make_problems(4, seed=0), [reward],
                    tmp_path, log_fn=lambda s, m: logged.append(m))
+    return result, logged
+
+
+@pytest.mark.parametrize("release", [True, False, "auto"])
+def test_trainer_times_phases_and_frees_rollout_memory(tiny_model, tiny_tokenizer, tmp_path, release):
+    result, logged = _train_steps(tiny_model, tiny_tokenizer, tmp_path, release)
     m = logged[0]
     phases = [m[k] for k in ("rollout_s", "logprob_s", "backward_s", "optimizer_s")]
     assert all(p > 0 for p in phases), phases
@@ -364,28 +370,11 @@ def _flaky_optimise(monkeypatch, fail_at, after_update=False):
     return calls
 
 
-def _train_two_steps(tiny_model, tiny_tokenizer, tmp_path, release):
-    from qerl.rl.arith import make_problems
-    from qerl.rl.grpo import GRPOSettings
-    from qerl.rl.trainer import train
-
-    def reward(completions, **kwargs):
-        return [float(i % 2) for i in range(len(completions))]
-
-    settings = GRPOSettings(max_steps=2, num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                            max_completion_length=5, learning_rate=1e-3, save_steps=1, logprob_chunk_tokens=3,
-                            release_rollout_memory=release)
-    logged = []
-    result = train(copy.deepcopy(tiny_model), tiny_tokenizer, settings, None, make_problems(4, seed=0), [reward],
-                   tmp_path, log_fn=lambda s, m: logged.append(m))
-    return result, logged
-
-
 def test_kept_rollout_memory_is_freed_and_the_step_retrained_after_an_oom(tiny_model, tiny_tokenizer, tmp_path,
                                                                           monkeypatch):
     calls = _flaky_optimise(monkeypatch, fail_at={1})
     with pytest.warns(RuntimeWarning, match="ran out of memory.*trains again"):
-        result, logged = _train_two_steps(tiny_model, tiny_tokenizer, tmp_path, "auto")
+        result, logged = _train_steps(tiny_model, tiny_tokenizer, tmp_path, "auto", steps=2)
     assert len(calls) == 3  # step 1 twice, step 2 once
     assert [m["rollout_memory_released"] for m in logged] == [1.0, 1.0]  # freed for good after the OOM
     assert result.model.__dict__["_qerl_rollout_engine"].cache_bytes == 0
@@ -399,5 +388,5 @@ def test_an_oom_with_nothing_to_free_or_after_an_update_stops_the_run(tiny_model
 
     calls = _flaky_optimise(monkeypatch, fail_at={1}, after_update=after_update)
     with pytest.raises(TrainingOOM, match="release_rollout_memory"):
-        _train_two_steps(tiny_model, tiny_tokenizer, tmp_path, release)
+        _train_steps(tiny_model, tiny_tokenizer, tmp_path, release, steps=2)
     assert len(calls) == 1
