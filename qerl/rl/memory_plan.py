@@ -19,7 +19,7 @@ cost a 7B batch-2 step about 1.05 s of its 9.1 s nvfp4 rollout and 0.67 s of bf1
   then inside the measured peak) and goes back to freeing when it fails. If a kept step's
   training still runs out of memory before its optimiser step, the trainer frees them, trains
   that step again and frees after every rollout from then on (`free_after_oom`). On a CPU there
-  is nothing to free, so "auto" keeps.
+  are no graphs to keep, so "auto" frees the cache after every rollout, as True does.
 
 The bound counts the rollout's own cached blocks in `held` and scales the whole training
 increment by the length ratio, so it errs towards freeing.
@@ -71,7 +71,8 @@ class RolloutMemoryPlan:
     The training peak is the allocator's reserved peak since its statistics were last reset (the
     trainer resets them at each step's start, so a freeing step's peak may be its rollout's: the
     bound then errs towards freeing). `released`: whether this step freed; `keeping`: whether the
-    next step will keep. `memory` stands in for the CUDA allocator (tests)."""
+    next step will keep. `memory` stands in for the CUDA allocator (tests; without it, and off a
+    GPU, "auto" frees after every rollout: there are no graph captures to save)."""
 
     def __init__(self, setting: bool | str, device: torch.device, headroom: float = HEADROOM, memory=None):
         if not (isinstance(setting, bool) or setting == "auto"):
@@ -81,8 +82,8 @@ class RolloutMemoryPlan:
             memory = _CudaMemory(torch.device(device))
         self.memory = memory
         self.headroom = headroom
-        # auto keeps on a CPU (nothing to free), and on a GPU once a measured step says it fits
-        self.keeping = setting is False or (setting == "auto" and memory is None)
+        # auto keeps once a measured step says it fits (never off a GPU: no captures to save there)
+        self.keeping = setting is False
         self.released = False
         self._base = self._held = None
         self._gave_up = False  # auto, after a training phase ran out of memory with the rollout memory kept
