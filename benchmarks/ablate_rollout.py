@@ -21,8 +21,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   K >= 4096), tokold (N >= 16384 and K >= 4096, the rule before session 12),
                   wg9 / wg9all / wg9two (9..16-token layers on the wgmma GEMM where _small_m_wgmma
                   picks it / on every layer at one / two programs per SM, not the fused Triton kernel;
-                  tok8 / m16w8 / m16p2, for the Gluon GEMV at 9..16 tokens, are in
-                  benchmarks/patches/gluon_gemv_16_tokens_prototype.patch, NOTES_rollout.md section 16),
+                  the Gluon GEMV at 9..16 tokens and its flags tok8 / m16all / m16n5k come with
+                  benchmarks/patches/gluon_gemv_16_tokens_narrow.patch, NOTES_rollout.md sections 16-17),
                   wsmma20m (in the decode chain, M = 1 layers from 20M weights on the Gluon GEMV),
                   earlyv (attention loads V with K),
                   kvpre / nokvpre (attention reads its first K / V block before the PDL wait),

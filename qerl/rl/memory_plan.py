@@ -121,8 +121,8 @@ class RolloutMemoryPlan:
 
         if self.setting != "auto" or self.released:
             return False
+        # release_rollout_memory empties the allocator's cache as well; the trainer empties it again
+        # once the failed attempt's tensors are gone
         release_rollout_memory(model)
-        if self.memory:
-            self.memory.empty_cache()
         self.released, self.keeping, self._gave_up = True, False, True
         return True

@@ -666,9 +666,11 @@ def optimise_planned(model, parts, settings: GRPOSettings, optimizer, scheduler,
     """`optimise`; when it runs out of memory before any optimiser step while the memory plan kept
     the rollout engine's KV cache and graphs, those are freed (for the rest of the run) and the
     update runs again from the same weights. Any other out-of-memory error propagates."""
+    update = functools.partial(optimise, model, parts, settings, optimizer, scheduler, aqn, noise_in_training,
+                               share_train, step, timer)
     first_update = scheduler.last_epoch
     try:
-        return optimise(model, parts, settings, optimizer, scheduler, aqn, noise_in_training, share_train, step, timer)
+        return update()
     except torch.OutOfMemoryError:
         # the adapters are unchanged until the scheduler has stepped: the update can start over
         if scheduler.last_epoch != first_update or not memory_plan.free_after_oom(model):
@@ -678,7 +680,7 @@ def optimise_planned(model, parts, settings: GRPOSettings, optimizer, scheduler,
                   "step trains again", RuntimeWarning, stacklevel=2)
     if _device(model).type == "cuda":
         torch.cuda.empty_cache()  # what the failed attempt's activations held
-    return optimise(model, parts, settings, optimizer, scheduler, aqn, noise_in_training, share_train, step, timer)
+    return update()
 
 
 def optimise(
