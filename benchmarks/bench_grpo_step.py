@@ -18,7 +18,8 @@ as "oom" and the next starts clean):
   random-initialised Qwen2.5-*-shaped weights: honest for speed and memory, not quality; no bf16
   copy of a 4-bit model ever exists);
 - LoRA adapters of --rank on all seven linears of every layer (`qerl.rl.trainer.prepare_policy`,
-  gradient checkpointing on); AQN on for nvfp4 (QeRL), off for the bf16 and nf4 baselines;
+  gradient checkpointing as --gradient-checkpointing says, on by default; off, the training
+  forwards share each group's prompt as the trainer's do); AQN on for nvfp4 (QeRL), off for the bf16 and nf4 baselines;
 - --steps GRPO steps, each: `batch` random prompts of --prompt-len tokens x --generations samples
   of exactly --completion tokens (no stop token can be sampled, so every row is full length and
   every format does the same work) through the rollout engine (`run_rollout`), its KV cache and
@@ -110,7 +111,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
     from qerl.rl.rollout import RolloutSettings
     from qerl.rl.memory_plan import RolloutMemoryPlan
     from qerl.rl.trainer import (PhaseTimer, make_optimizer, optimise_planned, prepare_policy, run_rollout,
-                                 sequence_lengths)
+                                 sequence_lengths, shares_prompt_in_training)
     from qerl.rollout.engine import engine_rollouts
 
     device = torch.device(args.device)
@@ -120,6 +121,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
     if completions % micro:
         raise SystemExit(f"{completions} completions do not split into micro-batches of {micro}")
     aqn_on = fmt == "nvfp4" and not args.no_aqn
+    checkpointing = args.gradient_checkpointing == "on"
     from qerl.nn import quant_linear
 
     quant_linear.SINGLE_COPY = not args.keep_checkpoint_layout
@@ -128,7 +130,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
         "generations": gens, "completion_len": args.completion, "lora_rank": args.rank, "status": "ok",
         "peak_gib": None, **{p: None for p in PHASES}, "step_s": None,
         "batch": batch, "completions": completions, "prompt_len": args.prompt_len, "micro_batch": micro,
-        "aqn": aqn_on, "gradient_checkpointing": True, "logprob_chunk_tokens": args.chunk_tokens,
+        "aqn": aqn_on, "gradient_checkpointing": checkpointing, "logprob_chunk_tokens": args.chunk_tokens,
         "steps": args.steps, "weight_copies": _copies(fmt, args.keep_checkpoint_layout),
         "bf16_autocast": args.bf16_autocast,
         # the caching allocator's settings (e.g. expandable_segments:True), "" for the default
@@ -151,9 +153,11 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
         settings = GRPOSettings(
             num_generations=gens, per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
             max_completion_length=args.completion, max_steps=args.steps, learning_rate=1e-5, loss_type="dapo",
-            epsilon_high=0.28, temperature=1.0, gradient_checkpointing=True, logprob_chunk_tokens=args.chunk_tokens,
+            epsilon_high=0.28, temperature=1.0, gradient_checkpointing=checkpointing, logprob_chunk_tokens=args.chunk_tokens,
             release_rollout_memory=ROLLOUT_MEMORY[args.rollout_memory], bf16_autocast=args.bf16_autocast,
         )
+        share_train = shares_prompt_in_training(settings)  # as train() does
+        row["share_prompt"] = share_train
         phase = "lora"
         policy = prepare_policy(model, settings, LoraSettings(r=args.rank, lora_alpha=args.rank))
         optimizer, scheduler = make_optimizer(policy, settings)
@@ -185,7 +189,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
             adv = group_advantages(rewards, gens, settings.reward_scaling)
             with _maybe_profile(args, step, f"{preset}_{fmt}_b{batch}"):
                 stats = optimise_planned(policy, [(rollout, rewards, adv)], settings, optimizer, scheduler, aqn, False,
-                                         False, step + 1, timer, plan)
+                                         share_train, step + 1, timer, plan)
             row["profiled"] = bool(args.profile_dir)
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -249,7 +253,7 @@ def _row_copies(row: dict) -> int:
 def _setup(row: dict) -> tuple:
     """What a row shares with its bf16 baseline: model, batch, micro-batch, GPU, autocast, allocator settings."""
     return (row["model"], row["batch"], row["micro_batch"], row.get("gpu"), row.get("bf16_autocast", False),
-            row.get("alloc_conf", ""), row.get("rollout_memory", "release"))
+            row.get("alloc_conf", ""), row.get("rollout_memory", "release"), row.get("gradient_checkpointing", True))
 
 
 def _key(row: dict) -> tuple:
@@ -274,6 +278,7 @@ def step_rows(memory_rows: list[dict]) -> list[dict]:
                     "micro_batch": r["micro_batch"], "generations": r["generations"], "completion_len": r["completion_len"],
                     "weight_copies": _row_copies(r), "gpu": r.get("gpu"), "bf16_autocast": r.get("bf16_autocast", False),
                     "alloc_conf": r.get("alloc_conf", ""), "rollout_memory": r.get("rollout_memory", "release"),
+                    "gradient_checkpointing": r.get("gradient_checkpointing", True),
                     # when the baseline ran: the same call as this row, or another call on the same GPU model
                     "date": r.get("date"), "bf16_date": base_row.get("date") if base_row else None})
     return out
@@ -407,6 +412,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rollout-memory", choices=list(ROLLOUT_MEMORY), default="auto",
                     help="GRPOSettings.release_rollout_memory: free the KV cache and graphs after each rollout (release), "
                          "never (keep), or once measured training leaves room, keep them (auto, the trainer's default)")
+    ap.add_argument("--gradient-checkpointing", choices=["on", "off"], default="on",
+                    help="GRPOSettings.gradient_checkpointing; off also shares each group's prompt in training, as train() does")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--time-budget-s", type=float, default=540)
     ap.add_argument("--min-config-s", type=float, default=20, help="start no configuration with less of the budget left")
@@ -434,6 +441,7 @@ def main(argv=None) -> None:
              "--completion", str(args.completion), "--rank", str(args.rank), "--micro-batch", str(args.micro_batch),
              "--chunk-tokens", str(args.chunk_tokens), "--steps", str(args.steps)]
     child += ["--no-aqn"] * args.no_aqn + ["--rollout-memory", args.rollout_memory]
+    child += ["--gradient-checkpointing", args.gradient_checkpointing]
     child += ["--keep-checkpoint-layout"] * args.keep_checkpoint_layout + ["--bf16-autocast"] * args.bf16_autocast
     child += ["--profile-dir", os.path.abspath(args.profile_dir)] if args.profile_dir else []
     args.child_args = child

@@ -221,11 +221,12 @@ def test_rollout_memory_plan_fixed_settings_never_change(setting):
 
 
 @pytest.mark.slow
-def test_bench_grpo_step_runs_on_a_tiny_model(tmp_path):
+@pytest.mark.parametrize("checkpointing", ["on", "off"])
+def test_bench_grpo_step_runs_on_a_tiny_model(tmp_path, checkpointing):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_grpo_step.py"), "--device", "cpu",
            "--models", "tiny-llama", "--formats", "bf16", "nvfp4", "--batches", "1", "--generations", "2",
            "--prompt-len", "8", "--completion", "6", "--rank", "4", "--micro-batch", "1", "--chunk-tokens", "4",
-           "--steps", "2", "--out-dir", str(tmp_path)]
+           "--steps", "2", "--out-dir", str(tmp_path), "--gradient-checkpointing", checkpointing]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     memory = json.loads((tmp_path / "memory.json").read_text())
@@ -239,6 +240,8 @@ def test_bench_grpo_step_runs_on_a_tiny_model(tmp_path):
         assert r["rollout_tokens"] == 2 * 6  # every row generates exactly --completion tokens
         assert 0 < r["rollout_s"] + r["logprob_s"] + r["backward_s"] + r["optimizer_s"] <= r["step_s"]
         assert r["aqn"] == (r["format"] == "nvfp4") and "warmup_step_s" in r
+        # without checkpointing the training forwards share each group's prompt, as train() does
+        assert (r["gradient_checkpointing"], r["share_prompt"]) == ((True, False) if checkpointing == "on" else (False, True))
     rows = {r["format"]: r for r in steps["rows"]}
     assert set(rows["nvfp4"]) >= {"model", "format", "batch", "step_s", "bf16_step_s", "speedup"}
     assert rows["nvfp4"]["bf16_step_s"] == rows["bf16"]["step_s"]
@@ -276,6 +279,12 @@ def test_bench_pairs_baselines_and_combines_calls(tmp_path):
     auto = [dict(row("nvfp4", 12.5), rollout_memory="auto"), dict(row("bf16", 18.75), rollout_memory="auto")]
     paired = {(r["format"], r["rollout_memory"]): r for r in bench.step_rows(rows + auto) if r["micro_batch"] == 8}
     assert paired["nvfp4", "auto"]["speedup"] == 1.5 and paired["nvfp4", "release"]["speedup"] == 1.25
+    # rows from before --gradient-checkpointing had it on: a row without it pairs only with its like
+    off = [dict(row("nvfp4", 8.0), gradient_checkpointing=False)]
+    got = {(r["format"], r["gradient_checkpointing"]): r for r in bench.step_rows(rows + off) if r["micro_batch"] == 8}
+    assert got["nvfp4", False]["speedup"] is None and got["nvfp4", True]["speedup"] == 1.25
+    got = bench.step_rows(rows + off + [dict(row("bf16", 12.0), gradient_checkpointing=False)])
+    assert [r["speedup"] for r in got if not r["gradient_checkpointing"] and r["format"] == "nvfp4"] == [1.5]
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps({"gpu": "g", "command": "first", "date": "d1", "rows": [row("bf16", 20.0), row("nvfp4", 16.0)]}))
     b.write_text(json.dumps({"gpu": "g", "command": "second", "date": "d2", "rows": [row("nvfp4", 15.0)]}))

@@ -283,6 +283,13 @@ def prepare_policy(model: nn.Module, settings: GRPOSettings, lora_settings: Lora
     return model
 
 
+def shares_prompt_in_training(settings: GRPOSettings) -> bool:
+    """Whether the training forwards run each group's prompt once (share_prompt_prefix) and
+    expand it to the group's completions: only without gradient checkpointing, whose recomputed
+    layers take one sequence per row."""
+    return settings.share_prompt_prefix and not settings.gradient_checkpointing
+
+
 def make_optimizer(model: nn.Module, settings: GRPOSettings):
     """AdamW over the trainable (LoRA / norm) parameters and its LR schedule over all updates."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -440,7 +447,7 @@ def train(
     random.seed(settings.seed)
     model = prepare_policy(model, settings, lora_settings)
     device = _device(model)
-    share_train = settings.share_prompt_prefix and not settings.gradient_checkpointing
+    share_train = shares_prompt_in_training(settings)
     optimizer, scheduler = make_optimizer(model, settings)
     stream = _PromptStream(len(problems), settings.seed)
     gen = torch.Generator(device="cpu" if device.type != "cuda" else device)
