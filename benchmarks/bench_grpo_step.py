@@ -353,14 +353,17 @@ def sweep(args) -> dict:
 def combine(paths: list[str], out_dir: str) -> dict:
     """Merge the memory.json files of several calls (a later file's row of the same model, format,
     batch and micro-batch replaces an earlier one; rows keep the command and date of their call)
-    into out_dir's memory.json and grpo_step.json."""
+    into out_dir's memory.json and grpo_step.json. A combined file can be one of them."""
     parts = [json.load(open(p)) for p in paths]
     rows: dict[tuple, dict] = {}
     for part in parts:
         for r in part["rows"]:
             rows[_key(r)] = dict({"command": part.get("command"), "date": part.get("date")}, **r)
     meta = {k: v for k, v in parts[-1].items() if k not in ("rows", "not_run", "command", "date")}
-    meta.update(command=[p.get("command") for p in parts], date=[p.get("date") for p in parts])
+    def each(p, key):  # a combined file lists its calls' commands and dates: kept flat
+        return p.get(key) if isinstance(p.get(key), list) else [p.get(key)]
+
+    meta.update(command=[c for p in parts for c in each(p, "command")], date=[d for p in parts for d in each(p, "date")])
     result = dict(meta, rows=list(rows.values()))
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "memory.json"), "w") as f:

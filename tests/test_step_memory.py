@@ -299,6 +299,13 @@ def test_bench_pairs_baselines_and_combines_calls(tmp_path):
     out = bench.combine([str(a), str(b), str(c)], str(tmp_path / "out"))
     assert [(r["format"], r["step_s"], bench._row_copies(r)) for r in out["rows"]] == [
         ("bf16", 20.0, 1), ("nvfp4", 15.0, 2), ("nvfp4", 14.0, 1)]
+    # a combined file combines again: its rows keep their calls' commands, the list stays flat
+    d = tmp_path / "d.json"
+    d.write_text(json.dumps({"gpu": "g", "command": "fourth", "date": "d4", "rows": [dict(row("bf16", 9.0), batch=4)]}))
+    again = bench.combine([str(tmp_path / "out" / "memory.json"), str(d)], str(tmp_path / "again"))
+    assert [(r["batch"], r["format"], r["command"]) for r in again["rows"]] == [
+        (2, "bf16", "first"), (2, "nvfp4", "second"), (2, "nvfp4", "third"), (4, "bf16", "fourth")]
+    assert json.loads((tmp_path / "again" / "grpo_step.json").read_text())["command"] == ["first", "second", "third", "fourth"]
 
 
 def test_demo_without_held_out_problems_reports_nan():
