@@ -19,7 +19,8 @@ as "oom" and the next starts clean):
   copy of a 4-bit model ever exists);
 - LoRA adapters of --rank on all seven linears of every layer (`qerl.rl.trainer.prepare_policy`,
   gradient checkpointing as --gradient-checkpointing says, on by default; off, the training
-  forwards share each group's prompt as the trainer's do); AQN on for nvfp4 (QeRL), off for the bf16 and nf4 baselines;
+  forwards share each group's prompt as the trainer's do); AQN on for nvfp4 (QeRL), off for the
+  bf16 and nf4 baselines;
 - --steps GRPO steps, each: `batch` random prompts of --prompt-len tokens x --generations samples
   of exactly --completion tokens (no stop token can be sampled, so every row is full length and
   every format does the same work) through the rollout engine (`run_rollout`), its KV cache and
@@ -251,7 +252,9 @@ def _row_copies(row: dict) -> int:
 
 
 def _setup(row: dict) -> tuple:
-    """What a row shares with its bf16 baseline: model, batch, micro-batch, GPU, autocast, allocator settings."""
+    """What a row shares with its bf16 baseline: model, batch, micro-batch, GPU, autocast, allocator
+    settings, rollout-memory setting, gradient checkpointing (rows from before a field existed get
+    the behaviour of that time)."""
     return (row["model"], row["batch"], row["micro_batch"], row.get("gpu"), row.get("bf16_autocast", False),
             row.get("alloc_conf", ""), row.get("rollout_memory", "release"), row.get("gradient_checkpointing", True))
 
@@ -360,6 +363,7 @@ def combine(paths: list[str], out_dir: str) -> dict:
         for r in part["rows"]:
             rows[_key(r)] = dict({"command": part.get("command"), "date": part.get("date")}, **r)
     meta = {k: v for k, v in parts[-1].items() if k not in ("rows", "not_run", "command", "date")}
+
     def each(p, key):  # a combined file lists its calls' commands and dates: kept flat
         return p.get(key) if isinstance(p.get(key), list) else [p.get(key)]
 
