@@ -88,18 +88,18 @@ class RolloutMemoryPlan:
         self._base = self._held = None
         self._gave_up = False  # auto, after a training phase ran out of memory with the rollout memory kept
 
-    def after_rollout(self, model) -> int:
-        """Free the engine's KV cache and graphs unless the plan keeps them; returns the bytes of KV
-        cache freed. Notes the memory reserved then, which the training phase starts from."""
+    def after_rollout(self, model) -> None:
+        """Free the engine's KV cache and graphs unless the plan keeps them. Notes the memory
+        reserved then, which the training phase starts from, and what freeing gave back."""
         from qerl.rollout.engine import release_rollout_memory
 
         self.released = not self.keeping
         before = self.memory.reserved() if self.memory else 0
-        freed = release_rollout_memory(model) if self.released else 0
+        if self.released:
+            release_rollout_memory(model)
         if self.memory:
             self._base = self.memory.reserved()
             self._held = before - self._base if self.released else 0
-        return freed
 
     def after_training(self, trained_len: int, max_len: int) -> None:
         """Decide the next step from this step's training peak; trained_len / max_len: the longest
