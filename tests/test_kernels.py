@@ -80,6 +80,31 @@ def test_layout_decode_rule_in_torch():
         assert torch.equal(f32 * 2.0**126, table[codes[:, t::8].long()])
 
 
+
+def test_rwg_lane_rule_builds_the_wgmma_register_operand():
+    """w4a16_rwg: quad lane t decodes, from each word, only the pair at K offsets (2t, 2t + 1), with
+    per-lane rotations (R_t, S_t); the four lanes together must give every weight of the word once,
+    low half = the lower K, exactly as the wgmma register fragment (lane t: K 2t, 2t + 1) wants."""
+    from qerl.kernels import w4a16_rwg  # Gluon is only traced at launch: importable on CPU
+
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (8, 64), generator=g, dtype=torch.uint8)
+    u = layout.codes_to_words(codes).to(torch.int64) & 0xFFFFFFFF
+
+    def rotr(w, r):
+        return ((w >> r) | (w << (32 - r))) & 0xFFFFFFFF if r else w
+
+    table = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    rot_mag, rot_sign = w4a16_rwg.lane_rotations()
+    assert sorted(zip(rot_mag, rot_sign)) == sorted(zip(layout.ROT_MAG, layout.ROT_SIGN))  # every pair once
+    for t in range(4):
+        p = (rotr(u, rot_mag[t]) & layout.MAG_MASK) | (rotr(u, rot_sign[t]) & layout.SIGN_MASK)
+        for half in range(2):
+            bits = (p >> (16 * half)) & 0xFFFF
+            f32 = (bits << 16).to(torch.int32).view(torch.float32)
+            assert torch.equal(f32 * 2.0**126, table[codes[:, 2 * t + half::8].long()])
+
+
 # --------------------------------------------------------------------------- references
 
 
@@ -310,6 +335,42 @@ def test_wgmma_kernel_builds_for_hopper(fmt, m, cfg):
     assert ptx.count("griddepcontrol") == (3 if consts["PDL"] else 0)
 
 
+
+@pytest.mark.parametrize("m,cfg", [(64, {}), (32, {}), (16, {"R": 1}), (64, {"PDL": True})],
+                         ids=["M64", "M32", "M16-R1", "M64-pdl"])
+def test_rwg_kernel_builds_for_hopper(m, cfg):
+    """Offline sm_90a build of w4a16_rwg (no GPU needed): the register layouts convert trivially to
+    the wgmma register operand (assert_trivial fails the build otherwise), no spills, the rings fit,
+    16 wgmmas per step (peeled first step + loop), and ptxas does not serialise the wgmmas (C7515:
+    a path reaching the final wait with re-defined accumulator registers does that)."""
+    pytest.importorskip("triton.experimental.gluon")
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    import triton
+
+    from qerl.kernels import w4a16_rwg as R
+
+    ck = R.compile_offline(m, config=cfg, bias=True, sbits=True)
+    spec = importlib.util.spec_from_file_location(
+        "compile_gluon", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "compile_gluon.py"))
+    cg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cg)
+    regs, spills = cg._resources(ck.asm["cubin"])
+    assert spills == 0 and ck.metadata.shared <= 232448
+    ptx = ck.asm["ptx"]
+    assert ptx.count("wgmma.mma_async") == 32 and ptx.count("griddepcontrol") == (3 if cfg.get("PDL") else 0)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
+                              capture_output=True, text=True, check=True)
+    assert "C7515" not in info.stdout + info.stderr
+
+
 @pytest.mark.parametrize("mt", [1, 8])
 @pytest.mark.parametrize("xpf", [False, True], ids=["x-per-step", "x-ahead"])
 def test_gluon_gemv_builds_for_hopper(mt, xpf):
@@ -328,6 +389,18 @@ def test_gluon_gemv_builds_for_hopper(mt, xpf):
         regs, spills = cg._resources(ck.asm["cubin"])
         assert spills == 0 and regs <= 64
         assert ck.asm["ptx"].count("mma.sync.aligned.m16n8k16") == 16
+
+
+def test_rwg_rows_rule():
+    """w4a16_rwg's rows per program: the R whose programs fill their last wave better, ties to R = 2
+    only where its tiles alone fill the SMs (132 SMs: the H100's)."""
+    from qerl.kernels import w4a16_triton as W
+
+    assert W._rwg_rows(2560, 2048, 132) == 1  # 20 x 4 programs (61%) against 40 x 3 (91%)
+    assert W._rwg_rows(5120, 13824, 132) == 2  # 40 x 3 (91%) against 80 x 1 (61%)
+    assert W._rwg_rows(7168, 5120, 132) == 1  # 56 x 2 = 112 x 1: a tie, 56 tiles < 132
+    assert W._rwg_rows(27648, 5120, 132) == 2  # 216 / 264 = 432 / 528: a tie, 216 tiles >= 132
+    assert W._rwg_rows(37888, 3584, 132) == 1  # 592 / 660 (90%) against 296 / 396 (75%)
 
 
 def test_small_m_wgmma_rule():

@@ -558,6 +558,49 @@ WG_CASES = [{}, {"NSW": 2, "NSD": 2, "NSX": 2}, {"S": 1}, {"S": 3}, {"BM": 16}, 
             {"BN": 128, "NSD": 2, "NSX": 3, "BM": 128}]
 
 
+@pytest.mark.parametrize("cfg", [{}, {"R": 1}, {"BM": 64}, {"NSW": 2, "NSX": 2}, {"PDL": True}],
+                         ids=["default", "R1", "BM64", "shallow", "pdl"])
+def test_rwg_kernel(cfg):
+    """The register-operand wgmma GEMM (PATH="rwg", nvfp4): M from 1 to 100 over shapes with N not a
+    multiple of 128, one K slice per program or several: fp32 reference within 1e-2 on a
+    NaN-poisoned output with bias, a bit-identical re-run, counters back at 0, the float scale
+    path equal to the integer one, and a CUDA-graph replay on new data."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_triton as W
+    from qerl.kernels import w4a16_wgmma as WG
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs Hopper (TMA, wgmma, warp specialisation)")
+    conf = dict(cfg, PATH="rwg")
+    failures = []
+    for n, k in ((1058, 1024), (4608, 3584), (7168, 5120)):
+        t, st, w32 = _layer("nvfp4", n, k, seed=n + k + 1)
+        bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+        for m in (1, 5, 16, 17, 33, 64, 100) if not cfg else (16, 64):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            W.forward(x, st, config=conf)  # the first launch measures occupancy, which may change the split
+            y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            W.forward(x, st, bias=bias, config=conf, out=y)
+            err = _rel(y, x.float() @ w32.T + bias.float())
+            same = torch.equal(W.forward(x, st, bias=bias, config=conf), y)
+            old, WG.SCALE_BITS = WG.SCALE_BITS, False
+            try:
+                same_float = torch.equal(W.forward(x, st, bias=bias, config=conf), y)
+            finally:
+                WG.SCALE_BITS = old
+            if not (err <= TOL) or y.isnan().any() or not same or not same_float:
+                failures.append((n, k, m, err, bool(y.isnan().any()), same, same_float))
+        assert st["locks"].abs().sum().item() == 0
+    assert not failures, f"{cfg}: (N, K, M, rel err, NaN, deterministic, float scales equal) {failures}"
+    x = torch.randn(64, k, device="cuda").to(torch.bfloat16)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = W.forward(x, st, config=conf)
+    x.copy_(torch.randn(64, k, device="cuda").to(torch.bfloat16))
+    g.replay()
+    assert _rel(out, x.float() @ w32.T) < TOL
+
+
 @pytest.mark.parametrize("cfg", WG_CASES, ids=["-".join(f"{k}{v}" for k, v in c.items()) or "default" for c in WG_CASES])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_wgmma_kernel(fmt, cfg):

@@ -115,6 +115,13 @@ WSMMA_TOKENS_MIN_K_PDL = 0
 # Forward with WGMMA_SMALL_M <= M < WGMMA_MIN_M on Hopper: the wgmma GEMM where it beat the fused
 # Triton kernel on the H100 (_small_m_wgmma; NOTES_w4a16.md section 15). 0 disables it.
 WGMMA_SMALL_M = int(os.environ.get("QERL_W4A16_WGMMA_SMALL_M", "17"))
+# Forward with RWG_MIN_M <= M <= RWG_MAX_M, nvfp4, on Hopper with K % 256 == 0: the GEMM with the decoded
+# weights as wgmma's register operand (w4a16_rwg.py), checked before the rule above. On the H100, of the
+# kernels then in use at M = 32 / 64 it was the fastest on 13 / 12 of the 14 layer shapes (5120x27648 M = 64
+# 72.9 -> 56.0 us; NOTES_w4a16.md section 20); at M = 16 the fused kernel stays faster on the wide layers.
+# RWG_MIN_M = 0 disables it.
+RWG_MIN_M = int(os.environ.get("QERL_W4A16_RWG_MIN_M", "17"))
+RWG_MAX_M = 64
 # its two-programs-per-SM form (80 registers per thread, shallower rings: 93 KB of shared memory)
 WGMMA_TWO_PER_SM = {"maxnreg": 80, "DEC_REGS": 96, "NSW": 3, "NSD": 2, "NSX": 3, "BM": 64}
 # Forward with DEQUANT_MIN_M <= M < WGMMA_MAX_M on the same layers: the same GEMM instead of
@@ -873,6 +880,26 @@ def _small_m_wgmma(n: int, k: int, m: int) -> dict | None:
     return None
 
 
+def _rwg_rows(n: int, k: int, slots: int) -> int:
+    """w4a16_rwg's row tiles per program (R = 1 or 2 of 64 rows) for an N x K layer on `slots` SMs: the
+    R whose programs (tiles x K slices, w4a16_wgmma.split) fill their last wave better; on a tie R = 2
+    where its tiles alone fill the SMs, else R = 1. Measured on the H100 at M = 64 it picked the faster
+    R on 12 of the 14 layer shapes (the other two within 4%; NOTES_w4a16.md section 20)."""
+    from qerl.kernels.w4a16_wgmma import split
+
+    kb = -(-k // 256)
+
+    def fill(r: int) -> float:
+        tiles = -(-n // (64 * r))
+        programs = tiles * split(tiles, kb, slots)
+        return programs / (-(-programs // slots) * slots)
+
+    f1, f2 = fill(1), fill(2)
+    if abs(f1 - f2) > 0.01:
+        return 1 if f1 > f2 else 2
+    return 2 if -(-n // 128) >= slots else 1
+
+
 def _wsmma_ok(device: torch.device, state: dict) -> bool:
     """The Gluon kernels run on sm_90 only (TMA, warp specialisation) and need K % 256 == 0."""
     return (not INTERPRETED and device.type == "cuda" and state["k"] % 256 == 0
@@ -936,6 +963,10 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
             path = "wsmma"
         elif 0 < WGMMA_MIN_M <= m and _wsmma_ok(x.device, state):
             path = "wgmma"
+        elif 0 < RWG_MIN_M <= m <= RWG_MAX_M and state["fmt"] == "nvfp4" and _wsmma_ok(x.device, state):
+            path = "rwg"
+            rows = _rwg_rows(state["n"], state["k"], _num_sms(x.device.index if x.device.index is not None else 0))
+            config = {"R": rows, **(config or {})}
         elif 0 < WGMMA_SMALL_M <= m and WGMMA_MIN_M > 0 and _wsmma_ok(x.device, state):
             small = _small_m_wgmma(state["n"], state["k"], m)
             if small is not None:
@@ -959,6 +990,10 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
         from qerl.kernels import w4a16_gluon
 
         return w4a16_gluon.forward(x, state, bias, out=out, config=config)
+    if path == "rwg":  # nvfp4 GEMM with the decoded weights as wgmma's register operand (M <= 64), sm_90
+        from qerl.kernels import w4a16_rwg
+
+        return w4a16_rwg.forward(x, state, bias, out=out, config=config)
     if path == "wgmma":  # warp-specialised Gluon GEMM (TMA, decoder warps, async wgmma), sm_90
         from qerl.kernels import w4a16_wgmma
 

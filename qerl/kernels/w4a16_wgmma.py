@@ -342,8 +342,19 @@ def _mma(d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, alpha_ptr, bias_ptr
         else:
             mbarrier.arrive(x_empty.index((r + NSX) % NSX), count=1, pred=r >= 0)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    _tile_epilogue(acc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, n0, m0, M, N, k0, k1, S, BN, BM,
+                   HAS_BIAS, PDL, num_warps)
 
-    # epilogue: lanes along the weight rows (n), which are contiguous in the output y[M, N]
+
+@gluon.jit
+def _tile_epilogue(acc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, n0, m0, M, N, k0, k1, S,
+                   BN: gl.constexpr, BM: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """acc [BN weight rows, BM tokens] of output tile `tile` -> y[m0 + token, n0 + row] (bf16, times
+    alpha, plus bias), through the split fixup when S > 1: the partial goes to workspace slot p,
+    the last of the tile's S programs sums them in program order (deterministic) and resets the
+    tile's counter."""
+    # lanes along the weight rows (n), which are contiguous in the output y[M, N]
     LO: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, num_warps], [0, 1])
     part = gl.convert_layout(acc, LO)
     rows = gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, LO)), 1)  # [BN, 1]

@@ -1,0 +1,381 @@
+"""nvfp4 GEMM with the decoded weights as wgmma's register operand, for Hopper (Gluon), M <= 64:
+y[M, N] = x[M, K] @ dequant(W)[N, K]^T, bf16 in / out, fp32 accumulate.
+
+Why another kernel. `w4a16_wgmma.py` decodes in separate warps into shared memory, fences the
+stores for the async proxy and hands each stage over through an mbarrier; on the H100 its
+decoder warps stalled on those fences and barriers about half of the time and the kernel was
+latency bound (NOTES_w4a16.md section 13), no faster than the Triton kernel at M = 64. Here the
+warps that issue the wgmma decode the weights themselves, straight into the registers of the
+wgmma's A operand: no shared-memory round trip for the decoded weights, no proxy fence, no
+hand-off. The tensor cores work on chunk c while the same warps decode chunk c + 1 (one wgmma
+group in flight).
+
+The register operand fixes which K each thread must hold: in a warp's 16 rows, thread (g, t)
+(lane = 4g + t) holds rows g and g + 8 at K = 2t, 2t + 1 and 2t + 8, 2t + 9 of every 16-K slice.
+A layout word holds K = 8c .. 8c + 7 of one row as four bf16 pairs P_j (layout.py), and the pair
+at K offsets (2t, 2t + 1) is P_j(t) with j(t) = (0, 2, 1, 3)[t]. So the four threads of a quad
+read the same words (one broadcast shared-memory read) and each decodes only its own pair:
+P = (rotr(w, R_t) & MAG) | (rotr(w, S_t) & SIGN), times the group scale, with per-lane rotation
+amounts. That is the whole decode (2 funnel shifts, 2 logic ops, 1 bf16x2 multiply per two
+weights) and the result is the A fragment as it is.
+
+Program = R row tiles of 64 (one warpgroup each, R = 1 or 2) x BM tokens (the wgmma N: 16, 32
+or 64) x a K slice. Partitions:
+- default (4 R warps): per 256-K step, wait for the raw weight stage, read it into registers,
+  release it; then per 64-K chunk decode, issue the async wgmma acc[64 R, BM] += A[64 R, 64] @
+  x_chunk[BM, 64]^T, and retire the previous chunk; the activation stage is released once the
+  step's last wgmma retired. Epilogue: w4a16_wgmma's (split fixup, bias, alpha).
+- weight loader (1 warp): TMA copies of the R tiles of a step (words 8 KB + FP8 scales 1 KB each)
+  into a ring of NSW stages.
+- activation loader (1 warp): TMA copies of the step's four x chunks [BM, 64] (128-byte swizzle)
+  into a ring of NSX stages; with PDL only this warp waits for the previous kernel, so weights
+  stream before it ends.
+Schedule: as w4a16_wgmma (tile p // S, K slice p % S, deterministic fixup). nvfp4 only (the
+scale's group of 16 K matches a 16-K slice of the MMA). One launch, no host sync, capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from qerl.kernels import layout
+from qerl.kernels import w4a16_triton as W
+from qerl.kernels import w4a16_wgmma as WG
+from qerl.kernels.w4a16_ws import _gdc, _mul2
+
+_MAG = gl.constexpr(layout.MAG_MASK)
+_SIGN = gl.constexpr(layout.SIGN_MASK)
+_SCALE_MUL = gl.constexpr(3.3230699894622897e35)  # 2^118: FP8-E4M3 scale times 2^(126 - J), J = 8
+
+
+def lane_rotations() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(R_t, S_t) for t = 0..3: the rotations that put the pair at K offsets (2t, 2t + 1) of a
+    word into one bf16x2 register (low half = the lower K), from layout.py's bit layout."""
+    rot_mag, rot_sign = [], []
+    for t in range(4):
+        j, half = layout._slot(2 * t)
+        assert half == 0 and layout._slot(2 * t + 1) == (j, 1)
+        rot_mag.append(layout.ROT_MAG[j])
+        rot_sign.append(layout.ROT_SIGN[j])
+    return tuple(rot_mag), tuple(rot_sign)
+
+
+def layouts(r: int, bm: int):
+    """(LW2, LS3, LW3, ACC, AOP) for R row tiles: the [64R, 32] word tile as each thread reads it
+    (rows g and g + 8 of its warp's 16, all 32 words; the four lanes t of a quad read the same),
+    the [64R, 16, 2] scale tile (a scale per two words), the [64R, 32, 4] words with the quad's
+    lane t as the last dimension, the accumulator and the wgmma's register A operand."""
+    warps = [[16, 0], [32, 0]] + [[64 << i, 0] for i in range(r.bit_length() - 1)]
+    lanes = [[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]]
+    lw2 = gl.DistributedLinearLayout([[8, 0], [0, 1], [0, 2], [0, 4], [0, 8], [0, 16]], lanes, warps, [], [64 * r, 32])
+    ls3 = gl.DistributedLinearLayout([[8, 0, 0], [0, 0, 1], [0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0]],
+                                     [w + [0] for w in lanes], [w + [0] for w in warps], [], [64 * r, 16, 2])
+    lw3 = gl.DistributedLinearLayout([[8, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0], [0, 16, 0]],
+                                     [[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+                                     [w + [0] for w in warps], [], [64 * r, 32, 4])
+    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * r, 1], instr_shape=[16, bm, 16])
+    aop = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
+    return lw2, ls3, lw3, acc, aop
+
+
+@gluon.jit
+def _rotr_v(w, r):
+    """Rotate right by a per-element amount (one funnel shift)."""
+    return gl.inline_asm_elementwise("shf.r.wrap.b32 $0, $1, $1, $2;", "=r,r,r", [w, r], dtype=gl.uint32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _chunks(v, ROWS: gl.constexpr):
+    """[ROWS, 32, 4] (word column c, lane t) -> its four 64-K chunks [ROWS, 8, 4] (words 8i .. 8i + 7):
+    the chunk index is word bits 3-4, which sit in registers."""
+    t = gl.reshape(gl.permute(gl.reshape(v, [ROWS, 4, 8, 4]), (0, 2, 3, 1)), [ROWS, 8, 4, 2, 2])
+    a, b = gl.split(t)  # chunk 2i + 0 / 2i + 1
+    c0, c2 = gl.split(a)
+    c1, c3 = gl.split(b)
+    return c0, c1, c2, c3
+
+
+@gluon.jit
+def _a_operand(wc, sc, rt, st, ROWS: gl.constexpr, AOP: gl.constexpr):
+    """One chunk's words [ROWS, 8, 4] and scale pairs (same shape) -> the wgmma A operand
+    [ROWS, 64] bf16: lane t's pair of every word, q * s * 2^-J (exact)."""
+    p = _mul2((_rotr_v(wc, rt) & _MAG) | (_rotr_v(wc, st) & _SIGN), sc)
+    q = gl.reshape(p, [ROWS, 32]).to(gl.int32, bitcast=True)  # pair 4c + t = K (8c + 2t, 8c + 2t + 1)
+    lo = (q & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
+    hi = (q >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+    return gl.convert_layout(gl.reshape(gl.join(lo, hi), [ROWS, 64]), AOP, assert_trivial=True)
+
+
+@gluon.jit
+def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, zw, r0, r1, r2, r3, s0_, s1_, s2_,
+          s3_, NSW: gl.constexpr, NSX: gl.constexpr, FMT: gl.constexpr, ROWS: gl.constexpr, LW2: gl.constexpr,
+          LS3: gl.constexpr, LW3: gl.constexpr, AOP: gl.constexpr):
+    """One 256-K step: read and release the weight stage, then per 64-K chunk decode into the A
+    operand, issue the async wgmma and retire the previous chunk's; the previous step's activation
+    stage is released once its last wgmma retired (after this step's first wait)."""
+    i = kk - k0
+    iw = i % NSW
+    mbarrier.wait(w_ready.index(iw), (i // NSW) & 1)
+    w2 = w_bufs.index(iw).load(LW2)
+    s2d = s_bufs.index(iw).load(gl.SliceLayout(2, LS3))
+    fence_async_shared()  # the generic reads are done before TMA (async proxy) refills the stage
+    mbarrier.arrive(w_empty.index(iw), count=1)
+    w3 = gl.expand_dims(gl.convert_layout(w2, gl.SliceLayout(2, LW3), assert_trivial=True), 2).to(
+        gl.uint32, bitcast=True) + zw
+    if FMT == 2:  # all scales normal (prepare: scale_bits): bf16 bits (b << 4) + 0x7700, in both halves
+        s16 = (s2d.to(gl.uint8, bitcast=True).to(gl.uint32) << 4) + 0x7700
+    else:
+        s16 = (s2d.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_MUL).to(gl.bfloat16).to(
+            gl.uint16, bitcast=True).to(gl.uint32)
+    sp = gl.reshape(gl.expand_dims(s16 * 0x10001, 2) + gl.zeros([ROWS, 16, 2], gl.uint32, LS3), [ROWS, 32])
+    s3 = gl.expand_dims(gl.convert_layout(sp, gl.SliceLayout(2, LW3), assert_trivial=True), 2) + zw
+    w0, w1, w2c, w3c = _chunks(w3, ROWS)
+    c0, c1, c2, c3 = _chunks(s3, ROWS)
+    ix = i % NSX
+    mbarrier.wait(x_ready.index(ix), (i // NSX) & 1)
+    a = _a_operand(w0, c0, r0, s0_, ROWS, AOP)
+    acc = warpgroup_mma(a, x_bufs.index(4 * ix + 0).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+    # the previous step's last wgmma has retired: its activation stage is free
+    mbarrier.arrive(x_empty.index((i + NSX - 1) % NSX), count=1, pred=i > 0)
+    a = _a_operand(w1, c1, r1, s1_, ROWS, AOP)
+    acc = warpgroup_mma(a, x_bufs.index(4 * ix + 1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+    a = _a_operand(w2c, c2, r2, s2_, ROWS, AOP)
+    acc = warpgroup_mma(a, x_bufs.index(4 * ix + 2).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+    a = _a_operand(w3c, c3, r3, s3_, ROWS, AOP)
+    acc = warpgroup_mma(a, x_bufs.index(4 * ix + 3).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+    return acc
+
+
+@gluon.jit
+def _consumer(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr,
+              lock_ptr, p, tile, n0, m0, M, N, k0, k1, S, NSW: gl.constexpr, NSX: gl.constexpr, BM: gl.constexpr,
+              FMT: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr, RT: gl.constexpr, ST: gl.constexpr,
+              LW2: gl.constexpr, LS3: gl.constexpr, LW3: gl.constexpr, ACC: gl.constexpr, AOP: gl.constexpr,
+              num_warps: gl.constexpr):
+    ROWS: gl.constexpr = 16 * num_warps
+    t1 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, LW3)))
+    t3 = gl.expand_dims(gl.expand_dims(t1, 0), 0)  # [1, 1, 4]: the quad lane t
+    rt = gl.where(t3 == 0, RT[0], gl.where(t3 == 1, RT[1], gl.where(t3 == 2, RT[2], RT[3]))).to(gl.uint32)
+    st = gl.where(t3 == 0, ST[0], gl.where(t3 == 1, ST[1], gl.where(t3 == 2, ST[2], ST[3]))).to(gl.uint32)
+    zw = gl.zeros([ROWS, 32, 4], gl.uint32, LW3)
+    rt = rt + zw
+    st = st + zw
+    r0, r1, r2, r3 = _chunks(rt, ROWS)
+    s0_, s1_, s2_, s3_ = _chunks(st, ROWS)
+    acc = gl.zeros([ROWS, BM], gl.float32, ACC)
+    # the first step outside the loop: with a loop that may run zero times, the path that skips it
+    # reached the final wait with zeroed accumulator registers and ptxas serialised every wgmma
+    # (C7515); the split never makes an empty slice
+    acc = _step(acc, k0, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, zw, r0, r1, r2, r3, s0_, s1_,
+                s2_, s3_, NSW, NSX, FMT, ROWS, LW2, LS3, LW3, AOP)
+    for kk in range(k0 + 1, k1):
+        acc = _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, zw, r0, r1, r2, r3, s0_,
+                    s1_, s2_, s3_, NSW, NSX, FMT, ROWS, LW2, LS3, LW3, AOP)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    WG._tile_epilogue(acc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, n0, m0, M, N, k0, k1, S, ROWS, BM,
+                      HAS_BIAS, PDL, num_warps)
+
+
+@gluon.jit
+def _w_loader(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, KB, R: gl.constexpr,
+              NSW: gl.constexpr):
+    """The R row tiles of each step (tile r of the program at TMA row trow0 + (r KB + step) 64)
+    into rows [64 r, 64 r + 64) of a weight stage; a tile past the last row block reads as zeros."""
+    for kk in range(k0, k1):
+        i = kk - k0
+        iw = i % NSW
+        mbarrier.wait(w_empty.index(iw), ((i // NSW) & 1) ^ 1)  # stages start free
+        mbarrier.expect(w_ready.index(iw), R * (w_desc.block_type.nbytes + s_desc.block_type.nbytes))
+        for r in gl.static_range(R):
+            row = trow0 + (r * KB + kk) * 64
+            tma.async_copy_global_to_shared(w_desc, [row, 0], w_ready.index(iw), w_bufs.index(iw).slice(64 * r, 64))
+            tma.async_copy_global_to_shared(s_desc, [row, 0], w_ready.index(iw), s_bufs.index(iw).slice(64 * r, 64))
+
+
+@gluon.jit
+def _x_loader(x_desc, x_bufs, x_ready, x_empty, m0, k0, k1, NSX: gl.constexpr, PDL: gl.constexpr):
+    """The four x chunks [BM, 64] of each step into one activation stage."""
+    if PDL:  # x is the previous kernel's output (the weights need no wait)
+        _gdc("wait")
+    for kk in range(k0, k1):
+        i = kk - k0
+        ix = i % NSX
+        mbarrier.wait(x_empty.index(ix), ((i // NSX) & 1) ^ 1)
+        mbarrier.expect(x_ready.index(ix), 4 * x_desc.block_type.nbytes)
+        for c in gl.static_range(4):
+            tma.async_copy_global_to_shared(x_desc, [m0, kk * 256 + c * 64], x_ready.index(ix),
+                                            x_bufs.index(4 * ix + c))
+
+
+@gluon.jit
+def _rwg_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, M, N, KB, S, MT,
+                BM: gl.constexpr, NSW: gl.constexpr, NSX: gl.constexpr, FMT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                PDL: gl.constexpr, LOAD_REGS: gl.constexpr, RT: gl.constexpr, ST: gl.constexpr, LW2: gl.constexpr,
+                LS3: gl.constexpr, LW3: gl.constexpr, ACC: gl.constexpr, AOP: gl.constexpr, num_warps: gl.constexpr):
+    R: gl.constexpr = num_warps // 4
+    if PDL:
+        _gdc("launch_dependents")
+    p = gl.program_id(0)
+    tile = p // S
+    j = p - tile * S
+    nt = tile // MT
+    mt = tile - nt * MT
+    k0 = (j * KB) // S
+    k1 = ((j + 1) * KB) // S
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NSW, 64 * R, 32], w_desc.layout)
+    s_bufs = gl.allocate_shared_memory(s_desc.dtype, [NSW, 64 * R, 16], s_desc.layout)
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [4 * NSX] + x_desc.block_type.shape, x_desc.layout)
+    w_ready = gl.allocate_shared_memory(gl.int64, [NSW, 1], mbarrier.MBarrierLayout())
+    w_empty = gl.allocate_shared_memory(gl.int64, [NSW, 1], mbarrier.MBarrierLayout())
+    x_ready = gl.allocate_shared_memory(gl.int64, [NSX, 1], mbarrier.MBarrierLayout())
+    x_empty = gl.allocate_shared_memory(gl.int64, [NSX, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NSW):
+        mbarrier.init(w_ready.index(s), count=1)
+        mbarrier.init(w_empty.index(s), count=1)
+    for s in gl.static_range(NSX):
+        mbarrier.init(x_ready.index(s), count=1)
+        mbarrier.init(x_empty.index(s), count=1)
+    trow0 = nt * R * KB * 64
+    gl.warp_specialize([
+        (_consumer, (w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr,
+                     lock_ptr, p, tile, nt * 64 * R, mt * BM, M, N, k0, k1, S, NSW, NSX, BM, FMT, HAS_BIAS, PDL, RT, ST,
+                     LW2, LS3, LW3, ACC, AOP, num_warps)),
+        (_w_loader, (w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, KB, R, NSW)),
+        (_x_loader, (x_desc, x_bufs, x_ready, x_empty, mt * BM, k0, k1, NSX, PDL)),
+    ], [1, 1], [LOAD_REGS, LOAD_REGS])
+
+
+DEFAULT = dict(BM=None, R=2, NSW=4, NSX=3, LOAD_REGS=24, PER_SM=None, maxnreg=None, PDL=None, S=None)
+_RESIDENT: dict = {}
+
+
+def smem_bytes(bm: int, r: int, nsw: int, nsx: int) -> int:
+    """Shared memory of the rings: R raw weight tiles per stage, four x chunks per stage (+ barriers)."""
+    return nsw * r * (8192 + 1024) + nsx * 4 * bm * 128 + 1024
+
+
+@functools.lru_cache(maxsize=256)
+def _kernel_args(m: int, items: tuple, pdl_default: bool) -> tuple[dict, dict]:
+    cfg = dict(DEFAULT)
+    unknown = {key for key, _ in items} - set(DEFAULT) - W._PATH_KEYS - W._MOD_KEYS  # (launch modifiers it lacks: ignored)
+    if unknown:
+        raise ValueError(f"unknown rwg config keys {sorted(unknown)}; known: {sorted(DEFAULT)}")
+    cfg.update({key: v for key, v in items if key in DEFAULT})
+    bm = int(cfg["BM"] or (16 if m <= 16 else 32 if m <= 32 else 64))
+    r, nsw, nsx = int(cfg["R"]), int(cfg["NSW"]), int(cfg["NSX"])
+    if bm not in (16, 32, 64) or r not in (1, 2, 4) or nsw < 1 or nsx < 1:
+        raise ValueError(f"rwg needs BM in (16, 32, 64), R in (1, 2, 4), NSW, NSX >= 1; got {bm}, {r}, {nsw}, {nsx}")
+    if smem_bytes(bm, r, nsw, nsx) > 232448:
+        raise ValueError(f"rwg rings need {smem_bytes(bm, r, nsw, nsx)} B of shared memory (H100: 232448)")
+    cfg["PDL"] = bool(pdl_default if cfg["PDL"] is None else cfg["PDL"])
+    lw2, ls3, lw3, acc, aop = layouts(r, bm)
+    rot_mag, rot_sign = lane_rotations()
+    consts = dict(BM=bm, NSW=nsw, NSX=nsx, FMT=0, PDL=cfg["PDL"], LOAD_REGS=int(cfg["LOAD_REGS"]), RT=rot_mag,
+                  ST=rot_sign, LW2=lw2, LS3=ls3, LW3=lw3, ACC=acc, AOP=aop, num_warps=4 * r)
+    return consts, cfg
+
+
+def kernel_args(m: int, config: dict | None = None) -> tuple[dict, dict]:
+    """(constexpr arguments of _rwg_kernel, the resolved config); memoised, shared read-only."""
+    return _kernel_args(m, tuple(sorted((config or {}).items())), W.PDL)
+
+
+@functools.lru_cache(maxsize=None)
+def _scale_layout():
+    return gl.NVMMASharedLayout(0, 8)  # 16-byte rows, no swizzle
+
+
+def _descriptors(x: torch.Tensor, state: dict, bm: int):
+    """x in [BM, 64] boxes; the words' [64, 32] boxes (w4a16_wgmma's, kept in the state); the
+    FP8 scales as [64, 16] boxes of the [NB*KB*64, 16] scale rows (nvfp4)."""
+    return WG.descriptors(x, state, bm)
+
+
+def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | None = None) -> torch.Tensor:
+    """y = x @ dequant(W)^T (+ bias) for x [M, K] bf16 (M <= 64 tokens per tile; larger M runs
+    several token tiles) and an nvfp4 `state` (qerl.kernels.prepare).
+
+    config: BM (tokens per tile: 16, 32, 64; default the smallest that holds M), R (64-row tiles per
+    program: 1 or 2, one MMA warpgroup each), NSW (weight stages), NSX (activation stages),
+    LOAD_REGS (setmaxnreg of the loader warps), S (forced K slices), PER_SM, maxnreg, PDL."""
+    if state["fmt"] != "nvfp4":
+        raise ValueError(f"the rwg kernel takes nvfp4 weights, got {state['fmt']}")
+    n, k, kb = state["n"], state["k"], state["kb"]
+    if k != kb * 256:
+        raise ValueError("the rwg kernel needs K a multiple of 256")
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bf16 [M, {k}]")
+    if x.stride(1) != 1 or x.stride(0) != k or x.data_ptr() % 16:  # TMA: unit inner stride, 16-byte aligned
+        x = x.contiguous().clone() if x.data_ptr() % 16 else x.contiguous()
+    m = x.shape[0]
+    consts, cfg = kernel_args(m, config)
+    if WG.SCALE_BITS and state.get("scale_bits", False):
+        consts = dict(consts, FMT=2)
+    bm, rows = consts["BM"], consts["num_warps"] * 16
+    nt, mt = triton.cdiv(n, rows), triton.cdiv(m, bm)
+    tiles = nt * mt
+    key = (bm, rows, consts["NSW"], consts["NSX"], consts["PDL"], cfg["maxnreg"])
+    per_sm = cfg["PER_SM"] or _RESIDENT.get(key) or max(1, min(2, 232448 // smem_bytes(bm, rows // 64, consts["NSW"],
+                                                                                        consts["NSX"])))
+    if cfg.get("S") is not None:
+        s = max(1, min(int(cfg["S"]), kb))
+    else:
+        s = WG.split(tiles, kb, int(per_sm) * W._num_sms(x.device.index or 0))
+    x_desc, w_desc, s_desc = _descriptors(x, state, bm)
+    direct = out is not None and out.is_contiguous() and tuple(out.shape) == (m, n) and out.dtype == torch.bfloat16
+    c = out if direct else torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
+    locks = state["locks"]
+    if tiles > locks.numel():
+        locks = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+    grid = tiles * s
+    ws = torch.empty(grid * rows * bm if s > 1 else 1, device=x.device, dtype=torch.float32)
+    extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
+    kernel = _rwg_kernel[(grid,)](
+        x_desc, w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws, locks, m, n, kb, s, mt,
+        HAS_BIAS=bias is not None, launch_pdl=consts["PDL"], **consts, **extra,
+    )
+    if key not in _RESIDENT:
+        _RESIDENT[key] = WG._resident(kernel, consts["num_warps"]) or per_sm
+    if out is not None and not direct:
+        return out.copy_(c)
+    return c
+
+
+def compile_offline(m: int = 64, n: int = 7168, k: int = 5120, config: dict | None = None, bias: bool = False,
+                    sbits: bool = False):
+    """Compile for sm_90a without a GPU (ptxas included) -> triton CompiledKernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    consts, cfg = kernel_args(m, config)
+    state = {"fmt": "nvfp4", "words": torch.zeros(triton.cdiv(n, 64), k // 256, 64, 32, dtype=torch.int32),
+             "scale": torch.zeros(triton.cdiv(n, 64), k // 256, 64, 16, dtype=torch.uint8)}
+    x_desc, w_desc, s_desc = _descriptors(torch.zeros(m, k, dtype=torch.bfloat16), state, consts["BM"])
+    fn = _rwg_kernel
+    sig = {"x_desc": mangle_type(x_desc), "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc),
+           "alpha_ptr": "*fp32", "bias_ptr": "*bf16", "c_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
+           "M": "i32", "N": "i32", "KB": "i32", "S": "i32", "MT": "i32"}
+    consts = dict(consts, HAS_BIAS=bias, FMT=2 if sbits else 0)
+    sig.update({name: "constexpr" for name in consts})
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
+             for a in ("alpha_ptr", "bias_ptr", "c_ptr", "ws_ptr", "lock_ptr")}
+    opts = {"num_warps": consts["num_warps"]} | ({} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])})
+    return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
