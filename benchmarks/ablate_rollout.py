@@ -114,6 +114,7 @@ def _switches() -> dict:
         "tokold": [(w4a16_triton, "WSMMA_TOKENS_MIN_N_PDL", 16384), (w4a16_triton, "WSMMA_TOKENS_MIN_K_PDL", 4096)],
         "norwg": [(w4a16_triton, "RWG_MIN_M", 0)],
         "rwg9": [(w4a16_triton, "RWG_MIN_M", 9)],
+        "norwg2": [(w4a16_triton, "RWG_TWO_PER_SM", {})],
         "wg9": [(w4a16_triton, "WGMMA_SMALL_M", 9)],
         "wg9all": [(w4a16_triton, "WGMMA_SMALL_M", 9), (w4a16_triton, "_small_m_wgmma", lambda n, k, m: {})],
         "wg9two": [(w4a16_triton, "WGMMA_SMALL_M", 9),

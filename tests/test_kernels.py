@@ -401,6 +401,10 @@ def test_rwg_rows_rule():
     assert W._rwg_rows(7168, 5120, 132) == 1  # 56 x 2 = 112 x 1: a tie, 56 tiles < 132
     assert W._rwg_rows(27648, 5120, 132) == 2  # 216 / 264 = 432 / 528: a tie, 216 tiles >= 132
     assert W._rwg_rows(37888, 3584, 132) == 1  # 592 / 660 (90%) against 296 / 396 (75%)
+    # 592 row tiles overrun 132 SMs: R = 1 at two programs per SM, its ring depths by tokens per tile
+    assert W._rwg_config(37888, 3584, 64, 132) == {"R": 1, **W.RWG_TWO_PER_SM[64]}
+    assert W._rwg_config(37888, 3584, 20, 132) == {"R": 1, **W.RWG_TWO_PER_SM[32]}
+    assert W._rwg_config(5120, 13824, 64, 132) == {"R": 2}  # 80 tiles: one per SM, the fill rule
 
 
 def test_small_m_wgmma_rule():

@@ -558,8 +558,9 @@ WG_CASES = [{}, {"NSW": 2, "NSD": 2, "NSX": 2}, {"S": 1}, {"S": 3}, {"BM": 16}, 
             {"BN": 128, "NSD": 2, "NSX": 3, "BM": 128}]
 
 
-@pytest.mark.parametrize("cfg", [{}, {"R": 1}, {"BM": 64}, {"NSW": 2, "NSX": 2}, {"PDL": True}],
-                         ids=["default", "R1", "BM64", "shallow", "pdl"])
+@pytest.mark.parametrize("cfg", [{}, {"R": 1}, {"BM": 64}, {"NSW": 2, "NSX": 2}, {"PDL": True},
+                                 {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104}],
+                         ids=["default", "R1", "BM64", "shallow", "pdl", "R1-two-per-SM"])
 def test_rwg_kernel(cfg):
     """The register-operand wgmma GEMM (PATH="rwg", nvfp4): M from 1 to 100 over shapes with N not a
     multiple of 128, one K slice per program or several: fp32 reference within 1e-2 on a

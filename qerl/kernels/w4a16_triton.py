@@ -122,6 +122,11 @@ WGMMA_SMALL_M = int(os.environ.get("QERL_W4A16_WGMMA_SMALL_M", "17"))
 # RWG_MIN_M = 0 disables it.
 RWG_MIN_M = int(os.environ.get("QERL_W4A16_RWG_MIN_M", "17"))
 RWG_MAX_M = 64
+# w4a16_rwg with R = 1 at two programs per SM (104 registers, shallower rings), by tokens per tile (BM), for
+# layers whose 64-row tiles overrun one program per SM: on the H100 37888x3584 at M = 64 65.9 -> 57.7 us,
+# 55296x5120 at M = 32 105.8 -> 84.5, and the 7B decode step at batch 32 / 64 +7.4% / +7.8% (applied to
+# every R = 1 layer there; NOTES_w4a16.md section 20). {} turns it off.
+RWG_TWO_PER_SM = {32: {"NSW": 4, "NSX": 3, "maxnreg": 104}, 64: {"NSW": 3, "NSX": 2, "maxnreg": 104}}
 # its two-programs-per-SM form (80 registers per thread, shallower rings: 93 KB of shared memory)
 WGMMA_TWO_PER_SM = {"maxnreg": 80, "DEC_REGS": 96, "NSW": 3, "NSD": 2, "NSX": 3, "BM": 64}
 # Forward with DEQUANT_MIN_M <= M < WGMMA_MAX_M on the same layers: the same GEMM instead of
@@ -900,6 +905,15 @@ def _rwg_rows(n: int, k: int, slots: int) -> int:
     return 2 if -(-n // 128) >= slots else 1
 
 
+def _rwg_config(n: int, k: int, m: int, slots: int) -> dict:
+    """w4a16_rwg's config for M = RWG_MIN_M..RWG_MAX_M tokens: R = 1 at two programs per SM where the
+    64-row tiles overrun one per SM (RWG_TWO_PER_SM), else R by _rwg_rows."""
+    wide = RWG_TWO_PER_SM.get(32 if m <= 32 else 64) if -(-n // 64) > slots else None
+    if wide:
+        return {"R": 1, **wide}
+    return {"R": _rwg_rows(n, k, slots)}
+
+
 def _wsmma_ok(device: torch.device, state: dict) -> bool:
     """The Gluon kernels run on sm_90 only (TMA, warp specialisation) and need K % 256 == 0."""
     return (not INTERPRETED and device.type == "cuda" and state["k"] % 256 == 0
@@ -965,8 +979,8 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
             path = "wgmma"
         elif 0 < RWG_MIN_M <= m <= RWG_MAX_M and state["fmt"] == "nvfp4" and _wsmma_ok(x.device, state):
             path = "rwg"
-            rows = _rwg_rows(state["n"], state["k"], _num_sms(x.device.index if x.device.index is not None else 0))
-            config = {"R": rows, **(config or {})}
+            config = {**_rwg_config(state["n"], state["k"], m, _num_sms(x.device.index if x.device.index is not None
+                                                                         else 0)), **(config or {})}
         elif 0 < WGMMA_SMALL_M <= m and WGMMA_MIN_M > 0 and _wsmma_ok(x.device, state):
             small = _small_m_wgmma(state["n"], state["k"], m)
             if small is not None:
