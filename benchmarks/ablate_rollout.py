@@ -115,6 +115,7 @@ def _switches() -> dict:
         "norwg": [(w4a16_triton, "RWG_MIN_M", 0)],
         "rwg9": [(w4a16_triton, "RWG_MIN_M", 9)],
         "norwg2": [(w4a16_triton, "RWG_TWO_PER_SM", {})],
+        "noxrel": [(w4a16_triton, "RWG_TWO_PER_SM", {b: {**c, "XREL": 0} for b, c in w4a16_triton.RWG_TWO_PER_SM.items()})],
         "wg9": [(w4a16_triton, "WGMMA_SMALL_M", 9)],
         "wg9all": [(w4a16_triton, "WGMMA_SMALL_M", 9), (w4a16_triton, "_small_m_wgmma", lambda n, k, m: {})],
         "wg9two": [(w4a16_triton, "WGMMA_SMALL_M", 9),

@@ -336,8 +336,9 @@ def test_wgmma_kernel_builds_for_hopper(fmt, m, cfg):
 
 
 
-@pytest.mark.parametrize("m,cfg", [(64, {}), (32, {}), (16, {"R": 1}), (64, {"PDL": True})],
-                         ids=["M64", "M32", "M16-R1", "M64-pdl"])
+@pytest.mark.parametrize("m,cfg", [(64, {}), (32, {}), (16, {"R": 1}), (64, {"PDL": True}),
+                                   (64, {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1})],
+                         ids=["M64", "M32", "M16-R1", "M64-pdl", "M64-two-per-SM-xrel"])
 def test_rwg_kernel_builds_for_hopper(m, cfg):
     """Offline sm_90a build of w4a16_rwg (no GPU needed): the register layouts convert trivially to
     the wgmma register operand (assert_trivial fails the build otherwise), no spills, the rings fit,

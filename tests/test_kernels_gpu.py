@@ -559,8 +559,9 @@ WG_CASES = [{}, {"NSW": 2, "NSD": 2, "NSX": 2}, {"S": 1}, {"S": 3}, {"BM": 16}, 
 
 
 @pytest.mark.parametrize("cfg", [{}, {"R": 1}, {"BM": 64}, {"NSW": 2, "NSX": 2}, {"PDL": True},
-                                 {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104}],
-                         ids=["default", "R1", "BM64", "shallow", "pdl", "R1-two-per-SM"])
+                                 {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104}, {"XREL": 1},
+                                 {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1, "PDL": True}],
+                         ids=["default", "R1", "BM64", "shallow", "pdl", "R1-two-per-SM", "xrel", "R1-two-xrel-pdl"])
 def test_rwg_kernel(cfg):
     """The register-operand wgmma GEMM (PATH="rwg", nvfp4): M from 1 to 100 over shapes with N not a
     multiple of 128, one K slice per program or several: fp32 reference within 1e-2 on a

@@ -24,7 +24,9 @@ or 64) x a K slice. Partitions:
 - default (4 R warps): per 256-K step, wait for the raw weight stage, read it into registers,
   release it; then per 64-K chunk decode, issue the async wgmma acc[64 R, BM] += A[64 R, 64] @
   x_chunk[BM, 64]^T, and retire the previous chunk; the activation stage is released once the
-  step's last wgmma retired. Epilogue: w4a16_wgmma's (split fixup, bias, alpha).
+  step's last wgmma retired (XREL = 1: the next step drains that wgmma after its loads and releases
+  the activation stage beside its weight stage, one CTA barrier less per step). Epilogue:
+  w4a16_wgmma's (split fixup, bias, alpha).
 - weight loader (1 warp): TMA copies of the R tiles of a step (words 8 KB + FP8 scales 1 KB each)
   into a ring of NSW stages.
 - activation loader (1 warp): TMA copies of the step's four x chunks [BM, 64] (128-byte swizzle)
@@ -121,8 +123,8 @@ def _a_operand(wc, sc, rt, st, ROWS: gl.constexpr, AOP: gl.constexpr):
 
 @gluon.jit
 def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, zw, r0, r1, r2, r3, s0_, s1_, s2_,
-          s3_, NSW: gl.constexpr, NSX: gl.constexpr, FMT: gl.constexpr, ROWS: gl.constexpr, LW2: gl.constexpr,
-          LS3: gl.constexpr, LW3: gl.constexpr, AOP: gl.constexpr):
+          s3_, NSW: gl.constexpr, NSX: gl.constexpr, FMT: gl.constexpr, XREL: gl.constexpr, ROWS: gl.constexpr,
+          LW2: gl.constexpr, LS3: gl.constexpr, LW3: gl.constexpr, AOP: gl.constexpr):
     """One 256-K step: read and release the weight stage, then per 64-K chunk decode into the A
     operand, issue the async wgmma and retire the previous chunk's; the previous step's activation
     stage is released once its last wgmma retired (after this step's first wait)."""
@@ -132,7 +134,13 @@ def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empt
     w2 = w_bufs.index(iw).load(LW2)
     s2d = s_bufs.index(iw).load(gl.SliceLayout(2, LS3))
     fence_async_shared()  # the generic reads are done before TMA (async proxy) refills the stage
-    mbarrier.arrive(w_empty.index(iw), count=1)
+    if XREL:  # drain the previous step's last wgmma here (behind this step's wait and loads) and release
+        # its activation stage beside this weight stage: three CTA barriers per step instead of four
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(w_empty.index(iw), count=1)
+        mbarrier.arrive(x_empty.index((i + NSX - 1) % NSX), count=1, pred=i > 0)
+    else:
+        mbarrier.arrive(w_empty.index(iw), count=1)
     w3 = gl.expand_dims(gl.convert_layout(w2, gl.SliceLayout(2, LW3), assert_trivial=True), 2).to(
         gl.uint32, bitcast=True) + zw
     if FMT == 2:  # all scales normal (prepare: scale_bits): bf16 bits (b << 4) + 0x7700, in both halves
@@ -149,8 +157,8 @@ def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empt
     a = _a_operand(w0, c0, r0, s0_, ROWS, AOP)
     acc = warpgroup_mma(a, x_bufs.index(4 * ix + 0).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-    # the previous step's last wgmma has retired: its activation stage is free
-    mbarrier.arrive(x_empty.index((i + NSX - 1) % NSX), count=1, pred=i > 0)
+    if not XREL:  # the previous step's last wgmma has retired: its activation stage is free
+        mbarrier.arrive(x_empty.index((i + NSX - 1) % NSX), count=1, pred=i > 0)
     a = _a_operand(w1, c1, r1, s1_, ROWS, AOP)
     acc = warpgroup_mma(a, x_bufs.index(4 * ix + 1).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -166,7 +174,7 @@ def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empt
 @gluon.jit
 def _consumer(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr,
               lock_ptr, p, tile, n0, m0, M, N, k0, k1, S, NSW: gl.constexpr, NSX: gl.constexpr, BM: gl.constexpr,
-              FMT: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr, RT: gl.constexpr, ST: gl.constexpr,
+              FMT: gl.constexpr, XREL: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr, RT: gl.constexpr, ST: gl.constexpr,
               LW2: gl.constexpr, LS3: gl.constexpr, LW3: gl.constexpr, ACC: gl.constexpr, AOP: gl.constexpr,
               num_warps: gl.constexpr):
     ROWS: gl.constexpr = 16 * num_warps
@@ -184,10 +192,10 @@ def _consumer(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_
     # reached the final wait with zeroed accumulator registers and ptxas serialised every wgmma
     # (C7515); the split never makes an empty slice
     acc = _step(acc, k0, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, zw, r0, r1, r2, r3, s0_, s1_,
-                s2_, s3_, NSW, NSX, FMT, ROWS, LW2, LS3, LW3, AOP)
+                s2_, s3_, NSW, NSX, FMT, XREL, ROWS, LW2, LS3, LW3, AOP)
     for kk in range(k0 + 1, k1):
         acc = _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, zw, r0, r1, r2, r3, s0_,
-                    s1_, s2_, s3_, NSW, NSX, FMT, ROWS, LW2, LS3, LW3, AOP)
+                    s1_, s2_, s3_, NSW, NSX, FMT, XREL, ROWS, LW2, LS3, LW3, AOP)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     WG._tile_epilogue(acc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, n0, m0, M, N, k0, k1, S, ROWS, BM,
                       HAS_BIAS, PDL, num_warps)
@@ -226,7 +234,8 @@ def _x_loader(x_desc, x_bufs, x_ready, x_empty, m0, k0, k1, NSX: gl.constexpr, P
 
 @gluon.jit
 def _rwg_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, M, N, KB, S, MT,
-                BM: gl.constexpr, NSW: gl.constexpr, NSX: gl.constexpr, FMT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                BM: gl.constexpr, NSW: gl.constexpr, NSX: gl.constexpr, FMT: gl.constexpr, XREL: gl.constexpr,
+                HAS_BIAS: gl.constexpr,
                 PDL: gl.constexpr, LOAD_REGS: gl.constexpr, RT: gl.constexpr, ST: gl.constexpr, LW2: gl.constexpr,
                 LS3: gl.constexpr, LW3: gl.constexpr, ACC: gl.constexpr, AOP: gl.constexpr, num_warps: gl.constexpr):
     R: gl.constexpr = num_warps // 4
@@ -255,14 +264,14 @@ def _rwg_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock
     trow0 = nt * R * KB * 64
     gl.warp_specialize([
         (_consumer, (w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr,
-                     lock_ptr, p, tile, nt * 64 * R, mt * BM, M, N, k0, k1, S, NSW, NSX, BM, FMT, HAS_BIAS, PDL, RT, ST,
+                     lock_ptr, p, tile, nt * 64 * R, mt * BM, M, N, k0, k1, S, NSW, NSX, BM, FMT, XREL, HAS_BIAS, PDL, RT, ST,
                      LW2, LS3, LW3, ACC, AOP, num_warps)),
         (_w_loader, (w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, KB, R, NSW)),
         (_x_loader, (x_desc, x_bufs, x_ready, x_empty, mt * BM, k0, k1, NSX, PDL)),
     ], [1, 1], [LOAD_REGS, LOAD_REGS])
 
 
-DEFAULT = dict(BM=None, R=2, NSW=4, NSX=3, LOAD_REGS=24, PER_SM=None, maxnreg=None, PDL=None, S=None)
+DEFAULT = dict(BM=None, R=2, NSW=4, NSX=3, XREL=0, LOAD_REGS=24, PER_SM=None, maxnreg=None, PDL=None, S=None)
 _RESIDENT: dict = {}
 
 
@@ -287,7 +296,7 @@ def _kernel_args(m: int, items: tuple, pdl_default: bool) -> tuple[dict, dict]:
     cfg["PDL"] = bool(pdl_default if cfg["PDL"] is None else cfg["PDL"])
     lw2, ls3, lw3, acc, aop = layouts(r, bm)
     rot_mag, rot_sign = lane_rotations()
-    consts = dict(BM=bm, NSW=nsw, NSX=nsx, FMT=0, PDL=cfg["PDL"], LOAD_REGS=int(cfg["LOAD_REGS"]), RT=rot_mag,
+    consts = dict(BM=bm, NSW=nsw, NSX=nsx, FMT=0, XREL=int(bool(cfg["XREL"])), PDL=cfg["PDL"], LOAD_REGS=int(cfg["LOAD_REGS"]), RT=rot_mag,
                   ST=rot_sign, LW2=lw2, LS3=ls3, LW3=lw3, ACC=acc, AOP=aop, num_warps=4 * r)
     return consts, cfg
 
@@ -313,7 +322,8 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     several token tiles) and an nvfp4 `state` (qerl.kernels.prepare).
 
     config: BM (tokens per tile: 16, 32, 64; default the smallest that holds M), R (64-row tiles per
-    program: 1 or 2, one MMA warpgroup each), NSW (weight stages), NSX (activation stages),
+    program: 1, 2 or 4, one MMA warpgroup each), NSW (weight stages), NSX (activation stages), XREL
+    (0 / 1: where the activation stage is released, see the module doc),
     LOAD_REGS (setmaxnreg of the loader warps), S (forced K slices), PER_SM, maxnreg, PDL."""
     if state["fmt"] != "nvfp4":
         raise ValueError(f"the rwg kernel takes nvfp4 weights, got {state['fmt']}")
@@ -331,7 +341,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     bm, rows = consts["BM"], consts["num_warps"] * 16
     nt, mt = triton.cdiv(n, rows), triton.cdiv(m, bm)
     tiles = nt * mt
-    key = (bm, rows, consts["NSW"], consts["NSX"], consts["PDL"], cfg["maxnreg"])
+    key = (bm, rows, consts["NSW"], consts["NSX"], consts["XREL"], consts["PDL"], cfg["maxnreg"])
     per_sm = cfg["PER_SM"] or _RESIDENT.get(key) or max(1, min(2, 232448 // smem_bytes(bm, rows // 64, consts["NSW"],
                                                                                         consts["NSX"])))
     if cfg.get("S") is not None:

@@ -125,8 +125,11 @@ RWG_MAX_M = 64
 # w4a16_rwg with R = 1 at two programs per SM (104 registers, shallower rings), by tokens per tile (BM), for
 # layers whose 64-row tiles overrun one program per SM: on the H100 37888x3584 at M = 64 65.9 -> 57.7 us,
 # 55296x5120 at M = 32 105.8 -> 84.5, and the 7B decode step at batch 32 / 64 +7.4% / +7.8% (applied to
-# every R = 1 layer there; NOTES_w4a16.md section 20). {} turns it off.
-RWG_TWO_PER_SM = {32: {"NSW": 4, "NSX": 3, "maxnreg": 104}, 64: {"NSW": 3, "NSX": 2, "maxnreg": 104}}
+# every R = 1 layer there); XREL (the activation stage released with the next weight stage, one CTA
+# barrier less per step) then 57.3 -> 53.2 and 107.5 -> 99.0 us at M = 64 (NOTES_w4a16.md section 20).
+# {} turns it off.
+RWG_TWO_PER_SM = {32: {"NSW": 4, "NSX": 3, "maxnreg": 104, "XREL": 1},
+                  64: {"NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1}}
 # its two-programs-per-SM form (80 registers per thread, shallower rings: 93 KB of shared memory)
 WGMMA_TWO_PER_SM = {"maxnreg": 80, "DEC_REGS": 96, "NSW": 3, "NSD": 2, "NSX": 3, "BM": 64}
 # Forward with DEQUANT_MIN_M <= M < WGMMA_MAX_M on the same layers: the same GEMM instead of
