@@ -276,7 +276,8 @@ def summarize(rows: list[dict], copy_gbps: float) -> str:
         return statistics.median(v) if v else float("nan")
 
     big = [r for r in fwd if r["n"] * r["k"] >= 50_000_000 and r["m"] == 1]
-    out += ["", "(nvfp4/mxfp4 = default dispatch: GEMVs at M = 1, the fused Triton kernel up to M = 64, on Hopper"
+    out += ["", "(nvfp4/mxfp4 = default dispatch: GEMVs at M = 1, the fused Triton kernel up to M = 64 (on Hopper"
+            " from M = 17 the register-operand wgmma GEMM, w4a16_rwg), on Hopper"
             f" the warp-specialised Gluon GEMM (w4a16_wgmma) from M = 65 (from M={DEQUANT_MIN_M} to"
             f" {WGMMA_MAX_M - 1} only on layers whose tiles fill the SMs), else bf16 weight + cuBLAS from M={DEQUANT_MIN_M};"
             " the -fused columns time the fused Triton kernel at those M.)",
@@ -436,7 +437,7 @@ GEMV_CANDS = [("v3", None),
               ("g16w2C32", dict(PATH="gemv", BN=16, num_warps=2, ACC2D=True, CH=32))]
 
 
-NVFP4_ONLY_PATHS = ("ws", "wsmma", "rwg")  # the Gluon GEMVs and rwg read FP8 scale rows of 16 bytes
+NVFP4_ONLY_PATHS = ("ws", "wsmma")  # the Gluon GEMVs read FP8 scale rows of 16 bytes
 
 
 def gemv_explore(deadline: float, out_path: str | None, ms=(1,), cands=None, shapes=None, all_formats=("v3", "g32w4C32"),

@@ -336,10 +336,12 @@ def test_wgmma_kernel_builds_for_hopper(fmt, m, cfg):
 
 
 
-@pytest.mark.parametrize("m,cfg", [(64, {}), (32, {}), (16, {"R": 1}), (64, {"PDL": True}),
-                                   (64, {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1})],
-                         ids=["M64", "M32", "M16-R1", "M64-pdl", "M64-two-per-SM-xrel"])
-def test_rwg_kernel_builds_for_hopper(m, cfg):
+@pytest.mark.parametrize("fmt,m,cfg", [("nvfp4", 64, {}), ("nvfp4", 32, {}), ("nvfp4", 16, {"R": 1}),
+                                       ("nvfp4", 64, {"PDL": True}),
+                                       ("nvfp4", 64, {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1}),
+                                       ("mxfp4", 64, {}), ("mxfp4", 32, {"R": 1, "NSW": 4, "NSX": 3, "maxnreg": 104})],
+                         ids=["M64", "M32", "M16-R1", "M64-pdl", "M64-two-per-SM-xrel", "mxfp4-M64", "mxfp4-M32-two"])
+def test_rwg_kernel_builds_for_hopper(fmt, m, cfg):
     """Offline sm_90a build of w4a16_rwg (no GPU needed): the register layouts convert trivially to
     the wgmma register operand (assert_trivial fails the build otherwise), no spills, the rings fit,
     16 wgmmas per step (peeled first step + loop), and ptxas does not serialise the wgmmas (C7515:
@@ -353,7 +355,7 @@ def test_rwg_kernel_builds_for_hopper(m, cfg):
 
     from qerl.kernels import w4a16_rwg as R
 
-    ck = R.compile_offline(m, config=cfg, bias=True, sbits=True)
+    ck = R.compile_offline(m, config=cfg, bias=True, sbits=fmt == "nvfp4", fmt=fmt)
     spec = importlib.util.spec_from_file_location(
         "compile_gluon", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "compile_gluon.py"))
     cg = importlib.util.module_from_spec(spec)

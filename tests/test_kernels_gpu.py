@@ -562,8 +562,9 @@ WG_CASES = [{}, {"NSW": 2, "NSD": 2, "NSX": 2}, {"S": 1}, {"S": 3}, {"BM": 16}, 
                                  {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104}, {"XREL": 1},
                                  {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1, "PDL": True}],
                          ids=["default", "R1", "BM64", "shallow", "pdl", "R1-two-per-SM", "xrel", "R1-two-xrel-pdl"])
-def test_rwg_kernel(cfg):
-    """The register-operand wgmma GEMM (PATH="rwg", nvfp4): M from 1 to 100 over shapes with N not a
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rwg_kernel(fmt, cfg):
+    """The register-operand wgmma GEMM (PATH="rwg", nvfp4 and mxfp4): M from 1 to 100 over shapes with N not a
     multiple of 128, one K slice per program or several: fp32 reference within 1e-2 on a
     NaN-poisoned output with bias, a bit-identical re-run, counters back at 0, the float scale
     path equal to the integer one, and a CUDA-graph replay on new data."""
@@ -576,7 +577,7 @@ def test_rwg_kernel(cfg):
     conf = dict(cfg, PATH="rwg")
     failures = []
     for n, k in ((1058, 1024), (4608, 3584), (7168, 5120)):
-        t, st, w32 = _layer("nvfp4", n, k, seed=n + k + 1)
+        t, st, w32 = _layer(fmt, n, k, seed=n + k + 1)
         bias = torch.randn(n, device="cuda").to(torch.bfloat16)
         for m in (1, 5, 16, 17, 33, 64, 100) if not cfg else (16, 64):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
@@ -593,7 +594,7 @@ def test_rwg_kernel(cfg):
             if not (err <= TOL) or y.isnan().any() or not same or not same_float:
                 failures.append((n, k, m, err, bool(y.isnan().any()), same, same_float))
         assert st["locks"].abs().sum().item() == 0
-    assert not failures, f"{cfg}: (N, K, M, rel err, NaN, deterministic, float scales equal) {failures}"
+    assert not failures, f"{fmt} {cfg}: (N, K, M, rel err, NaN, deterministic, float scales equal) {failures}"
     x = torch.randn(64, k, device="cuda").to(torch.bfloat16)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

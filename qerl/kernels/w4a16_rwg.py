@@ -1,4 +1,4 @@
-"""nvfp4 GEMM with the decoded weights as wgmma's register operand, for Hopper (Gluon), M <= 64:
+"""nvfp4 / mxfp4 GEMM with the decoded weights as wgmma's register operand, for Hopper (Gluon), M <= 64:
 y[M, N] = x[M, K] @ dequant(W)[N, K]^T, bf16 in / out, fp32 accumulate.
 
 Why another kernel. `w4a16_wgmma.py` decodes in separate warps into shared memory, fences the
@@ -32,8 +32,9 @@ or 64) x a K slice. Partitions:
 - activation loader (1 warp): TMA copies of the step's four x chunks [BM, 64] (128-byte swizzle)
   into a ring of NSX stages; with PDL only this warp waits for the previous kernel, so weights
   stream before it ends.
-Schedule: as w4a16_wgmma (tile p // S, K slice p % S, deterministic fixup). nvfp4 only (the
-scale's group of 16 K matches a 16-K slice of the MMA). One launch, no host sync, capturable.
+Schedule: as w4a16_wgmma (tile p // S, K slice p % S, deterministic fixup). Scales: one per two
+words (nvfp4, FP8-E4M3 per 16 K) or per four (mxfp4, E8M0 per 32 K), broadcast onto the words in
+registers before the decode. One launch, no host sync, capturable.
 """
 
 from __future__ import annotations
@@ -74,16 +75,21 @@ def lane_rotations() -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(rot_mag), tuple(rot_sign)
 
 
-def layouts(r: int, bm: int):
+def layouts(r: int, bm: int, fmt: str = "nvfp4"):
     """(LW2, LS3, LW3, ACC, AOP) for R row tiles: the [64R, 32] word tile as each thread reads it
     (rows g and g + 8 of its warp's 16, all 32 words; the four lanes t of a quad read the same),
-    the [64R, 16, 2] scale tile (a scale per two words), the [64R, 32, 4] words with the quad's
-    lane t as the last dimension, the accumulator and the wgmma's register A operand."""
+    the scale tile with its words as the last dimension ([64R, 16, 2] nvfp4: a scale per two words;
+    [64R, 8, 4] mxfp4: a scale per four), the [64R, 32, 4] words with the quad's lane t as the last
+    dimension, the accumulator and the wgmma's register A operand."""
     warps = [[16, 0], [32, 0]] + [[64 << i, 0] for i in range(r.bit_length() - 1)]
     lanes = [[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]]
     lw2 = gl.DistributedLinearLayout([[8, 0], [0, 1], [0, 2], [0, 4], [0, 8], [0, 16]], lanes, warps, [], [64 * r, 32])
-    ls3 = gl.DistributedLinearLayout([[8, 0, 0], [0, 0, 1], [0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0]],
-                                     [w + [0] for w in lanes], [w + [0] for w in warps], [], [64 * r, 16, 2])
+    if fmt == "nvfp4":
+        ls3 = gl.DistributedLinearLayout([[8, 0, 0], [0, 0, 1], [0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0]],
+                                         [w + [0] for w in lanes], [w + [0] for w in warps], [], [64 * r, 16, 2])
+    else:
+        ls3 = gl.DistributedLinearLayout([[8, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+                                         [w + [0] for w in lanes], [w + [0] for w in warps], [], [64 * r, 8, 4])
     lw3 = gl.DistributedLinearLayout([[8, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0], [0, 16, 0]],
                                      [[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
                                      [w + [0] for w in warps], [], [64 * r, 32, 4])
@@ -123,7 +129,7 @@ def _a_operand(wc, sc, rt, st, ROWS: gl.constexpr, AOP: gl.constexpr):
 
 @gluon.jit
 def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, zw, r0, r1, r2, r3, s0_, s1_, s2_,
-          s3_, NSW: gl.constexpr, NSX: gl.constexpr, FMT: gl.constexpr, XREL: gl.constexpr, ROWS: gl.constexpr,
+          s3_, exp_bias, NSW: gl.constexpr, NSX: gl.constexpr, FMT: gl.constexpr, XREL: gl.constexpr, ROWS: gl.constexpr,
           LW2: gl.constexpr, LS3: gl.constexpr, LW3: gl.constexpr, AOP: gl.constexpr):
     """One 256-K step: read and release the weight stage, then per 64-K chunk decode into the A
     operand, issue the async wgmma and retire the previous chunk's; the previous step's activation
@@ -132,7 +138,11 @@ def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empt
     iw = i % NSW
     mbarrier.wait(w_ready.index(iw), (i // NSW) & 1)
     w2 = w_bufs.index(iw).load(LW2)
-    s2d = s_bufs.index(iw).load(gl.SliceLayout(2, LS3))
+    if FMT == 1:  # mxfp4: the stage's [32 R, 16] scale rows are the [64 R, 8] E8M0 bytes
+        s2d = s_bufs.index(iw)._reinterpret(gl.uint8, [ROWS, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).load(
+            gl.SliceLayout(2, LS3))
+    else:
+        s2d = s_bufs.index(iw).load(gl.SliceLayout(2, LS3))
     fence_async_shared()  # the generic reads are done before TMA (async proxy) refills the stage
     if XREL:  # drain the previous step's last wgmma here (behind this step's wait and loads) and release
         # its activation stage beside this weight stage: three CTA barriers per step instead of four
@@ -145,10 +155,14 @@ def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empt
         gl.uint32, bitcast=True) + zw
     if FMT == 2:  # all scales normal (prepare: scale_bits): bf16 bits (b << 4) + 0x7700, in both halves
         s16 = (s2d.to(gl.uint8, bitcast=True).to(gl.uint32) << 4) + 0x7700
+    elif FMT == 1:  # mxfp4: 2^(e - 127 + J), J the layer's exponent offset (w4a16_wgmma's conversion)
+        s16 = gl.exp2(s2d.to(gl.float32) + (exp_bias - 127).to(gl.float32)).to(gl.bfloat16).to(
+            gl.uint16, bitcast=True).to(gl.uint32)
     else:
         s16 = (s2d.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_MUL).to(gl.bfloat16).to(
             gl.uint16, bitcast=True).to(gl.uint32)
-    sp = gl.reshape(gl.expand_dims(s16 * 0x10001, 2) + gl.zeros([ROWS, 16, 2], gl.uint32, LS3), [ROWS, 32])
+    WPS: gl.constexpr = 4 if FMT == 1 else 2  # words per scale
+    sp = gl.reshape(gl.expand_dims(s16 * 0x10001, 2) + gl.zeros([ROWS, 32 // WPS, WPS], gl.uint32, LS3), [ROWS, 32])
     s3 = gl.expand_dims(gl.convert_layout(sp, gl.SliceLayout(2, LW3), assert_trivial=True), 2) + zw
     w0, w1, w2c, w3c = _chunks(w3, ROWS)
     c0, c1, c2, c3 = _chunks(s3, ROWS)
@@ -173,7 +187,7 @@ def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empt
 
 @gluon.jit
 def _consumer(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr,
-              lock_ptr, p, tile, n0, m0, M, N, k0, k1, S, NSW: gl.constexpr, NSX: gl.constexpr, BM: gl.constexpr,
+              lock_ptr, p, tile, n0, m0, M, N, k0, k1, S, exp_bias, NSW: gl.constexpr, NSX: gl.constexpr, BM: gl.constexpr,
               FMT: gl.constexpr, XREL: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr, RT: gl.constexpr, ST: gl.constexpr,
               LW2: gl.constexpr, LS3: gl.constexpr, LW3: gl.constexpr, ACC: gl.constexpr, AOP: gl.constexpr,
               num_warps: gl.constexpr):
@@ -192,10 +206,10 @@ def _consumer(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_
     # reached the final wait with zeroed accumulator registers and ptxas serialised every wgmma
     # (C7515); the split never makes an empty slice
     acc = _step(acc, k0, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, zw, r0, r1, r2, r3, s0_, s1_,
-                s2_, s3_, NSW, NSX, FMT, XREL, ROWS, LW2, LS3, LW3, AOP)
+                s2_, s3_, exp_bias, NSW, NSX, FMT, XREL, ROWS, LW2, LS3, LW3, AOP)
     for kk in range(k0 + 1, k1):
         acc = _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, zw, r0, r1, r2, r3, s0_,
-                    s1_, s2_, s3_, NSW, NSX, FMT, XREL, ROWS, LW2, LS3, LW3, AOP)
+                    s1_, s2_, s3_, exp_bias, NSW, NSX, FMT, XREL, ROWS, LW2, LS3, LW3, AOP)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     WG._tile_epilogue(acc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, n0, m0, M, N, k0, k1, S, ROWS, BM,
                       HAS_BIAS, PDL, num_warps)
@@ -205,7 +219,9 @@ def _consumer(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_
 def _w_loader(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, KB, R: gl.constexpr,
               NSW: gl.constexpr):
     """The R row tiles of each step (tile r of the program at TMA row trow0 + (r KB + step) 64)
-    into rows [64 r, 64 r + 64) of a weight stage; a tile past the last row block reads as zeros."""
+    into rows [64 r, 64 r + 64) of a weight stage, its scales into SROWS rows of 16 bytes (64 nvfp4,
+    32 mxfp4); a tile past the last row block reads as zeros."""
+    SROWS: gl.constexpr = s_desc.block_type.shape[0]
     for kk in range(k0, k1):
         i = kk - k0
         iw = i % NSW
@@ -214,7 +230,8 @@ def _w_loader(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, K
         for r in gl.static_range(R):
             row = trow0 + (r * KB + kk) * 64
             tma.async_copy_global_to_shared(w_desc, [row, 0], w_ready.index(iw), w_bufs.index(iw).slice(64 * r, 64))
-            tma.async_copy_global_to_shared(s_desc, [row, 0], w_ready.index(iw), s_bufs.index(iw).slice(64 * r, 64))
+            tma.async_copy_global_to_shared(s_desc, [(row // 64) * SROWS, 0], w_ready.index(iw),
+                                            s_bufs.index(iw).slice(SROWS * r, SROWS))
 
 
 @gluon.jit
@@ -233,7 +250,7 @@ def _x_loader(x_desc, x_bufs, x_ready, x_empty, m0, k0, k1, NSX: gl.constexpr, P
 
 
 @gluon.jit
-def _rwg_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, M, N, KB, S, MT,
+def _rwg_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, M, N, KB, S, MT, exp_bias,
                 BM: gl.constexpr, NSW: gl.constexpr, NSX: gl.constexpr, FMT: gl.constexpr, XREL: gl.constexpr,
                 HAS_BIAS: gl.constexpr,
                 PDL: gl.constexpr, LOAD_REGS: gl.constexpr, RT: gl.constexpr, ST: gl.constexpr, LW2: gl.constexpr,
@@ -249,7 +266,7 @@ def _rwg_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock
     k0 = (j * KB) // S
     k1 = ((j + 1) * KB) // S
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NSW, 64 * R, 32], w_desc.layout)
-    s_bufs = gl.allocate_shared_memory(s_desc.dtype, [NSW, 64 * R, 16], s_desc.layout)
+    s_bufs = gl.allocate_shared_memory(s_desc.dtype, [NSW, s_desc.block_type.shape[0] * R, 16], s_desc.layout)
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [4 * NSX] + x_desc.block_type.shape, x_desc.layout)
     w_ready = gl.allocate_shared_memory(gl.int64, [NSW, 1], mbarrier.MBarrierLayout())
     w_empty = gl.allocate_shared_memory(gl.int64, [NSW, 1], mbarrier.MBarrierLayout())
@@ -264,7 +281,7 @@ def _rwg_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock
     trow0 = nt * R * KB * 64
     gl.warp_specialize([
         (_consumer, (w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr,
-                     lock_ptr, p, tile, nt * 64 * R, mt * BM, M, N, k0, k1, S, NSW, NSX, BM, FMT, XREL, HAS_BIAS, PDL, RT, ST,
+                     lock_ptr, p, tile, nt * 64 * R, mt * BM, M, N, k0, k1, S, exp_bias, NSW, NSX, BM, FMT, XREL, HAS_BIAS, PDL, RT, ST,
                      LW2, LS3, LW3, ACC, AOP, num_warps)),
         (_w_loader, (w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, KB, R, NSW)),
         (_x_loader, (x_desc, x_bufs, x_ready, x_empty, mt * BM, k0, k1, NSX, PDL)),
@@ -276,12 +293,13 @@ _RESIDENT: dict = {}
 
 
 def smem_bytes(bm: int, r: int, nsw: int, nsx: int) -> int:
-    """Shared memory of the rings: R raw weight tiles per stage, four x chunks per stage (+ barriers)."""
+    """Shared memory of the rings (nvfp4's, the larger scale tile): R raw weight tiles per stage, four
+    x chunks per stage (+ barriers)."""
     return nsw * r * (8192 + 1024) + nsx * 4 * bm * 128 + 1024
 
 
 @functools.lru_cache(maxsize=256)
-def _kernel_args(m: int, items: tuple, pdl_default: bool) -> tuple[dict, dict]:
+def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool) -> tuple[dict, dict]:
     cfg = dict(DEFAULT)
     unknown = {key for key, _ in items} - set(DEFAULT) - W._PATH_KEYS - W._MOD_KEYS  # (launch modifiers it lacks: ignored)
     if unknown:
@@ -294,16 +312,16 @@ def _kernel_args(m: int, items: tuple, pdl_default: bool) -> tuple[dict, dict]:
     if smem_bytes(bm, r, nsw, nsx) > 232448:
         raise ValueError(f"rwg rings need {smem_bytes(bm, r, nsw, nsx)} B of shared memory (H100: 232448)")
     cfg["PDL"] = bool(pdl_default if cfg["PDL"] is None else cfg["PDL"])
-    lw2, ls3, lw3, acc, aop = layouts(r, bm)
+    lw2, ls3, lw3, acc, aop = layouts(r, bm, fmt)
     rot_mag, rot_sign = lane_rotations()
-    consts = dict(BM=bm, NSW=nsw, NSX=nsx, FMT=0, XREL=int(bool(cfg["XREL"])), PDL=cfg["PDL"], LOAD_REGS=int(cfg["LOAD_REGS"]), RT=rot_mag,
+    consts = dict(BM=bm, NSW=nsw, NSX=nsx, FMT=0 if fmt == "nvfp4" else 1, XREL=int(bool(cfg["XREL"])), PDL=cfg["PDL"], LOAD_REGS=int(cfg["LOAD_REGS"]), RT=rot_mag,
                   ST=rot_sign, LW2=lw2, LS3=ls3, LW3=lw3, ACC=acc, AOP=aop, num_warps=4 * r)
     return consts, cfg
 
 
-def kernel_args(m: int, config: dict | None = None) -> tuple[dict, dict]:
+def kernel_args(m: int, config: dict | None = None, fmt: str = "nvfp4") -> tuple[dict, dict]:
     """(constexpr arguments of _rwg_kernel, the resolved config); memoised, shared read-only."""
-    return _kernel_args(m, tuple(sorted((config or {}).items())), W.PDL)
+    return _kernel_args(fmt, m, tuple(sorted((config or {}).items())), W.PDL)
 
 
 @functools.lru_cache(maxsize=None)
@@ -325,8 +343,9 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     program: 1, 2 or 4, one MMA warpgroup each), NSW (weight stages), NSX (activation stages), XREL
     (0 / 1: where the activation stage is released, see the module doc),
     LOAD_REGS (setmaxnreg of the loader warps), S (forced K slices), PER_SM, maxnreg, PDL."""
-    if state["fmt"] != "nvfp4":
-        raise ValueError(f"the rwg kernel takes nvfp4 weights, got {state['fmt']}")
+    fmt = state["fmt"]
+    if fmt not in ("nvfp4", "mxfp4"):
+        raise ValueError(f"the rwg kernel takes nvfp4 / mxfp4 weights, got {fmt}")
     n, k, kb = state["n"], state["k"], state["kb"]
     if k != kb * 256:
         raise ValueError("the rwg kernel needs K a multiple of 256")
@@ -335,8 +354,8 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     if x.stride(1) != 1 or x.stride(0) != k or x.data_ptr() % 16:  # TMA: unit inner stride, 16-byte aligned
         x = x.contiguous().clone() if x.data_ptr() % 16 else x.contiguous()
     m = x.shape[0]
-    consts, cfg = kernel_args(m, config)
-    if WG.SCALE_BITS and state.get("scale_bits", False):
+    consts, cfg = kernel_args(m, config, fmt)
+    if fmt == "nvfp4" and WG.SCALE_BITS and state.get("scale_bits", False):
         consts = dict(consts, FMT=2)
     bm, rows = consts["BM"], consts["num_warps"] * 16
     nt, mt = triton.cdiv(n, rows), triton.cdiv(m, bm)
@@ -359,7 +378,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
     kernel = _rwg_kernel[(grid,)](
         x_desc, w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws, locks, m, n, kb, s, mt,
-        HAS_BIAS=bias is not None, launch_pdl=consts["PDL"], **consts, **extra,
+        int(state.get("exp_bias", 0)), HAS_BIAS=bias is not None, launch_pdl=consts["PDL"], **consts, **extra,
     )
     if key not in _RESIDENT:
         _RESIDENT[key] = WG._resident(kernel, consts["num_warps"]) or per_sm
@@ -369,21 +388,21 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
 
 
 def compile_offline(m: int = 64, n: int = 7168, k: int = 5120, config: dict | None = None, bias: bool = False,
-                    sbits: bool = False):
+                    sbits: bool = False, fmt: str = "nvfp4"):
     """Compile for sm_90a without a GPU (ptxas included) -> triton CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    consts, cfg = kernel_args(m, config)
-    state = {"fmt": "nvfp4", "words": torch.zeros(triton.cdiv(n, 64), k // 256, 64, 32, dtype=torch.int32),
-             "scale": torch.zeros(triton.cdiv(n, 64), k // 256, 64, 16, dtype=torch.uint8)}
+    consts, cfg = kernel_args(m, config, fmt)
+    state = {"fmt": fmt, "words": torch.zeros(triton.cdiv(n, 64), k // 256, 64, 32, dtype=torch.int32),
+             "scale": torch.zeros(triton.cdiv(n, 64), k // 256, 64, 16 if fmt == "nvfp4" else 8, dtype=torch.uint8)}
     x_desc, w_desc, s_desc = _descriptors(torch.zeros(m, k, dtype=torch.bfloat16), state, consts["BM"])
     fn = _rwg_kernel
     sig = {"x_desc": mangle_type(x_desc), "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc),
            "alpha_ptr": "*fp32", "bias_ptr": "*bf16", "c_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
-           "M": "i32", "N": "i32", "KB": "i32", "S": "i32", "MT": "i32"}
-    consts = dict(consts, HAS_BIAS=bias, FMT=2 if sbits else 0)
+           "M": "i32", "N": "i32", "KB": "i32", "S": "i32", "MT": "i32", "exp_bias": "i32"}
+    consts = dict(consts, HAS_BIAS=bias, FMT=2 if sbits and fmt == "nvfp4" else consts["FMT"])
     sig.update({name: "constexpr" for name in consts})
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
              for a in ("alpha_ptr", "bias_ptr", "c_ptr", "ws_ptr", "lock_ptr")}

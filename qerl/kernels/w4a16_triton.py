@@ -115,7 +115,7 @@ WSMMA_TOKENS_MIN_K_PDL = 0
 # Forward with WGMMA_SMALL_M <= M < WGMMA_MIN_M on Hopper: the wgmma GEMM where it beat the fused
 # Triton kernel on the H100 (_small_m_wgmma; NOTES_w4a16.md section 15). 0 disables it.
 WGMMA_SMALL_M = int(os.environ.get("QERL_W4A16_WGMMA_SMALL_M", "17"))
-# Forward with RWG_MIN_M <= M <= RWG_MAX_M, nvfp4, on Hopper with K % 256 == 0: the GEMM with the decoded
+# Forward with RWG_MIN_M <= M <= RWG_MAX_M, nvfp4 / mxfp4, on Hopper with K % 256 == 0: the GEMM with the decoded
 # weights as wgmma's register operand (w4a16_rwg.py), checked before the rule above. On the H100, of the
 # kernels then in use at M = 32 / 64 it was the fastest on 13 / 12 of the 14 layer shapes (5120x27648 M = 64
 # 72.9 -> 56.0 us; NOTES_w4a16.md section 20); at M = 16 the fused kernel stays faster on the wide layers.
@@ -980,7 +980,7 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
             path = "wsmma"
         elif 0 < WGMMA_MIN_M <= m and _wsmma_ok(x.device, state):
             path = "wgmma"
-        elif 0 < RWG_MIN_M <= m <= RWG_MAX_M and state["fmt"] == "nvfp4" and _wsmma_ok(x.device, state):
+        elif 0 < RWG_MIN_M <= m <= RWG_MAX_M and _wsmma_ok(x.device, state):
             path = "rwg"
             config = {**_rwg_config(state["n"], state["k"], m, _num_sms(x.device.index if x.device.index is not None
                                                                          else 0)), **(config or {})}
@@ -1007,7 +1007,7 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
         from qerl.kernels import w4a16_gluon
 
         return w4a16_gluon.forward(x, state, bias, out=out, config=config)
-    if path == "rwg":  # nvfp4 GEMM with the decoded weights as wgmma's register operand (M <= 64), sm_90
+    if path == "rwg":  # 4-bit GEMM with the decoded weights as wgmma's register operand (M <= 64), sm_90
         from qerl.kernels import w4a16_rwg
 
         return w4a16_rwg.forward(x, state, bias, out=out, config=config)
