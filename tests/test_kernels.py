@@ -394,6 +394,32 @@ def test_gluon_gemv_builds_for_hopper(mt, xpf):
         assert ck.asm["ptx"].count("mma.sync.aligned.m16n8k16") == 16
 
 
+def test_gluon_gemm_host_checks_and_buffers():
+    """The host side the Gluon GEMMs (w4a16_wgmma, w4a16_rwg) share, on CPU tensors: one-line errors
+    for a non-Gluon format, K off the 256 grid and a wrong x; a strided x made contiguous; the output
+    written in place only when `out` is a dense bf16 [M, N]; fresh zeroed counters when the layer has
+    too few; a workspace only with K slices."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_wgmma as WG
+
+    state = {"fmt": "nvfp4", "n": 96, "k": 512, "kb": 2, "locks": torch.zeros(2, dtype=torch.int32)}
+    x = torch.randn(512, 8).to(torch.bfloat16).T  # [8, 512], strided
+    assert WG.checked_input(x, state, "rwg").is_contiguous()
+    with pytest.raises(ValueError, match="rwg kernel takes nvfp4 / mxfp4"):
+        WG.checked_input(x, dict(state, fmt="nf4"), "rwg")
+    with pytest.raises(ValueError, match="multiple of 256"):
+        WG.checked_input(x, dict(state, k=500), "wgmma")
+    with pytest.raises(ValueError, match="bf16"):
+        WG.checked_input(x.float(), state, "wgmma")
+    x = x.contiguous()
+    out = torch.empty(8, 96, dtype=torch.bfloat16)
+    c, locks, ws = WG.launch_buffers(x, state, out, 2, 1, 64 * 16)
+    assert c is out and locks is state["locks"] and ws.numel() == 1
+    c, locks, ws = WG.launch_buffers(x, state, out.T.contiguous().T, 5, 3, 64 * 16)  # not dense: a new output
+    assert c is not out and c.shape == (8, 96) and locks.numel() == 5 and not locks.any()
+    assert ws.numel() == 5 * 3 * 64 * 16 and ws.dtype == torch.float32
+
+
 def test_rwg_rows_rule():
     """w4a16_rwg's rows per program: the R whose programs fill their last wave better, ties to R = 2
     only where its tiles alone fill the SMs (132 SMs: the H100's)."""

@@ -564,44 +564,25 @@ WG_CASES = [{}, {"NSW": 2, "NSD": 2, "NSX": 2}, {"S": 1}, {"S": 3}, {"BM": 16}, 
                          ids=["default", "R1", "BM64", "shallow", "pdl", "R1-two-per-SM", "xrel", "R1-two-xrel-pdl"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_rwg_kernel(fmt, cfg):
-    """The register-operand wgmma GEMM (PATH="rwg", nvfp4 and mxfp4): M from 1 to 100 over shapes with N not a
-    multiple of 128, one K slice per program or several: fp32 reference within 1e-2 on a
-    NaN-poisoned output with bias, a bit-identical re-run, counters back at 0, the float scale
-    path equal to the integer one, and a CUDA-graph replay on new data."""
+    """The register-operand wgmma GEMM (PATH="rwg", nvfp4 and mxfp4), M from 1 to 100, through
+    _check_gluon_gemm (reference, NaN poison, bias, determinism, counters, graph replay), plus the
+    float scale conversion giving the same bits as the integer one."""
     pytest.importorskip("triton.experimental.gluon")
     from qerl.kernels import w4a16_triton as W
     from qerl.kernels import w4a16_wgmma as WG
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("needs Hopper (TMA, wgmma, warp specialisation)")
-    conf = dict(cfg, PATH="rwg")
-    failures = []
-    for n, k in ((1058, 1024), (4608, 3584), (7168, 5120)):
-        t, st, w32 = _layer(fmt, n, k, seed=n + k + 1)
-        bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-        for m in (1, 5, 16, 17, 33, 64, 100) if not cfg else (16, 64):
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            W.forward(x, st, config=conf)  # the first launch measures occupancy, which may change the split
-            y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            W.forward(x, st, bias=bias, config=conf, out=y)
-            err = _rel(y, x.float() @ w32.T + bias.float())
-            same = torch.equal(W.forward(x, st, bias=bias, config=conf), y)
-            old, WG.SCALE_BITS = WG.SCALE_BITS, False
-            try:
-                same_float = torch.equal(W.forward(x, st, bias=bias, config=conf), y)
-            finally:
-                WG.SCALE_BITS = old
-            if not (err <= TOL) or y.isnan().any() or not same or not same_float:
-                failures.append((n, k, m, err, bool(y.isnan().any()), same, same_float))
-        assert st["locks"].abs().sum().item() == 0
-    assert not failures, f"{fmt} {cfg}: (N, K, M, rel err, NaN, deterministic, float scales equal) {failures}"
-    x = torch.randn(64, k, device="cuda").to(torch.bfloat16)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = W.forward(x, st, config=conf)
-    x.copy_(torch.randn(64, k, device="cuda").to(torch.bfloat16))
-    g.replay()
-    assert _rel(out, x.float() @ w32.T) < TOL
+
+    def float_scales_equal(x, st, bias, y):  # the float scale conversion gives the same bits
+        old, WG.SCALE_BITS = WG.SCALE_BITS, False
+        try:
+            return torch.equal(W.forward(x, st, bias=bias, config=dict(cfg, PATH="rwg")), y)
+        finally:
+            WG.SCALE_BITS = old
+
+    _check_gluon_gemm(fmt, dict(cfg, PATH="rwg"), (1, 5, 16, 17, 33, 64, 100) if not cfg else (16, 64), 1,
+                      float_scales_equal)
 
 
 @pytest.mark.parametrize("cfg", WG_CASES, ids=["-".join(f"{k}{v}" for k, v in c.items()) or "default" for c in WG_CASES])
@@ -613,28 +594,37 @@ def test_wgmma_kernel(fmt, cfg):
     program or several: fp32 reference within 1e-2 on a NaN-poisoned output with bias, a
     bit-identical re-run, counters back at 0, and a CUDA-graph replay on new data."""
     pytest.importorskip("triton.experimental.gluon")
-    from qerl.kernels import w4a16_triton as W
-
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("needs Hopper (TMA, wgmma, warp specialisation)")
-    conf = dict(cfg, PATH="wgmma")
+    ms = (2, 16, 33, 64, 100, 256, 300, 512) if not cfg else (
+        33, 100 if "BM" in cfg or (cfg.get("DW") == 8 and not cfg.get("LOADS")) else 300)
+    _check_gluon_gemm(fmt, dict(cfg, PATH="wgmma"), ms, 0)
+
+
+def _check_gluon_gemm(fmt: str, conf: dict, ms, seed: int, also=None):
+    """W.forward with `conf` on three layers (1058 x 1024: 17 row tiles, the last one partly past N;
+    4608 x 3584; 7168 x 5120) at each M in ms: fp32 reference within TOL on a NaN-poisoned output
+    with bias, a bit-identical re-run, also(x, state, bias, y) true where given, counters back at 0;
+    then a CUDA-graph replay of the last layer at M = 64 on new data."""
+    from qerl.kernels import w4a16_triton as W
+
     failures = []
-    for n, k in ((1058, 1024), (4608, 3584), (7168, 5120)):  # 1058: 17 row tiles, the last one partly past N
-        t, st, w32 = _layer(fmt, n, k, seed=n + k)
+    for n, k in ((1058, 1024), (4608, 3584), (7168, 5120)):
+        t, st, w32 = _layer(fmt, n, k, seed=n + k + seed)
         bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-        for m in (2, 16, 33, 64, 100, 256, 300, 512) if not cfg else (33, 100 if "BM" in cfg or (
-                cfg.get("DW") == 8 and not cfg.get("LOADS")) else 300):
+        for m in ms:
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             W.forward(x, st, config=conf)  # the first launch measures occupancy, which may change the split
             y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
             W.forward(x, st, bias=bias, config=conf, out=y)
             err = _rel(y, x.float() @ w32.T + bias.float())
             same = torch.equal(W.forward(x, st, bias=bias, config=conf), y)
-            if not (err <= TOL) or y.isnan().any() or not same:
-                failures.append((n, k, m, err, bool(y.isnan().any()), same))
+            extra = also is None or also(x, st, bias, y)
+            if not (err <= TOL) or y.isnan().any() or not same or not extra:
+                failures.append((n, k, m, err, bool(y.isnan().any()), same, extra))
         assert st["locks"].abs().sum().item() == 0
-    assert not failures, f"{fmt} {cfg}: (N, K, M, rel err, NaN, deterministic) {failures}"
-    x = torch.randn(64, k, device="cuda").to(torch.bfloat16)  # the last layer
+    assert not failures, f"{fmt} {conf}: (N, K, M, rel err, NaN, deterministic, extra check) {failures}"
+    x = torch.randn(64, k, device="cuda").to(torch.bfloat16)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = W.forward(x, st, config=conf)

@@ -27,8 +27,8 @@ or 64) x a K slice. Partitions:
   step's last wgmma retired (XREL = 1: the next step drains that wgmma after its loads and releases
   the activation stage beside its weight stage, one CTA barrier less per step). Epilogue:
   w4a16_wgmma's (split fixup, bias, alpha).
-- weight loader (1 warp): TMA copies of the R tiles of a step (words 8 KB + FP8 scales 1 KB each)
-  into a ring of NSW stages.
+- weight loader (1 warp): TMA copies of the R tiles of a step (words 8 KB + scales 1 KB nvfp4 /
+  512 B mxfp4 each) into a ring of NSW stages.
 - activation loader (1 warp): TMA copies of the step's four x chunks [BM, 64] (128-byte swizzle)
   into a ring of NSX stages; with PDL only this warp waits for the previous kernel, so weights
   stream before it ends.
@@ -129,8 +129,8 @@ def _a_operand(wc, sc, rt, st, ROWS: gl.constexpr, AOP: gl.constexpr):
 
 @gluon.jit
 def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, zw, r0, r1, r2, r3, s0_, s1_, s2_,
-          s3_, exp_bias, NSW: gl.constexpr, NSX: gl.constexpr, FMT: gl.constexpr, XREL: gl.constexpr, ROWS: gl.constexpr,
-          LW2: gl.constexpr, LS3: gl.constexpr, LW3: gl.constexpr, AOP: gl.constexpr):
+          s3_, exp_bias, NSW: gl.constexpr, NSX: gl.constexpr, FMT: gl.constexpr, XREL: gl.constexpr,
+          ROWS: gl.constexpr, LW2: gl.constexpr, LS3: gl.constexpr, LW3: gl.constexpr, AOP: gl.constexpr):
     """One 256-K step: read and release the weight stage, then per 64-K chunk decode into the A
     operand, issue the async wgmma and retire the previous chunk's; the previous step's activation
     stage is released once its last wgmma retired (after this step's first wait)."""
@@ -187,8 +187,9 @@ def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empt
 
 @gluon.jit
 def _consumer(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr,
-              lock_ptr, p, tile, n0, m0, M, N, k0, k1, S, exp_bias, NSW: gl.constexpr, NSX: gl.constexpr, BM: gl.constexpr,
-              FMT: gl.constexpr, XREL: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr, RT: gl.constexpr, ST: gl.constexpr,
+              lock_ptr, p, tile, n0, m0, M, N, k0, k1, S, exp_bias, NSW: gl.constexpr, NSX: gl.constexpr,
+              BM: gl.constexpr, FMT: gl.constexpr, XREL: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
+              RT: gl.constexpr, ST: gl.constexpr,
               LW2: gl.constexpr, LS3: gl.constexpr, LW3: gl.constexpr, ACC: gl.constexpr, AOP: gl.constexpr,
               num_warps: gl.constexpr):
     ROWS: gl.constexpr = 16 * num_warps
@@ -258,30 +259,17 @@ def _rwg_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock
     R: gl.constexpr = num_warps // 4
     if PDL:
         _gdc("launch_dependents")
-    p = gl.program_id(0)
-    tile = p // S
-    j = p - tile * S
-    nt = tile // MT
-    mt = tile - nt * MT
-    k0 = (j * KB) // S
-    k1 = ((j + 1) * KB) // S
+    p, tile, nt, mt, k0, k1 = WG._tile_slice(KB, S, MT)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NSW, 64 * R, 32], w_desc.layout)
     s_bufs = gl.allocate_shared_memory(s_desc.dtype, [NSW, s_desc.block_type.shape[0] * R, 16], s_desc.layout)
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [4 * NSX] + x_desc.block_type.shape, x_desc.layout)
-    w_ready = gl.allocate_shared_memory(gl.int64, [NSW, 1], mbarrier.MBarrierLayout())
-    w_empty = gl.allocate_shared_memory(gl.int64, [NSW, 1], mbarrier.MBarrierLayout())
-    x_ready = gl.allocate_shared_memory(gl.int64, [NSX, 1], mbarrier.MBarrierLayout())
-    x_empty = gl.allocate_shared_memory(gl.int64, [NSX, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NSW):
-        mbarrier.init(w_ready.index(s), count=1)
-        mbarrier.init(w_empty.index(s), count=1)
-    for s in gl.static_range(NSX):
-        mbarrier.init(x_ready.index(s), count=1)
-        mbarrier.init(x_empty.index(s), count=1)
+    w_ready, w_empty = WG._ring_barriers(NSW)
+    x_ready, x_empty = WG._ring_barriers(NSX)
     trow0 = nt * R * KB * 64
     gl.warp_specialize([
         (_consumer, (w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr,
-                     lock_ptr, p, tile, nt * 64 * R, mt * BM, M, N, k0, k1, S, exp_bias, NSW, NSX, BM, FMT, XREL, HAS_BIAS, PDL, RT, ST,
+                     lock_ptr, p, tile, nt * 64 * R, mt * BM, M, N, k0, k1, S, exp_bias, NSW, NSX, BM, FMT, XREL,
+                     HAS_BIAS, PDL, RT, ST,
                      LW2, LS3, LW3, ACC, AOP, num_warps)),
         (_w_loader, (w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, KB, R, NSW)),
         (_x_loader, (x_desc, x_bufs, x_ready, x_empty, mt * BM, k0, k1, NSX, PDL)),
@@ -301,20 +289,23 @@ def smem_bytes(bm: int, r: int, nsw: int, nsx: int) -> int:
 @functools.lru_cache(maxsize=256)
 def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool) -> tuple[dict, dict]:
     cfg = dict(DEFAULT)
-    unknown = {key for key, _ in items} - set(DEFAULT) - W._PATH_KEYS - W._MOD_KEYS  # (launch modifiers it lacks: ignored)
+    # path keys and the other kernels' launch modifiers are ignored
+    unknown = {key for key, _ in items} - set(DEFAULT) - W._PATH_KEYS - W._MOD_KEYS
     if unknown:
         raise ValueError(f"unknown rwg config keys {sorted(unknown)}; known: {sorted(DEFAULT)}")
     cfg.update({key: v for key, v in items if key in DEFAULT})
     bm = int(cfg["BM"] or (16 if m <= 16 else 32 if m <= 32 else 64))
     r, nsw, nsx = int(cfg["R"]), int(cfg["NSW"]), int(cfg["NSX"])
-    if bm not in (16, 32, 64) or r not in (1, 2, 4) or nsw < 1 or nsx < 1:
-        raise ValueError(f"rwg needs BM in (16, 32, 64), R in (1, 2, 4), NSW, NSX >= 1; got {bm}, {r}, {nsw}, {nsx}")
+    if bm not in (16, 32, 64) or r not in (1, 2) or nsw < 1 or nsx < 1:
+        # (R = 4 compiles but spills at the 16-warp register cap and overruns shared memory)
+        raise ValueError(f"rwg needs BM in (16, 32, 64), R in (1, 2), NSW, NSX >= 1; got {bm}, {r}, {nsw}, {nsx}")
     if smem_bytes(bm, r, nsw, nsx) > 232448:
         raise ValueError(f"rwg rings need {smem_bytes(bm, r, nsw, nsx)} B of shared memory (H100: 232448)")
     cfg["PDL"] = bool(pdl_default if cfg["PDL"] is None else cfg["PDL"])
     lw2, ls3, lw3, acc, aop = layouts(r, bm, fmt)
     rot_mag, rot_sign = lane_rotations()
-    consts = dict(BM=bm, NSW=nsw, NSX=nsx, FMT=0 if fmt == "nvfp4" else 1, XREL=int(bool(cfg["XREL"])), PDL=cfg["PDL"], LOAD_REGS=int(cfg["LOAD_REGS"]), RT=rot_mag,
+    consts = dict(BM=bm, NSW=nsw, NSX=nsx, FMT=0 if fmt == "nvfp4" else 1, XREL=int(bool(cfg["XREL"])), PDL=cfg["PDL"],
+                  LOAD_REGS=int(cfg["LOAD_REGS"]), RT=rot_mag,
                   ST=rot_sign, LW2=lw2, LS3=ls3, LW3=lw3, ACC=acc, AOP=aop, num_warps=4 * r)
     return consts, cfg
 
@@ -324,36 +315,16 @@ def kernel_args(m: int, config: dict | None = None, fmt: str = "nvfp4") -> tuple
     return _kernel_args(fmt, m, tuple(sorted((config or {}).items())), W.PDL)
 
 
-@functools.lru_cache(maxsize=None)
-def _scale_layout():
-    return gl.NVMMASharedLayout(0, 8)  # 16-byte rows, no swizzle
-
-
-def _descriptors(x: torch.Tensor, state: dict, bm: int):
-    """x in [BM, 64] boxes; the words' [64, 32] boxes (w4a16_wgmma's, kept in the state); the
-    FP8 scales as [64, 16] boxes of the [NB*KB*64, 16] scale rows (nvfp4)."""
-    return WG.descriptors(x, state, bm)
-
-
 def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | None = None) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for x [M, K] bf16 (M <= 64 tokens per tile; larger M runs
     several token tiles) and an nvfp4 `state` (qerl.kernels.prepare).
 
     config: BM (tokens per tile: 16, 32, 64; default the smallest that holds M), R (64-row tiles per
-    program: 1, 2 or 4, one MMA warpgroup each), NSW (weight stages), NSX (activation stages), XREL
+    program: 1 or 2, one MMA warpgroup each), NSW (weight stages), NSX (activation stages), XREL
     (0 / 1: where the activation stage is released, see the module doc),
     LOAD_REGS (setmaxnreg of the loader warps), S (forced K slices), PER_SM, maxnreg, PDL."""
-    fmt = state["fmt"]
-    if fmt not in ("nvfp4", "mxfp4"):
-        raise ValueError(f"the rwg kernel takes nvfp4 / mxfp4 weights, got {fmt}")
-    n, k, kb = state["n"], state["k"], state["kb"]
-    if k != kb * 256:
-        raise ValueError("the rwg kernel needs K a multiple of 256")
-    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.bfloat16:
-        raise ValueError(f"x must be bf16 [M, {k}]")
-    if x.stride(1) != 1 or x.stride(0) != k or x.data_ptr() % 16:  # TMA: unit inner stride, 16-byte aligned
-        x = x.contiguous().clone() if x.data_ptr() % 16 else x.contiguous()
-    m = x.shape[0]
+    x = WG.checked_input(x, state, "rwg")
+    fmt, n, kb, m = state["fmt"], state["n"], state["kb"], x.shape[0]
     consts, cfg = kernel_args(m, config, fmt)
     if fmt == "nvfp4" and WG.SCALE_BITS and state.get("scale_bits", False):
         consts = dict(consts, FMT=2)
@@ -367,44 +338,20 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         s = max(1, min(int(cfg["S"]), kb))
     else:
         s = WG.split(tiles, kb, int(per_sm) * W._num_sms(x.device.index or 0))
-    x_desc, w_desc, s_desc = _descriptors(x, state, bm)
-    direct = out is not None and out.is_contiguous() and tuple(out.shape) == (m, n) and out.dtype == torch.bfloat16
-    c = out if direct else torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
-    locks = state["locks"]
-    if tiles > locks.numel():
-        locks = torch.zeros(tiles, dtype=torch.int32, device=x.device)
-    grid = tiles * s
-    ws = torch.empty(grid * rows * bm if s > 1 else 1, device=x.device, dtype=torch.float32)
+    x_desc, w_desc, s_desc = WG.descriptors(x, state, bm)
+    c, locks, ws = WG.launch_buffers(x, state, out, tiles, s, rows * bm)
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
-    kernel = _rwg_kernel[(grid,)](
+    kernel = _rwg_kernel[(tiles * s,)](
         x_desc, w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws, locks, m, n, kb, s, mt,
         int(state.get("exp_bias", 0)), HAS_BIAS=bias is not None, launch_pdl=consts["PDL"], **consts, **extra,
     )
     if key not in _RESIDENT:
         _RESIDENT[key] = WG._resident(kernel, consts["num_warps"]) or per_sm
-    if out is not None and not direct:
-        return out.copy_(c)
-    return c
+    return c if out is None or c is out else out.copy_(c)
 
 
 def compile_offline(m: int = 64, n: int = 7168, k: int = 5120, config: dict | None = None, bias: bool = False,
                     sbits: bool = False, fmt: str = "nvfp4"):
     """Compile for sm_90a without a GPU (ptxas included) -> triton CompiledKernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
     consts, cfg = kernel_args(m, config, fmt)
-    state = {"fmt": fmt, "words": torch.zeros(triton.cdiv(n, 64), k // 256, 64, 32, dtype=torch.int32),
-             "scale": torch.zeros(triton.cdiv(n, 64), k // 256, 64, 16 if fmt == "nvfp4" else 8, dtype=torch.uint8)}
-    x_desc, w_desc, s_desc = _descriptors(torch.zeros(m, k, dtype=torch.bfloat16), state, consts["BM"])
-    fn = _rwg_kernel
-    sig = {"x_desc": mangle_type(x_desc), "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc),
-           "alpha_ptr": "*fp32", "bias_ptr": "*bf16", "c_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
-           "M": "i32", "N": "i32", "KB": "i32", "S": "i32", "MT": "i32", "exp_bias": "i32"}
-    consts = dict(consts, HAS_BIAS=bias, FMT=2 if sbits and fmt == "nvfp4" else consts["FMT"])
-    sig.update({name: "constexpr" for name in consts})
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
-             for a in ("alpha_ptr", "bias_ptr", "c_ptr", "ws_ptr", "lock_ptr")}
-    opts = {"num_warps": consts["num_warps"]} | ({} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])})
-    return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+    return WG.compile_gemm_offline(_rwg_kernel, fmt, m, n, k, consts, cfg, bias, sbits)

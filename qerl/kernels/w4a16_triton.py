@@ -118,7 +118,8 @@ WGMMA_SMALL_M = int(os.environ.get("QERL_W4A16_WGMMA_SMALL_M", "17"))
 # Forward with RWG_MIN_M <= M <= RWG_MAX_M, nvfp4 / mxfp4, on Hopper with K % 256 == 0: the GEMM with the decoded
 # weights as wgmma's register operand (w4a16_rwg.py), checked before the rule above. On the H100, of the
 # kernels then in use at M = 32 / 64 it was the fastest on 13 / 12 of the 14 layer shapes (5120x27648 M = 64
-# 72.9 -> 56.0 us; NOTES_w4a16.md section 20); at M = 16 the fused kernel stays faster on the wide layers.
+# 72.9 -> 56.0 us, nvfp4; the sweep's mxfp4 medians at M = 32 / 64 went 1.42 / 1.27 -> 1.57 / 1.51;
+# NOTES_w4a16.md section 20); at M = 16 the fused kernel stays faster on the wide layers.
 # RWG_MIN_M = 0 disables it.
 RWG_MIN_M = int(os.environ.get("QERL_W4A16_RWG_MIN_M", "17"))
 RWG_MAX_M = 64

@@ -383,6 +383,29 @@ def _tile_epilogue(acc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, n
 
 
 @gluon.jit
+def _tile_slice(KB, S, MT):
+    """This program's (p, output tile, its weight-row tile nt and token tile mt, K steps [k0, k1)):
+    tile p // S (tokens vary fastest), K slice p % S of S."""
+    p = gl.program_id(0)
+    tile = p // S
+    j = p - tile * S
+    nt = tile // MT
+    mt = tile - nt * MT
+    return p, tile, nt, mt, (j * KB) // S, ((j + 1) * KB) // S
+
+
+@gluon.jit
+def _ring_barriers(NS: gl.constexpr):
+    """(ready, empty): NS mbarriers each (count 1) for a ring of NS shared-memory stages."""
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NS):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    return ready, empty
+
+
+@gluon.jit
 def _wgmma_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, M, N, KB, S, MT,
                   exp_bias, BM: gl.constexpr, NSW: gl.constexpr, NSD: gl.constexpr, CPS: gl.constexpr,
                   NSX: gl.constexpr, LAG: gl.constexpr, DW: gl.constexpr, FMT: gl.constexpr, LOADS: gl.constexpr,
@@ -392,32 +415,14 @@ def _wgmma_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lo
     R: gl.constexpr = num_warps // 4  # 64-row weight tiles per program: one per MMA warpgroup
     if PDL:
         _gdc("launch_dependents")
-    p = gl.program_id(0)
-    tile = p // S
-    j = p - tile * S
-    nt = tile // MT
-    mt = tile - nt * MT
-    k0 = (j * KB) // S
-    k1 = ((j + 1) * KB) // S
+    p, tile, nt, mt, k0, k1 = _tile_slice(KB, S, MT)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NSW] + w_desc.block_type.shape, w_desc.layout)
     s_bufs = gl.allocate_shared_memory(s_desc.dtype, [NSW] + s_desc.block_type.shape, s_desc.layout)
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [NSX] + x_desc.block_type.shape, x_desc.layout)
     d_bufs = gl.allocate_shared_memory(gl.bfloat16, [NSD * CPS, 64 * R, 64], gl.NVMMASharedLayout(128, 16))
-    w_ready = gl.allocate_shared_memory(gl.int64, [NSW, 1], mbarrier.MBarrierLayout())
-    w_empty = gl.allocate_shared_memory(gl.int64, [NSW, 1], mbarrier.MBarrierLayout())
-    x_ready = gl.allocate_shared_memory(gl.int64, [NSX, 1], mbarrier.MBarrierLayout())
-    x_empty = gl.allocate_shared_memory(gl.int64, [NSX, 1], mbarrier.MBarrierLayout())
-    d_ready = gl.allocate_shared_memory(gl.int64, [NSD, 1], mbarrier.MBarrierLayout())
-    d_empty = gl.allocate_shared_memory(gl.int64, [NSD, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NSW):
-        mbarrier.init(w_ready.index(s), count=1)
-        mbarrier.init(w_empty.index(s), count=1)
-    for s in gl.static_range(NSX):
-        mbarrier.init(x_ready.index(s), count=1)
-        mbarrier.init(x_empty.index(s), count=1)
-    for s in gl.static_range(NSD):
-        mbarrier.init(d_ready.index(s), count=1)
-        mbarrier.init(d_empty.index(s), count=1)
+    w_ready, w_empty = _ring_barriers(NSW)
+    x_ready, x_empty = _ring_barriers(NSX)
+    d_ready, d_empty = _ring_barriers(NSD)
     trow0 = nt * R * KB * 64
     # (the argument tuples are spelled out twice: layouts and constexprs do not survive a tuple variable)
     if LOADS:  # the MMA partition issues the copies: MMA + decoder warps only (12 warps: 168 registers)
@@ -568,17 +573,8 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     split rule's fixed cost per program, split(); None = the one-wave rule), LOADS (1: the MMA
     warps issue the TMA copies, no loader warps), PER_SM,
     maxnreg, PDL."""
-    fmt = state["fmt"]
-    if fmt not in ("nvfp4", "mxfp4"):
-        raise ValueError(f"the wgmma kernel takes nvfp4 / mxfp4 weights, got {fmt}")
-    n, k, kb = state["n"], state["k"], state["kb"]
-    if k != kb * 256:
-        raise ValueError("the wgmma kernel needs K a multiple of 256")
-    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.bfloat16:
-        raise ValueError(f"x must be bf16 [M, {k}]")
-    if x.stride(1) != 1 or x.stride(0) != k or x.data_ptr() % 16:  # TMA: unit inner stride, 16-byte aligned
-        x = x.contiguous().clone() if x.data_ptr() % 16 else x.contiguous()
-    m = x.shape[0]
+    x = checked_input(x, state, "wgmma")
+    fmt, n, kb, m = state["fmt"], state["n"], state["kb"], x.shape[0]
     consts, cfg = kernel_args(fmt, m, config)
     if fmt == "nvfp4" and SCALE_BITS and state.get("scale_bits", False):
         consts = dict(consts, FMT=2)  # the integer scale conversion (w4a16_gluon.SCALE_BITS)
@@ -594,38 +590,65 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     else:
         s = split(tiles, kb, int(per_sm) * W._num_sms(x.device.index or 0), cfg["C0"])
     x_desc, w_desc, s_desc = descriptors(x, state, bm)
-    direct = out is not None and out.is_contiguous() and tuple(out.shape) == (m, n) and out.dtype == torch.bfloat16
-    c = out if direct else torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
-    locks = state["locks"]
-    if tiles > locks.numel():
-        locks = torch.zeros(tiles, dtype=torch.int32, device=x.device)
-    grid = tiles * s
-    ws = torch.empty(grid * bn * bm if s > 1 else 1, device=x.device, dtype=torch.float32)
+    c, locks, ws = launch_buffers(x, state, out, tiles, s, bn * bm)
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
-    kernel = _wgmma_kernel[(grid,)](
+    kernel = _wgmma_kernel[(tiles * s,)](
         x_desc, w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws, locks, m, n, kb, s, mt,
         int(state.get("exp_bias", 0)), HAS_BIAS=bias is not None, launch_pdl=consts["PDL"], **consts, **extra,
     )
     if key not in _RESIDENT:
         _RESIDENT[key] = _resident(kernel, consts["num_warps"]) or per_sm
-    if out is not None and not direct:  # the kernel writes a dense [M, N]
-        return out.copy_(c)
-    return c
+    return c if out is None or c is out else out.copy_(c)  # the kernel writes a dense [M, N]
+
+
+def checked_input(x: torch.Tensor, state: dict, kernel: str) -> torch.Tensor:
+    """The Gluon GEMMs' input checks (an nvfp4 / mxfp4 layer with K a multiple of 256, x bf16 [M, K]);
+    x made TMA-ready (unit inner stride, 16-byte aligned)."""
+    fmt, k = state["fmt"], state["k"]
+    if fmt not in ("nvfp4", "mxfp4"):
+        raise ValueError(f"the {kernel} kernel takes nvfp4 / mxfp4 weights, got {fmt}")
+    if k != state["kb"] * 256:
+        raise ValueError(f"the {kernel} kernel needs K a multiple of 256")
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bf16 [M, {k}]")
+    if x.stride(1) != 1 or x.stride(0) != k or x.data_ptr() % 16:
+        x = x.contiguous().clone() if x.data_ptr() % 16 else x.contiguous()
+    return x
+
+
+def launch_buffers(x: torch.Tensor, state: dict, out, tiles: int, s: int, tile_elems: int):
+    """(c, locks, ws) of a Gluon GEMM launch: the bf16 output [M, N] (`out` itself when it is one), the
+    layer's tile counters (a fresh zeroed set if it has fewer than `tiles`) and the fp32 split
+    workspace (tile_elems per program when S > 1)."""
+    m, n = x.shape[0], state["n"]
+    direct = out is not None and out.is_contiguous() and tuple(out.shape) == (m, n) and out.dtype == torch.bfloat16
+    c = out if direct else torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
+    locks = state["locks"]
+    if tiles > locks.numel():
+        locks = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+    ws = torch.empty(tiles * s * tile_elems if s > 1 else 1, device=x.device, dtype=torch.float32)
+    return c, locks, ws
 
 
 def compile_offline(fmt: str = "nvfp4", m: int = 64, n: int = 7168, k: int = 5120, config: dict | None = None,
                     bias: bool = False, sbits: bool = False):
     """Compile the kernel for sm_90a without a GPU (ptxas included) -> triton CompiledKernel.
     benchmarks/compile_gluon.py --kernel wgmma prints its resources; tests/test_kernels.py checks it."""
+    consts, cfg = kernel_args(fmt, m, config)
+    return compile_gemm_offline(_wgmma_kernel, fmt, m, n, k, consts, cfg, bias, sbits)
+
+
+def compile_gemm_offline(fn, fmt: str, m: int, n: int, k: int, consts: dict, cfg: dict, bias: bool, sbits: bool):
+    """sm_90a build of a Gluon GEMM with this module's argument list (x / weight / scale descriptors,
+    alpha, bias, output, workspace, counters, M, N, KB, S, MT, exp_bias) for zero CPU tensors of the
+    layer's shape; `consts` its constexpr arguments."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    consts, cfg = kernel_args(fmt, m, config)
     state = {"fmt": fmt, "words": torch.zeros(triton.cdiv(n, 64), k // 256, 64, 32, dtype=torch.int32),
              "scale": torch.zeros(triton.cdiv(n, 64), k // 256, 64, 16 if fmt == "nvfp4" else 8, dtype=torch.uint8)}
     x_desc, w_desc, s_desc = descriptors(torch.zeros(m, k, dtype=torch.bfloat16), state, consts["BM"])
-    fn = _wgmma_kernel
     sig = {"x_desc": mangle_type(x_desc), "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc),
            "alpha_ptr": "*fp32", "bias_ptr": "*bf16", "c_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
            "M": "i32", "N": "i32", "KB": "i32", "S": "i32", "MT": "i32", "exp_bias": "i32"}
