@@ -189,9 +189,8 @@ def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empt
 def _consumer(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr,
               lock_ptr, p, tile, n0, m0, M, N, k0, k1, S, exp_bias, NSW: gl.constexpr, NSX: gl.constexpr,
               BM: gl.constexpr, FMT: gl.constexpr, XREL: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
-              RT: gl.constexpr, ST: gl.constexpr,
-              LW2: gl.constexpr, LS3: gl.constexpr, LW3: gl.constexpr, ACC: gl.constexpr, AOP: gl.constexpr,
-              num_warps: gl.constexpr):
+              RT: gl.constexpr, ST: gl.constexpr, LW2: gl.constexpr, LS3: gl.constexpr, LW3: gl.constexpr,
+              ACC: gl.constexpr, AOP: gl.constexpr, num_warps: gl.constexpr):
     ROWS: gl.constexpr = 16 * num_warps
     t1 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, LW3)))
     t3 = gl.expand_dims(gl.expand_dims(t1, 0), 0)  # [1, 1, 4]: the quad lane t
@@ -269,8 +268,7 @@ def _rwg_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock
     gl.warp_specialize([
         (_consumer, (w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr,
                      lock_ptr, p, tile, nt * 64 * R, mt * BM, M, N, k0, k1, S, exp_bias, NSW, NSX, BM, FMT, XREL,
-                     HAS_BIAS, PDL, RT, ST,
-                     LW2, LS3, LW3, ACC, AOP, num_warps)),
+                     HAS_BIAS, PDL, RT, ST, LW2, LS3, LW3, ACC, AOP, num_warps)),
         (_w_loader, (w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, KB, R, NSW)),
         (_x_loader, (x_desc, x_bufs, x_ready, x_empty, mt * BM, k0, k1, NSX, PDL)),
     ], [1, 1], [LOAD_REGS, LOAD_REGS])
@@ -305,8 +303,8 @@ def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool) -> tuple[dic
     lw2, ls3, lw3, acc, aop = layouts(r, bm, fmt)
     rot_mag, rot_sign = lane_rotations()
     consts = dict(BM=bm, NSW=nsw, NSX=nsx, FMT=0 if fmt == "nvfp4" else 1, XREL=int(bool(cfg["XREL"])), PDL=cfg["PDL"],
-                  LOAD_REGS=int(cfg["LOAD_REGS"]), RT=rot_mag,
-                  ST=rot_sign, LW2=lw2, LS3=ls3, LW3=lw3, ACC=acc, AOP=aop, num_warps=4 * r)
+                  LOAD_REGS=int(cfg["LOAD_REGS"]), RT=rot_mag, ST=rot_sign, LW2=lw2, LS3=ls3, LW3=lw3, ACC=acc,
+                  AOP=aop, num_warps=4 * r)
     return consts, cfg
 
 
@@ -317,7 +315,7 @@ def kernel_args(m: int, config: dict | None = None, fmt: str = "nvfp4") -> tuple
 
 def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | None = None) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for x [M, K] bf16 (M <= 64 tokens per tile; larger M runs
-    several token tiles) and an nvfp4 `state` (qerl.kernels.prepare).
+    several token tiles) and an nvfp4 / mxfp4 `state` (qerl.kernels.prepare).
 
     config: BM (tokens per tile: 16, 32, 64; default the smallest that holds M), R (64-row tiles per
     program: 1 or 2, one MMA warpgroup each), NSW (weight stages), NSX (activation stages), XREL
