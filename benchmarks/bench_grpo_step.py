@@ -154,7 +154,8 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
         settings = GRPOSettings(
             num_generations=gens, per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
             max_completion_length=args.completion, max_steps=args.steps, learning_rate=1e-5, loss_type="dapo",
-            epsilon_high=0.28, temperature=1.0, gradient_checkpointing=checkpointing, logprob_chunk_tokens=args.chunk_tokens,
+            epsilon_high=0.28, temperature=1.0, gradient_checkpointing=checkpointing,
+            logprob_chunk_tokens=args.chunk_tokens,
             release_rollout_memory=ROLLOUT_MEMORY[args.rollout_memory], bf16_autocast=args.bf16_autocast,
         )
         share_train = shares_prompt_in_training(settings)  # as train() does
@@ -251,12 +252,20 @@ def _row_copies(row: dict) -> int:
     return row.get("weight_copies", _copies(row["format"], True))
 
 
+# settings a row shares with its bf16 baseline beside model, batch and micro-batch, each with the
+# value of the time before the field existed (rows of older calls)
+SETUP_DEFAULTS = {"gpu": None, "bf16_autocast": False, "alloc_conf": "", "rollout_memory": "release",
+                  "gradient_checkpointing": True}
+
+
+def _setup_fields(row: dict) -> dict:
+    return {name: row.get(name, default) for name, default in SETUP_DEFAULTS.items()}
+
+
 def _setup(row: dict) -> tuple:
-    """What a row shares with its bf16 baseline: model, batch, micro-batch, GPU, autocast, allocator
-    settings, rollout-memory setting, gradient checkpointing (rows from before a field existed get
-    the behaviour of that time)."""
-    return (row["model"], row["batch"], row["micro_batch"], row.get("gpu"), row.get("bf16_autocast", False),
-            row.get("alloc_conf", ""), row.get("rollout_memory", "release"), row.get("gradient_checkpointing", True))
+    """What a row shares with its bf16 baseline: model, batch, micro-batch and SETUP_DEFAULTS' fields
+    (GPU, autocast, allocator settings, rollout-memory setting, gradient checkpointing)."""
+    return (row["model"], row["batch"], row["micro_batch"], *_setup_fields(row).values())
 
 
 def _key(row: dict) -> tuple:
@@ -279,9 +288,7 @@ def step_rows(memory_rows: list[dict]) -> list[dict]:
         out.append({"model": r["model"], "format": r["format"], "batch": r["batch"], "step_s": r["step_s"],
                     "bf16_step_s": base, "speedup": round(base / r["step_s"], 3) if base else None,
                     "micro_batch": r["micro_batch"], "generations": r["generations"], "completion_len": r["completion_len"],
-                    "weight_copies": _row_copies(r), "gpu": r.get("gpu"), "bf16_autocast": r.get("bf16_autocast", False),
-                    "alloc_conf": r.get("alloc_conf", ""), "rollout_memory": r.get("rollout_memory", "release"),
-                    "gradient_checkpointing": r.get("gradient_checkpointing", True),
+                    "weight_copies": _row_copies(r), **_setup_fields(r),
                     # when the baseline ran: the same call as this row, or another call on the same GPU model
                     "date": r.get("date"), "bf16_date": base_row.get("date") if base_row else None})
     return out

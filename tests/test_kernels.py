@@ -301,6 +301,17 @@ def test_triton_kernels_under_interpreter():
     assert len(results) > 40
 
 
+def _compile_gluon():
+    """benchmarks/compile_gluon.py as a module (the offline sm_90a build helpers)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "compile_gluon", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "compile_gluon.py"))
+    cg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cg)
+    return cg
+
+
 WGMMA_BUILDS = [("nvfp4", 64, None), ("mxfp4", 256, None), ("nvfp4", 16, {"CPS": 4, "NSD": 2, "DW": 8}),
                 ("mxfp4", 128, {"CPS": 1, "NSD": 4, "LAG": 2, "PDL": True}),
                 ("nvfp4", 256, {"BN": 128, "LOADS": 1, "NSD": 2, "NSX": 3, "PDL": True}),
@@ -315,16 +326,11 @@ def test_wgmma_kernel_builds_for_hopper(fmt, m, cfg):
     stage (4 / CPS per weight step) and per raw tile released, and four wgmmas (one per 16-K slice
     of a chunk)."""
     pytest.importorskip("triton.experimental.gluon")
-    import importlib.util
-
     from qerl.kernels import w4a16_wgmma as G
 
     ck = G.compile_offline(fmt, m, config=cfg, bias=True)
     consts, _ = G.kernel_args(fmt, m, cfg)
-    spec = importlib.util.spec_from_file_location(
-        "compile_gluon", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "compile_gluon.py"))
-    cg = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cg)
+    cg = _compile_gluon()
     regs, spills = cg._resources(ck.asm["cubin"])
     assert spills == 0 and 0 < regs <= 168
     assert ck.metadata.shared <= 232448
@@ -347,7 +353,6 @@ def test_rwg_kernel_builds_for_hopper(fmt, m, cfg):
     16 wgmmas per step (peeled first step + loop), and ptxas does not serialise the wgmmas (C7515:
     a path reaching the final wait with re-defined accumulator registers does that)."""
     pytest.importorskip("triton.experimental.gluon")
-    import importlib.util
     import subprocess
     import tempfile
 
@@ -356,10 +361,7 @@ def test_rwg_kernel_builds_for_hopper(fmt, m, cfg):
     from qerl.kernels import w4a16_rwg as R
 
     ck = R.compile_offline(m, config=cfg, bias=True, sbits=fmt == "nvfp4", fmt=fmt)
-    spec = importlib.util.spec_from_file_location(
-        "compile_gluon", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "compile_gluon.py"))
-    cg = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cg)
+    cg = _compile_gluon()
     regs, spills = cg._resources(ck.asm["cubin"])
     assert spills == 0 and ck.metadata.shared <= 232448
     ptx = ck.asm["ptx"]
@@ -381,12 +383,7 @@ def test_gluon_gemv_builds_for_hopper(mt, xpf):
     column, both epilogues; XPF: x loaded a step ahead, built without a bias): no spills at its 64-register cap
     and 16 mma.sync per 64 x 256 step."""
     pytest.importorskip("triton.experimental.gluon")
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "compile_gluon", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "compile_gluon.py"))
-    cg = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cg)
+    cg = _compile_gluon()
     for epi in (True, False):  # the shared-memory epilogue (the default) and the old one
         ck = cg.compile_kernel(7168, 5120, 3, 4, 64, 24, not xpf, False, mt, xpf, epi=epi)  # x-ahead: no bias
         regs, spills = cg._resources(ck.asm["cubin"])

@@ -889,6 +889,7 @@ def _small_m_wgmma(n: int, k: int, m: int) -> dict | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def _rwg_rows(n: int, k: int, slots: int) -> int:
     """w4a16_rwg's row tiles per program (R = 1 or 2 of 64 rows) for an N x K layer on `slots` SMs: the
     R whose programs (tiles x K slices, w4a16_wgmma.split) fill their last wave better; on a tie R = 2
