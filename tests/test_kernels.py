@@ -345,8 +345,10 @@ def test_wgmma_kernel_builds_for_hopper(fmt, m, cfg):
 @pytest.mark.parametrize("fmt,m,cfg", [("nvfp4", 64, {}), ("nvfp4", 32, {}), ("nvfp4", 16, {"R": 1}),
                                        ("nvfp4", 64, {"PDL": True}),
                                        ("nvfp4", 64, {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1}),
-                                       ("mxfp4", 64, {}), ("mxfp4", 32, {"R": 1, "NSW": 4, "NSX": 3, "maxnreg": 104})],
-                         ids=["M64", "M32", "M16-R1", "M64-pdl", "M64-two-per-SM-xrel", "mxfp4-M64", "mxfp4-M32-two"])
+                                       ("mxfp4", 64, {}), ("mxfp4", 32, {"R": 1, "NSW": 4, "NSX": 3, "maxnreg": 104}),
+                                       ("nvfp4", 256, {"NSX": 2}), ("nvfp4", 128, {"R": 1, "NSX": 2})],
+                         ids=["M64", "M32", "M16-R1", "M64-pdl", "M64-two-per-SM-xrel", "mxfp4-M64", "mxfp4-M32-two",
+                              "BM128", "BM128-R1"])
 def test_rwg_kernel_builds_for_hopper(fmt, m, cfg):
     """Offline sm_90a build of w4a16_rwg (no GPU needed): the register layouts convert trivially to
     the wgmma register operand (assert_trivial fails the build otherwise), no spills, the rings fit,
@@ -419,7 +421,7 @@ def test_gluon_gemm_host_checks_and_buffers():
 
 def test_rwg_rows_rule():
     """w4a16_rwg's rows per program: the R whose programs fill their last wave better, ties to R = 2
-    only where its tiles alone fill the SMs (132 SMs: the H100's)."""
+    only where its tiles alone fill the SMs (132 SMs: the H100's); above 64 tokens by slice length."""
     from qerl.kernels import w4a16_triton as W
 
     assert W._rwg_rows(2560, 2048, 132) == 1  # 20 x 4 programs (61%) against 40 x 3 (91%)
@@ -431,6 +433,10 @@ def test_rwg_rows_rule():
     assert W._rwg_config(37888, 3584, 64, 132) == {"R": 1, **W.RWG_TWO_PER_SM[64]}
     assert W._rwg_config(37888, 3584, 20, 132) == {"R": 1, **W.RWG_TWO_PER_SM[32]}
     assert W._rwg_config(5120, 13824, 64, 132) == {"R": 2}  # 80 tiles: one per SM, the fill rule
+    # 65..128 tokens: 128-token tiles; R = 2 where its K slices are long (54 steps in 3 slices), else R = 1
+    assert W._rwg_config(5120, 13824, 100, 132) == {"BM": 128, "NSX": 2, "R": 2}
+    assert W._rwg_config(5120, 5120, 128, 132) == {"BM": 128, "NSX": 2, "R": 1, "XREL": 1}  # 20 steps in 3 slices
+    assert W._rwg_config(22016, 2048, 65, 132) == {"BM": 128, "NSX": 2, "R": 1, "XREL": 1}  # 8 steps
 
 
 def test_small_m_wgmma_rule():

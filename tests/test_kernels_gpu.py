@@ -560,11 +560,13 @@ WG_CASES = [{}, {"NSW": 2, "NSD": 2, "NSX": 2}, {"S": 1}, {"S": 3}, {"BM": 16}, 
 
 @pytest.mark.parametrize("cfg", [{}, {"R": 1}, {"BM": 64}, {"NSW": 2, "NSX": 2}, {"PDL": True},
                                  {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104}, {"XREL": 1},
-                                 {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1, "PDL": True}],
-                         ids=["default", "R1", "BM64", "shallow", "pdl", "R1-two-per-SM", "xrel", "R1-two-xrel-pdl"])
+                                 {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1, "PDL": True},
+                                 {"BM": 128, "NSX": 2}, {"BM": 128, "R": 1, "NSX": 2, "XREL": 1, "PDL": True}],
+                         ids=["default", "R1", "BM64", "shallow", "pdl", "R1-two-per-SM", "xrel", "R1-two-xrel-pdl",
+                              "BM128", "BM128-R1-xrel-pdl"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_rwg_kernel(fmt, cfg):
-    """The register-operand wgmma GEMM (PATH="rwg", nvfp4 and mxfp4), M from 1 to 100, through
+    """The register-operand wgmma GEMM (PATH="rwg", nvfp4 and mxfp4), M from 1 to 300, through
     _check_gluon_gemm (reference, NaN poison, bias, determinism, counters, graph replay), plus the
     float scale conversion giving the same bits as the integer one."""
     pytest.importorskip("triton.experimental.gluon")
@@ -581,8 +583,8 @@ def test_rwg_kernel(fmt, cfg):
         finally:
             WG.SCALE_BITS = old
 
-    _check_gluon_gemm(fmt, dict(cfg, PATH="rwg"), (1, 5, 16, 17, 33, 64, 100) if not cfg else (16, 64), 1,
-                      float_scales_equal)
+    ms = (1, 5, 16, 17, 33, 64, 100) if not cfg else (65, 128, 300) if cfg.get("BM") == 128 else (16, 64)
+    _check_gluon_gemm(fmt, dict(cfg, PATH="rwg"), ms, 1, float_scales_equal)
 
 
 @pytest.mark.parametrize("cfg", WG_CASES, ids=["-".join(f"{k}{v}" for k, v in c.items()) or "default" for c in WG_CASES])

@@ -294,9 +294,10 @@ def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool) -> tuple[dic
     cfg.update({key: v for key, v in items if key in DEFAULT})
     bm = int(cfg["BM"] or (16 if m <= 16 else 32 if m <= 32 else 64))
     r, nsw, nsx = int(cfg["R"]), int(cfg["NSW"]), int(cfg["NSX"])
-    if bm not in (16, 32, 64) or r not in (1, 2) or nsw < 1 or nsx < 1:
+    if bm not in (16, 32, 64, 128) or r not in (1, 2) or nsw < 1 or nsx < 1:
         # (R = 4 compiles but spills at the 16-warp register cap and overruns shared memory)
-        raise ValueError(f"rwg needs BM in (16, 32, 64), R in (1, 2), NSW, NSX >= 1; got {bm}, {r}, {nsw}, {nsx}")
+        raise ValueError(f"rwg needs BM in (16, 32, 64, 128), R in (1, 2), NSW, NSX >= 1; got {bm}, {r}, {nsw}, "
+                         f"{nsx}")
     if smem_bytes(bm, r, nsw, nsx) > 232448:
         raise ValueError(f"rwg rings need {smem_bytes(bm, r, nsw, nsx)} B of shared memory (H100: 232448)")
     cfg["PDL"] = bool(pdl_default if cfg["PDL"] is None else cfg["PDL"])

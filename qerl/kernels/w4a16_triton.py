@@ -131,6 +131,14 @@ RWG_MAX_M = 64
 # {} turns it off.
 RWG_TWO_PER_SM = {32: {"NSW": 4, "NSX": 3, "maxnreg": 104, "XREL": 1},
                   64: {"NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1}}
+# The same GEMM at RWG_MAX_M < M <= RWG_WIDE_MAX_M in 128-token tiles (one program per SM, two activation stages of
+# 64 KB): R = 2 where its slices run >= RWG_WIDE_R2_STEPS 256-K steps (the activation traffic, 64 KB per step, is
+# shared by twice the weight rows), else R = 1 with XREL. On the H100 at M = 128, nvfp4, against the wgmma GEMM it
+# replaces: 5120x27648 127.3 -> 74.6 us, 5120x13824 65.2 -> 43.7, 27648x5120 103.1 -> 78.5, 55296x5120 175.8 ->
+# 154.3, 3584^2 15.3 -> 14.5; 7168x5120 26.4 / 26.8 a tie; at M = 256 it lost on every layer (the wgmma GEMM's
+# 256-token tiles read each weight once; NOTES_w4a16.md section 21). RWG_WIDE_MAX_M = 0 turns it off.
+RWG_WIDE_MAX_M = int(os.environ.get("QERL_W4A16_RWG_WIDE_MAX_M", "128"))
+RWG_WIDE_R2_STEPS = 10
 # its two-programs-per-SM form (80 registers per thread, shallower rings: 93 KB of shared memory)
 WGMMA_TWO_PER_SM = {"maxnreg": 80, "DEC_REGS": 96, "NSW": 3, "NSD": 2, "NSX": 3, "BM": 64}
 # Forward with DEQUANT_MIN_M <= M < WGMMA_MAX_M on the same layers: the same GEMM instead of
@@ -911,8 +919,15 @@ def _rwg_rows(n: int, k: int, slots: int) -> int:
 
 
 def _rwg_config(n: int, k: int, m: int, slots: int) -> dict:
-    """w4a16_rwg's config for M = RWG_MIN_M..RWG_MAX_M tokens: R = 1 at two programs per SM where the
-    64-row tiles overrun one per SM (RWG_TWO_PER_SM), else R by _rwg_rows."""
+    """w4a16_rwg's config for M = RWG_MIN_M..RWG_WIDE_MAX_M tokens. Up to RWG_MAX_M: R = 1 at two programs
+    per SM where the 64-row tiles overrun one per SM (RWG_TWO_PER_SM), else R by _rwg_rows. Above: 128-token
+    tiles, R = 2 where its K slices are long (RWG_WIDE_R2_STEPS), else R = 1."""
+    if m > RWG_MAX_M:
+        from qerl.kernels.w4a16_wgmma import split
+
+        kb, tiles = -(-k // 256), -(-n // 128)
+        long_slices = kb // split(tiles, kb, slots) >= RWG_WIDE_R2_STEPS
+        return {"BM": 128, "NSX": 2, **({"R": 2} if long_slices else {"R": 1, "XREL": 1})}
     wide = RWG_TWO_PER_SM.get(32 if m <= 32 else 64) if -(-n // 64) > slots else None
     if wide:
         return {"R": 1, **wide}
@@ -980,12 +995,12 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
         elif (2 <= m <= 8 and state["fmt"] == "nvfp4" and 0 < tok_min_n <= state["n"]
               and state["k"] >= tok_min_k and _wsmma_ok(x.device, state)):
             path = "wsmma"
-        elif 0 < WGMMA_MIN_M <= m and _wsmma_ok(x.device, state):
-            path = "wgmma"
-        elif 0 < RWG_MIN_M <= m <= RWG_MAX_M and _wsmma_ok(x.device, state):
+        elif 0 < RWG_MIN_M <= m <= max(RWG_MAX_M, RWG_WIDE_MAX_M) and _wsmma_ok(x.device, state):
             path = "rwg"
             config = {**_rwg_config(state["n"], state["k"], m, _num_sms(x.device.index if x.device.index is not None
                                                                          else 0)), **(config or {})}
+        elif 0 < WGMMA_MIN_M <= m and _wsmma_ok(x.device, state):
+            path = "wgmma"
         elif 0 < WGMMA_SMALL_M <= m and WGMMA_MIN_M > 0 and _wsmma_ok(x.device, state):
             small = _small_m_wgmma(state["n"], state["k"], m)
             if small is not None:
