@@ -114,6 +114,7 @@ def _switches() -> dict:
         "tokold": [(w4a16_triton, "WSMMA_TOKENS_MIN_N_PDL", 16384), (w4a16_triton, "WSMMA_TOKENS_MIN_K_PDL", 4096)],
         "norwg": [(w4a16_triton, "RWG_MIN_M", 0)],
         "rwg9": [(w4a16_triton, "RWG_MIN_M", 9)],
+        "norwgw": [(w4a16_triton, "RWG_WIDE_MAX_M", 0)],
         "norwg2": [(w4a16_triton, "RWG_TWO_PER_SM", {})],
         "noxrel": [(w4a16_triton, "RWG_TWO_PER_SM",
                     {b: {**c, "XREL": 0} for b, c in w4a16_triton.RWG_TWO_PER_SM.items()})],
