@@ -346,7 +346,8 @@ def test_wgmma_kernel_builds_for_hopper(fmt, m, cfg):
                                        ("nvfp4", 64, {"PDL": True}),
                                        ("nvfp4", 64, {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1}),
                                        ("mxfp4", 64, {}), ("mxfp4", 32, {"R": 1, "NSW": 4, "NSX": 3, "maxnreg": 104}),
-                                       ("nvfp4", 256, {"NSX": 2}), ("nvfp4", 128, {"R": 1, "NSX": 2})],
+                                       ("nvfp4", 128, {"BM": 128, "NSX": 2}),
+                                       ("nvfp4", 128, {"BM": 128, "R": 1, "NSX": 2, "XREL": 1})],
                          ids=["M64", "M32", "M16-R1", "M64-pdl", "M64-two-per-SM-xrel", "mxfp4-M64", "mxfp4-M32-two",
                               "BM128", "BM128-R1"])
 def test_rwg_kernel_builds_for_hopper(fmt, m, cfg):
@@ -365,7 +366,10 @@ def test_rwg_kernel_builds_for_hopper(fmt, m, cfg):
     ck = R.compile_offline(m, config=cfg, bias=True, sbits=fmt == "nvfp4", fmt=fmt)
     cg = _compile_gluon()
     regs, spills = cg._resources(ck.asm["cubin"])
-    assert spills == 0 and ck.metadata.shared <= 232448
+    consts, rcfg = R.kernel_args(m, cfg, fmt)
+    rings = R.smem_bytes(consts["BM"], consts["num_warps"] // 4, consts["NSW"], consts["NSX"])
+    assert consts["BM"] == cfg.get("BM", consts["BM"]) and rings - 1024 <= ck.metadata.shared <= 232448
+    assert spills == 0
     ptx = ck.asm["ptx"]
     assert ptx.count("wgmma.mma_async") == 32 and ptx.count("griddepcontrol") == (3 if cfg.get("PDL") else 0)
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")

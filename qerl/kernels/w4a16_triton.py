@@ -135,8 +135,9 @@ RWG_TWO_PER_SM = {32: {"NSW": 4, "NSX": 3, "maxnreg": 104, "XREL": 1},
 # 64 KB): R = 2 where its slices run >= RWG_WIDE_R2_STEPS 256-K steps (the activation traffic, 64 KB per step, is
 # shared by twice the weight rows), else R = 1 with XREL. On the H100 at M = 128, nvfp4, against the wgmma GEMM it
 # replaces: 5120x27648 127.3 -> 74.6 us, 5120x13824 65.2 -> 43.7, 27648x5120 103.1 -> 78.5, 55296x5120 175.8 ->
-# 154.3, 3584^2 15.3 -> 14.5; 7168x5120 26.4 / 26.8 a tie; at M = 256 it lost on every layer (the wgmma GEMM's
-# 256-token tiles read each weight once; NOTES_w4a16.md section 21). RWG_WIDE_MAX_M = 0 turns it off.
+# 154.3, 3584^2 15.3 -> 14.5; one loss, 7168x5120 26.4 -> 27.2 (R = 2 by the rule, R = 1 26.8); the M = 128
+# median of the sweep went 0.98 -> 1.18. At M = 256 it lost on every layer (the wgmma GEMM's 256-token tiles
+# read each weight once; NOTES_w4a16.md section 21). RWG_WIDE_MAX_M = 0 turns it off.
 RWG_WIDE_MAX_M = int(os.environ.get("QERL_W4A16_RWG_WIDE_MAX_M", "128"))
 RWG_WIDE_R2_STEPS = 10
 # its two-programs-per-SM form (80 registers per thread, shallower rings: 93 KB of shared memory)
