@@ -24,6 +24,9 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   the Gluon GEMV at 9..16 tokens and its flags tok8 / m16all / m16n5k come with
                   benchmarks/patches/gluon_gemv_16_tokens_narrow.patch, NOTES_rollout.md sections 16-17),
                   wsmma20m (in the decode chain, M = 1 layers from 20M weights on the Gluon GEMV),
+                  norwg (no w4a16_rwg: 17..128 tokens back on the fused / wgmma kernels), rwg9 (rwg from
+                  9 tokens), norwgw (no 128-token rwg tiles: 65..128 tokens on the wgmma GEMM), norwg2
+                  (no two-per-SM rwg form), noxrel (that form without XREL),
                   earlyv (attention loads V with K),
                   kvpre / nokvpre (attention reads its first K / V block before the PDL wait),
                   ap528 / ap1056 (attention programs to aim for), amb0 / amb2 / amb8 (key blocks per
