@@ -80,7 +80,6 @@ def test_layout_decode_rule_in_torch():
         assert torch.equal(f32 * 2.0**126, table[codes[:, t::8].long()])
 
 
-
 def test_rwg_lane_rule_builds_the_wgmma_register_operand():
     """w4a16_rwg: quad lane t decodes, from each word, only the pair at K offsets (2t, 2t + 1), with
     per-lane rotations (R_t, S_t); the four lanes together must give every weight of the word once,
@@ -341,7 +340,6 @@ def test_wgmma_kernel_builds_for_hopper(fmt, m, cfg):
     assert ptx.count("griddepcontrol") == (3 if consts["PDL"] else 0)
 
 
-
 @pytest.mark.parametrize("fmt,m,cfg", [("nvfp4", 64, {}), ("nvfp4", 32, {}), ("nvfp4", 16, {"R": 1}),
                                        ("nvfp4", 64, {"PDL": True}),
                                        ("nvfp4", 64, {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1}),
@@ -366,7 +364,7 @@ def test_rwg_kernel_builds_for_hopper(fmt, m, cfg):
     ck = R.compile_offline(m, config=cfg, bias=True, sbits=fmt == "nvfp4", fmt=fmt)
     cg = _compile_gluon()
     regs, spills = cg._resources(ck.asm["cubin"])
-    consts, rcfg = R.kernel_args(m, cfg, fmt)
+    consts, _ = R.kernel_args(m, cfg, fmt)
     rings = R.smem_bytes(consts["BM"], consts["num_warps"] // 4, consts["NSW"], consts["NSX"])
     assert consts["BM"] == cfg.get("BM", consts["BM"]) and rings - 1024 <= ck.metadata.shared <= 232448
     assert spills == 0

@@ -1,4 +1,4 @@
-"""nvfp4 / mxfp4 GEMM with the decoded weights as wgmma's register operand, for Hopper (Gluon), M <= 64:
+"""nvfp4 / mxfp4 GEMM with the decoded weights as wgmma's register operand, for Hopper (Gluon), M <= 128:
 y[M, N] = x[M, K] @ dequant(W)[N, K]^T, bf16 in / out, fp32 accumulate.
 
 Why another kernel. `w4a16_wgmma.py` decodes in separate warps into shared memory, fences the
@@ -19,8 +19,8 @@ P = (rotr(w, R_t) & MAG) | (rotr(w, S_t) & SIGN), times the group scale, with pe
 amounts. That is the whole decode (2 funnel shifts, 2 logic ops, 1 bf16x2 multiply per two
 weights) and the result is the A fragment as it is.
 
-Program = R row tiles of 64 (one warpgroup each, R = 1 or 2) x BM tokens (the wgmma N: 16, 32
-or 64) x a K slice. Partitions:
+Program = R row tiles of 64 (one warpgroup each, R = 1 or 2) x BM tokens (the wgmma N: 16, 32,
+64 or 128) x a K slice. Partitions:
 - default (4 R warps): per 256-K step, wait for the raw weight stage, read it into registers,
   release it; then per 64-K chunk decode, issue the async wgmma acc[64 R, BM] += A[64 R, 64] @
   x_chunk[BM, 64]^T, and retire the previous chunk; the activation stage is released once the
@@ -315,13 +315,14 @@ def kernel_args(m: int, config: dict | None = None, fmt: str = "nvfp4") -> tuple
 
 
 def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | None = None) -> torch.Tensor:
-    """y = x @ dequant(W)^T (+ bias) for x [M, K] bf16 (M <= 64 tokens per tile; larger M runs
+    """y = x @ dequant(W)^T (+ bias) for x [M, K] bf16 (M <= BM tokens per tile; larger M runs
     several token tiles) and an nvfp4 / mxfp4 `state` (qerl.kernels.prepare).
 
-    config: BM (tokens per tile: 16, 32, 64; default the smallest that holds M), R (64-row tiles per
-    program: 1 or 2, one MMA warpgroup each), NSW (weight stages), NSX (activation stages), XREL
-    (0 / 1: where the activation stage is released, see the module doc),
-    LOAD_REGS (setmaxnreg of the loader warps), S (forced K slices), PER_SM, maxnreg, PDL."""
+    config: BM (tokens per tile: 16, 32, 64, 128; default the smallest of 16 / 32 / 64 that holds M,
+    else 64; 128 only when asked), R (64-row tiles per program: 1 or 2, one MMA warpgroup each), NSW
+    (weight stages), NSX (activation stages), XREL (0 / 1: where the activation stage is released, see
+    the module doc), LOAD_REGS (setmaxnreg of the loader warps), S (forced K slices), PER_SM, maxnreg,
+    PDL."""
     x = WG.checked_input(x, state, "rwg")
     fmt, n, kb, m = state["fmt"], state["n"], state["kb"], x.shape[0]
     consts, cfg = kernel_args(m, config, fmt)

@@ -1025,7 +1025,7 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
         from qerl.kernels import w4a16_gluon
 
         return w4a16_gluon.forward(x, state, bias, out=out, config=config)
-    if path == "rwg":  # 4-bit GEMM with the decoded weights as wgmma's register operand (M <= 64), sm_90
+    if path == "rwg":  # 4-bit GEMM with the decoded weights as wgmma's register operand (M <= 128), sm_90
         from qerl.kernels import w4a16_rwg
 
         return w4a16_rwg.forward(x, state, bias, out=out, config=config)
