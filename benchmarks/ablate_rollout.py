@@ -26,7 +26,9 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   wsmma20m (in the decode chain, M = 1 layers from 20M weights on the Gluon GEMV),
                   norwg (no w4a16_rwg: 17..128 tokens back on the fused / wgmma kernels), rwg9 (rwg from
                   9 tokens), norwgw (no 128-token rwg tiles: 65..128 tokens on the wgmma GEMM), norwg2
-                  (no two-per-SM rwg form), noxrel (that form without XREL),
+                  (no two-per-SM rwg form), noxrel (that form without XREL), pwa / pwag / pwar (per-warp
+                  stage release, qerl/kernels/ptx_pwa.py, forced on: Gluon GEMV at every M and rwg / GEMV
+                  only / rwg only), nopwa (off in both; the default: GEMV at M = 2..8 and rwg),
                   earlyv (attention loads V with K),
                   kvpre / nokvpre (attention reads its first K / V block before the PDL wait),
                   ap528 / ap1056 (attention programs to aim for), amb0 / amb2 / amb8 (key blocks per
@@ -94,7 +96,8 @@ KINDS = ("qkv", "o", "gate_up", "down")
 
 def _switches() -> dict:
     """flag -> [(module, attribute, value)] set while a variant runs."""
-    from qerl.kernels import bf16_gemv, decode_ops, lora_ops, w4a16_gemv, w4a16_gluon, w4a16_triton, w4a16_wgmma
+    from qerl.kernels import (bf16_gemv, decode_ops, lora_ops, w4a16_gemv, w4a16_gluon, w4a16_rwg, w4a16_triton,
+                              w4a16_wgmma)
     from qerl.rollout import engine as engine_mod
     table = {
         "lsm0": [(engine_mod, "LORA_GEMV_PER_SM", 0)],
@@ -118,6 +121,10 @@ def _switches() -> dict:
         "norwg": [(w4a16_triton, "RWG_MIN_M", 0)],
         "rwg9": [(w4a16_triton, "RWG_MIN_M", 9)],
         "norwgw": [(w4a16_triton, "RWG_WIDE_MAX_M", 0)],
+        "pwa": [(w4a16_gluon, "PER_WARP_ARRIVE", True), (w4a16_rwg, "PER_WARP_ARRIVE", True)],
+        "pwag": [(w4a16_gluon, "PER_WARP_ARRIVE", True)],
+        "pwar": [(w4a16_rwg, "PER_WARP_ARRIVE", True)],
+        "nopwa": [(w4a16_gluon, "PER_WARP_ARRIVE", False), (w4a16_rwg, "PER_WARP_ARRIVE", False)],
         "norwg2": [(w4a16_triton, "RWG_TWO_PER_SM", {})],
         "noxrel": [(w4a16_triton, "RWG_TWO_PER_SM",
                     {b: {**c, "XREL": 0} for b, c in w4a16_triton.RWG_TWO_PER_SM.items()})],

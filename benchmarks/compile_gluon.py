@@ -52,13 +52,13 @@ def _signature(n: int, k: int, has_bias: bool):
 
 def compile_kernel(n: int, k: int, stages: int, warps: int, maxnreg, producer_regs: int, bias: bool, pdl: bool,
                    mt: int = 1, xpf: bool = False, stamp: bool = False, epi: bool = G.EPI_SMEM, sk: bool = False, tail: bool = False,
-                   sbits: bool = False):
+                   sbits: bool = False, pwa: bool = False):
     fn = G._gluon_gemv_kernel
     sig = _signature(n, k, bias)
     l5, l2w, l2s = G._layouts(warps)
     # SP: the fixup's unrolled partial count (the wrapper passes next_power_of_2(S); 8 covers S <= 8)
     constexprs = {"NUM_STAGES": stages, "HAS_BIAS": bias, "PDL": pdl, "MT": mt, "XPF": xpf, "STAMP": stamp, "SP": 8,
-                  "HOIST": True, "EPI": epi, "SK": sk, "TAIL": tail, "SBITS": sbits, "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
+                  "HOIST": True, "EPI": epi, "SK": sk, "TAIL": tail, "SBITS": sbits, "PWA": pwa, "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
     for name in constexprs:
         sig[name] = "constexpr"
     # pointers 16-byte aligned, as the JIT would specialise them on a GPU
@@ -175,20 +175,22 @@ def main():
     ap.add_argument("--tail", action="store_true", help="gemv: the split-tail schedule (TAIL)")
     ap.add_argument("--scale-bits", action="store_true", help="gemv / wgmma nvfp4: scales by integer arithmetic (SBITS / FMT 2)")
     ap.add_argument("--old-epi", action="store_true", help="gemv, M > 1: the per-accumulator epilogue (EPI off)")
+    ap.add_argument("--pwa", action="store_true", help="gemv: per-warp stage release (qerl/kernels/ptx_pwa.py)")
     ap.add_argument("--dump", default=None, help="write ttgir / llir / ptx / sass here")
     a = ap.parse_args()
     if a.kernel == "wgmma":
         return main_wgmma(a)
     try:
         ck = compile_kernel(a.n, a.k, a.stages, a.warps, a.maxnreg, a.producer_regs, a.bias, a.pdl,
-                            1 if (a.m or 1) == 1 else G.MAX_M, a.xpf, epi=not a.old_epi, sk=a.streamk, tail=a.tail, sbits=a.scale_bits)
+                            1 if (a.m or 1) == 1 else G.MAX_M, a.xpf, epi=not a.old_epi, sk=a.streamk, tail=a.tail, sbits=a.scale_bits,
+                            pwa=a.pwa)
     except Exception as e:  # noqa: BLE001
         print(f"compile FAILED: {type(e).__name__}: {e}")
         sys.exit(1)
     md = ck.metadata
     n_regs, n_spills = _resources(ck.asm["cubin"])
     print(f"ptxas: OK (sm_90a)  N={a.n} K={a.k} stages={a.stages} consumer warps={a.warps} "
-          f"maxnreg={a.maxnreg} producer regs={a.producer_regs} bias={a.bias} pdl={a.pdl} xpf={a.xpf} streamk={a.streamk} tail={a.tail} scale_bits={a.scale_bits}")
+          f"maxnreg={a.maxnreg} producer regs={a.producer_regs} bias={a.bias} pdl={a.pdl} xpf={a.xpf} streamk={a.streamk} tail={a.tail} scale_bits={a.scale_bits} pwa={a.pwa}")
     print(f"registers/thread (kernel): {n_regs}  spills: {n_spills}  shared memory: {md.shared} B  "
           f"(ring {a.stages} x {64 * 32 * 4 + 64 * 16} B)  num_warps (total): {md.num_warps}")
     warps_total = -(-a.warps // 4) * 4 + 4  # registers are handed out per warpgroup

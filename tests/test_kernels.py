@@ -345,9 +345,13 @@ def test_wgmma_kernel_builds_for_hopper(fmt, m, cfg):
                                        ("nvfp4", 64, {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1}),
                                        ("mxfp4", 64, {}), ("mxfp4", 32, {"R": 1, "NSW": 4, "NSX": 3, "maxnreg": 104}),
                                        ("nvfp4", 128, {"BM": 128, "NSX": 2}),
-                                       ("nvfp4", 128, {"BM": 128, "R": 1, "NSX": 2, "XREL": 1})],
+                                       ("nvfp4", 128, {"BM": 128, "R": 1, "NSX": 2, "XREL": 1}),
+                                       ("nvfp4", 64, {"PWA": 1}),
+                                       ("nvfp4", 64, {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1, "PWA": 1}),
+                                       ("mxfp4", 64, {"PWA": 1, "PDL": True}),
+                                       ("nvfp4", 128, {"BM": 128, "NSX": 2, "PWA": 1})],
                          ids=["M64", "M32", "M16-R1", "M64-pdl", "M64-two-per-SM-xrel", "mxfp4-M64", "mxfp4-M32-two",
-                              "BM128", "BM128-R1"])
+                              "BM128", "BM128-R1", "M64-pwa", "M64-two-xrel-pwa", "mxfp4-M64-pwa-pdl", "BM128-pwa"])
 def test_rwg_kernel_builds_for_hopper(fmt, m, cfg):
     """Offline sm_90a build of w4a16_rwg (no GPU needed): the register layouts convert trivially to
     the wgmma register operand (assert_trivial fails the build otherwise), no spills, the rings fit,
@@ -378,6 +382,97 @@ def test_rwg_kernel_builds_for_hopper(fmt, m, cfg):
         info = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
                               capture_output=True, text=True, check=True)
     assert "C7515" not in info.stdout + info.stderr
+    if cfg.get("PWA"):  # per-warp stage release: no CTA barrier left in the MMA loop
+        assert _mma_loop_bars(cg, ck.asm["cubin"], "HGMMA") == 0
+        nw = consts["num_warps"]
+        assert _init_counts(ptx) == [1, nw] * (consts["NSW"] + consts["NSX"])  # ready: the copy; empty: every warp
+
+
+_PWA_PTX = """
+	// qerl-pwa-v1 %r1
+	setp.eq.b32 	%p1, %r9, 0;
+	@%p1 mbarrier.init.shared::cta.b64 [%r2], 1;
+	@%p1 mbarrier.init.shared::cta.b64 [%r3], 4;
+	bar.sync 	0, 128;
+	mov.pred 	%p7, 0;
+	@%p7 mbarrier.arrive.shared::cta.b64 _, [%r3];
+$L__BB0_4:
+	bar.sync 	0, 128;
+	mbarrier.try_wait.parity.shared.b64 complete, [%r2], %r5;
+	ld.shared.v2.b32 	{%r6, %r7}, [%r8];
+	fence.proxy.async.shared::cta;
+	bar.sync 	0, 128;
+	@%p1 mbarrier.arrive.shared::cta.b64 _, [%r3];
+	and.pred 	%p3, %p1, %p4;
+	@%p3 mbarrier.arrive.shared::cta.b64 _, [%r4];
+	@%p5 mbarrier.arrive.expect_tx.shared.b64 _, [%r2], 9216;
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%r10}, {%r11}, {%r12}, {%r13};
+	@%p2 bra 	$L__BB0_4;
+	bar.sync 	0, 128;
+	st.shared.b32 	[%r8], %r6;
+"""
+
+
+def test_ptx_pwa_rewrite_rules():
+    """The per-warp arrive rewrite on a small PTX text: unmarked PTX is untouched; marked, the
+    thread-0 arrives become a warp sync plus a lane-0 arrive in every warp (a user predicate kept,
+    a constant-false one left alone, the producer's expect_tx untouched), the CTA barriers inside the
+    MMA loop go and the ones outside stay; anything it cannot read raises."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import ptx_pwa
+
+    unmarked = _PWA_PTX.replace("// qerl-pwa-v1 %r1", "")
+    assert ptx_pwa.rewrite(unmarked) == unmarked
+    assert ptx_pwa.MARK in _PWA_PTX
+    out = ptx_pwa.rewrite(_PWA_PTX)
+    lines = out.split("\n")
+    loop = lines[lines.index("$L__BB0_4:"):next(i for i, s in enumerate(lines) if "bra 	$L__BB0_4" in s)]
+    assert not any("bar.sync" in s for s in loop)
+    assert out.count("bar.sync") == 2  # after the inits, and before the store after the loop
+    assert out.count("bar.warp.sync -1;") == 2
+    assert "setp.eq.b32 %pwa_p, %pwa_r, 0; @%pwa_p mbarrier.arrive.shared::cta.b64 _, [%r3];" in out
+    assert "setp.eq.and.b32 %pwa_p, %pwa_r, 0, %p4; @%pwa_p mbarrier.arrive.shared::cta.b64 _, [%r4];" in out
+    assert "@%p7 mbarrier.arrive.shared::cta.b64 _, [%r3];" in out  # never fires: as it was
+    assert "@%p5 mbarrier.arrive.expect_tx.shared.b64 _, [%r2], 9216;" in out
+    with pytest.raises(ptx_pwa.RewriteError, match="predicate"):
+        ptx_pwa.rewrite(_PWA_PTX.replace("@%p3 mbarrier", "@%p6 mbarrier"))
+    with pytest.raises(ptx_pwa.RewriteError, match="store"):
+        ptx_pwa.rewrite(_PWA_PTX.replace("	ld.shared.v2", "	st.shared.b32 [%r8], %r6;\n	ld.shared.v2"))
+    no_arrive = "\n".join(s for s in _PWA_PTX.split("\n") if "mbarrier.arrive.shared::cta" not in s)
+    with pytest.raises(ptx_pwa.RewriteError, match="no consumer arrive"):
+        ptx_pwa.rewrite(no_arrive)
+
+
+def _init_counts(ptx: str) -> list[int]:
+    """The arrival counts of the kernel's mbarrier.init, in PTX order."""
+    import re
+
+    return [int(c) for c in re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx)]
+
+
+def _mma_loop_bars(cg, cubin: bytes, op: str) -> int:
+    """CTA barriers (BAR) in the shortest SASS loop holding `op` (the MMA main loop)."""
+    loops = [body for _, body in cg._loops(cg._sass(cubin)) if cg._opcodes(body).get(op)]
+    return cg._opcodes(min(loops, key=len)).get("BAR", 0)
+
+
+@pytest.mark.parametrize("mt,sched", [(1, "split"), (8, "split"), (8, "sk"), (8, "tail"), (1, "tail")])
+def test_gluon_gemv_per_warp_arrive_builds(mt, sched):
+    """Offline sm_90a build of the Gluon GEMV with PWA (qerl/kernels/ptx_pwa.py): the main loop
+    keeps no CTA barrier (one per step before the wait and one before the arrive without it), the
+    empty barriers wait for the 4 consumer warps, every warp arrives once per step, no spills."""
+    pytest.importorskip("triton.experimental.gluon")
+    cg = _compile_gluon()
+    for pwa in (False, True):
+        ck = cg.compile_kernel(37888, 3584, 3, 4, 64, 24, True, True, mt, mt == 1, sk=sched == "sk",
+                               tail=sched == "tail", sbits=True, pwa=pwa)
+        regs, spills = cg._resources(ck.asm["cubin"])
+        assert spills == 0 and regs <= 64
+        ptx = ck.asm["ptx"]
+        assert _mma_loop_bars(cg, ck.asm["cubin"], "HMMA") == (0 if pwa else 2)
+        assert _init_counts(ptx) == ([1, 4] * 3 if pwa else [1] * 6)  # 3 stages x (ready, empty)
+        warp_arrives = ptx.count("@%pwa_p mbarrier.arrive")
+        assert ptx.count("bar.warp.sync -1;") == warp_arrives and (warp_arrives > 0) == pwa
 
 
 @pytest.mark.parametrize("mt", [1, 8])

@@ -99,8 +99,9 @@ def _small_model(fmt):
 
 def _rollouts_per_switches(fmt, monkeypatch, temperature, switches):
     """One graphed rollout of the small model (3 prompts x 2, 80 tokens, seed 0) per dict of
-    switches (decode_ops attributes; "bf16_gemv.NAME" for that module's)."""
-    from qerl.kernels import bf16_gemv, decode_ops
+    switches (decode_ops attributes; "bf16_gemv.NAME", "w4a16_gluon.NAME", "w4a16_rwg.NAME" for those
+    modules')."""
+    from qerl.kernels import bf16_gemv, decode_ops, w4a16_gluon, w4a16_rwg
     from qerl.rl.rollout import RolloutSettings
     from qerl.rollout.engine import RolloutEngine
 
@@ -111,7 +112,8 @@ def _rollouts_per_switches(fmt, monkeypatch, temperature, switches):
     for switch in switches:
         for name, value in switch.items():
             mod, _, attr = name.rpartition(".")
-            monkeypatch.setattr(bf16_gemv if mod == "bf16_gemv" else decode_ops, attr, value)
+            mods = {"bf16_gemv": bf16_gemv, "w4a16_gluon": w4a16_gluon, "w4a16_rwg": w4a16_rwg}
+            monkeypatch.setattr(mods.get(mod, decode_ops), attr, value)
         with torch.inference_mode():
             runs.append(RolloutEngine(model, max_batch=8, max_len=256).generate(
                 prompts, settings, torch.Generator(device="cuda").manual_seed(0)))
@@ -124,6 +126,17 @@ def test_engine_attention_prefetch_changes_nothing(fmt, monkeypatch):
     graphed rollout with it equals the one without, token for token and logprob for logprob (a
     stale read of the slot RoPE writes would change them)."""
     runs = _rollouts_per_switches(fmt, monkeypatch, 1.0, [{"ATTN_PREFETCH": False}, {"ATTN_PREFETCH": True}])
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+    assert torch.equal(runs[0].logprobs, runs[1].logprobs)
+
+
+def test_engine_per_warp_arrive_changes_nothing(monkeypatch):
+    """Per-warp stage release in the Gluon GEMV and rwg (qerl/kernels/ptx_pwa.py) inside graphed,
+    PDL-chained nvfp4 decode steps: a sampled rollout with it forced on everywhere equals the one
+    with it off, token for token and logprob for logprob."""
+    off = {"w4a16_gluon.PER_WARP_ARRIVE": False, "w4a16_rwg.PER_WARP_ARRIVE": False}
+    on = {"w4a16_gluon.PER_WARP_ARRIVE": True, "w4a16_rwg.PER_WARP_ARRIVE": True}
+    runs = _rollouts_per_switches("nvfp4", monkeypatch, 1.0, [off, on])
     assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
     assert torch.equal(runs[0].logprobs, runs[1].logprobs)
 

@@ -63,9 +63,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from qerl.kernels import ptx_pwa
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels.w4a16_triton import _KA, _KM, _KS, _R1, _R2, _R3, _S0, _S3  # the bit layout (layout.py)
 from qerl.kernels.w4a16_ws import _gdc, _mul2, _plan, _producer, _resident, _rotr, _setup  # shared with w4a16_ws
+
+ptx_pwa.install()
 
 # nvfp4 group scale: FP8-E4M3 value times 2^(126 - J), J = layout.NVFP4_EXP_OFFSET = 8 (w4a16_triton._scales)
 _SCALE_MUL = gl.constexpr(3.3230699894622897e35)  # 2^118
@@ -574,8 +577,11 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_pt
                        MT: gl.constexpr, XPF: gl.constexpr, STAMP: gl.constexpr, HOIST: gl.constexpr,
                        EPI: gl.constexpr, PRODUCER_REGS: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr,
                        L2S: gl.constexpr, SK: gl.constexpr, TAIL: gl.constexpr, SBITS: gl.constexpr,
-                       num_warps: gl.constexpr):
-    p, blk, k0, k1, trow0, w_bufs, s_bufs, ready, empty = _setup(w_desc, s_desc, KB, S, NUM_STAGES, PDL)
+                       PWA: gl.constexpr, num_warps: gl.constexpr):
+    if PWA:  # each consumer warp frees a stage itself (qerl/kernels/ptx_pwa.py rewrites the arrives)
+        ptx_pwa.mark()
+    p, blk, k0, k1, trow0, w_bufs, s_bufs, ready, empty = _setup(w_desc, s_desc, KB, S, NUM_STAGES, PDL,
+                                                                 num_warps if PWA else 1)
     if SK:  # stream-K: flat steps [k0, k1) of the (row block, K step) order; tile f sits at row f * 64
         T = gl.cdiv(N, 64) * KB
         k0 = _sk_start(p, T)
@@ -612,7 +618,7 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_pt
 # 6 stages x 9 KB and 64 registers: 4 programs (16 consumer warps) per SM by both limits (offline build)
 # NUM_STAGES 3: best of 3 / 6 on the H100 (results/gemv_warp_specialised_mma.json)
 # XPF: load each step's x one step ahead (section 16 of NOTES_w4a16.md); None = auto (xpf_auto)
-DEFAULT = dict(NUM_STAGES=3, num_warps=4, PER_SM=4, maxnreg=64, PRODUCER_REGS=24, PDL=None, XPF=None)
+DEFAULT = dict(NUM_STAGES=3, num_warps=4, PER_SM=4, maxnreg=64, PRODUCER_REGS=24, PDL=None, XPF=None, PWA=None)
 _RESIDENT: dict = {}
 # alpha and the bias rows loaded before the PDL wait (the epilogue of the last-arriving program
 # then waits on no load); False: after the main loop (the A/B switch of NOTES_rollout.md section 10)
@@ -638,6 +644,11 @@ STREAMK = None
 # normal (prepare's `scale_bits`; bit-identical there): 351 -> 320 SASS per main-loop step at M = 8
 # offline (NOTES_w4a16.md section 18). False: the float conversion everywhere (the A/B switch).
 SCALE_BITS = True
+# Per-warp release of the ring's stages (qerl/kernels/ptx_pwa.py): no CTA barrier in the main loop.
+# None = on for M = 2..8 launches (MT = 8), off at M = 1; True / False = everywhere / never. Config key
+# PWA overrides per call. Decode steps (a64, H100, same process): 7B b8 +0.6%, 14B b8 +1.3%; b1 within
+# +-0.4%; standalone M = 1 mixed (55296x5120 +16%, 5120x27648 -9%). NOTES_w4a16.md section 22.
+PER_WARP_ARRIVE = None
 
 
 @contextlib.contextmanager
@@ -746,7 +757,9 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     pdl = bool(W.PDL if cfg["PDL"] is None else cfg["PDL"])
     preg = int(cfg["PRODUCER_REGS"])
     mt = 1 if m == 1 else MAX_M
-    key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM)  # (occupancy; SBITS keeps it)
+    pwa = cfg["PWA"] if cfg["PWA"] is not None else PER_WARP_ARRIVE if PER_WARP_ARRIVE is not None else mt > 1
+    pwa = bool(pwa)
+    key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM, pwa)  # (occupancy; SBITS keeps it)
     fits = min(_RESIDENT.get(key, per_sm), per_sm)
     s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), fits, mt)
     slots = fits * W._num_sms(x.device.index or 0)
@@ -768,7 +781,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         locks, stamps if stamps is not None else ws, m, n, kb, s, nw_whole, cs, SP=sp, NUM_STAGES=ns,
         HAS_BIAS=bias is not None, PDL=pdl, MT=mt, XPF=xpf,
         STAMP=stamps is not None, HOIST=HOIST_CONSTS, EPI=EPI_SMEM, PRODUCER_REGS=preg, SK=kind == "sk", TAIL=kind == "tail",
-        SBITS=SCALE_BITS and bool(state.get("scale_bits", False)),
+        SBITS=SCALE_BITS and bool(state.get("scale_bits", False)), PWA=pwa,
         L5=l5, L2W=l2w, L2S=l2s, num_warps=nw, launch_pdl=pdl, **extra,
     )
     if key not in _RESIDENT:

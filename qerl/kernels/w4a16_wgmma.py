@@ -395,13 +395,14 @@ def _tile_slice(KB, S, MT):
 
 
 @gluon.jit
-def _ring_barriers(NS: gl.constexpr):
-    """(ready, empty): NS mbarriers each (count 1) for a ring of NS shared-memory stages."""
+def _ring_barriers(NS: gl.constexpr, EMPTY_ARRIVALS: gl.constexpr = 1):
+    """(ready, empty): NS mbarriers each for a ring of NS shared-memory stages; ready completes on
+    one arrival (the copy's), empty on EMPTY_ARRIVALS (one per consumer warp under ptx_pwa)."""
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NS):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(empty.index(s), count=EMPTY_ARRIVALS)
     return ready, empty
 
 

@@ -136,9 +136,10 @@ def _consumer(x_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_buf
 
 
 @gluon.jit
-def _setup(w_desc, s_desc, KB, S, NS: gl.constexpr, PDL: gl.constexpr):
+def _setup(w_desc, s_desc, KB, S, NS: gl.constexpr, PDL: gl.constexpr, EMPTY_ARRIVALS: gl.constexpr = 1):
     """Common start of the warp-specialised GEMVs: PDL trigger, this program's row block and K
-    slice (split schedule), and the NS-stage ring with its ready / empty mbarriers."""
+    slice (split schedule), and the NS-stage ring with its ready / empty mbarriers (an empty
+    barrier completes after EMPTY_ARRIVALS arrivals: one per consumer warp under ptx_pwa)."""
     if PDL:
         _gdc("launch_dependents")
     p = gl.program_id(0)
@@ -152,7 +153,7 @@ def _setup(w_desc, s_desc, KB, S, NS: gl.constexpr, PDL: gl.constexpr):
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NS):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=EMPTY_ARRIVALS)
     return p, blk, k0, k1, blk * (KB * 64), w_bufs, s_bufs, ready, empty
 
 
