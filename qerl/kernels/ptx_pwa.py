@@ -57,8 +57,8 @@ class RewriteError(RuntimeError):
 
 
 def _mma_loops(lines: list[str]) -> list[tuple[int, int]]:
-    """[label, backward branch] line ranges of the innermost loops that hold an MMA and no generic
-    shared-memory store."""
+    """[label, backward branch] line ranges of the innermost loops that hold an MMA; raises if such a
+    loop also stores to shared memory (its CTA barriers may then order those stores)."""
     labels = {}
     loops = []
     for i, line in enumerate(lines):
