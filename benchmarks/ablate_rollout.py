@@ -38,7 +38,7 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   planned for P programs per SM with an S-stage ring, W consumer warps, K slices per
                   row block forced, x loaded a step ahead, stream-K, split tail forced, e.g.
                   g:qkv+o:p2s6, g:down:p4s3x, g:gate_up:p4s3q),
-                  xpf / noxpf (Gluon GEMV loads x a step ahead or not), sk / nosk (its stream-K
+                  xpf / noxpf (Gluon GEMV loads x a step ahead or not), noxpf8 (not by rule at M = 2..8), sk / nosk (its stream-K
                   schedule forced on every launch / off; default: in PDL chains where a split tail
                   would apply), notail (no split tail; default: where w4a16_gluon.tail_plan finds
                   one beyond the resident programs), nosbits (its scales by the float conversion, not
@@ -137,6 +137,7 @@ def _switches() -> dict:
         "earlyv": [(decode_ops, "ATTN_EARLY_V", True)],
         "xpf": [(w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "XPF": True})],
         "noxpf": [(w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "XPF": False})],
+        "noxpf8": [(w4a16_gluon, "XPF_TOKENS_MIN_K", 0)],
         "oldepi": [(w4a16_gluon, "EPI_SMEM", False)],
         "nohoist": [(w4a16_gluon, "HOIST_CONSTS", False), (decode_ops, "NORM_W_EARLY", False)],
         "kvpre": [(decode_ops, "ATTN_PREFETCH", True)],

@@ -686,16 +686,24 @@ def test_gluon_tail_split_plan():
 
 
 def test_gluon_xpf_auto_rule():
-    """XPF = None (the default) loads x a step ahead only for M = 1 launches of one K slice per
-    row block that take more than one wave of programs: on a 132-SM H100 at 4 programs per SM
-    the 7B and 32B gate/up GEMVs (592 and 864 programs), not 14B's (432), nor split or M = 8 ones."""
+    """XPF = None (the default) loads x a step ahead for M = 1 launches of one K slice per row
+    block that take more than one wave of programs: on a 132-SM H100 at 4 programs per SM the 7B
+    and 32B gate/up GEMVs (592 and 864 programs), not 14B's (432), nor split ones; and for M = 2..8
+    launches with K >= XPF_TOKENS_MIN_K (4096): 14B / 32B layers and 7B's down, not 7B's K = 3584."""
     from qerl.kernels import w4a16_gluon as G
 
-    assert G.DEFAULT["XPF"] is None
+    assert G.DEFAULT["XPF"] is None and G.XPF_TOKENS_MIN_K == 4096
     slots = 4 * 132
-    assert G.xpf_auto(1, 1, 37888 // 64, slots) and G.xpf_auto(1, 1, 55296 // 64, slots)
-    assert not G.xpf_auto(1, 1, 27648 // 64, slots)
-    assert not G.xpf_auto(1, 4, 112 * 4, slots) and not G.xpf_auto(8, 1, 864, slots)
+    assert G.xpf_auto(1, 1, 37888 // 64, slots, 3584) and G.xpf_auto(1, 1, 55296 // 64, slots, 5120)
+    assert not G.xpf_auto(1, 1, 27648 // 64, slots, 5120)
+    assert not G.xpf_auto(1, 4, 112 * 4, slots, 5120) and not G.xpf_auto(1, 4, 112 * 4, slots, 18944)
+    assert G.xpf_auto(8, 1, 864, slots, 5120) and G.xpf_auto(8, 7, 392, slots, 18944)
+    assert not G.xpf_auto(8, 1, 592, slots, 3584) and not G.xpf_auto(8, 1, 72, slots, 3584)
+    old, G.XPF_TOKENS_MIN_K = G.XPF_TOKENS_MIN_K, 0
+    try:
+        assert not G.xpf_auto(8, 1, 864, slots, 5120)
+    finally:
+        G.XPF_TOKENS_MIN_K = old
 
 
 def test_gluon_schedule_choice():

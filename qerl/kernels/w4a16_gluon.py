@@ -644,6 +644,8 @@ STREAMK = None
 # normal (prepare's `scale_bits`; bit-identical there): 351 -> 320 SASS per main-loop step at M = 8
 # offline (NOTES_w4a16.md section 18). False: the float conversion everywhere (the A/B switch).
 SCALE_BITS = True
+# XPF by rule at M = 2..8 (xpf_auto): x one step ahead where K >= this (0: never at M = 2..8)
+XPF_TOKENS_MIN_K = 4096
 # Per-warp release of the ring's stages (qerl/kernels/ptx_pwa.py): no CTA barrier in the main loop.
 # None = on for M = 2..8 launches (MT = 8), off at M = 1; True / False = everywhere / never. Config key
 # PWA overrides per call. Decode steps (a64, H100, same process): 7B b8 +0.6%, 14B b8 +1.3%; b1 within
@@ -664,13 +666,17 @@ def defaults(**overrides):
         DEFAULT = saved
 
 
-def xpf_auto(mt: int, s: int, grid: int, slots: int) -> bool:
-    """XPF = None: x one step ahead only for M = 1 launches of one K slice per row block that
-    need more than one wave of programs (grid > per-SM programs x SMs). Fit on the gate/up GEMVs
-    of three models at batch 1 (NOTES_rollout.md section 11, same-process A/B): 7B 37888x3584
-    (592 programs for 528 slots) +1.0%, 32B 55296x5120 (864) +1.3%, but 14B 27648x5120 (432,
-    one wave) -0.7%; 32B down / q/k/v / o (S > 1) +-0, 14B b8 (MT = 8) -0.4%."""
-    return mt == 1 and s == 1 and grid > slots
+def xpf_auto(mt: int, s: int, grid: int, slots: int, k: int = 0) -> bool:
+    """XPF = None: x one step ahead for M = 1 launches of one K slice per row block that need
+    more than one wave of programs (grid > per-SM programs x SMs), and for M = 2..8 launches with
+    K >= XPF_TOKENS_MIN_K. M = 1 fit on the gate/up GEMVs of three models at batch 1
+    (NOTES_rollout.md section 11, same-process A/B): 7B 37888x3584 (592 programs for 528 slots)
+    +1.0%, 32B 55296x5120 (864) +1.3%, but 14B 27648x5120 (432, one wave) -0.7%; 32B down / q/k/v /
+    o (S > 1) +-0. M = 2..8 (with per-warp stage release, NOTES_rollout.md section 21): every layer
+    at batch 8 14B +1.9%, 32B +3.7%, 7B -0.5%."""
+    if mt == 1:
+        return s == 1 and grid > slots
+    return 0 < XPF_TOKENS_MIN_K <= k
 
 
 @functools.lru_cache(maxsize=1024)
@@ -763,7 +769,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     fits = min(_RESIDENT.get(key, per_sm), per_sm)
     s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), fits, mt)
     slots = fits * W._num_sms(x.device.index or 0)
-    xpf = bool(cfg["XPF"]) if cfg["XPF"] is not None else xpf_auto(mt, s, grid, slots)
+    xpf = bool(cfg["XPF"]) if cfg["XPF"] is not None else xpf_auto(mt, s, grid, slots, k)
     free = cfg.get("S") is None and HOIST_CONSTS and EPI_SMEM  # the other schedules need both
     resident = max(_RESIDENT.get(key, max(per_sm, 4)), fits) * W._num_sms(x.device.index or 0)  # 4: before measured
     chain = pdl if W.CHAIN_ROUTING is None else W.CHAIN_ROUTING  # as w4a16_triton routes a PDL chain
