@@ -743,7 +743,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     the first launch measures fits), S (forced K slices per row block), num_warps (consumer warps: 4 or 8),
     maxnreg (register cap per thread), PRODUCER_REGS, PDL, XPF (x loaded one step ahead; None:
     `xpf_auto`), TAIL_SPLIT / STREAMK (None: the module's TAIL_SPLIT / STREAMK; a forced S turns
-    both off)."""
+    both off), PWA (per-warp stage release, qerl/kernels/ptx_pwa.py; None: PER_WARP_ARRIVE)."""
     if state["fmt"] != "nvfp4":
         raise ValueError(f"the Gluon GEMV takes nvfp4 weights, got {state['fmt']}")
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_M:
@@ -763,8 +763,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     pdl = bool(W.PDL if cfg["PDL"] is None else cfg["PDL"])
     preg = int(cfg["PRODUCER_REGS"])
     mt = 1 if m == 1 else MAX_M
-    pwa = cfg["PWA"] if cfg["PWA"] is not None else PER_WARP_ARRIVE if PER_WARP_ARRIVE is not None else mt > 1
-    pwa = bool(pwa)
+    pwa = bool(cfg["PWA"] if cfg["PWA"] is not None else mt > 1 if PER_WARP_ARRIVE is None else PER_WARP_ARRIVE)
     key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM, pwa)  # (occupancy; SBITS keeps it)
     fits = min(_RESIDENT.get(key, per_sm), per_sm)
     s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), fits, mt)

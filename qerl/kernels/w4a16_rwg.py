@@ -332,7 +332,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     else 64; 128 only when asked), R (64-row tiles per program: 1 or 2, one MMA warpgroup each), NSW
     (weight stages), NSX (activation stages), XREL (0 / 1: where the activation stage is released, see
     the module doc), LOAD_REGS (setmaxnreg of the loader warps), S (forced K slices), PER_SM, maxnreg,
-    PDL."""
+    PDL, PWA (per-warp stage release, qerl/kernels/ptx_pwa.py; None: PER_WARP_ARRIVE)."""
     x = WG.checked_input(x, state, "rwg")
     fmt, n, kb, m = state["fmt"], state["n"], state["kb"], x.shape[0]
     consts, cfg = kernel_args(m, config, fmt)
