@@ -10,8 +10,8 @@ the PTX. Measured (NOTES_w4a16.md section 22): outputs bit-identical, decode ste
 at 8-64 rows; Nsight's large CTA-barrier stall count for these kernels is mostly the producer and
 padding warps idling at the partition join, which this does not touch.
 
-A kernel opts in by emitting `mark()` and initialising its "empty" barriers with one arrival per
-consumer warp. `rewrite` then, for PTX that carries the mark:
+A kernel opts in by initialising its "empty" barriers with one arrival per consumer warp through
+`w4a16_ws._ring_barriers`, which emits `mark()` with that count. `rewrite` then, for PTX that carries the mark:
 - turns every plain `mbarrier.arrive.shared::cta.b64` whose predicate is the partition's thread-0
   predicate (the one the `mbarrier.init`s use), or that predicate AND a user predicate (one set
   constant false is left as it is: it never fires), into

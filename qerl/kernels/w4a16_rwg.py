@@ -53,12 +53,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from qerl.kernels import layout, ptx_pwa
+from qerl.kernels import layout
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels import w4a16_wgmma as WG
-from qerl.kernels.w4a16_ws import _gdc, _mul2
-
-ptx_pwa.install()
+from qerl.kernels.w4a16_ws import _gdc, _mul2, _ring_barriers
 
 _MAG = gl.constexpr(layout.MAG_MASK)
 _SIGN = gl.constexpr(layout.SIGN_MASK)
@@ -258,16 +256,15 @@ def _rwg_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock
                 PDL: gl.constexpr, LOAD_REGS: gl.constexpr, RT: gl.constexpr, ST: gl.constexpr, LW2: gl.constexpr,
                 LS3: gl.constexpr, LW3: gl.constexpr, ACC: gl.constexpr, AOP: gl.constexpr, num_warps: gl.constexpr):
     R: gl.constexpr = num_warps // 4
-    if PWA:  # each MMA warp frees the stages itself (qerl/kernels/ptx_pwa.py rewrites the arrives)
-        ptx_pwa.mark()
     if PDL:
         _gdc("launch_dependents")
     p, tile, nt, mt, k0, k1 = WG._tile_slice(KB, S, MT)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NSW, 64 * R, 32], w_desc.layout)
     s_bufs = gl.allocate_shared_memory(s_desc.dtype, [NSW, s_desc.block_type.shape[0] * R, 16], s_desc.layout)
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [4 * NSX] + x_desc.block_type.shape, x_desc.layout)
-    w_ready, w_empty = WG._ring_barriers(NSW, num_warps if PWA else 1)
-    x_ready, x_empty = WG._ring_barriers(NSX, num_warps if PWA else 1)
+    # PWA: each MMA warp frees the stages itself (empty barriers of num_warps arrivals, qerl/kernels/ptx_pwa.py)
+    w_ready, w_empty = _ring_barriers(NSW, num_warps if PWA else 1)
+    x_ready, x_empty = _ring_barriers(NSX, num_warps if PWA else 1)
     trow0 = nt * R * KB * 64
     gl.warp_specialize([
         (_consumer, (w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr,

@@ -68,7 +68,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels.w4a16_triton import _KA, _KM, _KS, _R1, _R2, _R3, _S0, _S3  # the bit layout (layout.py)
-from qerl.kernels.w4a16_ws import _gdc, _mul2, _rotr
+from qerl.kernels.w4a16_ws import _gdc, _mul2, _ring_barriers, _rotr
 
 _NVFP4_SCALE_MUL = gl.constexpr(3.3230699894622897e35)  # 2^118: FP8-E4M3 scale times 2^(126 - J), J = 8
 # nvfp4 layers whose scales are all normal (prepare's `scale_bits`) convert them to the bf16
@@ -392,18 +392,6 @@ def _tile_slice(KB, S, MT):
     nt = tile // MT
     mt = tile - nt * MT
     return p, tile, nt, mt, (j * KB) // S, ((j + 1) * KB) // S
-
-
-@gluon.jit
-def _ring_barriers(NS: gl.constexpr, EMPTY_ARRIVALS: gl.constexpr = 1):
-    """(ready, empty): NS mbarriers each for a ring of NS shared-memory stages; ready completes on
-    one arrival (the copy's), empty on EMPTY_ARRIVALS (one per consumer warp under ptx_pwa)."""
-    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NS):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=EMPTY_ARRIVALS)
-    return ready, empty
 
 
 @gluon.jit

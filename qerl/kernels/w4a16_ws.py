@@ -32,8 +32,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from qerl.kernels import ptx_pwa
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels.w4a16_triton import _KA, _KM, _KS, _R1, _R2, _R3, _S0, _S3  # the bit layout's constexprs
+
+ptx_pwa.install()  # every Gluon kernel module imports this one (_ring_barriers may mark a kernel)
 
 
 @gluon.jit
@@ -136,10 +139,25 @@ def _consumer(x_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, w_bufs, s_buf
 
 
 @gluon.jit
+def _ring_barriers(NS: gl.constexpr, EMPTY_ARRIVALS: gl.constexpr = 1):
+    """(ready, empty): NS mbarriers each for a ring of NS shared-memory stages; ready completes on
+    one arrival (the copy's), empty on EMPTY_ARRIVALS. EMPTY_ARRIVALS > 1 (one per consumer warp)
+    also emits ptx_pwa's mark, so the consumers' arrives are rewritten to one per warp: the count
+    and the rewrite go together or the ring would wait for arrivals that never come."""
+    if EMPTY_ARRIVALS > 1:
+        ptx_pwa.mark()
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NS):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=EMPTY_ARRIVALS)
+    return ready, empty
+
+
+@gluon.jit
 def _setup(w_desc, s_desc, KB, S, NS: gl.constexpr, PDL: gl.constexpr, EMPTY_ARRIVALS: gl.constexpr = 1):
     """Common start of the warp-specialised GEMVs: PDL trigger, this program's row block and K
-    slice (split schedule), and the NS-stage ring with its ready / empty mbarriers (an empty
-    barrier completes after EMPTY_ARRIVALS arrivals: one per consumer warp under ptx_pwa)."""
+    slice (split schedule), and the NS-stage ring with its ready / empty mbarriers (_ring_barriers)."""
     if PDL:
         _gdc("launch_dependents")
     p = gl.program_id(0)
@@ -149,11 +167,7 @@ def _setup(w_desc, s_desc, KB, S, NS: gl.constexpr, PDL: gl.constexpr, EMPTY_ARR
     k1 = ((j + 1) * KB) // S
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NS] + w_desc.block_type.shape, w_desc.layout)
     s_bufs = gl.allocate_shared_memory(s_desc.dtype, [NS] + s_desc.block_type.shape, s_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NS):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=EMPTY_ARRIVALS)
+    ready, empty = _ring_barriers(NS, EMPTY_ARRIVALS)
     return p, blk, k0, k1, blk * (KB * 64), w_bufs, s_bufs, ready, empty
 
 
