@@ -34,18 +34,21 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   ap528 / ap1056 (attention programs to aim for), amb0 / amb2 / amb8 (key blocks per
                   attention program at most: off / 2 / 8, not ATTN_MAX_BLOCKS), ab16 / ab32 (attention key block),
                   br16 / br32 (LoRA shrink rows per program), lw8 (8 warps per shrink program),
-                  g:K1+K2:pPsS[wW][kK][x][q][t] (the Gluon GEMV for those group kinds, or "all",
+                  g:K1+K2:pPsS[wW][kK][x][q][t][z] (the Gluon GEMV for those group kinds, or "all",
                   planned for P programs per SM with an S-stage ring, W consumer warps, K slices per
-                  row block forced, x loaded a step ahead, stream-K, split tail forced, e.g.
-                  g:qkv+o:p2s6, g:down:p4s3x, g:gate_up:p4s3q),
-                  xpf / noxpf (Gluon GEMV loads x a step ahead or not), noxpf8 (not by rule at M = 2..8), sk / nosk (its stream-K
+                  row block forced, x loaded a step ahead, stream-K, split tail forced, x beside the
+                  weight stages (XS), e.g. g:qkv+o:p2s6, g:down:p4s3x, g:gate_up:p4s3q, g:down:p4s3z),
+                  xpf / noxpf (Gluon GEMV loads x a step ahead or not), noxpf8 (not by rule at M = 2..8),
+                  xs / xsall / noxs (its producer copies x beside each weight stage: at M = 2..8 / at every M /
+                  never), sk / nosk (its stream-K
                   schedule forced on every launch / off; default: in PDL chains where a split tail
                   would apply), notail (no split tail; default: where w4a16_gluon.tail_plan finds
                   one beyond the resident programs), nosbits (its scales by the float conversion, not
                   the integer one), norope / nocomb (RoPE / the split combine in launches of their
                   own, not inside the attention kernel), comb (the combine inside), oldepi (its epilogues
                   without the shared-memory sum), lsm0 / lsm2 (a LoRA group's Gluon GEMV planned
-                  as without LoRA / for 2 programs per SM, not engine.LORA_GEMV_PER_SM), lora1k
+                  as without LoRA / for 2 programs per SM, not engine.LORA_GEMV_PER_SM), lxs0 (a LoRA
+                  group's Gluon GEMV without XS, engine.LORA_GEMV_XS), lora1k
                   (LoRA's shrink and expand as one launch, lora_ops.FUSED), nohoist (Gluon GEMV's
                   alpha / bias and the norm weight loaded after the PDL wait, not before),
                   gr56 / gr48p4 / gr48 / gr40 (Gluon GEMV capped at 56 / 48 / 48 / 40 registers,
@@ -106,6 +109,7 @@ def _switches() -> dict:
         "notail": [(w4a16_gluon, "TAIL_SPLIT", False)],
         "nosbits": [(w4a16_gluon, "SCALE_BITS", False), (w4a16_wgmma, "SCALE_BITS", False)],
         "lsm2": [(engine_mod, "LORA_GEMV_PER_SM", 2)],
+        "lxs0": [(engine_mod, "LORA_GEMV_XS", False)],
         "lora1k": [(lora_ops, "FUSED", True)],
         "nowsmma": [(w4a16_triton, "WSMMA_MIN_NK", 0), (w4a16_triton, "WSMMA_MIN_NK_PDL", 0),
                     (w4a16_triton, "WSMMA_TOKENS_MIN_N", 0), (w4a16_triton, "WSMMA_TOKENS_MIN_N_PDL", 0)],
@@ -138,6 +142,9 @@ def _switches() -> dict:
         "xpf": [(w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "XPF": True})],
         "noxpf": [(w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "XPF": False})],
         "noxpf8": [(w4a16_gluon, "XPF_TOKENS_MIN_K", 0)],
+        "xs": [(w4a16_gluon, "X_SMEM", None)],
+        "xsall": [(w4a16_gluon, "X_SMEM", True)],
+        "noxs": [(w4a16_gluon, "X_SMEM", False)],
         "oldepi": [(w4a16_gluon, "EPI_SMEM", False)],
         "nohoist": [(w4a16_gluon, "HOIST_CONSTS", False), (decode_ops, "NORM_W_EARLY", False)],
         "kvpre": [(decode_ops, "ATTN_PREFETCH", True)],
@@ -223,14 +230,15 @@ def variant_of(engine: RolloutEngine, name: str):
     for f in [f for f in flags if f.startswith("g:")]:
         flags.remove(f)
         kinds_, _, spec = f[2:].partition(":")
-        m = re.fullmatch(r"p(\d+)s(\d+)(?:w(\d+))?(?:k(\d+))?(x?)(q?)(t?)", spec)
+        m = re.fullmatch(r"p(\d+)s(\d+)(?:w(\d+))?(?:k(\d+))?(x?)(q?)(t?)(z?)", spec)
         targets = KINDS if kinds_ == "all" else tuple(kinds_.split("+"))
         if m is None or set(targets) - set(KINDS):
-            raise SystemExit(f"bad Gluon flag {f!r} in {name!r}: g:KIND+KIND:pPsS[wW][kK][x][q][t], KIND in {', '.join(KINDS)} or all")
+            raise SystemExit(f"bad Gluon flag {f!r} in {name!r}: g:KIND+KIND:pPsS[wW][kK][x][q][t][z], KIND in {', '.join(KINDS)} or all")
         for kind in targets:
             gluon_cfg[kind] = {"PER_SM": int(m[1]), "NUM_STAGES": int(m[2]), "num_warps": int(m[3] or 4),
                                **({"S": int(m[4])} if m[4] else {}), **({"XPF": True} if m[5] else {}),
-                               **({"STREAMK": True} if m[6] else {}), **({"TAIL_SPLIT": True} if m[7] else {})}
+                               **({"STREAMK": True} if m[6] else {}), **({"TAIL_SPLIT": True} if m[7] else {}),
+                               **({"XS": True} if m[8] else {})}
     unknown = set(flags) - set(table)
     if unknown:
         raise SystemExit(f"unknown variant flag(s) {sorted(unknown)} in {name!r}; valid: {', '.join(table)}")

@@ -475,6 +475,34 @@ def test_gluon_gemv_per_warp_arrive_builds(mt, sched):
         assert ptx.count("bar.warp.sync -1;") == warp_arrives and (warp_arrives > 0) == pwa
 
 
+@pytest.mark.parametrize("mt,sched,warps", [(8, "split", 4), (8, "sk", 4), (8, "tail", 4), (1, "split", 4), (8, "split", 8)])
+def test_gluon_gemv_x_smem_builds(mt, sched, warps):
+    """Offline sm_90a build of the Gluon GEMV with XS (x copied by the producer beside each weight
+    stage): no global load left in the consumer's main loop, x read with two 16-byte shared loads
+    per thread and step, 3-D TMA copies for x (3 per step in the steady loop, plus the first pass
+    after the PDL wait), no spills at 64 registers, and fewer main-loop instructions than the
+    register path (the MMA's B pairs come from adjacent registers of one load)."""
+    pytest.importorskip("triton.experimental.gluon")
+    cg = _compile_gluon()
+    counts = {}
+    for xs in (False, True):
+        ck = cg.compile_kernel(37888, 3584, 3, warps, 64, 24, True, True, mt, False, sk=sched == "sk",
+                               tail=sched == "tail", sbits=True, pwa=mt > 1, xs=xs)
+        regs, spills = cg._resources(ck.asm["cubin"])
+        assert spills == 0 and regs <= 64
+        loop = min((body for _, body in cg._loops(cg._sass(ck.asm["cubin"])) if cg._opcodes(body).get("HMMA")), key=len)
+        ops = cg._opcodes(loop)
+        counts[xs] = sum(ops.values())
+        lds128 = sum("LDS.128" in line for line in loop)
+        ptx = ck.asm["ptx"]
+        assert lds128 == (2 if xs else 0)  # the weight tile is read with 64-bit loads
+        if xs:
+            assert ops.get("LDG", 0) == 0 and ptx.count("cp.async.bulk.tensor.3d") == 2
+        else:
+            assert ops.get("LDG", 0) > 0 and "cp.async.bulk.tensor.3d" not in ptx
+    assert counts[True] < counts[False]
+
+
 @pytest.mark.parametrize("mt", [1, 8])
 @pytest.mark.parametrize("xpf", [False, True], ids=["x-per-step", "x-ahead"])
 def test_gluon_gemv_builds_for_hopper(mt, xpf):
@@ -704,6 +732,19 @@ def test_gluon_xpf_auto_rule():
         assert not G.xpf_auto(8, 1, 864, slots, 5120)
     finally:
         G.XPF_TOKENS_MIN_K = old
+
+
+def test_gluon_xs_auto_rule():
+    """XS = None (the default) copies x beside the weight stages for every M = 2..8 launch and for
+    M = 1 launches of layers with more 64-row blocks than planned slots (7B / 32B gate/up on an
+    H100 at 4 programs per SM, not 14B's 432 blocks or the small layers)."""
+    from qerl.kernels import w4a16_gluon as G
+
+    assert G.DEFAULT["XS"] is None and G.X_SMEM is None
+    slots = 4 * 132
+    assert all(G.xs_auto(8, blocks, slots) for blocks in (56, 72, 592))
+    assert G.xs_auto(1, 37888 // 64, slots) and G.xs_auto(1, 55296 // 64, slots)
+    assert not any(G.xs_auto(1, n // 64, slots) for n in (27648, 4608, 3584, 7168))
 
 
 def test_gluon_schedule_choice():

@@ -418,7 +418,8 @@ def _graph_replay_matches(W, x, st, w32, conf):
 def test_gluon_gemv_xpf_same_bits():
     """x loaded a step ahead (XPF) changes when x arrives, not the arithmetic: on the 7B gate/up
     shape (one K slice per row block, more programs than one wave: XPF on by the auto rule on an
-    H100) the default, XPF on and XPF off give the same bits, and match the fp32 reference."""
+    H100) the XPF rule, XPF on and XPF off give the same bits, and match the fp32 reference. XS
+    off: x beside the weight stages (on there by default) pairs the MMAs' K slots differently."""
     pytest.importorskip("triton.experimental.gluon")
     from qerl.kernels import w4a16_triton as W
 
@@ -428,7 +429,7 @@ def test_gluon_gemv_xpf_same_bits():
     x = torch.randn(1, 3584, device="cuda").to(torch.bfloat16)
     outs = []
     for xpf in (None, True, False):
-        conf = {"PATH": "wsmma", "XPF": xpf}
+        conf = {"PATH": "wsmma", "XPF": xpf, "XS": False}
         W.forward(x, st, config=conf)  # occupancy measured on the first launch
         outs.append(W.forward(x, st, config=conf))
     assert _rel(outs[0], x.float() @ w32.T) < TOL
@@ -436,10 +437,10 @@ def test_gluon_gemv_xpf_same_bits():
 
 
 SCHED_CASES = [(37888, 3584, {"STREAMK": True}), (37888, 3584, {"STREAMK": True, "PER_SM": 1}),
-               (4608, 3584, {"STREAMK": True, "PER_SM": 2, "PDL": True}), (3584, 18944, {"STREAMK": True, "XPF": True}),
+               (4608, 3584, {"STREAMK": True, "PER_SM": 2, "PDL": True}), (3584, 18944, {"STREAMK": True, "XPF": True, "XS": False}),
                (1000, 1024, {"STREAMK": True, "NUM_STAGES": 6, "PDL": True}),
                (37888, 3584, {"TAIL_SPLIT": True}), (37888, 3584, {"TAIL_SPLIT": True, "PER_SM": 1, "PDL": True}),
-               (37888, 3584, {"TAIL_SPLIT": True, "PER_SM": 2, "XPF": True}), (9000, 1024, {"TAIL_SPLIT": True, "PER_SM": 1}),
+               (37888, 3584, {"TAIL_SPLIT": True, "PER_SM": 2, "XPF": True, "XS": False}), (9000, 1024, {"TAIL_SPLIT": True, "PER_SM": 1}),
                (37888, 3584, {"STREAMK": True, "PWA": True, "PDL": True}), (37888, 3584, {"TAIL_SPLIT": True, "PWA": True}),
                (3584, 18944, {"STREAMK": True, "XPF": True, "PWA": True})]
 
@@ -636,6 +637,84 @@ def test_per_warp_arrive_same_bits(pdl):
                 bad.append((n, k, m, err, sum(not torch.equal(o, ref) for o in outs)))
         assert st["locks"].abs().sum().item() == 0
     assert not bad, f"(N, K, M, rel err, launches differing from PWA off) {bad}"
+
+
+XS_CASES = [(37888, 3584, {}), (37888, 3584, {"STREAMK": True, "PDL": True}), (37888, 3584, {"TAIL_SPLIT": True}),
+            (3584, 18944, {"PDL": True}), (3584, 18944, {"S": 3, "PWA": False}), (7168, 5120, {"NUM_STAGES": 6}),
+            (1000, 1024, {"PDL": True, "num_warps": 8}), (4608, 3584, {"STREAMK": True, "PER_SM": 2, "PWA": True})]
+
+
+@pytest.mark.parametrize("n,k,cfg", XS_CASES,
+                         ids=[f"{n}x{k}-" + "-".join(f"{key}{v}" for key, v in c.items()) for n, k, c in XS_CASES])
+def test_gluon_gemv_x_smem(n, k, cfg):
+    """XS: the producer copies x beside each weight stage (TMA, rows past M zero-filled) and the
+    consumers read it from shared memory. At M = 1 / 2 / 5 / 8 in the split, stream-K and
+    split-tail schedules, with and without PDL: fp32 reference within 1e-2 per token on a
+    NaN-poisoned output with bias, 20 back-to-back launches bit-identical (a stage refilled before
+    its x was read would vary), within 1e-2 of the register path, counters back at 0, a CUDA-graph
+    replay on new data; an x TMA cannot read (base not 16-byte aligned) takes the register path."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_triton as W
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs Hopper (TMA, warp specialisation)")
+    t, st, w32 = _layer("nvfp4", n, k, seed=n + 3 * k)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    conf = dict(cfg, PATH="wsmma", XS=True)
+    bad = []
+    for m in (1, 2, 5, 8):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        W.forward(x, st, config=conf)  # the first launch measures occupancy
+        y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        W.forward(x, st, bias=bias, config=conf, out=y)
+        ref = x.float() @ w32.T + bias.float()
+        errs = [_rel(y[r:r + 1], ref[r:r + 1]) for r in range(m)]
+        outs = [W.forward(x, st, bias=bias, config=conf) for _ in range(20)]
+        regs = W.forward(x, st, bias=bias, config=dict(conf, XS=False))
+        if y.isnan().any() or not max(errs) <= TOL or not all(torch.equal(o, y) for o in outs) or not _rel(
+                y, regs.float()) <= TOL:
+            bad.append((m, max(errs), sum(not torch.equal(o, y) for o in outs), _rel(y, regs.float())))
+        assert st["locks"].abs().sum().item() == 0
+        _graph_replay_matches(W, x, st, w32, conf)
+        assert st["locks"].abs().sum().item() == 0
+    assert not bad, f"(M, worst rel err per token, launches differing, rel diff to XS off) {bad}"
+    flat = torch.randn(8 * k + 2, device="cuda").to(torch.bfloat16)
+    x = flat[2:].view(8, k)  # contiguous, base 4 bytes past a 16-byte boundary
+    assert _rel(W.forward(x, st, config=conf), x.float() @ w32.T) < TOL
+
+
+@pytest.mark.parametrize("m", (1, 4, 8))
+def test_gluon_gemv_x_smem_pdl_chain(m):
+    """XS with PDL: the producer copies its weights before the wait and x only after it. A chain of
+    dependent 3584 x 3584 launches captured in a CUDA graph, replayed on fresh inputs, equals the
+    eager chain without PDL for that input (an x copied before the wait would read the previous
+    replay's intermediates)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_triton as W
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs Hopper (TMA, warp specialisation)")
+    n = 3584
+    layers = [_layer("nvfp4", n, n, seed=60 + i)[1] for i in range(3)]
+    order = [0, 1, 2, 0, 1, 2, 0]
+
+    def chain(x, cfg):
+        for i in order:
+            x = W.forward(x, layers[i], config=cfg)
+        return x
+
+    cfg = {"PATH": "wsmma", "XS": True, "PDL": True}
+    static_x = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+    chain(static_x, cfg)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = chain(static_x, cfg)
+    for seed in range(4):
+        x = torch.randn(m, n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)).to(torch.bfloat16)
+        static_x.copy_(x)
+        g.replay()
+        assert _rel(out, chain(x, {"PATH": "wsmma", "XS": True, "PDL": False})) < TOL, seed
 
 
 def _check_gluon_gemm(fmt: str, conf: dict, ms, seed: int, also=None):

@@ -61,7 +61,8 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels.w4a16_triton import _KA, _KM, _KS, _R1, _R2, _R3, _S0, _S3  # the bit layout (layout.py)
@@ -91,6 +92,30 @@ def _layouts(num_warps: int):
     return l5, l2w, l2s
 
 
+def _x_layout(num_warps: int, mt: int):
+    """XS: the register layout of one stage of x in shared memory, int32 [4 (64-K chunk), MT (token),
+    32 (K pairs of the chunk)], that unpacks (`_x_unpack`) into the four [1, 1, 8, 16, 2] x tensors
+    of the consumer's L5 without data movement. Thread (g = lane // 4, t = lane % 4) of warp w reads
+    word columns c = 8w + 2t + i (chunk w, K pairs 4(2t + i) .. + 3 of it: 16 bytes each) of token
+    g (MT = 8) or of the one token (MT = 1: the lanes of a column read the same address)."""
+    g = [[0, 1, 0], [0, 2, 0], [0, 4, 0]] if mt > 1 else [[0, 0, 0]] * 3
+    warps = [[1, 0, 0], [2, 0, 0]] + ([[0, 0, 0]] if num_warps == 8 else [])
+    return gl.DistributedLinearLayout([[0, 0, 1], [0, 0, 2], [0, 0, 4]], [[0, 0, 8], [0, 0, 16]] + g, warps, [],
+                                      [4, mt, 32])
+
+
+def x_descriptor(x: torch.Tensor, mt: int):
+    """XS: TMA descriptor of x [M, K] bf16 as int32 K pairs viewed 3-D [K / 64, M, 32] (64-K chunk,
+    token, pair): one box is a step's 4 chunks x MT tokens, 128-byte swizzled (token g's 16-byte
+    groups XOR g, so the 8 tokens a warp reads hit 8 different bank groups); tokens >= M are filled
+    with zeros by the copy, which is the mask of the register path."""
+    m, k = x.shape
+    xw = x.view(torch.int32)
+    # MT = 1: no swizzle (a 128-byte swizzle spans 8 rows; the lanes of a column read one address anyway)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128 if mt > 1 else 0, element_bitwidth=32, rank=3)
+    return TensorDescriptor(xw, [k // 64, m, 32], [32, k // 2, 1], [4, mt, 32], layout)
+
+
 @gluon.jit
 def _mma(c0, c1, c2, c3, a0, a1, a2, a3, b0, b1):
     """One warp-wide mma.sync m16n8k16 (bf16 x bf16 -> fp32) per element: every thread of the
@@ -118,11 +143,46 @@ def _stamp(stamp_ptr, p, slot: gl.constexpr, name: gl.constexpr):
 
 
 @gluon.jit
-def _gluon_producer(w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, stamp_ptr, p,
-                    NUM_STAGES: gl.constexpr, STAMP: gl.constexpr):
-    _producer(w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, NUM_STAGES)
+def _gluon_producer(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, trow0, k0, k1, KB, stamp_ptr, p,
+                    NUM_STAGES: gl.constexpr, STAMP: gl.constexpr, XS: gl.constexpr, PDL: gl.constexpr):
+    if XS:
+        _xs_producer(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, trow0, k0, k1, KB, NUM_STAGES, PDL)
+    else:
+        _producer(w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, NUM_STAGES)
     if STAMP:  # the clock when the last weight copy was issued
         _stamp(stamp_ptr, p, 7, "clock64")
+
+
+@gluon.jit
+def _xs_producer(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, trow0, k0, k1, KB, NS: gl.constexpr,
+                 PDL: gl.constexpr):
+    """XS: the producer copies each step's x (MT tokens x 256 K, `x_descriptor`) into the stage
+    beside its weight tile, on the same `ready` barrier, so x arrives with the weights instead of
+    behind them: a consumer's own x load waits in the SM's queue behind the ring's weight copies
+    (~25% of the M = 8 GEMV's warp samples stalled on it, NOTES_w4a16.md section 23). x is the
+    previous kernel's output: the ring's first pass copies its weights, waits for that kernel
+    (PDL), then copies those stages' x; their `ready` expects all bytes from the start. Steps are
+    flat in stream-K, so the step's K block is kk % KB."""
+    nbytes: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes + x_desc.block_type.nbytes
+    k2 = gl.minimum(k1, k0 + NS)
+    for kk in range(k0, k2):  # the first pass: every stage is free
+        idx = kk - k0
+        mbarrier.expect(ready.index(idx), nbytes)
+        tma.async_copy_global_to_shared(w_desc, [trow0 + kk * 64, 0], ready.index(idx), w_bufs.index(idx))
+        tma.async_copy_global_to_shared(s_desc, [trow0 + kk * 64, 0], ready.index(idx), s_bufs.index(idx))
+    if PDL:
+        _gdc("wait")
+    for kk in range(k0, k2):
+        idx = kk - k0
+        tma.async_copy_global_to_shared(x_desc, [(kk % KB) * 4, 0, 0], ready.index(idx), x_bufs.index(idx))
+    for kk in range(k2, k1):
+        i = kk - k0
+        idx = i % NS
+        mbarrier.wait(empty.index(idx), ((i // NS) & 1) ^ 1)
+        mbarrier.expect(ready.index(idx), nbytes)
+        tma.async_copy_global_to_shared(w_desc, [trow0 + kk * 64, 0], ready.index(idx), w_bufs.index(idx))
+        tma.async_copy_global_to_shared(s_desc, [trow0 + kk * 64, 0], ready.index(idx), s_bufs.index(idx))
+        tma.async_copy_global_to_shared(x_desc, [(kk % KB) * 4, 0, 0], ready.index(idx), x_bufs.index(idx))
 
 
 @gluon.jit
@@ -202,17 +262,36 @@ def _x_step(xw_ptr, kk, xoff, xmask, MT: gl.constexpr):
 
 
 @gluon.jit
+def _x_unpack(xv, L5: gl.constexpr):
+    """XS: one stage of x read from shared memory ([4 chunk, MT token, 32 pair] in `_x_layout`) ->
+    the four int32-pair tensors [1, 1, MT, 16, 2] of `_x_step` (pairs (8c, 8c+1), (8c+2, 8c+3),
+    (8c+4, 8c+5), (8c+6, 8c+7), c = 2 sc + i, sc = 4 chunk + t), all in L5 (register renames only)."""
+    MT: gl.constexpr = xv.shape[1]
+    a, b = gl.split(gl.reshape(xv, [4, MT, 4, 2, 2, 2]))  # pair j = 2 jh + jl: jl split first
+    x01, x45 = gl.split(a)
+    x23, x67 = gl.split(b)
+    return _x_cols(x01, L5), _x_cols(x23, L5), _x_cols(x45, L5), _x_cols(x67, L5)
+
+
+@gluon.jit
+def _x_cols(v, L5: gl.constexpr):
+    """[4 chunk, MT token, 4 t, 2 i] -> [1, 1, MT, 16 (sc = 4 chunk + t), 2 i] in L5."""
+    MT: gl.constexpr = v.shape[1]
+    return gl.convert_layout(gl.reshape(gl.permute(v, (1, 0, 2, 3)), [1, 1, MT, 16, 2]), L5, assert_trivial=True)
+
+
+@gluon.jit
 def _halves(v):
     """[4, 2, 8, 16, 2] (m, h, g, sc, i) -> the h = 0 and h = 1 halves, each [4, 8, 16, 2]."""
     return gl.split(gl.permute(v, (0, 2, 3, 4, 1)))
 
 
 @gluon.jit
-def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w_bufs, s_bufs, ready, empty,
+def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w_bufs, s_bufs, x_bufs, ready, empty,
               p, blk, M, N, KB, k0, k1, S, NW, SP: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
               PDL: gl.constexpr, MT: gl.constexpr, XPF: gl.constexpr, STAMP: gl.constexpr, HOIST: gl.constexpr,
               EPI: gl.constexpr, SK: gl.constexpr, red, L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr,
-              SBITS: gl.constexpr, num_warps: gl.constexpr):
+              SBITS: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, num_warps: gl.constexpr):
     # activations: x as int32 pairs, element (sc, i) of the 5-D tile needs word column c = 2 sc + i
     LSC: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4, L5))))
     LI: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L5))))
@@ -266,8 +345,8 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
             if HAS_BIAS:  # a later segment's rows (the first segment's were loaded before the wait)
                 if f != k0:
                     alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, sblk, N, rows, HAS_BIAS, not EPI)
-            acc0, acc1, acc2, acc3 = _mainloop(xw_ptr, w_bufs, s_bufs, ready, empty, s0, s1, f - k0, xoff, xmask,
-                                               zero5, cz, NUM_STAGES, MT, XPF, L5, L2W, L2S, SBITS)
+            acc0, acc1, acc2, acc3 = _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, s0, s1, f - k0, xoff,
+                                               xmask, zero5, cz, NUM_STAGES, MT, XPF, L5, L2W, L2S, SBITS, XS, LX)
             if STAMP:
                 _stamp(stamp_ptr, p, 2, "clock64")
             if MT == 1:
@@ -279,8 +358,8 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
             gl.thread_barrier()  # every warp has read `red` before a later segment's epilogue rewrites it
             f = sblk * KB + s1
     else:
-        acc0, acc1, acc2, acc3 = _mainloop(xw_ptr, w_bufs, s_bufs, ready, empty, k0, k1, 0, xoff, xmask, zero5, cz,
-                                           NUM_STAGES, MT, XPF, L5, L2W, L2S, SBITS)
+        acc0, acc1, acc2, acc3 = _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, k0, k1, 0, xoff, xmask, zero5,
+                                           cz, NUM_STAGES, MT, XPF, L5, L2W, L2S, SBITS, XS, LX)
         _block_epilogue(alpha_ptr, bias_ptr, alpha, b_lo, b_hi, red, c_ptr, ws_ptr, lock_ptr, stamp_ptr, acc0, acc1,
                         acc2, acc3, p, blk, M, N, k0, k1, S, NW, SP, HAS_BIAS, MT, STAMP, HOIST, EPI, rows, sc5, zero5,
                         LR, LR3, LRED, LRED1)
@@ -290,21 +369,24 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
 
 
 @gluon.jit
-def _mainloop(xw_ptr, w_bufs, s_bufs, ready, empty, k0, k1, i0, xoff, xmask, zero5, cz, NUM_STAGES: gl.constexpr,
-              MT: gl.constexpr, XPF: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr,
-              SBITS: gl.constexpr):
+def _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, k0, k1, i0, xoff, xmask, zero5, cz,
+              NUM_STAGES: gl.constexpr, MT: gl.constexpr, XPF: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr,
+              L2S: gl.constexpr, SBITS: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr):
     """Reduction steps [k0, k1) of one row block, the ring's stage counter starting at i0 ->
-    the four [4, 8, 16, 2] MMA accumulators (rows g / g + 8 x B columns 2t / 2t + 1)."""
+    the four [4, 8, 16, 2] MMA accumulators (rows g / g + 8 x B columns 2t / 2t + 1). XS: x comes
+    with the stage (`_xs_producer`), else from global memory (XPF: one step ahead)."""
     acc0 = cz
     acc1 = cz
     acc2 = cz
     acc3 = cz
-    if XPF:  # x of the first step now, each later step's x one step ahead (its L2 latency behind a decode)
+    if XPF and not XS:  # x of the first step now, each later step's x one step ahead (its L2 latency behind a decode)
         n01, n23, n45, n67 = _x_step(xw_ptr, k0, xoff, xmask, MT)
     for kk in range(k0, k1):
         i = i0 + kk - k0
         idx = i % NUM_STAGES
-        if XPF:
+        if XS:
+            pass
+        elif XPF:
             x01, x23, x45, x67 = n01 + zero5, n23 + zero5, n45 + zero5, n67 + zero5
             n01, n23, n45, n67 = _x_step(xw_ptr, gl.minimum(kk + 1, k1 - 1), xoff, xmask, MT)
         else:
@@ -313,11 +395,16 @@ def _mainloop(xw_ptr, w_bufs, s_bufs, ready, empty, k0, k1, i0, xoff, xmask, zer
         mbarrier.wait(ready.index(idx), (i // NUM_STAGES) & 1)
         w2 = w_bufs.index(idx).load(L2W)
         s2d = s_bufs.index(idx).load(L2S)
+        if XS:
+            xv = x_bufs.index(idx).load(LX)
         # order these generic-proxy reads before the producer's TMA (async proxy) refills the stage:
         # without the fence the refill overtook in-flight reads on the H100 (rows of 7168x5120 at
         # M = 2..3 wrong by ~2% in 2 of 3 launches, NOTES_w4a16.md section 15)
         fence_async_shared()
         mbarrier.arrive(empty.index(idx))
+        if XS:
+            x01, x23, x45, x67 = _x_unpack(xv, L5)
+            x01, x23, x45, x67 = x01 + zero5, x23 + zero5, x45 + zero5, x67 + zero5
         words = gl.convert_layout(gl.reshape(w2, [4, 2, 8, 16, 2]), L5, assert_trivial=True).to(gl.uint32,
                                                                                                    bitcast=True)
         sraw = gl.convert_layout(gl.reshape(s2d, [4, 2, 8, 16]), gl.SliceLayout(4, L5), assert_trivial=True)
@@ -339,8 +426,12 @@ def _mainloop(xw_ptr, w_bufs, s_bufs, ready, empty, k0, k1, i0, xoff, xmask, zer
         b23, _u1 = _halves(x23)
         b45, _u2 = _halves(x45)
         b67, _u3 = _halves(x67)
-        acc0, acc1, acc2, acc3 = _mma(acc0, acc1, acc2, acc3, p0g, p0h, p1g, p1h, b01, b45)
-        acc0, acc1, acc2, acc3 = _mma(acc0, acc1, acc2, acc3, p2g, p2h, p3g, p3h, b23, b67)
+        if XS:  # B = (pairs 01, 23) / (45, 67): adjacent registers of one 16-byte shared load, no moves
+            acc0, acc1, acc2, acc3 = _mma(acc0, acc1, acc2, acc3, p0g, p0h, p2g, p2h, b01, b23)
+            acc0, acc1, acc2, acc3 = _mma(acc0, acc1, acc2, acc3, p1g, p1h, p3g, p3h, b45, b67)
+        else:
+            acc0, acc1, acc2, acc3 = _mma(acc0, acc1, acc2, acc3, p0g, p0h, p1g, p1h, b01, b45)
+            acc0, acc1, acc2, acc3 = _mma(acc0, acc1, acc2, acc3, p2g, p2h, p3g, p3h, b23, b67)
 
     return acc0, acc1, acc2, acc3
 
@@ -569,12 +660,12 @@ def _store_tokens(c_ptr, b, v, tok, n, M, N, HAS_BIAS: gl.constexpr):
 
 
 @gluon.jit
-def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, M, N, KB, S, NW, CS,
+def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, x_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, M, N, KB, S, NW, CS,
                        SP: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
                        MT: gl.constexpr, XPF: gl.constexpr, STAMP: gl.constexpr, HOIST: gl.constexpr,
                        EPI: gl.constexpr, PRODUCER_REGS: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr,
                        L2S: gl.constexpr, SK: gl.constexpr, TAIL: gl.constexpr, SBITS: gl.constexpr,
-                       PWA: gl.constexpr, num_warps: gl.constexpr):
+                       PWA: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, num_warps: gl.constexpr):
     # PWA: each consumer warp frees a stage itself (empty barriers of num_warps arrivals, qerl/kernels/ptx_pwa.py)
     p, blk, k0, k1, trow0, w_bufs, s_bufs, ready, empty = _setup(w_desc, s_desc, KB, S, NUM_STAGES, PDL,
                                                                  num_warps if PWA else 1)
@@ -595,6 +686,10 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_pt
             k0 = p * 0
             k1 = k0 + KB
         trow0 = blk * (KB * 64)
+    if XS:  # x beside each weight stage (4 KB at MT = 8)
+        x_bufs = gl.allocate_shared_memory(x_desc.dtype, [NUM_STAGES] + x_desc.block_type.shape, x_desc.layout)
+    else:
+        x_bufs = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     if MT > 1 and EPI:  # the per-warp partials of the shared-memory epilogues (8 KB / 4 KB)
         red = gl.allocate_shared_memory(gl.float32, [4, 4, 8, 4, 2, 2],
                                         gl.SwizzledSharedLayout(1, 1, 1, [5, 4, 3, 2, 1, 0]))
@@ -603,18 +698,20 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_pt
     else:
         red = gl.allocate_shared_memory(gl.float32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     gl.warp_specialize([
-        (_consumer, (xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w_bufs, s_bufs, ready, empty,
-                     p, blk, M, N, KB, k0, k1, S, NW, SP, NUM_STAGES, HAS_BIAS, PDL, MT, XPF, STAMP, HOIST, EPI, SK, red,
-                     L5, L2W, L2S, SBITS, num_warps)),
-        (_gluon_producer, (w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, stamp_ptr, p, NUM_STAGES,
-                           STAMP)),
+        (_consumer, (xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w_bufs, s_bufs, x_bufs, ready,
+                     empty, p, blk, M, N, KB, k0, k1, S, NW, SP, NUM_STAGES, HAS_BIAS, PDL, MT, XPF, STAMP, HOIST, EPI,
+                     SK, red, L5, L2W, L2S, SBITS, XS, LX, num_warps)),
+        (_gluon_producer, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, trow0, k0, k1, KB, stamp_ptr,
+                           p, NUM_STAGES, STAMP, XS, PDL)),
     ], [1], [PRODUCER_REGS])
 
 
 # 6 stages x 9 KB and 64 registers: 4 programs (16 consumer warps) per SM by both limits (offline build)
 # NUM_STAGES 3: best of 3 / 6 on the H100 (results/gemv_warp_specialised_mma.json)
 # XPF: load each step's x one step ahead (section 16 of NOTES_w4a16.md); None = auto (xpf_auto)
-DEFAULT = dict(NUM_STAGES=3, num_warps=4, PER_SM=4, maxnreg=64, PRODUCER_REGS=24, PDL=None, XPF=None, PWA=None)
+# XS: x copied by the producer beside each weight stage (None = X_SMEM)
+DEFAULT = dict(NUM_STAGES=3, num_warps=4, PER_SM=4, maxnreg=64, PRODUCER_REGS=24, PDL=None, XPF=None, PWA=None,
+               XS=None)
 _RESIDENT: dict = {}
 # alpha and the bias rows loaded before the PDL wait (the epilogue of the last-arriving program
 # then waits on no load); False: after the main loop (the A/B switch of NOTES_rollout.md section 10)
@@ -647,6 +744,11 @@ XPF_TOKENS_MIN_K = 4096
 # PWA overrides per call. Decode steps (a64, H100, same process): 7B b8 +0.6%, 14B b8 +1.3%; b1 within
 # +-0.4%; standalone M = 1 mixed (55296x5120 +16%, 5120x27648 -9%). NOTES_w4a16.md section 22.
 PER_WARP_ARRIVE = None
+# x copied by the producer's TMA beside each weight tile (`_xs_producer`; XPF is then moot). None =
+# `xs_auto`; True / False = everywhere / never. Config key XS overrides per call. Decode steps (a70-a72,
+# H100, same process, every layer vs none): batch 8 7B +0.3 / +0.6%, 14B +1.9%, 32B +3.5%; batch 1 7B
+# +0.9%, 14B -1.0%, 32B +0.8%. NOTES_w4a16.md section 23.
+X_SMEM = None
 
 
 @contextlib.contextmanager
@@ -673,6 +775,16 @@ def xpf_auto(mt: int, s: int, grid: int, slots: int, k: int = 0) -> bool:
     if mt == 1:
         return s == 1 and grid > slots
     return 0 < XPF_TOKENS_MIN_K <= k
+
+
+def xs_auto(mt: int, blocks: int, slots: int) -> bool:
+    """XS = None: x beside the weight stages for every M = 2..8 launch, and for M = 1 launches of
+    layers with more 64-row blocks than planned program slots (one K slice per block and more than
+    one wave: the launches where XPF's rule loads x ahead). Standalone at M = 1 (xs_cands.json) XS
+    took 55296x5120 72.1 -> 62.6 us and 37888x3584 33.7 -> 33.1 but 27648x5120 (one wave) 34.2 ->
+    36.7 and the small layers 2-4% slower; the batch-1 steps with it on every layer: 7B +0.9%, 14B
+    -1.0% (27648-row gate/up, one wave), 32B +0.8%."""
+    return mt > 1 or blocks > slots
 
 
 @functools.lru_cache(maxsize=1024)
@@ -739,7 +851,8 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     the first launch measures fits), S (forced K slices per row block), num_warps (consumer warps: 4 or 8),
     maxnreg (register cap per thread), PRODUCER_REGS, PDL, XPF (x loaded one step ahead; None:
     `xpf_auto`), TAIL_SPLIT / STREAMK (None: the module's TAIL_SPLIT / STREAMK; a forced S turns
-    both off), PWA (per-warp stage release, qerl/kernels/ptx_pwa.py; None: PER_WARP_ARRIVE)."""
+    both off), PWA (per-warp stage release, qerl/kernels/ptx_pwa.py; None: PER_WARP_ARRIVE), XS (x
+    copied beside each weight stage by the producer; None: X_SMEM; off for an x TMA cannot read)."""
     if state["fmt"] != "nvfp4":
         raise ValueError(f"the Gluon GEMV takes nvfp4 weights, got {state['fmt']}")
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_M:
@@ -760,11 +873,16 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     preg = int(cfg["PRODUCER_REGS"])
     mt = 1 if m == 1 else MAX_M
     pwa = bool(cfg["PWA"] if cfg["PWA"] is not None else mt > 1 if PER_WARP_ARRIVE is None else PER_WARP_ARRIVE)
-    key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM, pwa)  # (occupancy; SBITS keeps it)
+    xs = cfg["XS"] if cfg["XS"] is not None else X_SMEM
+    if xs is None:
+        xs = xs_auto(mt, triton.cdiv(n, 64), per_sm * W._num_sms(x.device.index or 0))
+    x = x.contiguous()
+    xs = bool(xs) and x.data_ptr() % 16 == 0  # TMA: a 16-byte aligned base
+    key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM, pwa, xs)  # (occupancy; SBITS keeps it)
     fits = min(_RESIDENT.get(key, per_sm), per_sm)
     s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), fits, mt)
     slots = fits * W._num_sms(x.device.index or 0)
-    xpf = bool(cfg["XPF"]) if cfg["XPF"] is not None else xpf_auto(mt, s, grid, slots, k)
+    xpf = not xs and (bool(cfg["XPF"]) if cfg["XPF"] is not None else xpf_auto(mt, s, grid, slots, k))
     free = cfg.get("S") is None and HOIST_CONSTS and EPI_SMEM  # the other schedules need both
     resident = max(_RESIDENT.get(key, max(per_sm, 4)), fits) * W._num_sms(x.device.index or 0)  # 4: before measured
     chain = pdl if W.CHAIN_ROUTING is None else W.CHAIN_ROUTING  # as w4a16_triton routes a PDL chain
@@ -778,11 +896,11 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
     stamps = W.stamp_slice(grid, n, k, s, m, "gluon")  # instrumentation, None when off (w4a16_triton.STAMP)
     kernel = _gluon_gemv_kernel[(grid,)](
-        x.contiguous().view(torch.int32), w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws,
+        x.view(torch.int32), w_desc, s_desc, x_descriptor(x, mt) if xs else w_desc, state["alpha"], bias if bias is not None else c, c, ws,
         locks, stamps if stamps is not None else ws, m, n, kb, s, nw_whole, cs, SP=sp, NUM_STAGES=ns,
         HAS_BIAS=bias is not None, PDL=pdl, MT=mt, XPF=xpf,
         STAMP=stamps is not None, HOIST=HOIST_CONSTS, EPI=EPI_SMEM, PRODUCER_REGS=preg, SK=kind == "sk", TAIL=kind == "tail",
-        SBITS=SCALE_BITS and bool(state.get("scale_bits", False)), PWA=pwa,
+        SBITS=SCALE_BITS and bool(state.get("scale_bits", False)), PWA=pwa, XS=xs, LX=_x_layout(nw, mt),
         L5=l5, L2W=l2w, L2S=l2s, num_warps=nw, launch_pdl=pdl, **extra,
     )
     if key not in _RESIDENT:

@@ -80,6 +80,9 @@ PREFILL_GRAPH_TOKENS = 2048
 # 7B r16 0.910 -> 0.927 of the no-LoRA step, r64 0.841 -> 0.886 (and 0.838 -> 0.886 in a second
 # call), 14B r32 0.912 -> 0.928.
 LORA_GEMV_PER_SM = int(os.environ.get("QERL_LORA_GEMV_PER_SM", "3"))
+# XS (x copied beside the weight stages, w4a16_gluon.X_SMEM) for a LoRA group's Gluon GEMV: None =
+# the kernel's rule, False / True = off / on there.
+LORA_GEMV_XS = None
 
 
 class EngineError(ValueError):
@@ -378,7 +381,8 @@ class RolloutEngine:
             from qerl.kernels import w4a16_gluon
         except ImportError:  # a Triton without Gluon: no Gluon GEMV to plan
             return contextlib.nullcontext()
-        return w4a16_gluon.defaults(PER_SM=LORA_GEMV_PER_SM, STREAMK=False)
+        xs = {} if LORA_GEMV_XS is None else {"XS": LORA_GEMV_XS}
+        return w4a16_gluon.defaults(PER_SM=LORA_GEMV_PER_SM, STREAMK=False, **xs)
 
     def _sample_and_advance(self, logits: torch.Tensor, rows: int, sampling: tuple) -> None:
         """Sample token self._step for every row, record it, and move the state one token on.
