@@ -735,14 +735,15 @@ def test_gluon_xpf_auto_rule():
 
 
 def test_gluon_xs_auto_rule():
-    """XS = None (the default) copies x beside the weight stages for every M = 2..8 launch and for
-    M = 1 launches of layers with more 64-row blocks than planned slots (7B / 32B gate/up on an
-    H100 at 4 programs per SM, not 14B's 432 blocks or the small layers)."""
+    """XS = None (the default) copies x beside the weight stages for M = 2..8 launches except one
+    wave of whole 64-row blocks (14B gate/up: 432 blocks on an H100's 528 slots at 4 programs per
+    SM), and for M = 1 launches of layers with more blocks than slots (7B / 32B gate/up)."""
     from qerl.kernels import w4a16_gluon as G
 
     assert G.DEFAULT["XS"] is None and G.X_SMEM is None
     slots = 4 * 132
-    assert all(G.xs_auto(8, blocks, slots) for blocks in (56, 72, 592))
+    assert all(G.xs_auto(8, n // 64, slots) for n in (37888, 55296, 3584, 4608, 5120, 7168, 264 * 64))
+    assert not any(G.xs_auto(8, n // 64, slots) for n in (27648, 265 * 64, 528 * 64))
     assert G.xs_auto(1, 37888 // 64, slots) and G.xs_auto(1, 55296 // 64, slots)
     assert not any(G.xs_auto(1, n // 64, slots) for n in (27648, 4608, 3584, 7168))
 

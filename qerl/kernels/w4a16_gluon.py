@@ -745,9 +745,9 @@ XPF_TOKENS_MIN_K = 4096
 # +-0.4%; standalone M = 1 mixed (55296x5120 +16%, 5120x27648 -9%). NOTES_w4a16.md section 22.
 PER_WARP_ARRIVE = None
 # x copied by the producer's TMA beside each weight tile (`_xs_producer`; XPF is then moot). None =
-# `xs_auto`; True / False = everywhere / never. Config key XS overrides per call. Decode steps (a70-a72,
-# H100, same process, every layer vs none): batch 8 7B +0.3 / +0.6%, 14B +1.9%, 32B +3.5%; batch 1 7B
-# +0.9%, 14B -1.0%, 32B +0.8%. NOTES_w4a16.md section 23.
+# `xs_auto`; True / False = everywhere / never. Config key XS overrides per call. Decode steps (a70-a76,
+# H100, same process, XS on every layer vs none): batch 8 7B +0.1..0.6%, 14B +1.3..1.9%, 32B +3.4..3.5%;
+# batch 1 7B +0.9%, 14B -1.0%, 32B +0.8%. NOTES_w4a16.md section 23.
 X_SMEM = None
 
 
@@ -778,13 +778,17 @@ def xpf_auto(mt: int, s: int, grid: int, slots: int, k: int = 0) -> bool:
 
 
 def xs_auto(mt: int, blocks: int, slots: int) -> bool:
-    """XS = None: x beside the weight stages for every M = 2..8 launch, and for M = 1 launches of
-    layers with more 64-row blocks than planned program slots (one K slice per block and more than
-    one wave: the launches where XPF's rule loads x ahead). Standalone at M = 1 (xs_cands.json) XS
-    took 55296x5120 72.1 -> 62.6 us and 37888x3584 33.7 -> 33.1 but 27648x5120 (one wave) 34.2 ->
-    36.7 and the small layers 2-4% slower; the batch-1 steps with it on every layer: 7B +0.9%, 14B
-    -1.0% (27648-row gate/up, one wave), 32B +0.8%."""
-    return mt > 1 or blocks > slots
+    """XS = None: x beside the weight stages for M = 2..8 launches unless the layer is one wave of
+    whole 64-row blocks (slots / 2 < blocks <= slots: one K slice per block, every program in step
+    over K from the start), and for M = 1 launches of layers with more blocks than planned program
+    slots (the launches where XPF's rule loads x ahead). Decode steps at batch 8 (a76, same process):
+    XS off on the gate/up GEMV alone 7B -1.5% (592 blocks on 528 slots), 32B -1.4% (864), 14B +0.7%
+    (432: one wave); XS off everywhere 7B -0.1%, 14B -1.3%, 32B -3.4%. Standalone at M = 1
+    (xs_cands.json) XS took 55296x5120 72.1 -> 62.6 us and 37888x3584 33.7 -> 33.1, but 27648x5120
+    34.2 -> 36.7 and the small layers 2-4% slower; batch 1 with the rule (a73): 7B +0.4%, 32B +0.5%."""
+    if mt > 1:
+        return not slots < 2 * blocks <= 2 * slots
+    return blocks > slots
 
 
 @functools.lru_cache(maxsize=1024)
