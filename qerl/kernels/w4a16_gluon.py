@@ -12,6 +12,9 @@ Pipeline (per program = one 64-row block x one K slice):
 - producer partition (1 warp): TMA copies of whole 64 x 256 weight tiles (8 KB of words, 1 KB of
   FP8 scales, `layout.py`'s tiled order viewed as 2-D [N/64*KB*64, 32] / [.., 16]) into a ring of
   NUM_STAGES shared-memory stages; `ready[s]` (count 1, expect-tx 9216 bytes) / `empty[s]`.
+- XS (`X_SMEM`, `xs_auto`): the producer also copies the step's x (MT tokens x 256 K, 4 KB at MT = 8)
+  into the stage on the same barrier, after the PDL wait (`_xs_producer`), instead of every
+  consumer thread loading x from global memory.
 - consumer partition (default, 4 warps): wait `ready`, read the stage into registers, release it
   (`empty`), decode with the exact packed bf16x2 decode of `w4a16_triton._decode_tile_packed`
   (P0..P3 = q * s * 2^-J, bf16x2), and reduce with `mma.sync.m16n8k16` (inline PTX): the decoded
@@ -159,7 +162,7 @@ def _xs_producer(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, t
     """XS: the producer copies each step's x (MT tokens x 256 K, `x_descriptor`) into the stage
     beside its weight tile, on the same `ready` barrier, so x arrives with the weights instead of
     behind them: a consumer's own x load waits in the SM's queue behind the ring's weight copies
-    (~25% of the M = 8 GEMV's warp samples stalled on it, NOTES_w4a16.md section 23). x is the
+    (20-25% of the M = 8 GEMV's warp samples stalled on it, NOTES_w4a16.md section 23). x is the
     previous kernel's output: the ring's first pass copies its weights, waits for that kernel
     (PDL), then copies those stages' x; their `ready` expects all bytes from the start. Steps are
     flat in stream-K, so the step's K block is kk % KB."""
@@ -384,12 +387,10 @@ def _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, k0, k1, i0, xoff, xm
     for kk in range(k0, k1):
         i = i0 + kk - k0
         idx = i % NUM_STAGES
-        if XS:
-            pass
-        elif XPF:
+        if XPF and not XS:
             x01, x23, x45, x67 = n01 + zero5, n23 + zero5, n45 + zero5, n67 + zero5
             n01, n23, n45, n67 = _x_step(xw_ptr, gl.minimum(kk + 1, k1 - 1), xoff, xmask, MT)
-        else:
+        elif not XS:
             x01, x23, x45, x67 = _x_step(xw_ptr, kk, xoff, xmask, MT)  # pairs (8c, 8c+1), (8c+2, 8c+3), ...
             x01, x23, x45, x67 = x01 + zero5, x23 + zero5, x45 + zero5, x67 + zero5
         mbarrier.wait(ready.index(idx), (i // NUM_STAGES) & 1)
