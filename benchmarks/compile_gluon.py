@@ -3,7 +3,7 @@
 qerl/kernels/w4a16_wgmma.py).
 
     .venv/bin/python benchmarks/compile_gluon.py [--n 7168] [--k 5120] [--stages 6] [--warps 4]
-        [--maxnreg R (default 64, 0 = none)] [--producer-regs 24] [--bias] [--pdl] [--xpf] [--streamk] [--tail] [--scale-bits] [--dump DIR]
+        [--maxnreg R (default 64, 0 = none)] [--producer-regs 24] [--bias] [--pdl] [--xpf] [--streamk] [--tail] [--scale-bits] [--pwa] [--xs] [--dump DIR]
     .venv/bin/python benchmarks/compile_gluon.py --kernel wgmma [--fmt nvfp4] [--m 64]
         [--config '{"CPS": 4, "NSD": 2}'] [--bias] [--scale-bits] [--dump DIR]
 

@@ -479,9 +479,9 @@ def test_gluon_gemv_per_warp_arrive_builds(mt, sched):
 def test_gluon_gemv_x_smem_builds(mt, sched, warps):
     """Offline sm_90a build of the Gluon GEMV with XS (x copied by the producer beside each weight
     stage): no global load left in the consumer's main loop, x read with two 16-byte shared loads
-    per thread and step, 3-D TMA copies for x (3 per step in the steady loop, plus the first pass
-    after the PDL wait), no spills at 64 registers, and fewer main-loop instructions than the
-    register path (the MMA's B pairs come from adjacent registers of one load)."""
+    per thread and step, two 3-D TMA copy sites for x (the ring's first pass after the PDL wait and
+    the steady loop beside the weight copies), no spills at 64 registers, and fewer main-loop
+    instructions than the register path (the MMA's B pairs come from adjacent registers of one load)."""
     pytest.importorskip("triton.experimental.gluon")
     cg = _compile_gluon()
     counts = {}
