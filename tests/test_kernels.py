@@ -450,10 +450,14 @@ def _init_counts(ptx: str) -> list[int]:
     return [int(c) for c in re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx)]
 
 
+def _mma_loop(cg, cubin: bytes, op: str) -> list[str]:
+    """The SASS lines of the shortest loop holding `op` (the MMA main loop)."""
+    return min((body for _, body in cg._loops(cg._sass(cubin)) if cg._opcodes(body).get(op)), key=len)
+
+
 def _mma_loop_bars(cg, cubin: bytes, op: str) -> int:
-    """CTA barriers (BAR) in the shortest SASS loop holding `op` (the MMA main loop)."""
-    loops = [body for _, body in cg._loops(cg._sass(cubin)) if cg._opcodes(body).get(op)]
-    return cg._opcodes(min(loops, key=len)).get("BAR", 0)
+    """CTA barriers (BAR) in the MMA main loop."""
+    return cg._opcodes(_mma_loop(cg, cubin, op)).get("BAR", 0)
 
 
 @pytest.mark.parametrize("mt,sched", [(1, "split"), (8, "split"), (8, "sk"), (8, "tail"), (1, "tail")])
@@ -490,7 +494,7 @@ def test_gluon_gemv_x_smem_builds(mt, sched, warps):
                                tail=sched == "tail", sbits=True, pwa=mt > 1, xs=xs)
         regs, spills = cg._resources(ck.asm["cubin"])
         assert spills == 0 and regs <= 64
-        loop = min((body for _, body in cg._loops(cg._sass(ck.asm["cubin"])) if cg._opcodes(body).get("HMMA")), key=len)
+        loop = _mma_loop(cg, ck.asm["cubin"], "HMMA")
         ops = cg._opcodes(loop)
         counts[xs] = sum(ops.values())
         lds128 = sum("LDS.128" in line for line in loop)

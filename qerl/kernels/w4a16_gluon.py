@@ -69,12 +69,13 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels.w4a16_triton import _KA, _KM, _KS, _R1, _R2, _R3, _S0, _S3  # the bit layout (layout.py)
-from qerl.kernels.w4a16_ws import _gdc, _mul2, _plan, _producer, _resident, _rotr, _setup  # shared with w4a16_ws
+from qerl.kernels.w4a16_ws import _copy_tile, _gdc, _mul2, _plan, _producer, _resident, _rotr, _setup  # shared
 
 # nvfp4 group scale: FP8-E4M3 value times 2^(126 - J), J = layout.NVFP4_EXP_OFFSET = 8 (w4a16_triton._scales)
 _SCALE_MUL = gl.constexpr(3.3230699894622897e35)  # 2^118
 
 
+@functools.lru_cache(maxsize=None)
 def _layouts(num_warps: int):
     """(L5, L2W, L2S): the consumer's 5-D register layout of a tile and the 2-D layouts of the
     shared-memory reads that reshape into it without data movement (checked at compile time with
@@ -95,6 +96,7 @@ def _layouts(num_warps: int):
     return l5, l2w, l2s
 
 
+@functools.lru_cache(maxsize=None)
 def _x_layout(num_warps: int, mt: int):
     """XS: the register layout of one stage of x in shared memory, int32 [4 (64-K chunk), MT (token),
     32 (K pairs of the chunk)], that unpacks (`_x_unpack`) into the four [1, 1, 8, 16, 2] x tensors
@@ -171,8 +173,7 @@ def _xs_producer(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, t
     for kk in range(k0, k2):  # the first pass: every stage is free
         idx = kk - k0
         mbarrier.expect(ready.index(idx), nbytes)
-        tma.async_copy_global_to_shared(w_desc, [trow0 + kk * 64, 0], ready.index(idx), w_bufs.index(idx))
-        tma.async_copy_global_to_shared(s_desc, [trow0 + kk * 64, 0], ready.index(idx), s_bufs.index(idx))
+        _copy_tile(w_desc, s_desc, w_bufs, s_bufs, ready, idx, trow0 + kk * 64)
     if PDL:
         _gdc("wait")
     for kk in range(k0, k2):
@@ -183,8 +184,7 @@ def _xs_producer(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, t
         idx = i % NS
         mbarrier.wait(empty.index(idx), ((i // NS) & 1) ^ 1)
         mbarrier.expect(ready.index(idx), nbytes)
-        tma.async_copy_global_to_shared(w_desc, [trow0 + kk * 64, 0], ready.index(idx), w_bufs.index(idx))
-        tma.async_copy_global_to_shared(s_desc, [trow0 + kk * 64, 0], ready.index(idx), s_bufs.index(idx))
+        _copy_tile(w_desc, s_desc, w_bufs, s_bufs, ready, idx, trow0 + kk * 64)
         tma.async_copy_global_to_shared(x_desc, [(kk % KB) * 4, 0, 0], ready.index(idx), x_bufs.index(idx))
 
 

@@ -67,6 +67,14 @@ def _gdc(op: gl.constexpr):
 
 
 @gluon.jit
+def _copy_tile(w_desc, s_desc, w_bufs, s_bufs, ready, idx, row):
+    """TMA copies of one 64-row weight tile (words and scales at tiled row `row`) into stage idx,
+    completing on ready[idx]."""
+    tma.async_copy_global_to_shared(w_desc, [row, 0], ready.index(idx), w_bufs.index(idx))
+    tma.async_copy_global_to_shared(s_desc, [row, 0], ready.index(idx), s_bufs.index(idx))
+
+
+@gluon.jit
 def _producer(w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, NS: gl.constexpr):
     for kk in range(k0, k1):
         i = kk - k0
@@ -74,8 +82,7 @@ def _producer(w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, NS: g
         phase = (i // NS) & 1
         mbarrier.wait(empty.index(idx), phase ^ 1)  # barriers start with phase 1 complete
         mbarrier.expect(ready.index(idx), w_desc.block_type.nbytes + s_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(w_desc, [trow0 + kk * 64, 0], ready.index(idx), w_bufs.index(idx))
-        tma.async_copy_global_to_shared(s_desc, [trow0 + kk * 64, 0], ready.index(idx), s_bufs.index(idx))
+        _copy_tile(w_desc, s_desc, w_bufs, s_bufs, ready, idx, trow0 + kk * 64)
 
 
 @gluon.jit
