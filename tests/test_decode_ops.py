@@ -137,6 +137,7 @@ def test_attention_splits_rule(monkeypatch):
     monkeypatch.setattr(ops, "ATTN_BLOCK", 64)
     monkeypatch.setattr(ops, "ATTN_BLOCK_SMALL", 32)
     monkeypatch.setattr(ops, "ATTN_MAX_BLOCKS", 4)
+    monkeypatch.setattr(ops, "ATTN_SHORT_KEYS", 0)  # the short-bucket rule: test_attention_short_buckets
     # (rows, kv, keys) -> (block, keys per program, splits)
     assert ops.attention_splits(16, 4, 2048) == (64, 256, 8)  # was 5 splits of 448 keys
     assert ops.attention_splits(32, 4, 2048) == (64, 512, 4)  # capped at 528 programs
@@ -154,3 +155,30 @@ def test_attention_splits_rule(monkeypatch):
         block, chunk, splits = ops.attention_splits(rows, kv, keys)
         assert splits * chunk >= keys > (splits - 1) * chunk and chunk % block == 0
         assert chunk // block <= 4 or rows * kv * splits > 264
+
+
+def test_attention_short_buckets(monkeypatch):
+    """Key buckets up to ATTN_SHORT_KEYS: 32-key blocks where they keep to ATTN_PROGRAMS programs of
+    at most ATTN_MAX_BLOCKS blocks, and the first block read before the PDL wait (attention_prefetch);
+    longer buckets and wide batches keep 64-key blocks without it (NOTES_rollout.md section 23)."""
+    for name, value in (("ATTN_PROGRAMS", 264), ("ATTN_BLOCK", 64), ("ATTN_BLOCK_SMALL", 32),
+                        ("ATTN_MAX_BLOCKS", 4), ("ATTN_SHORT_KEYS", 1024), ("ATTN_PREFETCH", None)):
+        monkeypatch.setattr(ops, name, value)
+    # (rows, kv, keys) -> (block, keys per program, splits), prefetch
+    cases = {(8, 4, 512): ((32, 64, 8), True),  # 7B batch 8 (32-key blocks by the programs rule already)
+             (8, 4, 768): ((32, 96, 8), True),  # 64-key blocks before: (64, 128, 6)
+             (8, 8, 512): ((32, 128, 4), True),  # 14B / 32B batch 8: (64, 128, 4) before
+             (8, 8, 768): ((64, 192, 4), False),  # 32-key blocks would walk 5 blocks
+             (64, 4, 512): ((64, 256, 2), False),  # 32-key blocks would walk 8
+             (32, 4, 512): ((64, 192, 3), False),  # 32-key blocks would take 512 programs
+             (1, 4, 512): ((32, 32, 16), True),
+             (1, 4, 2048): ((32, 32, 64), False),  # past ATTN_SHORT_KEYS: as before, no prefetch
+             (8, 4, 2048): ((64, 256, 8), False)}
+    for (rows, kv, keys), (plan, prefetch) in cases.items():
+        assert ops.attention_splits(rows, kv, keys) == plan, (rows, kv, keys)
+        assert ops.attention_prefetch(plan[0], keys) is prefetch, (rows, kv, keys)
+    monkeypatch.setattr(ops, "ATTN_SHORT_KEYS", 0)
+    assert ops.attention_splits(8, 4, 768) == (64, 128, 6)
+    assert ops.attention_prefetch(32, 512) is False
+    monkeypatch.setattr(ops, "ATTN_PREFETCH", True)  # forced (QERL_ATTN_PREFETCH=1)
+    assert ops.attention_prefetch(64, 4096) is True

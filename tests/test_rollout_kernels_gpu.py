@@ -278,6 +278,36 @@ def test_attention_max_blocks_split_matches_reference(rows, kv, keys, monkeypatc
     assert (outs[0] - outs[1]).abs().max().item() <= 2e-2 * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("rows,kv,keys", [(8, 4, 768), (8, 8, 512), (8, 4, 1024), (1, 4, 512)])
+def test_attention_short_buckets_match_reference(rows, kv, keys, monkeypatch):
+    """The short-bucket rule (decode_ops.ATTN_SHORT_KEYS: 32-key blocks, the first block read before
+    the PDL wait, all but this step's slot) against the fp32 reference and against the rule off, with
+    the step's slot given as the engine gives it; the plan really changes where the test says so."""
+    from qerl.kernels import decode_ops as ops
+
+    gen = torch.Generator(device="cuda").manual_seed(rows * 7 + keys)
+    dev, d, heads = "cuda", 128, kv * 7
+    q = torch.randn(rows, heads, d, generator=gen, device=dev).to(torch.bfloat16)
+    kc = torch.randn(rows, kv, keys + 16, d, generator=gen, device=dev).to(torch.bfloat16)
+    vc = torch.randn(rows, kv, keys + 16, d, generator=gen, device=dev).to(torch.bfloat16)
+    valid = torch.rand(rows, keys + 16, generator=gen, device=dev) > 0.2
+    slot = torch.tensor([keys - 3], device=dev)
+    valid[:, keys - 3] = True
+    ref = ops.decode_attention_reference(q.float(), kc.float(), vc.float(), valid, keys, d ** -0.5)
+    monkeypatch.setattr(ops, "ATTN_PREFETCH", None)
+    outs, plans = [], []
+    for short in (1024, 0):
+        monkeypatch.setattr(ops, "ATTN_SHORT_KEYS", short)
+        plan = ops.attention_splits(rows, kv, keys)
+        plans.append((plan, ops.attention_prefetch(plan[0], keys)))
+        outs.append(ops.decode_attention_triton(q, kc, vc, valid, keys, d ** -0.5, slot).float())
+    assert plans[0][1] and not plans[1][1]
+    assert (plans[0][0] != plans[1][0]) == (rows > 1)  # one row: 32-key blocks either way
+    for got in outs:
+        assert not torch.isnan(got).any()
+        assert (got - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_kept_graphs_replay_updated_adapters_and_norms(fmt):
     """What GRPOSettings.release_rollout_memory = "auto" relies on: decode and prefill graphs

@@ -143,7 +143,7 @@ def _triton_kernels():
     @triton.jit
     def add_rms_norm_kernel(d_ptr, e_ptr, h_ptr, w_ptr, h_out, x_out, n, eps, HAS_DELTA: tl.constexpr,
                             HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-                            W_EARLY: tl.constexpr = True):
+                            W_EARLY: tl.constexpr = True, LATE: tl.constexpr = False):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < n
@@ -151,9 +151,12 @@ def _triton_kernels():
         # read before the wait, so the multiply after the reduction waits on no load
         if W_EARLY:
             w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        if PDL:  # see decode_ops.PDL
-            tl.extra.cuda.gdc_launch_dependents()
+        if PDL:  # see decode_ops.PDL; LATE: dependents launch only once the previous kernel is done
+            if not LATE:
+                tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
+            if LATE:
+                tl.extra.cuda.gdc_launch_dependents()
         h = tl.load(h_ptr + row * n + cols, mask=m, other=0.0)
         if HAS_DELTA:
             d = tl.load(d_ptr + row * n + cols, mask=m, other=0.0)
@@ -210,10 +213,13 @@ def _triton_kernels():
 
     @triton.jit
     def silu_mul_kernel(gu_ptr, e_ptr, out_ptr, inter, HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr = False):
-        if PDL:  # see decode_ops.PDL
-            tl.extra.cuda.gdc_launch_dependents()
+                        PDL: tl.constexpr = False, LATE: tl.constexpr = False):
+        if PDL:  # see decode_ops.PDL; LATE: as add_rms_norm_kernel
+            if not LATE:
+                tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
+            if LATE:
+                tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < inter
@@ -473,6 +479,15 @@ ATTN_BLOCK_SMALL = 32
 # 8 up to 2048 keys, 8 KV heads at batch 8 up to 1280, and every shape of bench_rollout.py (768
 # keys at most). 0: ATTN_PROGRAMS alone.
 ATTN_MAX_BLOCKS = int(os.environ.get("QERL_ATTN_MAX_BLOCKS", "4"))
+# Key buckets up to this many keys take ATTN_BLOCK_SMALL-key blocks where those keep to ATTN_PROGRAMS
+# programs of at most ATTN_MAX_BLOCKS blocks, and read their first block before the PDL wait
+# (`attention_prefetch`): shorter serial walks, and half the registers held through the wait.
+# Measured (H100, nvfp4 decode steps, same process, against 64-key blocks without the prefetch,
+# benchmarks/NOTES_rollout.md section 23): 7B batch 8 at 512 / 768 keys +4.0% / +4.7%, 14B batch 8
+# +1.2%, 32B batch 1 / 8 +1.1% / +1.8%, 7B / 14B batch 1 +1.8% / +1.2% (the prefetch alone); 7B batch 64
+# +-0 (it keeps 64-key blocks by the rule); at 2048 keys the same change was 1.1-1.2% slower (7B batch
+# 8 / 16), hence the bound.
+ATTN_SHORT_KEYS = 1024
 # Load each key block's V together with its K (two DRAM round trips in flight, not one after the
 # other). Measured (H100, 14B nvfp4, medians of 3 interleaved rounds): batch 1 +0.7%, batch 8 +2.1%,
 # within the call's drift (benchmarks/NOTES_rollout.md section 9), so off unless QERL_ATTN_EARLY_V=1.
@@ -480,8 +495,18 @@ ATTN_EARLY_V = os.environ.get("QERL_ATTN_EARLY_V", "0") == "1"
 # With the step's cache slot given (the engine's decode): each program reads its first K / V block,
 # all but that slot, before its PDL wait (they were final before the step began), so the DRAM
 # round trip overlaps the kernels before it; the slot's row (this step's RoPE writes it) after.
-# Measured (as ATTN_EARLY_V): 14B batch 8 +2.0%, 14B / 32B batch 1 +-0; off unless QERL_ATTN_PREFETCH=1.
-ATTN_PREFETCH = os.environ.get("QERL_ATTN_PREFETCH", "0") == "1"
+# None = `attention_prefetch` (short key buckets in small blocks); QERL_ATTN_PREFETCH=1 / 0 forces it
+# on / off. Session 10 (an older chain): 14B batch 8 +2.0%, 14B / 32B batch 1 +-0.
+ATTN_PREFETCH = {"1": True, "0": False}.get(os.environ.get("QERL_ATTN_PREFETCH", ""))
+
+
+def attention_prefetch(block: int, keys: int) -> bool:
+    """ATTN_PREFETCH = None: read the first K / V block before the PDL wait on key buckets up to
+    ATTN_SHORT_KEYS in ATTN_BLOCK_SMALL-key blocks (`attention_splits`). With 64-key blocks it lost
+    (14B batch 8 -3.2%, 7B batch 64 -7.5%: twice the registers held through the wait)."""
+    if ATTN_PREFETCH is not None:
+        return ATTN_PREFETCH
+    return keys <= ATTN_SHORT_KEYS and block == ATTN_BLOCK_SMALL
 # The RMSNorm kernel reads its weight before the PDL wait (no kernel of a step writes it; AQN
 # rewrites it between steps), so nothing after the reduction waits on a load. False: after the
 # reduction (the A/B switch of benchmarks/NOTES_rollout.md section 10).
@@ -496,15 +521,30 @@ NORM_W_EARLY = True
 # launch it saves), so it stays off unless QERL_ATTN_COMBINE=1. False: separate launches (the A/B
 # switches).
 ATTN_ROPE = True
+# Kernels ("add_rms_norm", "silu_mul") that let their dependents launch only after their own PDL wait,
+# not at their start: the early launch puts the next GEMV's programs on the SMs while the GEMV before
+# this kernel may still have programs to place (timing switch, NOTES_rollout.md section 23).
+LATE_TRIGGER: frozenset = frozenset()
 ATTN_COMBINE = os.environ.get("QERL_ATTN_COMBINE", "0") == "1"
 
 
 def attention_splits(rows: int, kv: int, keys: int) -> tuple[int, int, int]:
     """(key block, keys per program, programs per (row, KV head)) of the split decode attention:
     ~ATTN_PROGRAMS programs in all, more where that leaves a program over ATTN_MAX_BLOCKS blocks
-    (up to 2 x ATTN_PROGRAMS)."""
+    (up to 2 x ATTN_PROGRAMS). Blocks of ATTN_BLOCK_SMALL keys where ATTN_BLOCK-key blocks give
+    fewer than ATTN_PROGRAMS programs, and on key buckets up to ATTN_SHORT_KEYS where the small
+    blocks keep to ATTN_PROGRAMS programs of at most ATTN_MAX_BLOCKS blocks."""
     pairs = rows * kv
-    block = ATTN_BLOCK if pairs * -(-keys // ATTN_BLOCK) >= ATTN_PROGRAMS else ATTN_BLOCK_SMALL
+    if pairs * -(-keys // ATTN_BLOCK) < ATTN_PROGRAMS:
+        return _split_plan(pairs, keys, ATTN_BLOCK_SMALL)
+    if keys <= ATTN_SHORT_KEYS:
+        small = _split_plan(pairs, keys, ATTN_BLOCK_SMALL)
+        if small[1] <= max(1, ATTN_MAX_BLOCKS) * ATTN_BLOCK_SMALL and pairs * small[2] <= ATTN_PROGRAMS:
+            return small
+    return _split_plan(pairs, keys, ATTN_BLOCK)
+
+
+def _split_plan(pairs: int, keys: int, block: int) -> tuple[int, int, int]:
     blocks = -(-keys // block)
     want = -(-ATTN_PROGRAMS // pairs)
     if ATTN_MAX_BLOCKS > 0:
@@ -541,7 +581,7 @@ def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: 
     pm = torch.empty(b, kv, splits, group, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     out = torch.empty(b, heads * d, dtype=q.dtype, device=q.device)
-    prefetch = ATTN_PREFETCH and slot is not None
+    prefetch = attention_prefetch(block, keys) and slot is not None
     qkv, e, cos, sin = rope if rope is not None else (q, None, q, q)
     sp = max(2, _next_pow2(splits))
     partial[(b, kv, splits)](qkv, k_cache, v_cache, valid, slot if (prefetch or rope is not None) else valid, po, pm, pl,
@@ -571,7 +611,7 @@ def add_rms_norm_triton(delta, h, weight, eps, extra=None):
     kern[(h2.shape[0],)](d2, e2, h2, weight, h_out, x_out, n, float(eps), HAS_DELTA=delta is not None,
                          HAS_EXTRA=delta is not None and extra is not None,
                          BLOCK=block, num_warps=min(16, max(1, block // 256)), PDL=pdl_on(h2), W_EARLY=NORM_W_EARLY,
-                         launch_pdl=pdl_on(h2))
+                         LATE="add_rms_norm" in LATE_TRIGGER, launch_pdl=pdl_on(h2))
     return h_out.view(h.shape), x_out.view(h.shape)
 
 
@@ -596,5 +636,5 @@ def silu_mul_triton(gate_up, extra=None):
     out = torch.empty(gu.shape[0], inter, dtype=gu.dtype, device=gu.device)
     block = 1024
     kern[(gu.shape[0], -(-inter // block))](gu, e, out, inter, HAS_EXTRA=extra is not None, BLOCK=block, num_warps=4,
-                                            PDL=pdl_on(gu), launch_pdl=pdl_on(gu))
+                                            PDL=pdl_on(gu), LATE="silu_mul" in LATE_TRIGGER, launch_pdl=pdl_on(gu))
     return out.view(*gate_up.shape[:-1], inter)
