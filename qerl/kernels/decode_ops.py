@@ -499,14 +499,6 @@ ATTN_EARLY_V = os.environ.get("QERL_ATTN_EARLY_V", "0") == "1"
 # on / off. Session 10 (an older chain): 14B batch 8 +2.0%, 14B / 32B batch 1 +-0.
 ATTN_PREFETCH = {"1": True, "0": False}.get(os.environ.get("QERL_ATTN_PREFETCH", ""))
 
-
-def attention_prefetch(block: int, keys: int) -> bool:
-    """ATTN_PREFETCH = None: read the first K / V block before the PDL wait on key buckets up to
-    ATTN_SHORT_KEYS in ATTN_BLOCK_SMALL-key blocks (`attention_splits`). With 64-key blocks it lost
-    (14B batch 8 -3.2%, 7B batch 64 -7.5%: twice the registers held through the wait)."""
-    if ATTN_PREFETCH is not None:
-        return ATTN_PREFETCH
-    return keys <= ATTN_SHORT_KEYS and block == ATTN_BLOCK_SMALL
 # The RMSNorm kernel reads its weight before the PDL wait (no kernel of a step writes it; AQN
 # rewrites it between steps), so nothing after the reduction waits on a load. False: after the
 # reduction (the A/B switch of benchmarks/NOTES_rollout.md section 10).
@@ -521,11 +513,11 @@ NORM_W_EARLY = True
 # launch it saves), so it stays off unless QERL_ATTN_COMBINE=1. False: separate launches (the A/B
 # switches).
 ATTN_ROPE = True
+ATTN_COMBINE = os.environ.get("QERL_ATTN_COMBINE", "0") == "1"
 # Kernels ("add_rms_norm", "silu_mul") that let their dependents launch only after their own PDL wait,
 # not at their start: the early launch puts the next GEMV's programs on the SMs while the GEMV before
 # this kernel may still have programs to place (timing switch, NOTES_rollout.md section 23).
 LATE_TRIGGER: frozenset = frozenset()
-ATTN_COMBINE = os.environ.get("QERL_ATTN_COMBINE", "0") == "1"
 
 
 def attention_splits(rows: int, kv: int, keys: int) -> tuple[int, int, int]:
@@ -552,6 +544,14 @@ def _split_plan(pairs: int, keys: int, block: int) -> tuple[int, int, int]:
     splits = max(1, min(blocks, want))
     chunk = -(-blocks // splits) * block
     return block, chunk, -(-keys // chunk)
+
+def attention_prefetch(block: int, keys: int) -> bool:
+    """ATTN_PREFETCH = None: read the first K / V block before the PDL wait on key buckets up to
+    ATTN_SHORT_KEYS in ATTN_BLOCK_SMALL-key blocks (`attention_splits`). With 64-key blocks it lost
+    (14B batch 8 -3.2%, 7B batch 64 -7.5%: twice the registers held through the wait)."""
+    if ATTN_PREFETCH is not None:
+        return ATTN_PREFETCH
+    return keys <= ATTN_SHORT_KEYS and block == ATTN_BLOCK_SMALL
 
 
 def decode_attention_triton(q, k_cache, v_cache, valid, keys: int, scale: float, slot=None):
