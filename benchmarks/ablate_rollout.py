@@ -63,8 +63,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   qerl.kernels.bf16_gemv),
                   lnull / lshrink / lexpand (with lora: the side stream keeps its fork and join but
                   runs one empty kernel / the shrink alone / the expand alone, delta zero: timing only;
-                  the device-side join these were measured against, flags dj / djearly, is
-                  benchmarks/patches/lora_device_join_prototype.patch, NOTES_rollout.md section 16)
+                  the device-side join these were measured against, flags dj / djqkv / djearly, is
+                  benchmarks/patches/lora_device_join_qkv.patch, NOTES_rollout.md sections 16 and 23)
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
 its median: the GPU drifts by up to ~6% over a call (the first and last "base" of one list
 differed that much), so single back-to-back timings of two variants mislead.
