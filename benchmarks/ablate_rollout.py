@@ -36,13 +36,12 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   ap528 / ap1056 (attention programs to aim for), amb0 / amb2 / amb8 (key blocks per
                   attention program at most: off / 2 / 8, not ATTN_MAX_BLOCKS), ab16 / ab32 (attention key block),
                   br16 / br32 (LoRA shrink rows per program), lw8 (8 warps per shrink program),
-                  g:K1+K2:pPsS[wW][kK][x][q][t][z|y][l] (the Gluon GEMV for those group kinds, or "all",
+                  g:K1+K2:pPsS[wW][kK][x][q][t][z|y] (the Gluon GEMV for those group kinds, or "all",
                   planned for P programs per SM with an S-stage ring, W consumer warps, K slices per
                   row block forced, x loaded a step ahead, stream-K, split tail forced, x beside the
-                  weight stages (XS) on / off, the PDL trigger after the main loop (l), e.g. g:qkv+o:p2s6,
-                  g:down:p4s3x, g:gate_up:p4s3q, g:down:p4s3y, g:gate_up:p4s3l),
-                  nlate / slate / nslate (the norm / silu / both kernels let their dependents launch only
-                  after their own PDL wait, decode_ops.LATE_TRIGGER),
+                  weight stages (XS) on / off, e.g. g:qkv+o:p2s6, g:down:p4s3x, g:gate_up:p4s3q,
+                  g:down:p4s3y; the late-trigger flags of NOTES_rollout.md section 23 (g:...l, nlate /
+                  slate / nslate) lost and are in 570eaa6's tree only),
                   xpf / noxpf (Gluon GEMV loads x a step ahead or not), noxpf8 (not by rule at M = 2..8),
                   xs / xsall / noxs (its producer copies x beside each weight stage: at M = 2..8 / at every M /
                   never), sk / nosk (its stream-K
@@ -154,9 +153,6 @@ def _switches() -> dict:
         "noxs": [(w4a16_gluon, "X_SMEM", False)],
         "oldepi": [(w4a16_gluon, "EPI_SMEM", False)],
         "nohoist": [(w4a16_gluon, "HOIST_CONSTS", False), (decode_ops, "NORM_W_EARLY", False)],
-        "nlate": [(decode_ops, "LATE_TRIGGER", frozenset({"add_rms_norm"}))],
-        "slate": [(decode_ops, "LATE_TRIGGER", frozenset({"silu_mul"}))],
-        "nslate": [(decode_ops, "LATE_TRIGGER", frozenset({"add_rms_norm", "silu_mul"}))],
         "kvpre": [(decode_ops, "ATTN_PREFETCH", True)],
         "kvrule": [(decode_ops, "ATTN_PREFETCH", None)],
         "attold": [(decode_ops, "ATTN_SHORT_KEYS", 0), (decode_ops, "ATTN_PREFETCH", False)],
@@ -242,15 +238,15 @@ def variant_of(engine: RolloutEngine, name: str):
     for f in [f for f in flags if f.startswith("g:")]:
         flags.remove(f)
         kinds_, _, spec = f[2:].partition(":")
-        m = re.fullmatch(r"p(\d+)s(\d+)(?:w(\d+))?(?:k(\d+))?(x?)(q?)(t?)([zy]?)(l?)", spec)
+        m = re.fullmatch(r"p(\d+)s(\d+)(?:w(\d+))?(?:k(\d+))?(x?)(q?)(t?)([zy]?)", spec)
         targets = KINDS if kinds_ == "all" else tuple(kinds_.split("+"))
         if m is None or set(targets) - set(KINDS):
-            raise SystemExit(f"bad Gluon flag {f!r} in {name!r}: g:KIND+KIND:pPsS[wW][kK][x][q][t][z|y][l], KIND in {', '.join(KINDS)} or all")
+            raise SystemExit(f"bad Gluon flag {f!r} in {name!r}: g:KIND+KIND:pPsS[wW][kK][x][q][t][z|y], KIND in {', '.join(KINDS)} or all")
         for kind in targets:
             gluon_cfg[kind] = {"PER_SM": int(m[1]), "NUM_STAGES": int(m[2]), "num_warps": int(m[3] or 4),
                                **({"S": int(m[4])} if m[4] else {}), **({"XPF": True} if m[5] else {}),
                                **({"STREAMK": True} if m[6] else {}), **({"TAIL_SPLIT": True} if m[7] else {}),
-                               **({"XS": m[8] == "z"} if m[8] else {}), **({"LATE": True} if m[9] else {})}
+                               **({"XS": m[8] == "z"} if m[8] else {})}
     unknown = set(flags) - set(table)
     if unknown:
         raise SystemExit(f"unknown variant flag(s) {sorted(unknown)} in {name!r}; valid: {', '.join(table)}")

@@ -3,7 +3,7 @@
 qerl/kernels/w4a16_wgmma.py).
 
     .venv/bin/python benchmarks/compile_gluon.py [--n 7168] [--k 5120] [--stages 6] [--warps 4]
-        [--maxnreg R (default 64, 0 = none)] [--producer-regs 24] [--bias] [--pdl] [--xpf] [--streamk] [--tail] [--scale-bits] [--pwa] [--xs] [--late] [--dump DIR]
+        [--maxnreg R (default 64, 0 = none)] [--producer-regs 24] [--bias] [--pdl] [--xpf] [--streamk] [--tail] [--scale-bits] [--pwa] [--xs] [--dump DIR]
     .venv/bin/python benchmarks/compile_gluon.py --kernel wgmma [--fmt nvfp4] [--m 64]
         [--config '{"CPS": 4, "NSD": 2}'] [--bias] [--scale-bits] [--dump DIR]
 
@@ -54,13 +54,13 @@ def _signature(n: int, k: int, has_bias: bool, mt: int = 1, xs: bool = False):
 
 def compile_kernel(n: int, k: int, stages: int, warps: int, maxnreg, producer_regs: int, bias: bool, pdl: bool,
                    mt: int = 1, xpf: bool = False, stamp: bool = False, epi: bool = G.EPI_SMEM, sk: bool = False, tail: bool = False,
-                   sbits: bool = False, pwa: bool = False, xs: bool = False, late: bool = False):
+                   sbits: bool = False, pwa: bool = False, xs: bool = False):
     fn = G._gluon_gemv_kernel
     sig = _signature(n, k, bias, mt, xs)
     l5, l2w, l2s = G._layouts(warps)
     # SP: the fixup's unrolled partial count (the wrapper passes next_power_of_2(S); 8 covers S <= 8)
     constexprs = {"NUM_STAGES": stages, "HAS_BIAS": bias, "PDL": pdl, "MT": mt, "XPF": xpf, "STAMP": stamp, "SP": 8,
-                  "HOIST": True, "EPI": epi, "SK": sk, "TAIL": tail, "SBITS": sbits, "PWA": pwa, "XS": xs, "LATE": late, "LX": G._x_layout(warps, mt), "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
+                  "HOIST": True, "EPI": epi, "SK": sk, "TAIL": tail, "SBITS": sbits, "PWA": pwa, "XS": xs, "LX": G._x_layout(warps, mt), "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
     for name in constexprs:
         sig[name] = "constexpr"
     # pointers 16-byte aligned, as the JIT would specialise them on a GPU
@@ -179,7 +179,6 @@ def main():
     ap.add_argument("--old-epi", action="store_true", help="gemv, M > 1: the per-accumulator epilogue (EPI off)")
     ap.add_argument("--pwa", action="store_true", help="gemv: per-warp stage release (qerl/kernels/ptx_pwa.py)")
     ap.add_argument("--xs", action="store_true", help="gemv: x copied beside each weight stage (XS)")
-    ap.add_argument("--late", action="store_true", help="gemv: the PDL trigger after the main loop (LATE)")
     ap.add_argument("--dump", default=None, help="write ttgir / llir / ptx / sass here")
     a = ap.parse_args()
     if a.kernel == "wgmma":
@@ -187,14 +186,14 @@ def main():
     try:
         ck = compile_kernel(a.n, a.k, a.stages, a.warps, a.maxnreg, a.producer_regs, a.bias, a.pdl,
                             1 if (a.m or 1) == 1 else G.MAX_M, a.xpf, epi=not a.old_epi, sk=a.streamk, tail=a.tail, sbits=a.scale_bits,
-                            pwa=a.pwa, xs=a.xs, late=a.late)
+                            pwa=a.pwa, xs=a.xs)
     except Exception as e:  # noqa: BLE001
         print(f"compile FAILED: {type(e).__name__}: {e}")
         sys.exit(1)
     md = ck.metadata
     n_regs, n_spills = _resources(ck.asm["cubin"])
     print(f"ptxas: OK (sm_90a)  N={a.n} K={a.k} stages={a.stages} consumer warps={a.warps} "
-          f"maxnreg={a.maxnreg} producer regs={a.producer_regs} bias={a.bias} pdl={a.pdl} xpf={a.xpf} streamk={a.streamk} tail={a.tail} scale_bits={a.scale_bits} pwa={a.pwa} xs={a.xs} late={a.late}")
+          f"maxnreg={a.maxnreg} producer regs={a.producer_regs} bias={a.bias} pdl={a.pdl} xpf={a.xpf} streamk={a.streamk} tail={a.tail} scale_bits={a.scale_bits} pwa={a.pwa} xs={a.xs}")
     print(f"registers/thread (kernel): {n_regs}  spills: {n_spills}  shared memory: {md.shared} B  "
           f"(ring {a.stages} x {64 * 32 * 4 + 64 * 16} B)  num_warps (total): {md.num_warps}")
     warps_total = -(-a.warps // 4) * 4 + 4  # registers are handed out per warpgroup

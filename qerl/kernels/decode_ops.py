@@ -143,7 +143,7 @@ def _triton_kernels():
     @triton.jit
     def add_rms_norm_kernel(d_ptr, e_ptr, h_ptr, w_ptr, h_out, x_out, n, eps, HAS_DELTA: tl.constexpr,
                             HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-                            W_EARLY: tl.constexpr = True, LATE: tl.constexpr = False):
+                            W_EARLY: tl.constexpr = True):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < n
@@ -151,12 +151,9 @@ def _triton_kernels():
         # read before the wait, so the multiply after the reduction waits on no load
         if W_EARLY:
             w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        if PDL:  # see decode_ops.PDL; LATE: dependents launch only once the previous kernel is done
-            if not LATE:
-                tl.extra.cuda.gdc_launch_dependents()
+        if PDL:  # see decode_ops.PDL
+            tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-            if LATE:
-                tl.extra.cuda.gdc_launch_dependents()
         h = tl.load(h_ptr + row * n + cols, mask=m, other=0.0)
         if HAS_DELTA:
             d = tl.load(d_ptr + row * n + cols, mask=m, other=0.0)
@@ -213,13 +210,10 @@ def _triton_kernels():
 
     @triton.jit
     def silu_mul_kernel(gu_ptr, e_ptr, out_ptr, inter, HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr = False, LATE: tl.constexpr = False):
-        if PDL:  # see decode_ops.PDL; LATE: as add_rms_norm_kernel
-            if not LATE:
-                tl.extra.cuda.gdc_launch_dependents()
+                        PDL: tl.constexpr = False):
+        if PDL:  # see decode_ops.PDL
+            tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-            if LATE:
-                tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < inter
@@ -498,7 +492,6 @@ ATTN_EARLY_V = os.environ.get("QERL_ATTN_EARLY_V", "0") == "1"
 # None = `attention_prefetch` (short key buckets in small blocks); QERL_ATTN_PREFETCH=1 / 0 forces it
 # on / off. Session 10 (an older chain): 14B batch 8 +2.0%, 14B / 32B batch 1 +-0.
 ATTN_PREFETCH = {"1": True, "0": False}.get(os.environ.get("QERL_ATTN_PREFETCH", ""))
-
 # The RMSNorm kernel reads its weight before the PDL wait (no kernel of a step writes it; AQN
 # rewrites it between steps), so nothing after the reduction waits on a load. False: after the
 # reduction (the A/B switch of benchmarks/NOTES_rollout.md section 10).
@@ -514,10 +507,6 @@ NORM_W_EARLY = True
 # switches).
 ATTN_ROPE = True
 ATTN_COMBINE = os.environ.get("QERL_ATTN_COMBINE", "0") == "1"
-# Kernels ("add_rms_norm", "silu_mul") that let their dependents launch only after their own PDL wait,
-# not at their start: the early launch puts the next GEMV's programs on the SMs while the GEMV before
-# this kernel may still have programs to place (timing switch, NOTES_rollout.md section 23).
-LATE_TRIGGER: frozenset = frozenset()
 
 
 def attention_splits(rows: int, kv: int, keys: int) -> tuple[int, int, int]:
@@ -544,6 +533,7 @@ def _split_plan(pairs: int, keys: int, block: int) -> tuple[int, int, int]:
     splits = max(1, min(blocks, want))
     chunk = -(-blocks // splits) * block
     return block, chunk, -(-keys // chunk)
+
 
 def attention_prefetch(block: int, keys: int) -> bool:
     """ATTN_PREFETCH = None: read the first K / V block before the PDL wait on key buckets up to
@@ -611,7 +601,7 @@ def add_rms_norm_triton(delta, h, weight, eps, extra=None):
     kern[(h2.shape[0],)](d2, e2, h2, weight, h_out, x_out, n, float(eps), HAS_DELTA=delta is not None,
                          HAS_EXTRA=delta is not None and extra is not None,
                          BLOCK=block, num_warps=min(16, max(1, block // 256)), PDL=pdl_on(h2), W_EARLY=NORM_W_EARLY,
-                         LATE="add_rms_norm" in LATE_TRIGGER, launch_pdl=pdl_on(h2))
+                         launch_pdl=pdl_on(h2))
     return h_out.view(h.shape), x_out.view(h.shape)
 
 
@@ -636,5 +626,5 @@ def silu_mul_triton(gate_up, extra=None):
     out = torch.empty(gu.shape[0], inter, dtype=gu.dtype, device=gu.device)
     block = 1024
     kern[(gu.shape[0], -(-inter // block))](gu, e, out, inter, HAS_EXTRA=extra is not None, BLOCK=block, num_warps=4,
-                                            PDL=pdl_on(gu), LATE="silu_mul" in LATE_TRIGGER, launch_pdl=pdl_on(gu))
+                                            PDL=pdl_on(gu), launch_pdl=pdl_on(gu))
     return out.view(*gate_up.shape[:-1], inter)
