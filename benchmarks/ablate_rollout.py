@@ -49,7 +49,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   would apply), notail (no split tail; default: where w4a16_gluon.tail_plan finds
                   one beyond the resident programs), nosbits (its scales by the float conversion, not
                   the integer one), sks1 / 2 / 4 / 8 / 16 / 32 (stream-K planned for that many slots fewer,
-                  w4a16_gluon.SK_SPARE), norope / nocomb (RoPE / the split combine in launches of their
+                  w4a16_gluon.SK_SPARE, on top of SK_SPARE_GLU for GLU launches), noglu (the gate/up
+                  product and the silu kernel as two launches, not engine.GLU's one), norope / nocomb (RoPE / the split combine in launches of their
                   own, not inside the attention kernel), comb (the combine inside), oldepi (its epilogues
                   without the shared-memory sum), lsm0 / lsm2 (a LoRA group's Gluon GEMV planned
                   as without LoRA / for 2 programs per SM, not engine.LORA_GEMV_PER_SM), lxs0 (a LoRA
@@ -63,7 +64,7 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   lnull / lshrink / lexpand (with lora: the side stream keeps its fork and join but
                   runs one empty kernel / the shrink alone / the expand alone, delta zero: timing only;
                   the device-side join these were measured against, flags dj / djqkv / djearly, is
-                  benchmarks/patches/lora_device_join_qkv.patch, NOTES_rollout.md sections 16 and 23)
+                  benchmarks/patches/lora_device_join_qkv.patch, NOTES_rollout.md sections 16, 23 and 24)
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
 its median: the GPU drifts by up to ~6% over a call (the first and last "base" of one list
 differed that much), so single back-to-back timings of two variants mislead.
@@ -170,6 +171,7 @@ def _switches() -> dict:
         table[name] = [
             (w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "maxnreg": regs, "PER_SM": per_sm})]
     table["nobf16gemv"] = [(bf16_gemv, "ENABLED", False)]
+    table["noglu"] = [(engine_mod, "GLU", False)]
     from qerl.rollout import fuse
     for part in ("null", "shrink", "expand"):
         table[f"l{part}"] = [(fuse.LinearGroup, "lora", _lora_part(part))]

@@ -3,7 +3,7 @@
 qerl/kernels/w4a16_wgmma.py).
 
     .venv/bin/python benchmarks/compile_gluon.py [--n 7168] [--k 5120] [--stages 6] [--warps 4]
-        [--maxnreg R (default 64, 0 = none)] [--producer-regs 24] [--bias] [--pdl] [--xpf] [--streamk] [--tail] [--scale-bits] [--pwa] [--xs] [--dump DIR]
+        [--maxnreg R (default 64, 0 = none)] [--producer-regs 24] [--bias] [--pdl] [--xpf] [--streamk] [--tail] [--scale-bits] [--pwa] [--xs] [--glu] [--dump DIR]
     .venv/bin/python benchmarks/compile_gluon.py --kernel wgmma [--fmt nvfp4] [--m 64]
         [--config '{"CPS": 4, "NSD": 2}'] [--bias] [--scale-bits] [--dump DIR]
 
@@ -38,11 +38,11 @@ from qerl.kernels import w4a16_gluon as G  # noqa: E402
 from qerl.kernels import w4a16_ws as WS  # noqa: E402
 
 
-def _signature(n: int, k: int, has_bias: bool, mt: int = 1, xs: bool = False):
+def _signature(n: int, k: int, has_bias: bool, mt: int = 1, xs: bool = False, glu: bool = False):
     kb = k // 256
     state = {"words": torch.zeros(triton.cdiv(n, 64), kb, 64, 32, dtype=torch.int32),
-             "scale": torch.zeros(triton.cdiv(n, 64), kb, 64, 16, dtype=torch.uint8)}
-    w_desc, s_desc = WS.descriptors(state)
+             "scale": torch.zeros(triton.cdiv(n, 64), kb, 64, 16, dtype=torch.uint8), "n": n, "kb": kb}
+    w_desc, s_desc = G.glu_descriptors(state) if glu else WS.descriptors(state)
     return {
         "xw_ptr": "*i32", "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc),
         "x_desc": mangle_type(G.x_descriptor(torch.zeros(mt, k, dtype=torch.bfloat16), mt) if xs else w_desc),
@@ -54,13 +54,13 @@ def _signature(n: int, k: int, has_bias: bool, mt: int = 1, xs: bool = False):
 
 def compile_kernel(n: int, k: int, stages: int, warps: int, maxnreg, producer_regs: int, bias: bool, pdl: bool,
                    mt: int = 1, xpf: bool = False, stamp: bool = False, epi: bool = G.EPI_SMEM, sk: bool = False, tail: bool = False,
-                   sbits: bool = False, pwa: bool = False, xs: bool = False):
+                   sbits: bool = False, pwa: bool = False, xs: bool = False, glu: bool = False):
     fn = G._gluon_gemv_kernel
-    sig = _signature(n, k, bias, mt, xs)
+    sig = _signature(n, k, bias, mt, xs, glu)
     l5, l2w, l2s = G._layouts(warps)
     # SP: the fixup's unrolled partial count (the wrapper passes next_power_of_2(S); 8 covers S <= 8)
     constexprs = {"NUM_STAGES": stages, "HAS_BIAS": bias, "PDL": pdl, "MT": mt, "XPF": xpf, "STAMP": stamp, "SP": 8,
-                  "HOIST": True, "EPI": epi, "SK": sk, "TAIL": tail, "SBITS": sbits, "PWA": pwa, "XS": xs, "LX": G._x_layout(warps, mt), "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
+                  "HOIST": True, "EPI": epi, "SK": sk, "TAIL": tail, "SBITS": sbits, "PWA": pwa, "XS": xs, "GLU": glu, "LX": G._x_layout(warps, mt), "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
     for name in constexprs:
         sig[name] = "constexpr"
     # pointers 16-byte aligned, as the JIT would specialise them on a GPU
@@ -179,6 +179,7 @@ def main():
     ap.add_argument("--old-epi", action="store_true", help="gemv, M > 1: the per-accumulator epilogue (EPI off)")
     ap.add_argument("--pwa", action="store_true", help="gemv: per-warp stage release (qerl/kernels/ptx_pwa.py)")
     ap.add_argument("--xs", action="store_true", help="gemv: x copied beside each weight stage (XS)")
+    ap.add_argument("--glu", action="store_true", help="gemv, M > 1: silu(gate) * up of a [gate; up] layer (GLU)")
     ap.add_argument("--dump", default=None, help="write ttgir / llir / ptx / sass here")
     a = ap.parse_args()
     if a.kernel == "wgmma":
@@ -186,14 +187,14 @@ def main():
     try:
         ck = compile_kernel(a.n, a.k, a.stages, a.warps, a.maxnreg, a.producer_regs, a.bias, a.pdl,
                             1 if (a.m or 1) == 1 else G.MAX_M, a.xpf, epi=not a.old_epi, sk=a.streamk, tail=a.tail, sbits=a.scale_bits,
-                            pwa=a.pwa, xs=a.xs)
+                            pwa=a.pwa, xs=a.xs, glu=a.glu)
     except Exception as e:  # noqa: BLE001
         print(f"compile FAILED: {type(e).__name__}: {e}")
         sys.exit(1)
     md = ck.metadata
     n_regs, n_spills = _resources(ck.asm["cubin"])
     print(f"ptxas: OK (sm_90a)  N={a.n} K={a.k} stages={a.stages} consumer warps={a.warps} "
-          f"maxnreg={a.maxnreg} producer regs={a.producer_regs} bias={a.bias} pdl={a.pdl} xpf={a.xpf} streamk={a.streamk} tail={a.tail} scale_bits={a.scale_bits} pwa={a.pwa} xs={a.xs}")
+          f"maxnreg={a.maxnreg} producer regs={a.producer_regs} bias={a.bias} pdl={a.pdl} xpf={a.xpf} streamk={a.streamk} tail={a.tail} scale_bits={a.scale_bits} pwa={a.pwa} xs={a.xs} glu={a.glu}")
     print(f"registers/thread (kernel): {n_regs}  spills: {n_spills}  shared memory: {md.shared} B  "
           f"(ring {a.stages} x {64 * 32 * 4 + 64 * 16} B)  num_warps (total): {md.num_warps}")
     warps_total = -(-a.warps // 4) * 4 + 4  # registers are handed out per warpgroup

@@ -507,6 +507,29 @@ def test_gluon_gemv_x_smem_builds(mt, sched, warps):
     assert counts[True] < counts[False]
 
 
+@pytest.mark.parametrize("sched", ["split", "sk", "tail"])
+@pytest.mark.parametrize("xs", [False, True], ids=["x-regs", "x-smem"])
+def test_gluon_gemv_glu_builds(sched, xs):
+    """Offline sm_90a build of the Gluon GEMV's GLU form (a [gate; up] layer's 32 gate and 32 up rows
+    per stage from one 3-D box each for words and scales, silu(gate) * up in the epilogue): no spills
+    at 64 registers, the same main loop as the plain build (the stage's [2, 32, .] view is read as the
+    [64, .] one), two 3-D weight copy sites more than the plain build (words and scales, first pass and
+    steady loop with XS), and a 2 KB larger shared-memory footprint."""
+    pytest.importorskip("triton.experimental.gluon")
+    cg = _compile_gluon()
+    built = {}
+    for glu in (False, True):
+        ck = cg.compile_kernel(37888, 3584, 3, 4, 64, 24, False, True, 8, False, sk=sched == "sk",
+                               tail=sched == "tail", sbits=True, pwa=True, xs=xs, glu=glu)
+        regs, spills = cg._resources(ck.asm["cubin"])
+        assert spills == 0 and regs <= 64
+        loop = _mma_loop(cg, ck.asm["cubin"], "HMMA")
+        built[glu] = (cg._opcodes(loop), ck.asm["ptx"].count("cp.async.bulk.tensor.3d"), ck.metadata.shared)
+    assert built[True][0] == built[False][0]
+    assert built[True][1] == built[False][1] + (4 if xs else 2)
+    assert built[True][2] == built[False][2] + 2048
+
+
 @pytest.mark.parametrize("mt", [1, 8])
 @pytest.mark.parametrize("xpf", [False, True], ids=["x-per-step", "x-ahead"])
 def test_gluon_gemv_builds_for_hopper(mt, xpf):
@@ -756,12 +779,15 @@ def test_gluon_schedule_choice():
     """Which schedule a Gluon GEMV launch gets (w4a16_gluon.schedule), on a 132-SM H100 at 4 per SM:
     the 7B gate/up GEMV (592 blocks x 14) runs stream-K in a PDL chain and the split tail without
     one; a LoRA plan (3 per SM, stream-K off) keeps the tail where the blocks overrun the resident
-    programs (7B) and the plain split where they fit (14B, 432 blocks); split layers, a forced S and
+    programs (7B) and the plain split where they fit (14B, 432 blocks); spare slots shrink the stream-K
+    grid; split layers, a forced S and
     STREAMK / TAIL_SPLIT off keep the split plan; a forced tail with none to make is an error."""
     from qerl.kernels import w4a16_gluon as G
 
     full, lora = 4 * 132, 3 * 132
     assert G.schedule(592, 14, 1, 592, full, full, True, True, None, None) == ("sk", 528, 1, 0, 0, 2)
+    # spare slots (the GLU launch's SK_SPARE_GLU): stream-K on 524 programs, still at most 2 per block
+    assert G.schedule(592, 14, 1, 592, full, full, True, True, None, None, 4) == ("sk", 524, 1, 0, 0, 2)
     assert G.schedule(592, 14, 1, 592, full, full, False, True, None, None) == ("tail", 976, 7, 528, 2, 8)
     assert G.schedule(592, 14, 1, 592, lora, full, True, True, None, False)[0] == "tail"
     assert G.schedule(432, 20, 1, 432, lora, full, True, True, None, False) == ("split", 432, 1, 0, 0, 1)
@@ -771,6 +797,25 @@ def test_gluon_schedule_choice():
     assert G.schedule(72, 14, 7, 504, full, full, True, True, None, True)[0] == "sk"  # forced stream-K
     with pytest.raises(ValueError, match="no split tail"):
         G.schedule(72, 14, 7, 504, full, full, False, True, True, None)
+
+
+def test_routes_to_gluon_tokens(monkeypatch):
+    """The GLU launch's gate (`routes_to_gluon_tokens`) follows forward's routing: in a PDL chain every
+    2..8-token nvfp4 layer runs on the Gluon GEMV, without one only wide layers (N >= 16384, K >=
+    4096), never M = 1 or 16 tokens, never mxfp4, and nothing off sm_90 (here: _wsmma_ok)."""
+    from qerl.kernels import w4a16_triton as W
+
+    x = lambda m, k: torch.zeros(m, k, dtype=torch.bfloat16)  # noqa: E731
+    gate_up = {"n": 37888, "k": 3584, "kb": 14, "fmt": "nvfp4"}
+    wide = {"n": 55296, "k": 5120, "kb": 20, "fmt": "nvfp4"}
+    assert not W.routes_to_gluon_tokens(x(8, 3584), gate_up)  # CPU: no Gluon kernels
+    monkeypatch.setattr(W, "_wsmma_ok", lambda device, state: True)
+    monkeypatch.setattr(W, "CHAIN_ROUTING", True)
+    assert [W.routes_to_gluon_tokens(x(m, 3584), gate_up) for m in (1, 2, 5, 8, 16)] == [False, True, True, True, False]
+    assert not W.routes_to_gluon_tokens(x(8, 3584), {**gate_up, "fmt": "mxfp4"})
+    monkeypatch.setattr(W, "CHAIN_ROUTING", False)
+    assert not W.routes_to_gluon_tokens(x(8, 3584), gate_up)  # K 3584 < 4096 without the chain
+    assert W.routes_to_gluon_tokens(x(8, 5120), wide)
 
 
 def test_scale_bits_exact_flag():

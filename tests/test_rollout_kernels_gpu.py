@@ -99,10 +99,11 @@ def _small_model(fmt):
 
 def _rollouts_per_switches(fmt, monkeypatch, temperature, switches):
     """One graphed rollout of the small model (3 prompts x 2, 80 tokens, seed 0) per dict of
-    switches (decode_ops attributes; "bf16_gemv.NAME", "w4a16_gluon.NAME", "w4a16_rwg.NAME" for those
-    modules')."""
+    switches (decode_ops attributes; "bf16_gemv.NAME", "w4a16_gluon.NAME", "w4a16_rwg.NAME", "engine.NAME"
+    for those modules')."""
     from qerl.kernels import bf16_gemv, decode_ops, w4a16_gluon, w4a16_rwg
     from qerl.rl.rollout import RolloutSettings
+    from qerl.rollout import engine as engine_mod
     from qerl.rollout.engine import RolloutEngine
 
     model = _small_model(fmt)
@@ -112,7 +113,7 @@ def _rollouts_per_switches(fmt, monkeypatch, temperature, switches):
     for switch in switches:
         for name, value in switch.items():
             mod, _, attr = name.rpartition(".")
-            mods = {"bf16_gemv": bf16_gemv, "w4a16_gluon": w4a16_gluon, "w4a16_rwg": w4a16_rwg}
+            mods = {"bf16_gemv": bf16_gemv, "w4a16_gluon": w4a16_gluon, "w4a16_rwg": w4a16_rwg, "engine": engine_mod}
             monkeypatch.setattr(mods.get(mod, decode_ops), attr, value)
         with torch.inference_mode():
             runs.append(RolloutEngine(model, max_batch=8, max_len=256).generate(
@@ -126,6 +127,27 @@ def test_engine_attention_prefetch_changes_nothing(fmt, monkeypatch):
     graphed rollout with it equals the one without, token for token and logprob for logprob (a
     stale read of the slot RoPE writes would change them)."""
     runs = _rollouts_per_switches(fmt, monkeypatch, 1.0, [{"ATTN_PREFETCH": False}, {"ATTN_PREFETCH": True}])
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+    assert torch.equal(runs[0].logprobs, runs[1].logprobs)
+
+
+def test_engine_glu_changes_nothing(monkeypatch):
+    """engine.GLU (silu(gate) * up from one Gluon GEMV launch, w4a16_gluon GLU, in place of the
+    gate/up product and silu_mul) in graphed, PDL-chained nvfp4 decode steps: a sampled rollout with
+    it equals the one without, token for token and logprob for logprob, and the launch is really
+    taken on this model."""
+    from qerl.kernels import w4a16_gluon
+
+    calls = []
+    real = w4a16_gluon.forward
+
+    def counting(*args, **kwargs):
+        calls.append(bool(kwargs.get("glu")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(w4a16_gluon, "forward", counting)
+    runs = _rollouts_per_switches("nvfp4", monkeypatch, 1.0, [{"engine.GLU": False}, {"engine.GLU": True}])
+    assert any(calls)
     assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
     assert torch.equal(runs[0].logprobs, runs[1].logprobs)
 

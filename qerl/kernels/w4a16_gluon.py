@@ -149,8 +149,12 @@ def _stamp(stamp_ptr, p, slot: gl.constexpr, name: gl.constexpr):
 
 @gluon.jit
 def _gluon_producer(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, trow0, k0, k1, KB, stamp_ptr, p,
-                    NUM_STAGES: gl.constexpr, STAMP: gl.constexpr, XS: gl.constexpr, PDL: gl.constexpr):
-    if XS:
+                    NUM_STAGES: gl.constexpr, STAMP: gl.constexpr, XS: gl.constexpr, PDL: gl.constexpr,
+                    GLU: gl.constexpr):
+    if GLU:
+        _glu_producer(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, trow0, k0, k1, KB, NUM_STAGES, XS,
+                      PDL)
+    elif XS:
         _xs_producer(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, trow0, k0, k1, KB, NUM_STAGES, PDL)
     else:
         _producer(w_desc, s_desc, w_bufs, s_bufs, ready, empty, trow0, k0, k1, NUM_STAGES)
@@ -186,6 +190,51 @@ def _xs_producer(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, t
         mbarrier.expect(ready.index(idx), nbytes)
         _copy_tile(w_desc, s_desc, w_bufs, s_bufs, ready, idx, trow0 + kk * 64)
         tma.async_copy_global_to_shared(x_desc, [(kk % KB) * 4, 0, 0], ready.index(idx), x_bufs.index(idx))
+
+
+@gluon.jit
+def _glu_tile(w_desc, s_desc, w_bufs, s_bufs, ready, idx, f, KB):
+    """GLU: the stage of flat step f (pair block f // KB, K step f % KB) = the 32 gate rows and the 32
+    up rows of that pair, one 3-D box each for words and scales (`glu_descriptors`: [2 (gate, up),
+    rows, .], the up rows a fixed row distance behind the gate rows): rows 0..31 / 32..63 of the
+    stage, the byte order of a 64-row box."""
+    j = f // KB
+    row = ((j // 2) * KB + (f - j * KB)) * 64 + (j % 2) * 32
+    tma.async_copy_global_to_shared(w_desc, [0, row, 0], ready.index(idx), w_bufs.index(idx))
+    tma.async_copy_global_to_shared(s_desc, [0, row, 0], ready.index(idx), s_bufs.index(idx))
+
+
+@gluon.jit
+def _glu_producer(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, trow0, k0, k1, KB, NS: gl.constexpr,
+                  XS: gl.constexpr, PDL: gl.constexpr):
+    """GLU: `_producer` / `_xs_producer` with `_glu_tile` stages (flat step trow0 / 64 + kk)."""
+    f0 = trow0 // 64
+    if XS:
+        nbytes: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes + x_desc.block_type.nbytes
+    else:
+        nbytes: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes
+    k2 = gl.minimum(k1, k0 + NS)
+    if XS:  # the first pass: weights before the PDL wait, x after it (as _xs_producer)
+        for kk in range(k0, k2):
+            idx = kk - k0
+            mbarrier.expect(ready.index(idx), nbytes)
+            _glu_tile(w_desc, s_desc, w_bufs, s_bufs, ready, idx, f0 + kk, KB)
+        if PDL:
+            _gdc("wait")
+        for kk in range(k0, k2):
+            idx = kk - k0
+            tma.async_copy_global_to_shared(x_desc, [(kk % KB) * 4, 0, 0], ready.index(idx), x_bufs.index(idx))
+        kfirst = k2
+    else:
+        kfirst = k0
+    for kk in range(kfirst, k1):
+        i = kk - k0
+        idx = i % NS
+        mbarrier.wait(empty.index(idx), ((i // NS) & 1) ^ 1)
+        mbarrier.expect(ready.index(idx), nbytes)
+        _glu_tile(w_desc, s_desc, w_bufs, s_bufs, ready, idx, f0 + kk, KB)
+        if XS:
+            tma.async_copy_global_to_shared(x_desc, [(kk % KB) * 4, 0, 0], ready.index(idx), x_bufs.index(idx))
 
 
 @gluon.jit
@@ -294,7 +343,8 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
               p, blk, M, N, KB, k0, k1, S, NW, SP: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
               PDL: gl.constexpr, MT: gl.constexpr, XPF: gl.constexpr, STAMP: gl.constexpr, HOIST: gl.constexpr,
               EPI: gl.constexpr, SK: gl.constexpr, red, L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr,
-              SBITS: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, num_warps: gl.constexpr):
+              SBITS: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, GLU: gl.constexpr, glu_buf,
+              num_warps: gl.constexpr):
     # activations: x as int32 pairs, element (sc, i) of the 5-D tile needs word column c = 2 sc + i
     LSC: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4, L5))))
     LI: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L5))))
@@ -349,7 +399,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
                 if f != k0:
                     alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, sblk, N, rows, HAS_BIAS, not EPI)
             acc0, acc1, acc2, acc3 = _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, s0, s1, f - k0, xoff,
-                                               xmask, zero5, cz, NUM_STAGES, MT, XPF, L5, L2W, L2S, SBITS, XS, LX)
+                                               xmask, zero5, cz, NUM_STAGES, MT, XPF, L5, L2W, L2S, SBITS, XS, LX, GLU)
             if STAMP:
                 _stamp(stamp_ptr, p, 2, "clock64")
             if MT == 1:
@@ -357,15 +407,15 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
                                 HAS_BIAS, LRED1, SK, k0, KB, 0)
             else:
                 _epilogue_smem(alpha, b_lo, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
-                               p, sblk, M, N, s0, s1, S, SP, HAS_BIAS, LRED, SK, k0, KB, 0)
+                               p, sblk, M, N, s0, s1, S, SP, HAS_BIAS, LRED, SK, k0, KB, 0, GLU, glu_buf)
             gl.thread_barrier()  # every warp has read `red` before a later segment's epilogue rewrites it
             f = sblk * KB + s1
     else:
         acc0, acc1, acc2, acc3 = _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, k0, k1, 0, xoff, xmask, zero5,
-                                           cz, NUM_STAGES, MT, XPF, L5, L2W, L2S, SBITS, XS, LX)
+                                           cz, NUM_STAGES, MT, XPF, L5, L2W, L2S, SBITS, XS, LX, GLU)
         _block_epilogue(alpha_ptr, bias_ptr, alpha, b_lo, b_hi, red, c_ptr, ws_ptr, lock_ptr, stamp_ptr, acc0, acc1,
                         acc2, acc3, p, blk, M, N, k0, k1, S, NW, SP, HAS_BIAS, MT, STAMP, HOIST, EPI, rows, sc5, zero5,
-                        LR, LR3, LRED, LRED1)
+                        LR, LR3, LRED, LRED1, GLU, glu_buf)
     if STAMP:
         _stamp(stamp_ptr, p, 3, "clock64")
         _stamp(stamp_ptr, p, 6, "globaltimer")
@@ -374,7 +424,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
 @gluon.jit
 def _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, k0, k1, i0, xoff, xmask, zero5, cz,
               NUM_STAGES: gl.constexpr, MT: gl.constexpr, XPF: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr,
-              L2S: gl.constexpr, SBITS: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr):
+              L2S: gl.constexpr, SBITS: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, GLU: gl.constexpr = False):
     """Reduction steps [k0, k1) of one row block, the ring's stage counter starting at i0 ->
     the four [4, 8, 16, 2] MMA accumulators (rows g / g + 8 x B columns 2t / 2t + 1). XS: x comes
     with the stage (`_xs_producer`), else from global memory (XPF: one step ahead)."""
@@ -394,8 +444,12 @@ def _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, k0, k1, i0, xoff, xm
             x01, x23, x45, x67 = _x_step(xw_ptr, kk, xoff, xmask, MT)  # pairs (8c, 8c+1), (8c+2, 8c+3), ...
             x01, x23, x45, x67 = x01 + zero5, x23 + zero5, x45 + zero5, x67 + zero5
         mbarrier.wait(ready.index(idx), (i // NUM_STAGES) & 1)
-        w2 = w_bufs.index(idx).load(L2W)
-        s2d = s_bufs.index(idx).load(L2S)
+        if GLU:  # [2 (gate, up), 32, .] stages: the byte order of a 64-row one
+            w2 = w_bufs.index(idx).reshape([64, 32]).load(L2W)
+            s2d = s_bufs.index(idx).reshape([64, 16]).load(L2S)
+        else:
+            w2 = w_bufs.index(idx).load(L2W)
+            s2d = s_bufs.index(idx).load(L2S)
         if XS:
             xv = x_bufs.index(idx).load(LX)
         # order these generic-proxy reads before the producer's TMA (async proxy) refills the stage:
@@ -441,7 +495,8 @@ def _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, k0, k1, i0, xoff, xm
 def _block_epilogue(alpha_ptr, bias_ptr, alpha, b_lo, b_hi, red, c_ptr, ws_ptr, lock_ptr, stamp_ptr, acc0, acc1, acc2,
                     acc3, p, blk, M, N, k0, k1, S, NW, SP: gl.constexpr, HAS_BIAS: gl.constexpr, MT: gl.constexpr,
                     STAMP: gl.constexpr, HOIST: gl.constexpr, EPI: gl.constexpr, rows, sc5, zero5, LR: gl.constexpr,
-                    LR3: gl.constexpr, LRED: gl.constexpr, LRED1: gl.constexpr):
+                    LR3: gl.constexpr, LRED: gl.constexpr, LRED1: gl.constexpr, GLU: gl.constexpr = False,
+                    glu_buf=None):
     """The split schedule's epilogue: one row block, K slice [k0, k1) of S."""
     if STAMP:
         _stamp(stamp_ptr, p, 2, "clock64")
@@ -488,7 +543,7 @@ def _block_epilogue(alpha_ptr, bias_ptr, alpha, b_lo, b_hi, red, c_ptr, ws_ptr, 
             gl.store(c_ptr + n_hi, out_hi.to(gl.bfloat16), mask=n_hi < N)
     elif EPI:
         _epilogue_smem(alpha, b_lo, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
-                       p, blk, M, N, k0, k1, S, SP, HAS_BIAS, LRED, False, 0, 0, NW)
+                       p, blk, M, N, k0, k1, S, SP, HAS_BIAS, LRED, False, 0, 0, NW, GLU, glu_buf)
     else:
         _epilogue_tokens(alpha, b_lo, b_hi, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
                          p, blk, M, N, k0, k1, S, SP, HAS_BIAS, LR3)
@@ -550,7 +605,7 @@ def _epilogue_tokens(alpha, b_lo, b_hi, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc
 @gluon.jit
 def _epilogue_smem(alpha, bias, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
                    p, blk, M, N, k0, k1, S, SP: gl.constexpr, HAS_BIAS: gl.constexpr, LRED: gl.constexpr,
-                   SK: gl.constexpr, f0, KB, NW):
+                   SK: gl.constexpr, f0, KB, NW, GLU: gl.constexpr = False, glu_buf=None):
     """MT = 8 through shared memory (EPI): each thread sums its two words i, writes its 16 partials
     [m, b, h] of warp w to `red` [4 m, 4 w, 8 g, 4 t, 2 b, 2 h] (16-byte rows, no bank conflict), one
     barrier, and reads back the four warps' values of its own (m, g, t) to sum them in registers:
@@ -565,7 +620,7 @@ def _epilogue_smem(alpha, bias, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, 
     row, tok = _red_idx(gl.SliceLayout(1, LRED))
     n = blk * 64 + row
     _fixup_store(part, tok * 64 + row, 512, c_ptr, tok * N + n, (n < N) & (tok < M), alpha, bias, ws_ptr, lock_ptr,
-                 p, blk, N, k0, k1, S, SP, HAS_BIAS, SK, f0, KB, NW)
+                 p, blk, N, k0, k1, S, SP, HAS_BIAS, SK, f0, KB, NW, GLU, glu_buf, M)
 
 
 @gluon.jit
@@ -624,7 +679,8 @@ def _split_sum(part, off, WS: gl.constexpr, ws_ptr, lock_ptr, slot, blk, q0, nq,
 
 @gluon.jit
 def _fixup_store(part, off, WS: gl.constexpr, c_ptr, c_off, c_mask, alpha, bias, ws_ptr, lock_ptr, p, blk, N, k0, k1,
-                 S, SP: gl.constexpr, HAS_BIAS: gl.constexpr, SK: gl.constexpr, f0, KB, NW):
+                 S, SP: gl.constexpr, HAS_BIAS: gl.constexpr, SK: gl.constexpr, f0, KB, NW, GLU: gl.constexpr = False,
+                 glu_buf=None, M=0):
     """Split fixup and output of the shared-memory epilogues. A row block covered by several
     programs: each writes its partial to its WS-float workspace slot at `off`, and the last
     arrival sums all partials in program order (deterministic; all loads in flight at once) and
@@ -649,7 +705,41 @@ def _fixup_store(part, off, WS: gl.constexpr, c_ptr, c_off, c_mask, alpha, bias,
         out = part * alpha
         if HAS_BIAS:
             out += bias
-        gl.store(c_ptr + c_off, out.to(gl.bfloat16), mask=c_mask)
+        if GLU:
+            _glu_store(out.to(gl.bfloat16).to(gl.float32), glu_buf, c_ptr, blk, M, N // 2)
+        else:
+            gl.store(c_ptr + c_off, out.to(gl.bfloat16), mask=c_mask)
+
+
+@gluon.jit
+def _glu_store(out, glu_buf, c_ptr, blk, M, NI):
+    """GLU (MT = 8): `out` [4 m, 8 g, 4 t, 2 b, 2 h] holds pair block blk's gate rows (m = 0, 1: row
+    16m + 8h + g) and up rows (m = 2, 3), as bf16 values, one warp per m. Through shared memory,
+    each thread takes matching gate / up values and writes silu(gate) * up to y[token 2t + b,
+    column 32 blk + 16m + 8h + g] of the [M, NI] output, rounded as decode_ops.silu_mul rounds (the
+    silu in fp32 to bf16, the product to bf16)."""
+    glu_buf.store(out)
+    gl.thread_barrier()
+    NWC: gl.constexpr = gl.num_warps()
+    LG: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 8 // NWC], [1, 8, 4, 1, 1], [2, 1, 1, 2, NWC // 4],
+                                        [4, 3, 2, 1, 0])
+    g = glu_buf.slice(0, 2).load(LG)
+    u = glu_buf.slice(2, 2).load(LG)
+    sg = (g / (1.0 + gl.exp(-g))).to(gl.bfloat16).to(gl.float32)
+    y = (sg * u).to(gl.bfloat16)
+    m1 = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LG)))))
+    g1 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LG)))))
+    t1 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, gl.SliceLayout(4, LG)))))
+    b1 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4, LG)))))
+    h1 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, LG)))))
+    m5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(m1, 1), 2), 3), 4)
+    g5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(g1, 0), 2), 3), 4)
+    t5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(t1, 0), 0), 3), 4)
+    b5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(b1, 0), 0), 0), 4)
+    h5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(h1, 0), 0), 0), 0)
+    col = blk * 32 + m5 * 16 + h5 * 8 + g5
+    tok = t5 * 2 + b5
+    gl.store(c_ptr + tok * NI + col, y, mask=(tok < M) & (col < NI))
 
 
 @gluon.jit
@@ -666,7 +756,8 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, x_desc, alpha_ptr, bias_ptr, c_pt
                        MT: gl.constexpr, XPF: gl.constexpr, STAMP: gl.constexpr, HOIST: gl.constexpr,
                        EPI: gl.constexpr, PRODUCER_REGS: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr,
                        L2S: gl.constexpr, SK: gl.constexpr, TAIL: gl.constexpr, SBITS: gl.constexpr,
-                       PWA: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, num_warps: gl.constexpr):
+                       PWA: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, GLU: gl.constexpr,
+                       num_warps: gl.constexpr):
     # PWA: each consumer warp frees a stage itself (empty barriers of num_warps arrivals, qerl/kernels/ptx_pwa.py)
     p, blk, k0, k1, trow0, w_bufs, s_bufs, ready, empty = _setup(w_desc, s_desc, KB, S, NUM_STAGES, PDL,
                                                                  num_warps if PWA else 1)
@@ -698,12 +789,17 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, x_desc, alpha_ptr, bias_ptr, c_pt
         red = gl.allocate_shared_memory(gl.float32, [4, 4, 4, 8, 2], gl.SwizzledSharedLayout(1, 1, 1, [4, 3, 2, 1, 0]))
     else:
         red = gl.allocate_shared_memory(gl.float32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    if GLU:  # a pair block's gate / up outputs [4 m, 8 g, 4 t, 2 b, 2 h] for `_glu_store` (2 KB)
+        glu_buf = gl.allocate_shared_memory(gl.float32, [4, 8, 4, 2, 2],
+                                            gl.SwizzledSharedLayout(1, 1, 1, [4, 3, 2, 1, 0]))
+    else:
+        glu_buf = red
     gl.warp_specialize([
         (_consumer, (xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w_bufs, s_bufs, x_bufs, ready,
                      empty, p, blk, M, N, KB, k0, k1, S, NW, SP, NUM_STAGES, HAS_BIAS, PDL, MT, XPF, STAMP, HOIST, EPI,
-                     SK, red, L5, L2W, L2S, SBITS, XS, LX, num_warps)),
+                     SK, red, L5, L2W, L2S, SBITS, XS, LX, GLU, glu_buf, num_warps)),
         (_gluon_producer, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, trow0, k0, k1, KB, stamp_ptr,
-                           p, NUM_STAGES, STAMP, XS, PDL)),
+                           p, NUM_STAGES, STAMP, XS, PDL, GLU)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -737,6 +833,11 @@ STREAMK = None
 # Stream-K plans this many program slots fewer than the planned slots (timing switch: a slot taken by
 # another kernel's resident program delays one stream-K program by a whole program's run)
 SK_SPARE = 0
+# ... and this many more for GLU launches (forward(glu=True)). The 7B gate/up GLU GEMV at M = 8 (592
+# blocks, the only stream-K layer of the three models' decode steps) again had one program start
+# ~20 us late (a90 clocks, `start_last` 29.7 us against 9.1 without GLU); 4 spare slots remove it
+# (a91, same process: step 2.618 -> 2.586 ms; SK_SPARE = 8 on the two-launch form costs 1.2%).
+SK_SPARE_GLU = 4
 # Scales converted to the bf16 multiplier by integer arithmetic on layers whose scales are all
 # normal (prepare's `scale_bits`; bit-identical there): 351 -> 320 SASS per main-loop step at M = 8
 # offline (NOTES_w4a16.md section 18). False: the float conversion everywhere (the A/B switch).
@@ -830,17 +931,18 @@ def tail_plan(blocks: int, kb: int, slots: int) -> tuple[int, int, int] | None:
 
 
 def schedule(blocks: int, kb: int, s: int, grid: int, slots: int, resident: int, chain: bool, free: bool,
-             tail_on: bool | None, sk_on: bool | None) -> tuple[str, int, int, int, int, int]:
+             tail_on: bool | None, sk_on: bool | None, spare: int = 0) -> tuple[str, int, int, int, int, int]:
     """The launch's schedule from the split plan (`s` slices per block, `grid` programs for `slots`
     planned slots; `resident`: the programs that really fit at once; `chain`: routed as a PDL chain;
     `free`: no forced S and the kernel's other schedules available; TAIL_SPLIT / STREAMK as
-    `tail_on` / `sk_on`) -> (kind "split" | "tail" | "sk", grid, S, NW, CS, SP = the fixup's
-    unrolled partial count). The split tail where the blocks overrun the resident programs (or
-    forced), stream-K instead of it in PDL chains (or forced), else the split plan unchanged."""
+    `tail_on` / `sk_on`; stream-K plans for `spare` + SK_SPARE slots fewer) -> (kind "split" |
+    "tail" | "sk", grid, S, NW, CS, SP = the fixup's unrolled partial count). The split tail where
+    the blocks overrun the resident programs (or forced), stream-K instead of it in PDL chains (or
+    forced), else the split plan unchanged."""
     tail = tail_plan(blocks, kb, slots) if free and s == 1 and (
         tail_on or (tail_on is None and blocks > resident)) else None
     if free and (bool(sk_on) if sk_on is not None else (tail is not None and chain and not tail_on)):
-        programs, most = streamk_plan(blocks, kb, max(1, slots - SK_SPARE))
+        programs, most = streamk_plan(blocks, kb, max(1, slots - SK_SPARE - spare))
         return "sk", programs, 1, 0, 0, triton.next_power_of_2(most)
     if tail is not None:
         nw, slices, cs = tail
@@ -850,7 +952,28 @@ def schedule(blocks: int, kb: int, s: int, grid: int, slots: int, resident: int,
     return "split", grid, s, 0, 0, triton.next_power_of_2(s)
 
 
-def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | None = None) -> torch.Tensor:
+def glu_descriptors(state: dict):
+    """GLU: TMA descriptors of a fused [gate; up] layer's tiled words / scales as 3-D [2 (gate, up),
+    D, 32] / [2, D, 16] (D = the gate half's tiled rows: the up rows sit D rows behind the gate
+    rows), boxes [2, 32, .]: one copy brings a pair block's 32 gate rows and 32 up rows of a K step
+    (`_glu_tile`), in the byte order (and 128-byte swizzle) of a 64-row box."""
+    d = (state["n"] // 2 // 64) * state["kb"] * 64
+    words, scale = state["words"].view(-1, 32), state["scale"].view(-1, 16)
+    wl = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3)
+    sl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
+    return (TensorDescriptor(words, [2, d, 32], [d * 32, 32, 1], [2, 32, 32], wl),
+            TensorDescriptor(scale, [2, d, 16], [d * 16, 16, 1], [2, 32, 16], sl))
+
+
+def glu_usable(x: torch.Tensor, state: dict, bias=None) -> bool:
+    """`forward(..., glu=True)` takes this launch: nvfp4 [gate; up] with each half whole 64-row
+    blocks, 2..8 tokens, no bias."""
+    return (state.get("fmt") == "nvfp4" and bias is None and x.dim() == 2 and 2 <= x.shape[0] <= MAX_M
+            and state["n"] % 128 == 0 and state["k"] == state["kb"] * 256)
+
+
+def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | None = None,
+            glu: bool = False) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for x [M, K] bf16 (contiguous, M <= 8) and an nvfp4 `state`
     (qerl.kernels.prepare). M = 1 puts x in every column of the MMA's B; M = 2..8 puts token g in
     column g (MT = 8), at the same MMA count per weight.
@@ -860,7 +983,12 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     maxnreg (register cap per thread), PRODUCER_REGS, PDL, XPF (x loaded one step ahead; None:
     `xpf_auto`), TAIL_SPLIT / STREAMK (None: the module's TAIL_SPLIT / STREAMK; a forced S turns
     both off), PWA (per-warp stage release, qerl/kernels/ptx_pwa.py; None: PER_WARP_ARRIVE), XS (x
-    copied beside each weight stage by the producer; None: X_SMEM; off for an x TMA cannot read)."""
+    copied beside each weight stage by the producer; None: X_SMEM; off for an x TMA cannot read).
+
+    glu: the layer is a fused [gate; up] pair (N = 2 I) and the launch returns silu(gate) * up [M, I]
+    as decode_ops.silu_mul would from the [M, N] product (same bf16 roundings): each program's
+    64-row block holds 32 gate rows and the 32 up rows of the same outputs (`glu_descriptors`), and
+    the epilogue combines them (`_glu_store`). Needs `glu_usable`."""
     if state["fmt"] != "nvfp4":
         raise ValueError(f"the Gluon GEMV takes nvfp4 weights, got {state['fmt']}")
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_M:
@@ -871,6 +999,10 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     m = x.shape[0]
     if x.shape[1] != k or x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bf16 [{m}, {k}]")
+    if glu and not glu_usable(x, state, bias):
+        raise ValueError("glu needs nvfp4 [gate; up] halves of whole 64-row blocks, 2..8 tokens and no bias")
+    if glu and out is None:
+        out = torch.empty(m, n // 2, device=x.device, dtype=torch.bfloat16)
     cfg = dict(DEFAULT)
     cfg.update({key: v for key, v in (config or {}).items() if key in DEFAULT or key in ("S", "STREAMK", "TAIL_SPLIT")})
     nw = int(cfg["num_warps"])
@@ -886,16 +1018,19 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         xs = xs_auto(mt, triton.cdiv(n, 64), per_sm * W._num_sms(x.device.index or 0))
     x = x.contiguous()
     xs = bool(xs) and x.data_ptr() % 16 == 0  # TMA: a 16-byte aligned base
-    key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM, pwa, xs)  # (occupancy; SBITS keeps it)
+    key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM, pwa, xs, glu)  # (occupancy; SBITS keeps it)
     fits = min(_RESIDENT.get(key, per_sm), per_sm)
     s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), fits, mt)
+    if glu:
+        w_desc, s_desc = glu_descriptors(state)
     slots = fits * W._num_sms(x.device.index or 0)
     xpf = not xs and (bool(cfg["XPF"]) if cfg["XPF"] is not None else xpf_auto(mt, s, grid, slots, k))
     free = cfg.get("S") is None and HOIST_CONSTS and EPI_SMEM  # the other schedules need both
     resident = max(_RESIDENT.get(key, max(per_sm, 4)), fits) * W._num_sms(x.device.index or 0)  # 4: before measured
     chain = pdl if W.CHAIN_ROUTING is None else W.CHAIN_ROUTING  # as w4a16_triton routes a PDL chain
     kind, grid, s, nw_whole, cs, sp = schedule(triton.cdiv(n, 64), kb, s, grid, slots, resident, chain, free,
-                                               cfg.get("TAIL_SPLIT", TAIL_SPLIT), cfg.get("STREAMK", STREAMK))
+                                               cfg.get("TAIL_SPLIT", TAIL_SPLIT), cfg.get("STREAMK", STREAMK),
+                                               SK_SPARE_GLU if glu else 0)
     if kind == "sk":  # workspace: two partial slots (first and last segment) per program
         ws = torch.empty(2 * grid * 64 * mt, device=x.device, dtype=torch.float32)
     elif kind == "tail":  # workspace slot = program (the whole blocks' slots go unused)
@@ -909,6 +1044,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         HAS_BIAS=bias is not None, PDL=pdl, MT=mt, XPF=xpf,
         STAMP=stamps is not None, HOIST=HOIST_CONSTS, EPI=EPI_SMEM, PRODUCER_REGS=preg, SK=kind == "sk", TAIL=kind == "tail",
         SBITS=SCALE_BITS and bool(state.get("scale_bits", False)), PWA=pwa, XS=xs, LX=_x_layout(nw, mt),
+        GLU=bool(glu),
         L5=l5, L2W=l2w, L2S=l2s, num_warps=nw, launch_pdl=pdl, **extra,
     )
     if key not in _RESIDENT:

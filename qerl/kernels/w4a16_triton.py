@@ -976,6 +976,41 @@ def _dense(a: torch.Tensor, state: dict, bwd: bool, bias, config: dict | None, o
     return torch.addmm(bias.to(torch.bfloat16), a, w.T, out=out)
 
 
+def _fused_route(m: int, state: dict, device: torch.device, config: dict | None) -> tuple[str, dict | None]:
+    """The kernel `forward` runs an M-row launch of the fused path on (no tile config) -> (path,
+    config): routed as a PDL chain where CHAIN_ROUTING / PDL say so."""
+    path = "fused"
+    nk = state["n"] * state["k"]
+    chain = PDL if CHAIN_ROUTING is None else CHAIN_ROUTING
+    min_nk, tok_min_n, tok_min_k = ((WSMMA_MIN_NK_PDL, WSMMA_TOKENS_MIN_N_PDL, WSMMA_TOKENS_MIN_K_PDL) if chain
+                                    else (WSMMA_MIN_NK, WSMMA_TOKENS_MIN_N, WSMMA_TOKENS_MIN_K))
+    if m == 1 and state["fmt"] == "nvfp4" and 0 < min_nk <= nk and _wsmma_ok(device, state):
+        path = "wsmma"  # (checked first: with PDL its threshold may be below GEMV_MAX_NK)
+    elif m <= GEMV_MAX_M and nk <= GEMV_MAX_NK:
+        path = "gemv"
+    elif (2 <= m <= 8 and state["fmt"] == "nvfp4" and 0 < tok_min_n <= state["n"]
+          and state["k"] >= tok_min_k and _wsmma_ok(device, state)):
+        path = "wsmma"
+    elif 0 < RWG_MIN_M <= m <= max(RWG_MAX_M, RWG_WIDE_MAX_M) and _wsmma_ok(device, state):
+        path = "rwg"
+        config = {**_rwg_config(state["n"], state["k"], m, _num_sms(device.index if device.index is not None
+                                                                   else 0)), **(config or {})}
+    elif 0 < WGMMA_MIN_M <= m and _wsmma_ok(device, state):
+        path = "wgmma"
+    elif 0 < WGMMA_SMALL_M <= m and WGMMA_MIN_M > 0 and _wsmma_ok(device, state):
+        small = _small_m_wgmma(state["n"], state["k"], m)
+        if small is not None:
+            path, config = "wgmma", {**small, **(config or {})}
+    return path, config
+
+
+def routes_to_gluon_tokens(x: torch.Tensor, state: dict) -> bool:
+    """True where `forward` (no config) runs this 2..8-token launch on the Gluon GEMV with one token
+    per MMA column (path "wsmma"), as it routes a PDL chain (CHAIN_ROUTING / PDL)."""
+    m = x.shape[0]
+    return 2 <= m <= 8 and _path(m, None) == "fused" and _fused_route(m, state, x.device, None)[0] == "wsmma"
+
+
 def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, config: dict | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for x [M, K] bf16; `state` from qerl.kernels.prepare.
@@ -988,27 +1023,7 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
     path = _path(m, config)
     if path == "fused" and not (config and ("PATH" in config or "BO" in config)):  # a tile config keeps its kernel
         # (modifier keys such as PDL keep the dispatch)
-        nk = state["n"] * state["k"]
-        chain = PDL if CHAIN_ROUTING is None else CHAIN_ROUTING
-        min_nk, tok_min_n, tok_min_k = ((WSMMA_MIN_NK_PDL, WSMMA_TOKENS_MIN_N_PDL, WSMMA_TOKENS_MIN_K_PDL) if chain
-                                        else (WSMMA_MIN_NK, WSMMA_TOKENS_MIN_N, WSMMA_TOKENS_MIN_K))
-        if m == 1 and state["fmt"] == "nvfp4" and 0 < min_nk <= nk and _wsmma_ok(x.device, state):
-            path = "wsmma"  # (checked first: with PDL its threshold may be below GEMV_MAX_NK)
-        elif m <= GEMV_MAX_M and nk <= GEMV_MAX_NK:
-            path = "gemv"
-        elif (2 <= m <= 8 and state["fmt"] == "nvfp4" and 0 < tok_min_n <= state["n"]
-              and state["k"] >= tok_min_k and _wsmma_ok(x.device, state)):
-            path = "wsmma"
-        elif 0 < RWG_MIN_M <= m <= max(RWG_MAX_M, RWG_WIDE_MAX_M) and _wsmma_ok(x.device, state):
-            path = "rwg"
-            config = {**_rwg_config(state["n"], state["k"], m, _num_sms(x.device.index if x.device.index is not None
-                                                                         else 0)), **(config or {})}
-        elif 0 < WGMMA_MIN_M <= m and _wsmma_ok(x.device, state):
-            path = "wgmma"
-        elif 0 < WGMMA_SMALL_M <= m and WGMMA_MIN_M > 0 and _wsmma_ok(x.device, state):
-            small = _small_m_wgmma(state["n"], state["k"], m)
-            if small is not None:
-                path, config = "wgmma", {**small, **(config or {})}
+        path, config = _fused_route(m, state, x.device, config)
     if (path == "dequant" and PREFILL not in ("fused", "dequant", "overlap") and not (config and "PATH" in config)
             and m < WGMMA_MAX_M and WGMMA_MIN_M > 0 and _wsmma_ok(x.device, state)):
         large = _large_m_wgmma(state["n"], m, _num_sms(x.device.index if x.device.index is not None else 0))
