@@ -50,8 +50,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   one beyond the resident programs), nosbits (its scales by the float conversion, not
                   the integer one), sks1 / 2 / 4 / 8 / 16 / 32 (stream-K planned for that many slots fewer,
                   w4a16_gluon.SK_SPARE, on top of SK_SPARE_GLU for GLU launches), noglu (the gate/up
-                  product and the silu kernel as two launches, not engine.GLU's one), norope / nocomb (RoPE / the split combine in launches of their
-                  own, not inside the attention kernel), comb (the combine inside), oldepi (its epilogues
+                  product and the silu kernel as two launches, not engine.GLU's one), norope / nocomb
+                  (RoPE / the split combine in launches of their own, not inside the attention kernel), comb (the combine inside), oldepi (its epilogues
                   without the shared-memory sum), lsm0 / lsm2 (a LoRA group's Gluon GEMV planned
                   as without LoRA / for 2 programs per SM, not engine.LORA_GEMV_PER_SM), lxs0 (a LoRA
                   group's Gluon GEMV without XS, engine.LORA_GEMV_XS), lora1k

@@ -1020,9 +1020,8 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     xs = bool(xs) and x.data_ptr() % 16 == 0  # TMA: a 16-byte aligned base
     key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM, pwa, xs, glu)  # (occupancy; SBITS keeps it)
     fits = min(_RESIDENT.get(key, per_sm), per_sm)
-    s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), fits, mt)
-    if glu:
-        w_desc, s_desc = glu_descriptors(state)
+    s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), fits, mt,
+                                                  glu_descriptors(state) if glu else None)
     slots = fits * W._num_sms(x.device.index or 0)
     xpf = not xs and (bool(cfg["XPF"]) if cfg["XPF"] is not None else xpf_auto(mt, s, grid, slots, k))
     free = cfg.get("S") is None and HOIST_CONSTS and EPI_SMEM  # the other schedules need both

@@ -232,11 +232,11 @@ def descriptors(state: dict):
             TensorDescriptor.from_tensor(state["scale"].view(-1, 16), [64, 16], sl))
 
 
-def _plan(x: torch.Tensor, state: dict, out, s_forced, per_sm: int, tokens: int = 1):
+def _plan(x: torch.Tensor, state: dict, out, s_forced, per_sm: int, tokens: int = 1, descs=None):
     """Host side of a warp-specialised GEMV launch: K slices per 64-row block (the fewest with
-    the longest slice that fills per_sm programs on every SM, or s_forced), TMA descriptors,
-    output [M, N], counters and workspace (tokens x 64 fp32 per program) -> (S, grid, w_desc,
-    s_desc, c, locks, ws)."""
+    the longest slice that fills per_sm programs on every SM, or s_forced), TMA descriptors
+    (`descriptors`, or `descs` where the caller has its own), output [M, N], counters and
+    workspace (tokens x 64 fp32 per program) -> (S, grid, w_desc, s_desc, c, locks, ws)."""
     n, kb = state["n"], state["kb"]
     blocks = triton.cdiv(n, 64)
     if s_forced is not None:
@@ -246,7 +246,7 @@ def _plan(x: torch.Tensor, state: dict, out, s_forced, per_sm: int, tokens: int 
         s_max = max(1, min(kb, slots // blocks))
         steps = -(-kb // s_max)
         s = -(-kb // steps)  # fewest slices with the same longest slice
-    w_desc, s_desc = descriptors(state)
+    w_desc, s_desc = descriptors(state) if descs is None else descs
     c = torch.empty(x.shape[0], n, device=x.device, dtype=torch.bfloat16) if out is None else out
     locks = state["locks"]
     if blocks > locks.numel():

@@ -343,33 +343,12 @@ class RolloutEngine:
                                          self.n_kv, lo, self._attn_counters)
             o, lo = self._linear(layer.o, attn, "o")
             h, x = layer.mlp_norm(o, h, lo)
-            act = self._glu(layer, x) if GLU else None
+            act = layer.gate_up.glu_forward(x) if GLU and layer.silu else None
             if act is None:
                 gu, lo = self._linear(layer.gate_up, x, "gate_up")
                 act = layer.gate(gu, lo)
             delta, lo_down = self._linear(layer.down, act, "down")
         return bf16_gemv.dense(self.lm_head, self.final_norm(delta, h, lo_down)[1])  # batch 1: the PDL GEMV
-
-    @staticmethod
-    def _glu(layer: "_Layer", x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up in one Gluon GEMV launch (GLU), or None where that launch does not apply:
-        a non-SiLU MLP, a gate/up LoRA delta, weights not fused into one nvfp4 QuantLinear, or a
-        launch the 4-bit dispatch would not run on the Gluon GEMV."""
-        from qerl.nn.quant_linear import QuantLinear
-
-        group = layer.gate_up
-        base = group.fused
-        if (not layer.silu or x.device.type != "cuda" or group.has_lora or group._per_module
-                or not isinstance(base, QuantLinear) or base.fmt != "nvfp4" or base.bias is not None
-                or base._resolved_backend(x) != "triton"):
-            return None
-        from qerl.kernels import w4a16_gluon, w4a16_triton
-
-        x2 = x.reshape(-1, x.shape[-1])
-        state = base.kernel_state()
-        if not (w4a16_gluon.glu_usable(x2, state) and w4a16_triton.routes_to_gluon_tokens(x2, state)):
-            return None
-        return w4a16_gluon.forward(x2.contiguous(), state, glu=True).view(*x.shape[:-1], -1)
 
     def _linear(self, group: LinearGroup, x: torch.Tensor, kind: str):
         """(base product, LoRA delta or None): on a GPU the delta's two kernels run on the side

@@ -216,6 +216,23 @@ class LinearGroup:
         """The product without this group's LoRA (with it, where the modules apply it themselves)."""
         return self(x) if self._per_module else bf16_gemv.dense(self.base, x)
 
+    def glu_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of a fused [gate; up] group in one Gluon GEMV launch (w4a16_gluon GLU), or
+        None where that launch does not apply: a LoRA delta to add first, weights not fused into one
+        nvfp4 QuantLinear without bias, or a launch the 4-bit dispatch would not run on the Gluon GEMV
+        (off the GPU among them)."""
+        base = self.fused
+        if (self._per_module or self.has_lora or not isinstance(base, QuantLinear) or base.fmt != "nvfp4"
+                or base.bias is not None or base._resolved_backend(x) != "triton"):
+            return None
+        from qerl.kernels import w4a16_gluon, w4a16_triton
+
+        x2 = x.reshape(-1, x.shape[-1])
+        state = base.kernel_state()
+        if not (w4a16_gluon.glu_usable(x2, state) and w4a16_triton.routes_to_gluon_tokens(x2, state)):
+            return None
+        return w4a16_gluon.forward(x2.contiguous(), state, glu=True).view(*x.shape[:-1], -1)
+
     def lora_workspace(self, rows: int) -> tuple[torch.Tensor, ...]:
         """Preallocated buffers for `lora` at up to `rows` rows (qerl.kernels.lora_ops.workspace)."""
         from qerl.kernels.lora_ops import workspace
