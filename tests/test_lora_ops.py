@@ -88,3 +88,30 @@ def test_workspace_too_small_for_the_split_is_refused():
     for bad in ((s + 1, 8, r), (s, 9, r), (s, 8, r + 1)):
         with pytest.raises(ValueError, match="too small"):
             lora_ops._check_partials(ws[0], *bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_add_in_place_matches_the_delta(dtype, monkeypatch):
+    """The prefill's in-place form (one GEMM per segment with beta = 1 into the base product) adds
+    what lora_delta computes: to fp32 rounding in fp32, within one bf16 rounding of the sum in bf16; off,
+    it is the old write-then-add, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    m, k, rank, sizes = 96, 48, 8, (40, 16, 16)
+    n = sum(sizes)
+    bounds = (sizes[0], sizes[0] + sizes[1])
+    x = torch.randn(m, k, generator=g).to(dtype)
+    a = torch.randn(3 * rank, k, generator=g).to(dtype) / 4
+    b = torch.randn(n, rank, generator=g).to(dtype) / 4
+    y = torch.randn(m, n, generator=g).to(dtype)
+    want = y.float() + lora_ops.lora_delta(x, a, b, bounds, rank).float()
+    got = lora_ops.lora_add_(y.clone(), x, a, b, bounds, rank)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+    torch.testing.assert_close(got.float(), want, **tol)
+    monkeypatch.setattr(lora_ops, "ADD_IN_PLACE", False)
+    old = lora_ops.lora_add_(y.clone(), x, a, b, bounds, rank)
+    assert torch.equal(old, y + lora_ops.lora_delta(x, a, b, bounds, rank))
+    # one segment (o / down), and a group of two (gate / up)
+    for bnd in ((n, n), (sizes[0], n)):
+        want = y.float() + lora_ops.lora_delta(x, a, b, bnd, rank).float()
+        monkeypatch.setattr(lora_ops, "ADD_IN_PLACE", True)
+        torch.testing.assert_close(lora_ops.lora_add_(y.clone(), x, a, b, bnd, rank).float(), want, **tol)

@@ -39,7 +39,7 @@ import os
 
 import torch
 
-__all__ = ["lora_delta", "lora_delta_reference", "lora_delta_triton", "lora_expand_triton", "lora_fused_triton",
+__all__ = ["lora_add_", "lora_delta", "lora_delta_reference", "lora_delta_triton", "lora_expand_triton", "lora_fused_triton",
            "lora_shrink_triton", "shrink_splits"]
 
 
@@ -204,9 +204,37 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: tuple[
                buffers: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """The group's LoRA delta [M, N] (module docstring): the two Triton kernels on CUDA for bf16 /
     fp16 with M <= 64; torch otherwise (or with `lora` in QERL_DECODE_OPS_TORCH)."""
-    from qerl.kernels.decode_ops import _on_gpu
-
-    if (x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= 64 and x.stride(-1) == 1
-            and a.is_contiguous() and b.is_contiguous() and _on_gpu(x, "lora")):
+    if _kernel_path(x, a, b):
         return lora_delta_triton(x, a, b, bounds, rank, buffers)
     return lora_delta_reference(x, a, b, bounds, rank, None if buffers is None else buffers[-1][:x.shape[0]])
+
+
+# Where the delta takes the torch path (a prefill: more than 64 rows), add it to the base product
+# in place, one cuBLAS GEMM per segment with beta = 1 (y[:, segment] += h_seg @ B_seg^T), instead of
+# writing the [M, N] delta and adding it after: at a 7B prefill of 2048 tokens that round trip is
+# ~4 x M x N x 2 bytes per group, ~26 GB and ~9 ms of the ~10 ms LoRA added (NOTES_rollout.md
+# section 24). The delta is then rounded once, with the sum, rather than on its own first.
+# False: the old order (ablation flag `noaddmm`).
+ADD_IN_PLACE = True
+
+
+def _kernel_path(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    from qerl.kernels.decode_ops import _on_gpu
+
+    return (x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= 64 and x.stride(-1) == 1
+            and a.is_contiguous() and b.is_contiguous() and _on_gpu(x, "lora"))
+
+
+def lora_add_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: tuple[int, int], rank: int,
+              buffers: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """y [M, N] += the group's LoRA delta (lora_delta's), in place; returns y."""
+    if not ADD_IN_PLACE or y.dtype != a.dtype or _kernel_path(x, a, b):
+        return y.add_(lora_delta(x, a, b, bounds, rank, buffers).to(y.dtype))
+    ha = torch.mm(x, a.t())
+    n = b.shape[0]
+    edges = [0, *bounds, n]
+    for i in range(3):
+        n0, n1 = edges[i], edges[i + 1]
+        if n1 > n0:
+            y[:, n0:n1].addmm_(ha[:, i * rank:(i + 1) * rank], b[n0:n1].t())
+    return y

@@ -254,5 +254,8 @@ class LinearGroup:
             return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
         y = bf16_gemv.dense(self.base, x)
         if self._a is not None:
-            y.view(-1, y.shape[-1]).add_(self.lora(x).to(y.dtype))
+            from qerl.kernels.lora_ops import lora_add_
+
+            x2 = x.reshape(-1, self.in_features).to(self._a.dtype)
+            lora_add_(y.view(-1, y.shape[-1]), x2, self._a, self._b, self.bounds, self.rank)
         return y
