@@ -64,7 +64,12 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   lnull / lshrink / lexpand (with lora: the side stream keeps its fork and join but
                   runs one empty kernel / the shrink alone / the expand alone, delta zero: timing only;
                   the device-side join these were measured against, flags dj / djqkv / djearly, is
-                  benchmarks/patches/lora_device_join_qkv.patch, NOTES_rollout.md sections 16, 23 and 24)
+                  benchmarks/patches/lora_device_join_qkv.patch, NOTES_rollout.md sections 16, 23 and 24),
+                  noaddmm (a prefill's LoRA delta written and then added, not added in place by the
+                  expand GEMM, lora_ops.ADD_IN_PLACE), lb64 / lb128 / lb256 (decode key buckets of that
+                  many slots, engine.LENGTH_BUCKET; with --generate, as they change which buckets run)
+`--generate N` times N whole generate calls per variant instead (256-token prompts, 512 new tokens:
+the tok/s bench_rollout reports, prefill and every key bucket included) and prints their medians.
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
 its median: the GPU drifts by up to ~6% over a call (the first and last "base" of one list
 differed that much), so single back-to-back timings of two variants mislead.
@@ -118,6 +123,8 @@ def _switches() -> dict:
         "lsm2": [(engine_mod, "LORA_GEMV_PER_SM", 2)],
         "lxs0": [(engine_mod, "LORA_GEMV_XS", False)],
         "lora1k": [(lora_ops, "FUSED", True)],
+        "noaddmm": [(lora_ops, "ADD_IN_PLACE", False)],
+        **{f"lb{n}": [(engine_mod, "LENGTH_BUCKET", n)] for n in (64, 128, 256)},
         "nowsmma": [(w4a16_triton, "WSMMA_MIN_NK", 0), (w4a16_triton, "WSMMA_MIN_NK_PDL", 0),
                     (w4a16_triton, "WSMMA_TOKENS_MIN_N", 0), (w4a16_triton, "WSMMA_TOKENS_MIN_N_PDL", 0)],
         "nopdl": [(decode_ops, "PDL", False)],
@@ -419,6 +426,27 @@ def time_variant(engine: RolloutEngine, prompts: list, settings, with_timeline: 
     return row
 
 
+def time_generate(engine: RolloutEngine, prompts: list, settings, calls: int) -> dict:
+    """Whole generate calls, as bench_rollout times them (prefill, every key bucket, the host's
+    checks): one call to compile and capture, then `calls` timed; the median call's tok/s."""
+    import time
+
+    def one():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        batch = engine.generate(prompts, settings, torch.Generator(device="cuda").manual_seed(3))
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, dict(engine.stats), int(batch.completion_mask.sum())
+
+    one()
+    runs = sorted((one() for _ in range(calls)), key=lambda r: r[0])
+    sec, stats, tokens = runs[len(runs) // 2]
+    return {"step_ms": round(stats["decode_s"] * 1e3 / max(1, stats["steps"] - 1), 4),
+            "tokens_per_s": round(tokens / sec, 1), "call_s": round(sec, 4), "all_call_s": [round(r[0], 4) for r in runs],
+            "prefill_ms": round(stats["prefill_s"] * 1e3, 2), "decode_s": round(stats["decode_s"], 4),
+            "graphs": stats["graphs"], "gpu_state": gpu_state()}
+
+
 def save(result: dict, out: str | None) -> None:
     """Write what was measured so far (after every row: a call cut short keeps it)."""
     if out:
@@ -427,21 +455,36 @@ def save(result: dict, out: str | None) -> None:
 
 
 def summarise(result: dict, rounds: int, out: str | None) -> None:
-    """Medians per (batch, variant) over the rounds into result["medians"]; the table."""
-    medians, clocks = {}, {}
+    """Medians per (batch, variant) over the rounds into result["medians"]; the table (with
+    --generate: the calls' tok/s, x base from them, and the prefill)."""
+    medians, clocks, tps, prefill = {}, {}, {}, {}
     for r in result["rows"]:
-        medians.setdefault((r["batch"], r["variant"]), []).append(r["step_ms"])
-        clocks.setdefault((r["batch"], r["variant"]), []).append(r["gpu_state"].get("sm_mhz"))
+        key = (r["batch"], r["variant"])
+        medians.setdefault(key, []).append(r["step_ms"])
+        clocks.setdefault(key, []).append(r["gpu_state"].get("sm_mhz"))
+        tps.setdefault(key, []).append(r["tokens_per_s"])
+        if "prefill_ms" in r:
+            prefill.setdefault(key, []).append(r["prefill_ms"])
     result["medians"] = [{"batch": b, "variant": v, "step_ms": statistics.median(ms), "all_ms": ms,
-                          "sm_mhz": clocks[(b, v)]} for (b, v), ms in medians.items()]
+                          "tokens_per_s": statistics.median(tps[(b, v)]), "sm_mhz": clocks[(b, v)],
+                          **({"prefill_ms": statistics.median(prefill[(b, v)])} if (b, v) in prefill else {})}
+                         for (b, v), ms in medians.items()]
     save(result, out)
-    print(f"\n{result['model']} {result['format']} LoRA r{result['lora_rank']}, {rounds} round(s): medians")
-    print("| batch | variant | step ms | tok/s | x base | all ms | SM MHz after each |")
+    whole = bool(prefill)
+    print(f"\n{result['model']} {result['format']} LoRA r{result['lora_rank']}, {rounds} round(s): medians"
+          + (" of whole generate calls (step ms: decode per step)" if whole else ""))
+    print("| batch | variant | step ms | tok/s | x base | all ms | SM MHz after each |" + (" prefill ms |" if whole else ""))
     for m in result["medians"]:
-        ref = medians.get((m["batch"], "base"))
-        rel = f"{statistics.median(ref) / m['step_ms']:.3f}" if ref else "-"
-        print(f"| {m['batch']} | {m['variant']} | {m['step_ms']:.3f} | {m['batch'] * 1e3 / m['step_ms']:.1f} | {rel} | "
-              f"{' '.join(f'{x:.3f}' for x in m['all_ms'])} | {' '.join(str(c) for c in m['sm_mhz'])} |")
+        key = (m["batch"], "base")
+        if whole:
+            rel = f"{m['tokens_per_s'] / statistics.median(tps[key]):.3f}" if key in tps else "-"
+            rate = m["tokens_per_s"]
+        else:
+            rel = f"{statistics.median(medians[key]) / m['step_ms']:.3f}" if key in medians else "-"
+            rate = m["batch"] * 1e3 / m["step_ms"]
+        print(f"| {m['batch']} | {m['variant']} | {m['step_ms']:.3f} | {rate:.1f} | {rel} | "
+              f"{' '.join(f'{x:.3f}' for x in m['all_ms'])} | {' '.join(str(c) for c in m['sm_mhz'])} |"
+              + (f" {m['prefill_ms']:.1f} |" if whole else ""))
 
 
 def main() -> None:
@@ -457,6 +500,10 @@ def main() -> None:
                     help="variants to run once more with the 4-bit kernels' per-program clocks (stamp_summary)")
     ap.add_argument("--keys", type=int, default=512,
                     help="the key bucket of the timed step graph (a multiple of 256; 512: slots 257..512)")
+    ap.add_argument("--generate", type=int, default=0,
+                    help="time N whole generate calls per variant (256-token prompts, 512 new tokens: bench_rollout's "
+                         "tok/s, prefill and both key buckets) instead of one bucket's graph step; step_ms is then "
+                         "the decode time per step")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.keys % 256 or a.keys < 512:
@@ -476,8 +523,9 @@ def main() -> None:
         prompts = [torch.randint(0, 150000, (256,)).tolist() for _ in range(batch)]
         for rnd, name in ((r, n) for r in range(a.rounds) for n in a.variants):
             with variant_of(engine, name), torch.inference_mode():
-                row = {"batch": batch, "variant": name, "round": rnd,
-                       **time_variant(engine, prompts, settings, rnd == 0 and name in a.timeline, a.keys)}
+                timed = (time_generate(engine, prompts, settings, a.generate) if a.generate else
+                         time_variant(engine, prompts, settings, rnd == 0 and name in a.timeline, a.keys))
+                row = {"batch": batch, "variant": name, "round": rnd, **timed}
             result["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "timeline"}), flush=True)  # with gpu_state
             save(result, a.out)

@@ -103,14 +103,17 @@ def profile_prefill(a) -> None:
                     torch.cuda.synchronize()
             cpu: dict = defaultdict(float)
             gpu: dict = defaultdict(float)
+            kernels: dict = defaultdict(float)
             for ev in prof.key_averages():
                 if ev.self_cpu_time_total > 0:
                     cpu[ev.key[:80]] += ev.self_cpu_time_total / 1e3
                 if ev.self_device_time_total > 0:
                     gpu[kind_of(ev.key)] += ev.self_device_time_total / 1e3
+                    kernels[ev.key[:80]] += ev.self_device_time_total / 1e3
             row = {"model": a.model, "format": fmt, "batch": b, "wall_ms": round(wall * 1e3, 2),
                    "prefill_ms": round(engine.stats["prefill_s"] * 1e3, 2), "gpu_kernel_ms": round(sum(gpu.values()), 2),
                    "gpu_by_kind_ms": {k: round(v, 2) for k, v in sorted(gpu.items(), key=lambda kv: -kv[1])},
+                   "gpu_top_ms": [(k, round(v, 2)) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:20]],
                    "cpu_self_top_ms": [(k, round(v, 2)) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])[:15]]}
             result["rows"].append(row)
             print(json.dumps(row, indent=1), flush=True)

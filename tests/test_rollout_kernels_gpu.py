@@ -274,6 +274,17 @@ def test_engine_bf16_gemv_keeps_greedy_rollouts(monkeypatch):
     assert (runs[0].logprobs[:, :16] - runs[1].logprobs[:, :16]).abs().max().item() < 0.05
 
 
+def test_engine_finer_length_buckets_keep_greedy_rollouts(monkeypatch):
+    """engine.LENGTH_BUCKET at 64 slots against 256 (the prompts padded to 128 and 80 new tokens run
+    the 192- and 256-slot buckets instead of one): the attention reads fewer masked keys in another
+    split, so greedy nvfp4 rollouts agree on their first 16 tokens and their logprobs there within
+    0.05, and the engine really captured the extra bucket."""
+    runs = _rollouts_per_switches("nvfp4", monkeypatch, 0.0, [{"engine.LENGTH_BUCKET": v} for v in (256, 64)])
+    assert torch.equal(runs[0].completion_ids[:, :16], runs[1].completion_ids[:, :16])
+    assert (runs[0].logprobs[:, :16] - runs[1].logprobs[:, :16]).abs().max().item() < 0.05
+    assert runs[1].extra["engine"]["graphs"] == runs[0].extra["engine"]["graphs"] + 1
+
+
 @pytest.mark.parametrize("rows,kv,keys", [(16, 4, 2048), (32, 4, 2048), (8, 8, 2304), (64, 4, 1024)])
 def test_attention_max_blocks_split_matches_reference(rows, kv, keys, monkeypatch):
     """decode_ops.ATTN_MAX_BLOCKS (more key splits for many rows at long contexts) changes the

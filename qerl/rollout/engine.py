@@ -22,7 +22,7 @@ How a call runs.
   (qerl.rollout.sampling, from uniforms drawn for the whole rollout up front), the writes of the
   token / logprob / entropy, the finished flags and the advance of position and cache slot. On a
   GPU the step is captured in a CUDA graph once per (rows, key-length bucket, sampling settings)
-  and replayed; attention reads only the first `bucket` cache slots (buckets of 256). The host
+  and replayed; attention reads only the first `bucket` cache slots (LENGTH_BUCKET, 128). The host
   only replays, and checks the finished flags once every `check_every` steps, not per token:
   when all rows are done it stops, and when at most half of them are still going, those rows
   move to the front (cache and state, `compact_below`) and decoding goes on with fewer rows.
@@ -66,7 +66,15 @@ from qerl.rollout.sampling import draw_uniform
 __all__ = ["EngineError", "RolloutEngine", "engine_rollouts", "release_rollout_memory", "supports"]
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
-LENGTH_BUCKET = 256
+# Decode steps attend the first `bucket` cache slots, the slot count rounded up to a multiple of
+# LENGTH_BUCKET (one CUDA graph per rows x bucket): finer buckets read fewer masked keys but
+# capture more graphs (each first met with one eager step, then a capture). Whole 7B generate
+# calls, 256-token prompts + 512 new tokens, same process (H100, NOTES_rollout.md section 25):
+# 128 against 256 gave batch 1 / 8 / 64 x1.001 / x1.008 / x1.014, 64 gave x1.001 / x1.009 / x1.018
+# with twice 128's graphs. QERL_ROLLOUT_LENGTH_BUCKET (a multiple of 64) overrides it.
+LENGTH_BUCKET = int(os.environ.get("QERL_ROLLOUT_LENGTH_BUCKET", "128"))
+if LENGTH_BUCKET < 64 or LENGTH_BUCKET % 64:
+    raise ValueError(f"QERL_ROLLOUT_LENGTH_BUCKET must be a positive multiple of 64, got {LENGTH_BUCKET}")
 # On a GPU, prompt widths are left-padded to a multiple of PROMPT_BUCKET, and a prefill of at most
 # PREFILL_GRAPH_TOKENS prompt tokens (distinct prompts x width) runs as a CUDA graph from its
 # second use on: such a prefill is host-bound (32B at batch 1: ~100-175 ms of launches for
