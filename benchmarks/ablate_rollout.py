@@ -67,7 +67,10 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   benchmarks/patches/lora_device_join_qkv.patch, NOTES_rollout.md sections 16, 23 and 24),
                   noaddmm (a prefill's LoRA delta written and then added, not added in place by the
                   expand GEMM, lora_ops.ADD_IN_PLACE), lb64 / lb128 / lb256 (decode key buckets of that
-                  many slots, engine.LENGTH_BUCKET; with --generate, as they change which buckets run)
+                  many slots, engine.LENGTH_BUCKET; with --generate, as they change which buckets run),
+                  nostepfuse (the step's embedding, cos / sin gathers and advance as their own launches,
+                  not engine.STEP_FUSE's), noprerope / nogqa (the prefill's RoPE as torch ops / K and V
+                  repeated per query head, not engine.PREFILL_ROPE / PREFILL_GQA; with --generate)
 `--generate N` times N whole generate calls per variant instead (256-token prompts, 512 new tokens:
 the tok/s bench_rollout reports, prefill and every key bucket included) and prints their medians.
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
@@ -179,6 +182,9 @@ def _switches() -> dict:
             (w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "maxnreg": regs, "PER_SM": per_sm})]
     table["nobf16gemv"] = [(bf16_gemv, "ENABLED", False)]
     table["noglu"] = [(engine_mod, "GLU", False)]
+    table["nostepfuse"] = [(engine_mod, "STEP_FUSE", False)]
+    table["noprerope"] = [(engine_mod, "PREFILL_ROPE", False)]
+    table["nogqa"] = [(engine_mod, "PREFILL_GQA", False)]
     from qerl.rollout import fuse
     for part in ("null", "shrink", "expand"):
         table[f"l{part}"] = [(fuse.LinearGroup, "lora", _lora_part(part))]

@@ -133,6 +133,8 @@ def check(args) -> dict:
         "rope_to_cache": ((ops.rope_to_cache_triton(qkv, cos, sin, caches[0], caches[1], slot, 28, 4), caches[0], caches[1]),
                           (ops.rope_to_cache_reference(qkv, cos, sin, caches[2], caches[3], slot, 28, 4), caches[2], caches[3])),
         "silu_mul": ((ops.silu_mul_triton(gu),), (ops.silu_mul_reference(gu),)),
+        "rotary_rows": ((ops.rotary_rows_triton(qkv.view(8, 36, 128)[:, :32], cos, sin),),
+                        (ops.rotary(qkv.view(8, 36, 128)[:, :32], cos[:, None], sin[:, None]),)),
     }
     for name, (got, ref) in pairs.items():
         diffs = [float((a.float() - b.float()).abs().max()) for a, b in zip(got, ref)]

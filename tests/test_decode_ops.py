@@ -88,6 +88,42 @@ _SCRIPT = textwrap.dedent(
             zero = 0.0 if cnt is None or not cnt.any() else 1.0
             out.append(("attention_rope", b, heads, keys, prefetch, with_counters,
                         max(err(got, ref), err(kc_t, kc_r), err(vc_t, vc_r), zero)))
+    # the same with cos / sin as whole tables read at each row's position (pos)
+    for b, heads, kv, dim, length, keys in cases[:2]:
+        qkv = torch.randn(b, (heads + 2 * kv) * dim)
+        ang = torch.rand(40, dim // 2) * 6.28
+        cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+        pos = torch.randint(0, 40, (b,))
+        kc_t, vc_t = torch.randn(b, kv, length, dim), torch.randn(b, kv, length, dim)
+        kc_r, vc_r = kc_t.clone(), vc_t.clone()
+        valid = torch.rand(b, length) > 0.3
+        valid[:, 0] = True
+        slot = torch.tensor([keys // 3])
+        valid[:, slot] = True
+        got = ops.decode_attention_rope_triton(qkv, cos, sin, kc_t, vc_t, slot, valid, keys, dim ** -0.5, heads, kv,
+                                               pos=pos)
+        q = ops.rope_to_cache_reference(qkv, cos[pos], sin[pos], kc_r, vc_r, slot, heads, kv)
+        ref = ops.decode_attention_reference(q, kc_r, vc_r, valid, keys, dim ** -0.5)
+        out.append(("attention_rope_pos", b, heads, keys, max(err(got, ref), err(kc_t, kc_r), err(vc_t, vc_r))))
+    # the embedding lookup inside the norm, RoPE over rows of heads (a strided view), the advance
+    table, w = torch.randn(50, 96), torch.rand(96) + 0.5
+    ids = torch.tensor([3, 49, 0, 3])
+    h_t, x_t = ops.add_rms_norm_triton(None, table, w, 1e-6, ids=ids)
+    h_r, x_r = ops.add_rms_norm_reference(None, table[ids], w, 1e-6)
+    out.append(("embed_norm", 4, 96, 0, max(err(h_t, h_r), err(x_t, x_r))))
+    for rows, heads, dim in ((6, 5, 16), (3, 8, 32)):
+        qkv = torch.randn(rows, (heads + 3) * dim)
+        x = qkv.view(rows, heads + 3, dim)[:, 1:heads + 1]
+        ang = torch.rand(rows, dim // 2) * 6.28
+        cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+        out.append(("rotary_rows", rows, heads, dim,
+                    err(ops.rotary_rows_triton(x, cos, sin), ops.rotary(x, cos[:, None], sin[:, None]))))
+    slot, step = torch.tensor([4]), torch.tensor([9])
+    valid = torch.zeros(5, 12, dtype=torch.bool)
+    ops.advance_triton(slot, step, valid[:3])
+    want = torch.zeros(5, 12, dtype=torch.bool)
+    want[:3, 5] = True
+    out.append(("advance", 3, 12, 0, float(slot.item() != 5 or step.item() != 10 or not torch.equal(valid, want))))
     print("RESULTS" + json.dumps(out))
     """
 )
@@ -96,7 +132,7 @@ _SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize("seed", [0, 1])
 def test_triton_decode_ops_under_interpreter(seed):
     results = run_interpreted(_SCRIPT, seed)
-    assert len(results) == 38
+    assert len(results) == 44
     bad = [r for r in results if not r[-1] <= 1e-5]
     assert not bad, bad
 

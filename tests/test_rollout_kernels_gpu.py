@@ -274,6 +274,30 @@ def test_engine_bf16_gemv_keeps_greedy_rollouts(monkeypatch):
     assert (runs[0].logprobs[:, :16] - runs[1].logprobs[:, :16]).abs().max().item() < 0.05
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_engine_step_fuse_and_prefill_gqa_change_nothing(fmt, monkeypatch):
+    """engine.STEP_FUSE (the embedding inside the first norm, cos / sin read at each row's position
+    by the attention, the advance in one launch) and engine.PREFILL_GQA (SDPA's enable_gqa instead
+    of K / V repeated per query head) compute the same values: a sampled graphed rollout equals the
+    one without them token for token and logprob for logprob."""
+    off = {"engine.STEP_FUSE": False, "engine.PREFILL_GQA": False}
+    on = {"engine.STEP_FUSE": True, "engine.PREFILL_GQA": True}
+    runs = _rollouts_per_switches(fmt, monkeypatch, 1.0, [off, on])
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+    assert torch.equal(runs[0].logprobs, runs[1].logprobs)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_engine_prefill_rope_keeps_greedy_rollouts(fmt, monkeypatch):
+    """engine.PREFILL_ROPE: the prefill's q / k rotated by the decode step's RoPE arithmetic
+    (decode_ops.rotary_rows), which differs from the torch ops it replaces by one bf16 ulp on some
+    elements (as the decode kernel always has), so greedy rollouts agree on their first 16 tokens and
+    their logprobs there within 0.05."""
+    runs = _rollouts_per_switches(fmt, monkeypatch, 0.0, [{"engine.PREFILL_ROPE": v} for v in (False, True)])
+    assert torch.equal(runs[0].completion_ids[:, :16], runs[1].completion_ids[:, :16])
+    assert (runs[0].logprobs[:, :16] - runs[1].logprobs[:, :16]).abs().max().item() < 0.05
+
+
 def test_engine_finer_length_buckets_keep_greedy_rollouts(monkeypatch):
     """engine.LENGTH_BUCKET at 64 slots against 256 (the prompts padded to 128 and 80 new tokens run
     the 192- and 256-slot buckets instead of one): the attention reads fewer masked keys in another

@@ -29,8 +29,9 @@ import os
 
 import torch
 
-__all__ = ["add_rms_norm", "add_rms_norm_reference", "decode_attention", "decode_attention_reference", "decode_attention_rope",
-           "rope_to_cache", "rope_to_cache_reference", "rotary", "silu_mul", "silu_mul_reference"]
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "advance", "decode_attention", "decode_attention_reference",
+           "decode_attention_rope", "embed_rms_norm", "rope_to_cache", "rope_to_cache_reference", "rotary", "rotary_rows",
+           "silu_mul", "silu_mul_reference"]
 
 
 # --------------------------------------------------------------------------- references
@@ -99,7 +100,7 @@ def silu_mul_reference(gate_up, extra=None):
 # --------------------------------------------------------------------------- triton
 
 
-# Ops named here (comma-separated in QERL_DECODE_OPS_TORCH: norm, rope, silu, attention) take the torch path
+# Ops named here (comma-separated in QERL_DECODE_OPS_TORCH: norm, rope, silu, attention, advance) take the torch path
 # on the GPU too: for bisecting a numerical difference, and for timing what the kernels save.
 TORCH_ONLY = {x.strip() for x in os.environ.get("QERL_DECODE_OPS_TORCH", "").split(",") if x.strip()}
 
@@ -141,9 +142,10 @@ def _triton_kernels():
     import triton.language.extra.cuda  # noqa: F401  (gdc_* for PDL)
 
     @triton.jit
-    def add_rms_norm_kernel(d_ptr, e_ptr, h_ptr, w_ptr, h_out, x_out, n, eps, HAS_DELTA: tl.constexpr,
+    def add_rms_norm_kernel(d_ptr, e_ptr, h_ptr, w_ptr, h_out, x_out, n, eps, ids_ptr, HAS_DELTA: tl.constexpr,
                             HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-                            W_EARLY: tl.constexpr = True):
+                            W_EARLY: tl.constexpr = True, HAS_IDS: tl.constexpr = False):
+        # HAS_IDS (embed_rms_norm): h is row ids[row] of the table at h_ptr, written to h_out
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < n
@@ -154,7 +156,11 @@ def _triton_kernels():
         if PDL:  # see decode_ops.PDL
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-        h = tl.load(h_ptr + row * n + cols, mask=m, other=0.0)
+        if HAS_IDS:
+            h = tl.load(h_ptr + tl.load(ids_ptr + row).to(tl.int64) * n + cols, mask=m, other=0.0)
+            tl.store(h_out + row * n + cols, h, mask=m)
+        else:
+            h = tl.load(h_ptr + row * n + cols, mask=m, other=0.0)
         if HAS_DELTA:
             d = tl.load(d_ptr + row * n + cols, mask=m, other=0.0)
             if HAS_EXTRA:
@@ -247,17 +253,19 @@ def _triton_kernels():
     @triton.jit
     def attn_partial_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, po_ptr, pm_ptr, pl_ptr,
                             kc_b, kc_h, kc_l, vc_b, vc_h, vc_l, valid_b, keys, splits, scale,
-                            e_ptr, cos_ptr, sin_ptr, cnt_ptr, out_ptr, CHUNK: tl.constexpr,
+                            e_ptr, cos_ptr, sin_ptr, cnt_ptr, out_ptr, pos_ptr, CHUNK: tl.constexpr,
                             KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                             PDL: tl.constexpr = False, EARLY_V: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                            ROPE: tl.constexpr = False, HAS_EXTRA: tl.constexpr = False, COMBINE: tl.constexpr = False):
+                            ROPE: tl.constexpr = False, HAS_EXTRA: tl.constexpr = False, COMBINE: tl.constexpr = False,
+                            POS: tl.constexpr = False):
         # one (row, KV head, key chunk): the G query heads of that KV head against CHUNK keys,
         # online softmax; partial output, max and sum per query head to po / pm / pl.
         # ROPE (decode_attention_rope): q_ptr is the qkv projection [B, (KV G + 2 KV) D]; the
         # program rotates its q heads itself, and the program whose chunk holds `slot` rotates the
         # new key, writes key and value to the cache and uses them for that slot (rope_to_cache's
         # work, without its launch). COMBINE: the last of a (row, KV head)'s programs to finish
-        # (counter cnt_ptr, reset by it) does attn_combine_kernel's sum for the G heads.
+        # (counter cnt_ptr, reset by it) does attn_combine_kernel's sum for the G heads. POS: cos /
+        # sin are the whole tables and row b's are at its position pos[b] (final before the step).
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -270,6 +278,10 @@ def _triton_kernels():
             tl.extra.cuda.gdc_launch_dependents()
         if PREFETCH or ROPE:
             slot = tl.load(slot_ptr)
+        if POS:
+            crow = tl.load(pos_ptr + b).to(tl.int64)
+        else:
+            crow = b
         if PREFETCH:  # (ATTN_PREFETCH) the chunk's first K / V block read before the wait: every
             # slot but `slot` (written in this step: by the RoPE kernel, or with ROPE below) was
             # final before this step began
@@ -282,13 +294,13 @@ def _triton_kernels():
         if ROPE:
             dt = k_ptr.dtype.element_ty
             width = (KV * G + 2 * KV) * D
-            q = _rope_rows(q_ptr + b * width, e_ptr + b * width, cos_ptr + b * D, sin_ptr + b * D,
+            q = _rope_rows(q_ptr + b * width, e_ptr + b * width, cos_ptr + crow * D, sin_ptr + crow * D,
                            h * G + tl.minimum(g, G - 1), d, D, HAS_EXTRA, dt)
             new = (slot >= start) & ((slot < stop) | ((s == splits - 1) & (slot >= keys)))
             if new:  # this program's chunk holds this step's slot: the new key and value, to the cache
                 one = tl.zeros([1], tl.int32)
                 k_new = tl.reshape(_rope_rows(q_ptr + b * width + (KV * G + h) * D, e_ptr + b * width + (KV * G + h) * D,
-                                              cos_ptr + b * D, sin_ptr + b * D, one, d, D, HAS_EXTRA, dt), [D])
+                                              cos_ptr + crow * D, sin_ptr + crow * D, one, d, D, HAS_EXTRA, dt), [D])
                 vrow = q_ptr + b * width + (KV * G + KV + h) * D + d
                 v_new = tl.load(vrow)
                 if HAS_EXTRA:
@@ -388,7 +400,31 @@ def _triton_kernels():
         out = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
         tl.store(out_ptr + (b * KV * G + head) * D + d, out.to(out_ptr.dtype.element_ty))
 
-    return add_rms_norm_kernel, rope_cache_kernel, silu_mul_kernel, attn_partial_kernel, attn_combine_kernel
+    @triton.jit
+    def rope_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, sx, H, D: tl.constexpr, HB: tl.constexpr):
+        # (rotary_rows) row r's heads hb*HB.. of x (row stride sx, heads D apart) rotated with row r
+        # of cos / sin, rope_cache_kernel's roundings; out [R, H, D] contiguous
+        r = tl.program_id(0).to(tl.int64)
+        heads = tl.program_id(1) * HB + tl.arange(0, HB)
+        d = tl.arange(0, D)
+        y = _rope_rows(x_ptr + r * sx, x_ptr, cos_ptr + r * D, sin_ptr + r * D, tl.minimum(heads, H - 1), d, D,
+                       False, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + (r * H + heads[:, None]) * D + d[None, :], y, mask=(heads < H)[:, None])
+
+    @triton.jit
+    def advance_kernel(slot_ptr, step_ptr, valid_ptr, valid_b, rows, RB: tl.constexpr, PDL: tl.constexpr = False):
+        # (advance) one program: slot += 1, step += 1, valid[r, slot] = True for rows r < rows
+        if PDL:  # see decode_ops.PDL
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        slot = tl.load(slot_ptr) + 1
+        tl.store(slot_ptr, slot)
+        tl.store(step_ptr, tl.load(step_ptr) + 1)
+        r = tl.arange(0, RB)
+        tl.store(valid_ptr + r * valid_b + slot, tl.full([RB], 1, tl.int8), mask=r < rows)
+
+    return (add_rms_norm_kernel, rope_cache_kernel, silu_mul_kernel, attn_partial_kernel, attn_combine_kernel,
+            rope_rows_kernel, advance_kernel)
 
 
 def _next_pow2(n: int) -> int:
@@ -413,6 +449,38 @@ def add_rms_norm(delta, h, weight, eps, extra=None):
     return add_rms_norm_triton(delta, h, weight, eps, extra)
 
 
+def embed_rms_norm(ids, table, weight, eps):
+    """(table[ids], RMSNorm(table[ids]) * weight): the embedding lookup of the decode step's tokens
+    inside the first norm's launch (no gather kernel of its own)."""
+    if not _on_gpu(table, "norm") or table.dtype != weight.dtype or not table.is_contiguous():
+        return add_rms_norm_reference(None, torch.nn.functional.embedding(ids, table), weight, eps)
+    return add_rms_norm_triton(None, table, weight, eps, ids=ids)
+
+
+def rotary_rows(x, cos, sin):
+    """x [R, H, D] (unit stride in D, heads D apart, any row stride: e.g. the q or k columns of a
+    q/k/v projection) rotated with cos / sin [R, D], one launch, out [R, H, D] contiguous: the
+    arithmetic of the decode kernels' RoPE (`_rope_rows`), which differs from torch's `rotary` in
+    bf16 by one ulp on some elements (bench_rollout.py --check counts them for rope_to_cache);
+    `rotary` itself off the GPU."""
+    d = x.shape[-1]
+    if (not _on_gpu(x, "rope") or d & (d - 1) or d < 16 or x.stride(2) != 1 or x.stride(1) != d
+            or not _same_dtype(x, cos, sin)):
+        return rotary(x, cos[:, None], sin[:, None])
+    return rotary_rows_triton(x, cos, sin)
+
+
+def advance(slot, step, valid):
+    """The decode state one token on: slot += 1, step += 1 (long [1] each), then valid[:, slot] =
+    True ([rows, L] bool); one launch on a GPU."""
+    if not _on_gpu(valid, "advance") or valid.stride(1) != 1:
+        slot.add_(1)
+        step.add_(1)
+        valid.index_fill_(1, slot, True)
+        return
+    advance_triton(slot, step, valid)
+
+
 def rope_to_cache(qkv, cos, sin, k_cache, v_cache, slot, heads: int, kv_heads: int, extra=None):
     d = cos.shape[-1]
     if (not _on_gpu(qkv, "rope") or not qkv.is_contiguous() or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1
@@ -429,17 +497,21 @@ def silu_mul(gate_up, extra=None):
 
 
 def decode_attention_rope(qkv, cos, sin, k_cache, v_cache, slot, valid, keys: int, scale: float, heads: int,
-                          kv_heads: int, extra=None, counters=None):
+                          kv_heads: int, extra=None, counters=None, pos=None):
     """rope_to_cache then decode_attention, one kernel on a GPU (ATTN_ROPE): the attention's
     programs rotate q themselves and the one whose key chunk holds `slot` writes the new key and
     value; with `counters` (int32 zeros, >= B * kv_heads, kept at zero) the combine runs in the
-    same launch (ATTN_COMBINE). Returns [B, heads * D], as decode_attention."""
+    same launch (ATTN_COMBINE). With `pos` (long [B]) cos / sin are the whole [L, D] tables and
+    row b takes row pos[b] of them (inside the kernel: no gather launch). Returns [B, heads * D],
+    as decode_attention."""
     d = cos.shape[-1]
     if (ATTN_ROPE and _on_gpu(qkv, "attention") and _on_gpu(qkv, "rope") and qkv.is_contiguous() and d >= 16
             and not d & (d - 1) and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and valid.is_contiguous()
             and _same_dtype(qkv, extra, k_cache, v_cache)):
         return decode_attention_rope_triton(qkv, cos, sin, k_cache, v_cache, slot, valid, keys, scale, heads,
-                                            kv_heads, extra, counters)
+                                            kv_heads, extra, counters, pos)
+    if pos is not None:
+        cos, sin = cos[pos], sin[pos]
     q = rope_to_cache(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads, extra)
     return decode_attention(q, k_cache, v_cache, valid, keys, scale, slot)
 
@@ -550,17 +622,18 @@ def decode_attention_triton(q, k_cache, v_cache, valid, keys: int, scale: float,
 
 
 def decode_attention_rope_triton(qkv, cos, sin, k_cache, v_cache, slot, valid, keys: int, scale: float,
-                                 heads: int, kv_heads: int, extra=None, counters=None):
+                                 heads: int, kv_heads: int, extra=None, counters=None, pos=None):
     """rope_to_cache + decode_attention as one launch (ATTN_ROPE); with ATTN_COMBINE and
-    `counters` (int32 [>= B * KV], zeros; left at zero) the combine rides in it too."""
+    `counters` (int32 [>= B * KV], zeros; left at zero) the combine rides in it too; `pos`:
+    decode_attention_rope's."""
     d = cos.shape[-1]
     rope = (qkv.contiguous(), extra.contiguous() if extra is not None else None, cos.contiguous(), sin.contiguous())
     return _attention_launch(qkv.view(qkv.shape[0], heads + 2 * kv_heads, d), heads, k_cache, v_cache, valid, keys,
-                             scale, slot, rope, counters if ATTN_COMBINE else None)
+                             scale, slot, rope, counters if ATTN_COMBINE else None, pos)
 
 
 def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: float, slot=None, rope=None,
-                      counters=None):
+                      counters=None, pos=None):
     partial, combine = _triton_kernels()[3:5]
     b, d = q.shape[0], q.shape[2]
     kv = k_cache.shape[1]
@@ -578,30 +651,35 @@ def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: 
                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), valid.stride(0),
                              keys, splits, float(scale), e if e is not None else qkv, cos, sin,
-                             counters if counters is not None else valid, out,
+                             counters if counters is not None else valid, out, pos if pos is not None else valid,
                              CHUNK=chunk, KV=kv, G=group, GP=max(16, _next_pow2(group)), D=d,
                              BLOCK=block, num_warps=4, PDL=pdl_on(q), EARLY_V=ATTN_EARLY_V, PREFETCH=prefetch,
                              ROPE=rope is not None, HAS_EXTRA=e is not None, COMBINE=counters is not None,
-                             launch_pdl=pdl_on(q))
+                             POS=rope is not None and pos is not None, launch_pdl=pdl_on(q))
     if counters is None:
         combine[(b, heads)](po, pm, pl, out, splits, KV=kv, G=group, D=d, SP=sp, num_warps=1,
                             PDL=pdl_on(q), launch_pdl=pdl_on(q))
     return out
 
 
-def add_rms_norm_triton(delta, h, weight, eps, extra=None):
+def add_rms_norm_triton(delta, h, weight, eps, extra=None, ids=None):
+    """add_rms_norm's kernel; with `ids` (long [B]) h is the embedding table and row b is its
+    row ids[b] (embed_rms_norm): returns (those rows, their norm)."""
     kern = _triton_kernels()[0]
     n = h.shape[-1]
     h2 = h.reshape(-1, n).contiguous()
     d2 = delta.reshape(-1, n).contiguous() if delta is not None else h2
     e2 = extra.reshape(-1, n).contiguous() if extra is not None else d2
-    h_out = torch.empty_like(h2) if delta is not None else h2
-    x_out = torch.empty_like(h2)
+    rows = h2.shape[0] if ids is None else ids.shape[0]
+    h_out = torch.empty(rows, n, dtype=h2.dtype, device=h2.device) if delta is not None or ids is not None else h2
+    x_out = torch.empty_like(h_out)
     block = _next_pow2(n)
-    kern[(h2.shape[0],)](d2, e2, h2, weight, h_out, x_out, n, float(eps), HAS_DELTA=delta is not None,
-                         HAS_EXTRA=delta is not None and extra is not None,
-                         BLOCK=block, num_warps=min(16, max(1, block // 256)), PDL=pdl_on(h2), W_EARLY=NORM_W_EARLY,
-                         launch_pdl=pdl_on(h2))
+    kern[(rows,)](d2, e2, h2, weight, h_out, x_out, n, float(eps), ids if ids is not None else h2,
+                  HAS_DELTA=delta is not None, HAS_EXTRA=delta is not None and extra is not None,
+                  BLOCK=block, num_warps=min(16, max(1, block // 256)), PDL=pdl_on(h2), W_EARLY=NORM_W_EARLY,
+                  HAS_IDS=ids is not None, launch_pdl=pdl_on(h2))
+    if ids is not None:
+        return h_out, x_out
     return h_out.view(h.shape), x_out.view(h.shape)
 
 
@@ -616,6 +694,21 @@ def rope_to_cache_triton(qkv, cos, sin, k_cache, v_cache, slot, heads: int, kv_h
                                     HEADS=heads, KV=kv_heads, D=d, HAS_EXTRA=extra is not None, num_warps=1,
                                     PDL=pdl_on(qkv), launch_pdl=pdl_on(qkv))
     return q
+
+
+def rotary_rows_triton(x, cos, sin):
+    r, h, d = x.shape
+    out = torch.empty(r, h, d, dtype=x.dtype, device=x.device)
+    hb = min(8, _next_pow2(h))
+    _triton_kernels()[5][(r, -(-h // hb))](x, cos.contiguous(), sin.contiguous(), out, x.stride(0), h, D=d, HB=hb,
+                                           num_warps=4)
+    return out
+
+
+def advance_triton(slot, step, valid):
+    rows = valid.shape[0]
+    _triton_kernels()[6][(1,)](slot, step, valid.view(torch.int8), valid.stride(0), rows,
+                               RB=max(2, _next_pow2(rows)), num_warps=1, PDL=pdl_on(valid), launch_pdl=pdl_on(valid))
 
 
 def silu_mul_triton(gate_up, extra=None):

@@ -57,7 +57,8 @@ from torch import nn
 from qerl.nn.quant_linear import _outside_inference_mode
 from qerl.kernels import bf16_gemv
 from qerl.kernels.lora_ops import shrink_splits
-from qerl.kernels.decode_ops import add_rms_norm, decode_attention_rope, pdl_on, rotary, silu_mul
+from qerl.kernels.decode_ops import (add_rms_norm, advance, decode_attention_rope, embed_rms_norm, pdl_on, rotary,
+                                    rotary_rows, silu_mul)
 from qerl.rl.rollout import RolloutBatch, RolloutSettings, pad_prompts
 from qerl.rollout.fuse import LinearGroup
 from qerl.kernels.sample_ops import SampleState, sample_step
@@ -95,6 +96,20 @@ LORA_GEMV_PER_SM = int(os.environ.get("QERL_LORA_GEMV_PER_SM", "3"))
 # XS (x copied beside the weight stages, w4a16_gluon.X_SMEM) for a LoRA group's Gluon GEMV: None =
 # the kernel's rule, False / True = off / on there.
 LORA_GEMV_XS = None
+# The decode step's own small launches folded into others (same bits): the token embedding read by
+# the first norm (decode_ops.embed_rms_norm), each row's cos / sin read by the attention at the
+# row's position (no gathers), and slot / step / key-mask advance in one launch
+# (decode_ops.advance); the same values. 7B batch 8, same process: decode step 2.611 -> 2.599 ms
+# (NOTES_rollout.md section 25). False: as before (ablation flag `nostepfuse`).
+STEP_FUSE = os.environ.get("QERL_ROLLOUT_STEP_FUSE", "1") == "1"
+# The prefill's RoPE on q and k as one launch each (decode_ops.rotary_rows: the decode step's RoPE
+# arithmetic, so prompt and generated keys are rotated alike; it differs from the five elementwise
+# torch ops and the cat it replaces by one bf16 ulp on some elements), and its attention with GQA
+# inside SDPA (enable_gqa, the same values) instead of K / V repeated per query head. 7B prefill,
+# same process (NOTES_rollout.md section 25): 2048 tokens 50.0 -> 47.4 ms, 16384 tokens 364 -> 339
+# ms. False: the torch ops (flags `noprerope`, `nogqa`).
+PREFILL_ROPE = os.environ.get("QERL_ROLLOUT_PREFILL_ROPE", "1") == "1"
+PREFILL_GQA = os.environ.get("QERL_ROLLOUT_PREFILL_GQA", "1") == "1"
 
 
 class EngineError(ValueError):
@@ -147,6 +162,10 @@ class _Norm:
     def __call__(self, delta: torch.Tensor | None, h: torch.Tensor, extra: torch.Tensor | None = None):
         """(h + delta (+ extra), norm of that)."""
         return add_rms_norm(delta, h, self.weight, self.eps, extra)
+
+    def embed(self, ids: torch.Tensor, table: torch.Tensor):
+        """(table[ids], norm of that): the embedding lookup inside the norm's launch."""
+        return embed_rms_norm(ids, table, self.weight, self.eps)
 
 
 class _Layer:
@@ -265,7 +284,9 @@ class RolloutEngine:
         p, length = ids.shape
         rows = torch.arange(source.shape[0], device=ids.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
+        cos, sin = self._cos[positions], self._sin[positions]  # [P, Lp, D]
+        cos_rows, sin_rows = cos.view(p * length, -1), sin.view(p * length, -1)
+        cos, sin = cos[:, None], sin[:, None]
         keys = mask.bool()[:, None, None, :]
         causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
         eye = torch.eye(length, dtype=torch.bool, device=ids.device)
@@ -278,13 +299,20 @@ class RolloutEngine:
             q, k, v = (t.view(p, length, -1, d) for t in (q, k, v))
             if layer.q_norm is not None:
                 q, k = layer.q_norm(None, q)[1], layer.k_norm(None, k)[1]
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+            if PREFILL_ROPE:
+                q, k = (rotary_rows(t.reshape(p * length, -1, d), cos_rows, sin_rows).view(p, length, -1, d)
+                        for t in (q, k))
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            else:
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+                q, k = rotary(q, cos, sin), rotary(k, cos, sin)
             self._k[i][rows, :, :length] = k[source]
             self._v[i][rows, :, :length] = v[source]
-            if self.group > 1:
+            gqa = self.group > 1 and PREFILL_GQA
+            if self.group > 1 and not gqa:
                 k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scaling)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scaling,
+                                                  **({"enable_gqa": True} if gqa else {}))
             h, x = layer.mlp_norm(layer.o(attn.transpose(1, 2).reshape(p, length, -1)), h)
             delta = layer.mlp(x)
         return self._logits(delta[:, -1], h[:, -1])
@@ -334,11 +362,18 @@ class RolloutEngine:
         """Logits [rows, V] for the tokens in self._tok at self._pos / self._slot; attends cache
         slots [0, keys)."""
         tok, pos = self._tok[:rows], self._pos[:rows]
-        cos, sin = self._cos[pos], self._sin[pos]
+        fused = STEP_FUSE and type(self.embed) is nn.Embedding and self.embed.max_norm is None
+        if fused:  # the embedding read by the first norm, cos / sin rows by the attention (STEP_FUSE)
+            cos, sin, at = self._cos, self._sin, pos
+        else:
+            cos, sin, at = self._cos[pos], self._sin[pos], None
         valid = self._valid[:rows]
-        h, delta, lo_down = self.embed(tok), None, None
+        h, delta, lo_down = (None if fused else self.embed(tok)), None, None
         for i, layer in enumerate(self.layers):
-            h, x = layer.attn_norm(delta, h, lo_down)
+            if h is None:
+                h, x = layer.attn_norm.embed(tok, self.embed.weight)
+            else:
+                h, x = layer.attn_norm(delta, h, lo_down)
             kc, vc = self._k[i][:rows], self._v[i][:rows]
             qkv, lo = self._linear(layer.qkv, x, "qkv")
             if layer.q_norm is not None:  # Qwen3: per-head norms on q and k before RoPE
@@ -348,7 +383,7 @@ class RolloutEngine:
                 q, k = layer.q_norm(None, q)[1], layer.k_norm(None, k)[1]
                 qkv, lo = torch.cat([q, k, v], 1).reshape(rows, -1), None
             attn = decode_attention_rope(qkv, cos, sin, kc, vc, self._slot, valid, keys, self.scaling, self.n_heads,
-                                         self.n_kv, lo, self._attn_counters)
+                                         self.n_kv, lo, self._attn_counters, at)
             o, lo = self._linear(layer.o, attn, "o")
             h, x = layer.mlp_norm(o, h, lo)
             act = layer.gate_up.glu_forward(x) if GLU and layer.silu else None
@@ -405,9 +440,12 @@ class RolloutEngine:
         kernel on a GPU (qerl.kernels.sample_ops); the shared counters advance here."""
         temperature, top_k, top_p = sampling
         sample_step(logits, temperature, self._sample_state, top_k, top_p)
-        self._slot.add_(1)
-        self._step.add_(1)
-        self._valid[:rows].index_fill_(1, self._slot, True)
+        if STEP_FUSE:
+            advance(self._slot, self._step, self._valid[:rows])
+        else:
+            self._slot.add_(1)
+            self._step.add_(1)
+            self._valid[:rows].index_fill_(1, self._slot, True)
 
     def _decode_step(self, rows: int, keys: int, sampling: tuple) -> None:
         self._sample_and_advance(self._decode_logits(rows, keys), rows, sampling)
