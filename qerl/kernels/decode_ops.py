@@ -140,6 +140,10 @@ def _triton_kernels():
     import triton.language as tl
 
     import triton.language.extra.cuda  # noqa: F401  (gdc_* for PDL)
+    from triton.language.extra.cuda import libdevice
+
+    globals()["libdevice"] = libdevice
+    globals()["_ROUND_EACH"] = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
     @triton.jit
     def add_rms_norm_kernel(d_ptr, e_ptr, h_ptr, w_ptr, h_out, x_out, n, eps, ids_ptr, HAS_DELTA: tl.constexpr,
@@ -201,8 +205,8 @@ def _triton_kernels():
             s2 = tl.load(sin_ptr + row * D + D // 2 + half).to(tl.float32)
             f1 = x1.to(tl.float32)
             f2 = x2.to(tl.float32)
-            o1 = ((f1 * c1).to(dt).to(tl.float32) + (-f2 * s1).to(dt).to(tl.float32)).to(dt)
-            o2 = ((f2 * c2).to(dt).to(tl.float32) + (f1 * s2).to(dt).to(tl.float32)).to(dt)
+            o1 = (_mul_round(f1, c1, dt) + _mul_round(-f2, s1, dt)).to(dt)
+            o2 = (_mul_round(f2, c2, dt) + _mul_round(f1, s2, dt)).to(dt)
             if head < HEADS:
                 dst = q_out + (row * HEADS + head) * D
             else:
@@ -244,11 +248,23 @@ def _triton_kernels():
             xp = (xp.to(tl.float32) + tl.load(e_ptr + rows[:, None] * D + dp[None, :]).to(tl.float32)).to(dt)
         c = tl.load(cos_ptr + d).to(tl.float32)
         sn = tl.load(sin_ptr + d).to(tl.float32) * tl.where(d < D // 2, -1.0, 1.0)
-        return ((x.to(tl.float32) * c[None, :]).to(dt).to(tl.float32)
-                + (xp.to(tl.float32) * sn[None, :]).to(dt).to(tl.float32)).to(dt)
+        return (_mul_round(x.to(tl.float32), c[None, :], dt) + _mul_round(xp.to(tl.float32), sn[None, :], dt)).to(dt)
 
-    # the kernel below calls it by name: Triton (and its interpreter) look names up in the module
+    @triton.jit
+    def _mul_round(a, b, dt):
+        # bf16(a * b) back in fp32, as torch's bf16 multiply rounds it. With the plain product the
+        # compiler contracted bf16(bf16(x c) + y) into one fma.rn.bf16, skipping the product's own
+        # rounding (1 ulp off torch's rotary on ~20% of elements); mul.rn is never contracted
+        # (the interpreter, exact anyway, has no libdevice)
+        if _ROUND_EACH:
+            p = libdevice.mul_rn(a, b)
+        else:
+            p = a * b
+        return p.to(dt).to(tl.float32)
+
+    # the kernels below call these by name: Triton (and its interpreter) look names up in the module
     globals()["_rope_rows"] = _rope_rows
+    globals()["_mul_round"] = _mul_round
 
     @triton.jit
     def attn_partial_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, po_ptr, pm_ptr, pl_ptr,
@@ -403,7 +419,7 @@ def _triton_kernels():
     @triton.jit
     def rope_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, sx, H, D: tl.constexpr, HB: tl.constexpr):
         # (rotary_rows) row r's heads hb*HB.. of x (row stride sx, heads D apart) rotated with row r
-        # of cos / sin, rope_cache_kernel's roundings; out [R, H, D] contiguous
+        # of cos / sin, `rotary`'s roundings (_rope_rows); out [R, H, D] contiguous
         r = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * HB + tl.arange(0, HB)
         d = tl.arange(0, D)
@@ -459,10 +475,9 @@ def embed_rms_norm(ids, table, weight, eps):
 
 def rotary_rows(x, cos, sin):
     """x [R, H, D] (unit stride in D, heads D apart, any row stride: e.g. the q or k columns of a
-    q/k/v projection) rotated with cos / sin [R, D], one launch, out [R, H, D] contiguous: the
-    arithmetic of the decode kernels' RoPE (`_rope_rows`), which differs from torch's `rotary` in
-    bf16 by one ulp on some elements (bench_rollout.py --check counts them for rope_to_cache);
-    `rotary` itself off the GPU."""
+    q/k/v projection) rotated with cos / sin [R, D], one launch, out [R, H, D] contiguous: `rotary`
+    as torch rounds it op by op (bf16(bf16(x cos) + bf16(rotate_half(x) sin))); `rotary` itself off
+    the GPU."""
     d = x.shape[-1]
     if (not _on_gpu(x, "rope") or d & (d - 1) or d < 16 or x.stride(2) != 1 or x.stride(1) != d
             or not _same_dtype(x, cos, sin)):

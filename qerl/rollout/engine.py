@@ -102,10 +102,9 @@ LORA_GEMV_XS = None
 # (decode_ops.advance); the same values. 7B batch 8, same process: decode step 2.611 -> 2.599 ms
 # (NOTES_rollout.md section 25). False: as before (ablation flag `nostepfuse`).
 STEP_FUSE = os.environ.get("QERL_ROLLOUT_STEP_FUSE", "1") == "1"
-# The prefill's RoPE on q and k as one launch each (decode_ops.rotary_rows: the decode step's RoPE
-# arithmetic, so prompt and generated keys are rotated alike; it differs from the five elementwise
-# torch ops and the cat it replaces by one bf16 ulp on some elements), and its attention with GQA
-# inside SDPA (enable_gqa, the same values) instead of K / V repeated per query head. 7B prefill,
+# The prefill's RoPE on q and k as one launch each (decode_ops.rotary_rows, the same roundings as
+# the five elementwise torch ops and the cat it replaces), and its attention with GQA inside SDPA
+# (enable_gqa, the same values) instead of K / V repeated per query head. 7B prefill,
 # same process (NOTES_rollout.md section 25): 2048 tokens 50.0 -> 47.4 ms, 16384 tokens 364 -> 339
 # ms. False: the torch ops (flags `noprerope`, `nogqa`).
 PREFILL_ROPE = os.environ.get("QERL_ROLLOUT_PREFILL_ROPE", "1") == "1"
