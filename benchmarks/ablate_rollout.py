@@ -70,7 +70,9 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   many slots, engine.LENGTH_BUCKET; with --generate, as they change which buckets run),
                   nostepfuse (the step's embedding, cos / sin gathers and advance as their own launches,
                   not engine.STEP_FUSE's), noprerope / nogqa (the prefill's RoPE as torch ops / K and V
-                  repeated per query head, not engine.PREFILL_ROPE / PREFILL_GQA; with --generate)
+                  repeated per query head, not engine.PREFILL_ROPE / PREFILL_GQA; with --generate),
+                  nonorm (timing only: every decode norm but the first skipped, no residual add: what
+                  folding the norms into the GEMVs could give at most)
 `--generate N` times N whole generate calls per variant instead (256-token prompts, 512 new tokens:
 the tok/s bench_rollout reports, prefill and every key bucket included) and prints their medians.
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
@@ -183,6 +185,7 @@ def _switches() -> dict:
     table["nobf16gemv"] = [(bf16_gemv, "ENABLED", False)]
     table["noglu"] = [(engine_mod, "GLU", False)]
     table["nostepfuse"] = [(engine_mod, "STEP_FUSE", False)]
+    table["nonorm"] = [(engine_mod._Norm, "__call__", _skip_norm)]
     table["noprerope"] = [(engine_mod, "PREFILL_ROPE", False)]
     table["nogqa"] = [(engine_mod, "PREFILL_GQA", False)]
     from qerl.rollout import fuse
@@ -196,6 +199,14 @@ def _switches() -> dict:
     for n in (8, 16, 32, 64, 128, 256):
         table[f"s{n}"] = [(lora_ops, "MAX_SPLITS", n)]
     return table
+
+
+def _skip_norm(self, delta, h, extra=None):
+    """Timing only (flag `nonorm`): no residual add and no RMSNorm launch; the next product reads
+    the unnormalised input. What the norm launches cost the step at most (the first norm, which
+    reads the embedding, stays)."""
+    out = h if delta is None else delta
+    return out, out
 
 
 @functools.lru_cache(maxsize=None)
