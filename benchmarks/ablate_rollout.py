@@ -72,7 +72,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   not engine.STEP_FUSE's), noprerope / nogqa (the prefill's RoPE as torch ops / K and V
                   repeated per query head, not engine.PREFILL_ROPE / PREFILL_GQA; with --generate),
                   nonorm (timing only: every decode norm but the first skipped, no residual add: what
-                  folding the norms into the GEMVs could give at most)
+                  folding the norms into the GEMVs could give at most), fold / nofold (engine.NORM_FOLD
+                  on / off: the norms between 4-bit GEMVs split over their epilogues)
 `--generate N` times N whole generate calls per variant instead (256-token prompts, 512 new tokens:
 the tok/s bench_rollout reports, prefill and every key bucket included) and prints their medians.
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
@@ -186,6 +187,8 @@ def _switches() -> dict:
     table["noglu"] = [(engine_mod, "GLU", False)]
     table["nostepfuse"] = [(engine_mod, "STEP_FUSE", False)]
     table["nonorm"] = [(engine_mod._Norm, "__call__", _skip_norm)]
+    table["fold"] = [(engine_mod, "NORM_FOLD", True)]
+    table["nofold"] = [(engine_mod, "NORM_FOLD", False)]
     table["noprerope"] = [(engine_mod, "PREFILL_ROPE", False)]
     table["nogqa"] = [(engine_mod, "PREFILL_GQA", False)]
     from qerl.rollout import fuse
@@ -297,13 +300,15 @@ def variant_of(engine: RolloutEngine, name: str):
 
     from qerl.kernels import w4a16_gemv, w4a16_gluon
 
-    def linear(group, x, kind):
+    def linear(group, x, kind, scale=None):
         before, gluon_before = w4a16_gemv.PDL_LATE, w4a16_gluon.DEFAULT
         if late_kinds is not None:
             w4a16_gemv.PDL_LATE = kind in late_kinds
         if kind in gluon_cfg:
             w4a16_gluon.DEFAULT = {**gluon_before, **gluon_cfg[kind]}
         try:
+            if scale is not None:  # NORM_FOLD's consumer (never a LoRA group)
+                return original(group, x, kind, scale)
             return original(group, x, kind) if kind in kinds else (group.base_forward(x), None)
         finally:
             w4a16_gemv.PDL_LATE, w4a16_gluon.DEFAULT = before, gluon_before

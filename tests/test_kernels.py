@@ -530,6 +530,26 @@ def test_gluon_gemv_glu_builds(sched, xs):
     assert built[True][2] == built[False][2] + 2048
 
 
+@pytest.mark.parametrize("fold,n,k,bias,glu,sk", [(1, 3584, 3584, False, False, False), (1, 3584, 18944, False, False, False),
+                                                  (2, 4608, 3584, True, False, False), (2, 37888, 3584, False, True, True)],
+                         ids=["res-o", "res-down", "scale-qkv", "scale-glu-sk"])
+def test_gluon_gemv_norm_fold_builds(fold, n, k, bias, glu, sk):
+    """Offline sm_90a build of the Gluon GEMV's NORM_FOLD epilogues (RES: residual add, bf16(r w) and
+    the partial sums of r^2; SCALE: the per-token RMS scale from those sums, loaded after the PDL wait):
+    no spills at 64 registers and the very main loop of the build without them (the fold lives in the
+    prologue and the epilogue only)."""
+    pytest.importorskip("triton.experimental.gluon")
+    cg = _compile_gluon()
+    loops = {}
+    for f in (0, fold):
+        ck = cg.compile_kernel(n, k, 3, 4, 64, 24, bias, True, 8, False, sk=sk, sbits=True, pwa=True, xs=True,
+                               glu=glu, fold=f)
+        regs, spills = cg._resources(ck.asm["cubin"])
+        assert spills == 0 and regs <= 64
+        loops[f] = cg._opcodes(_mma_loop(cg, ck.asm["cubin"], "HMMA"))
+    assert loops[fold] == loops[0]
+
+
 @pytest.mark.parametrize("mt", [1, 8])
 @pytest.mark.parametrize("xpf", [False, True], ids=["x-per-step", "x-ahead"])
 def test_gluon_gemv_builds_for_hopper(mt, xpf):

@@ -726,6 +726,55 @@ def test_gluon_gemv_glu(n, k, cfg):
         G.forward(torch.randn(1, k, device="cuda").to(torch.bfloat16), st, glu=True)  # one token: no GLU
 
 
+def test_gluon_gemv_norm_fold():
+    """NORM_FOLD (w4a16_gluon.forward fold): the producer's epilogue ("res") writes r = bf16(h + y) and
+    bf16(r w) bit-equal to those roundings of its plain output y, and per 64-column block the sums of
+    r^2 (fp32, to 1e-5); the consumer ("scale", plain with a bias, and GLU) multiplies each token by
+    1 / sqrt(mean r^2 + eps): within 1e-2 per token of the fp32 reference and of the unfused path
+    (the RMSNorm reference, then the plain launch), at M = 2 / 5 / 8, NaN-poisoned outputs."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import decode_ops
+    from qerl.kernels import w4a16_gluon as G
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs Hopper (TMA, warp specialisation)")
+    hid, k_in, eps = 1024, 2048, 1e-6
+    _t, st_o, w_o = _layer("nvfp4", hid, k_in, seed=11)
+    _t, st_q, w_q = _layer("nvfp4", 1536, hid, seed=12)
+    _t, st_g, w_g = _layer("nvfp4", 4096, hid, seed=13)
+    g = torch.Generator(device="cuda").manual_seed(14)
+    bias = (torch.randn(1536, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
+    bad = []
+    for m in (2, 5, 8):
+        a = torch.randn(m, k_in, device="cuda", generator=g).to(torch.bfloat16)
+        h = torch.randn(m, hid, device="cuda", generator=g).to(torch.bfloat16)
+        w = (torch.rand(hid, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
+        y = G.forward(a, st_o)
+        h_out = torch.full_like(h, float("nan"))
+        ss = torch.full((hid // 64, 8), float("nan"), device="cuda")
+        rw = G.forward(a, st_o, fold=("res", h, w, h_out, ss))
+        r = (h.float() + y.float()).to(torch.bfloat16)
+        ok_res = torch.equal(h_out, r) and torch.equal(rw, (r.float() * w.float()).to(torch.bfloat16))
+        ss_ref = r.float().pow(2).view(m, hid // 64, 64).sum(-1).T
+        ok_ss = torch.allclose(ss[:, :m], ss_ref, rtol=1e-5, atol=0)
+        inv = torch.rsqrt(r.float().pow(2).mean(-1) + eps)[:, None]
+        scale = ("scale", ss, hid // 64, eps, hid)
+        normed = decode_ops.add_rms_norm_reference(None, r, w, eps)[1]
+        yq = torch.full((m, 1536), float("nan"), device="cuda", dtype=torch.bfloat16)
+        G.forward(rw, st_q, bias=bias, out=yq, fold=scale)
+        ref_q = (rw.float() @ w_q.T) * inv + bias.float()
+        unfused_q = G.forward(normed, st_q, bias=bias)
+        yg = G.forward(rw, st_g, glu=True, fold=scale)
+        full = (rw.float() @ w_g.T) * inv
+        ref_g = torch.nn.functional.silu(full[:, :2048]) * full[:, 2048:]
+        unfused_g = G.forward(normed, st_g, glu=True)
+        errs = [max(_rel(o[i:i + 1], rf[i:i + 1]) for i in range(m))
+                for o, rf in ((yq, ref_q), (yq, unfused_q.float()), (yg, ref_g), (yg, unfused_g.float()))]
+        if not (ok_res and ok_ss and max(errs) <= TOL) or yq.isnan().any() or yg.isnan().any():
+            bad.append((m, ok_res, ok_ss, errs))
+    assert not bad, f"(M, res bit-equal, sums, [q vs fp32, q vs unfused, glu vs fp32, glu vs unfused]) {bad}"
+
+
 @pytest.mark.parametrize("m", (1, 4, 8))
 def test_gluon_gemv_x_smem_pdl_chain(m):
     """XS with PDL: the producer copies its weights before the wait and x only after it. A chain of

@@ -312,6 +312,28 @@ def test_engine_step_fuse_and_prefill_changes_change_nothing(fmt, monkeypatch):
     assert torch.equal(runs[0].logprobs, runs[1].logprobs)
 
 
+def test_engine_norm_fold_keeps_greedy_rollouts(monkeypatch):
+    """engine.NORM_FOLD (the mlp norm split over the o and gate/up GEMVs' epilogues on this model,
+    whose down GEMV, K = 1408, is not on the Gluon GEMV): one rounding fewer than the norm kernel, so
+    greedy nvfp4 rollouts agree with it off on their first 16 tokens and their logprobs there within
+    0.05, and the fold is really taken."""
+    from qerl.kernels import w4a16_gluon
+
+    folds = []
+    real = w4a16_gluon.forward
+
+    def counting(*args, **kwargs):
+        if kwargs.get("fold") is not None:
+            folds.append(kwargs["fold"][0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(w4a16_gluon, "forward", counting)
+    runs = _rollouts_per_switches("nvfp4", monkeypatch, 0.0, [{"engine.NORM_FOLD": v} for v in (False, True)])
+    assert "res" in folds and "scale" in folds
+    assert torch.equal(runs[0].completion_ids[:, :16], runs[1].completion_ids[:, :16])
+    assert (runs[0].logprobs[:, :16] - runs[1].logprobs[:, :16]).abs().max().item() < 0.05
+
+
 def test_engine_finer_length_buckets_keep_greedy_rollouts(monkeypatch):
     """engine.LENGTH_BUCKET at 64 slots against 256 (the prompts padded to 128 and 80 new tokens run
     the 192- and 256-slot buckets instead of one): the attention reads fewer masked keys in another

@@ -344,6 +344,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
               PDL: gl.constexpr, MT: gl.constexpr, XPF: gl.constexpr, STAMP: gl.constexpr, HOIST: gl.constexpr,
               EPI: gl.constexpr, SK: gl.constexpr, red, L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr,
               SBITS: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, GLU: gl.constexpr, glu_buf,
+              h_ptr, hout_ptr, nw_ptr, ss_ptr, NSS, eps, KN, FOLD: gl.constexpr, SSP: gl.constexpr,
               num_warps: gl.constexpr):
     # activations: x as int32 pairs, element (sc, i) of the 5-D tile needs word column c = 2 sc + i
     LSC: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4, L5))))
@@ -389,6 +390,9 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
         _gdc("wait")
     if STAMP:
         _stamp(stamp_ptr, p, 1, "clock64")
+    if FOLD == 2:  # SCALE (NORM_FOLD): alpha times each token's RMS scale, from the producer's partial sums
+        inv = _fold_scale(ss_ptr, NSS, eps, KN, LRED, SSP)
+        alpha = alpha * inv
     if SK:  # stream-K: the flat steps [k0, k1) of the (row block, K step) order, one segment per row block
         f = k0
         while f < k1:
@@ -398,6 +402,8 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
             if HAS_BIAS:  # a later segment's rows (the first segment's were loaded before the wait)
                 if f != k0:
                     alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, sblk, N, rows, HAS_BIAS, not EPI)
+                    if FOLD == 2:
+                        alpha = alpha * inv
             acc0, acc1, acc2, acc3 = _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, s0, s1, f - k0, xoff,
                                                xmask, zero5, cz, NUM_STAGES, MT, XPF, L5, L2W, L2S, SBITS, XS, LX, GLU)
             if STAMP:
@@ -407,7 +413,8 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
                                 HAS_BIAS, LRED1, SK, k0, KB, 0)
             else:
                 _epilogue_smem(alpha, b_lo, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
-                               p, sblk, M, N, s0, s1, S, SP, HAS_BIAS, LRED, SK, k0, KB, 0, GLU, glu_buf)
+                               p, sblk, M, N, s0, s1, S, SP, HAS_BIAS, LRED, SK, k0, KB, 0, GLU, glu_buf,
+                               FOLD, h_ptr, hout_ptr, nw_ptr, ss_ptr)
             gl.thread_barrier()  # every warp has read `red` before a later segment's epilogue rewrites it
             f = sblk * KB + s1
     else:
@@ -415,7 +422,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
                                            cz, NUM_STAGES, MT, XPF, L5, L2W, L2S, SBITS, XS, LX, GLU)
         _block_epilogue(alpha_ptr, bias_ptr, alpha, b_lo, b_hi, red, c_ptr, ws_ptr, lock_ptr, stamp_ptr, acc0, acc1,
                         acc2, acc3, p, blk, M, N, k0, k1, S, NW, SP, HAS_BIAS, MT, STAMP, HOIST, EPI, rows, sc5, zero5,
-                        LR, LR3, LRED, LRED1, GLU, glu_buf)
+                        LR, LR3, LRED, LRED1, GLU, glu_buf, FOLD, h_ptr, hout_ptr, nw_ptr, ss_ptr)
     if STAMP:
         _stamp(stamp_ptr, p, 3, "clock64")
         _stamp(stamp_ptr, p, 6, "globaltimer")
@@ -496,7 +503,7 @@ def _block_epilogue(alpha_ptr, bias_ptr, alpha, b_lo, b_hi, red, c_ptr, ws_ptr, 
                     acc3, p, blk, M, N, k0, k1, S, NW, SP: gl.constexpr, HAS_BIAS: gl.constexpr, MT: gl.constexpr,
                     STAMP: gl.constexpr, HOIST: gl.constexpr, EPI: gl.constexpr, rows, sc5, zero5, LR: gl.constexpr,
                     LR3: gl.constexpr, LRED: gl.constexpr, LRED1: gl.constexpr, GLU: gl.constexpr = False,
-                    glu_buf=None):
+                    glu_buf=None, FOLD: gl.constexpr = 0, h_ptr=None, hout_ptr=None, nw_ptr=None, ss_ptr=None):
     """The split schedule's epilogue: one row block, K slice [k0, k1) of S."""
     if STAMP:
         _stamp(stamp_ptr, p, 2, "clock64")
@@ -543,7 +550,8 @@ def _block_epilogue(alpha_ptr, bias_ptr, alpha, b_lo, b_hi, red, c_ptr, ws_ptr, 
             gl.store(c_ptr + n_hi, out_hi.to(gl.bfloat16), mask=n_hi < N)
     elif EPI:
         _epilogue_smem(alpha, b_lo, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
-                       p, blk, M, N, k0, k1, S, SP, HAS_BIAS, LRED, False, 0, 0, NW, GLU, glu_buf)
+                       p, blk, M, N, k0, k1, S, SP, HAS_BIAS, LRED, False, 0, 0, NW, GLU, glu_buf,
+                       FOLD, h_ptr, hout_ptr, nw_ptr, ss_ptr)
     else:
         _epilogue_tokens(alpha, b_lo, b_hi, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
                          p, blk, M, N, k0, k1, S, SP, HAS_BIAS, LR3)
@@ -605,7 +613,8 @@ def _epilogue_tokens(alpha, b_lo, b_hi, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc
 @gluon.jit
 def _epilogue_smem(alpha, bias, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
                    p, blk, M, N, k0, k1, S, SP: gl.constexpr, HAS_BIAS: gl.constexpr, LRED: gl.constexpr,
-                   SK: gl.constexpr, f0, KB, NW, GLU: gl.constexpr = False, glu_buf=None):
+                   SK: gl.constexpr, f0, KB, NW, GLU: gl.constexpr = False, glu_buf=None, FOLD: gl.constexpr = 0,
+                   h_ptr=None, hout_ptr=None, nw_ptr=None, ss_ptr=None):
     """MT = 8 through shared memory (EPI): each thread sums its two words i, writes its 16 partials
     [m, b, h] of warp w to `red` [4 m, 4 w, 8 g, 4 t, 2 b, 2 h] (16-byte rows, no bank conflict), one
     barrier, and reads back the four warps' values of its own (m, g, t) to sum them in registers:
@@ -620,7 +629,8 @@ def _epilogue_smem(alpha, bias, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, 
     row, tok = _red_idx(gl.SliceLayout(1, LRED))
     n = blk * 64 + row
     _fixup_store(part, tok * 64 + row, 512, c_ptr, tok * N + n, (n < N) & (tok < M), alpha, bias, ws_ptr, lock_ptr,
-                 p, blk, N, k0, k1, S, SP, HAS_BIAS, SK, f0, KB, NW, GLU, glu_buf, M)
+                 p, blk, N, k0, k1, S, SP, HAS_BIAS, SK, f0, KB, NW, GLU, glu_buf, M, FOLD, h_ptr, hout_ptr, nw_ptr,
+                 ss_ptr, tok, n)
 
 
 @gluon.jit
@@ -680,7 +690,8 @@ def _split_sum(part, off, WS: gl.constexpr, ws_ptr, lock_ptr, slot, blk, q0, nq,
 @gluon.jit
 def _fixup_store(part, off, WS: gl.constexpr, c_ptr, c_off, c_mask, alpha, bias, ws_ptr, lock_ptr, p, blk, N, k0, k1,
                  S, SP: gl.constexpr, HAS_BIAS: gl.constexpr, SK: gl.constexpr, f0, KB, NW, GLU: gl.constexpr = False,
-                 glu_buf=None, M=0):
+                 glu_buf=None, M=0, FOLD: gl.constexpr = 0, h_ptr=None, hout_ptr=None, nw_ptr=None, ss_ptr=None,
+                 tok=None, ncol=None):
     """Split fixup and output of the shared-memory epilogues. A row block covered by several
     programs: each writes its partial to its WS-float workspace slot at `off`, and the last
     arrival sums all partials in program order (deterministic; all loads in flight at once) and
@@ -707,8 +718,41 @@ def _fixup_store(part, off, WS: gl.constexpr, c_ptr, c_off, c_mask, alpha, bias,
             out += bias
         if GLU:
             _glu_store(out.to(gl.bfloat16).to(gl.float32), glu_buf, c_ptr, blk, M, N // 2)
+        elif FOLD == 1:
+            _fold_residual(out.to(gl.bfloat16), c_ptr, c_off, c_mask, h_ptr, hout_ptr, nw_ptr, ss_ptr, blk, M, N, tok,
+                           ncol)
         else:
             gl.store(c_ptr + c_off, out.to(gl.bfloat16), mask=c_mask)
+
+
+@gluon.jit
+def _fold_residual(y, c_ptr, c_off, c_mask, h_ptr, hout_ptr, nw_ptr, ss_ptr, blk, M, N, tok, ncol):
+    """RES (NORM_FOLD, MT = 8): the block's bf16 outputs y [4 m, 8 g, 4 t, 2 b, 2 h] (token tok, column
+    ncol) as decode_ops.add_rms_norm's residual add would take them: r = bf16(h + y) to hout, bf16(r
+    w) to the output (w: the next RMSNorm's weight), and per token the block's fp32 sum of r^2 (its 64
+    columns) to ss[blk, token], which the GEMV reading bf16(r w) turns into the norm's scale (SCALE)."""
+    r = (gl.load(h_ptr + c_off, mask=c_mask, other=0.0).to(gl.float32) + y.to(gl.float32)).to(gl.bfloat16)
+    gl.store(hout_ptr + c_off, r, mask=c_mask)
+    rf = r.to(gl.float32)
+    w = gl.load(nw_ptr + ncol, mask=ncol < N, other=0.0).to(gl.float32)
+    gl.store(c_ptr + c_off, (rf * w).to(gl.bfloat16), mask=c_mask)
+    sq = gl.where(c_mask, rf * rf, 0.0)
+    part = gl.sum(gl.sum(gl.sum(sq, axis=4, keep_dims=True), axis=1, keep_dims=True), axis=0, keep_dims=True)
+    gl.store(ss_ptr + blk * 8 + tok, part, mask=tok < M)
+
+
+@gluon.jit
+def _fold_scale(ss_ptr, NSS, eps, KN, LRED: gl.constexpr, SSP: gl.constexpr):
+    """SCALE (NORM_FOLD, MT = 8): each token's RMSNorm scale 1 / sqrt(sum of the NSS partial sums
+    ss[j, token] / KN + eps), as [1, 1, 4, 2, 1] (token 2t + b) in the epilogue's layout: one [SSP, 8]
+    load (all in flight at once), summed over the blocks, then the 8 values moved into that layout."""
+    LS: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [gl.num_warps(), 1], [1, 0])
+    j = gl.arange(0, SSP, layout=gl.SliceLayout(1, LS))
+    t = gl.arange(0, 8, layout=gl.SliceLayout(0, LS))
+    v = gl.load(ss_ptr + gl.expand_dims(j, 1) * 8 + gl.expand_dims(t, 0),
+                mask=gl.expand_dims(j < NSS, 1) & gl.expand_dims(t >= 0, 0), other=0.0)
+    inv = 1.0 / gl.sqrt(gl.sum(v, axis=0) / KN + eps)  # [8]: token
+    return gl.convert_layout(gl.reshape(inv, [1, 1, 4, 2, 1]), gl.SliceLayout(1, LRED))
 
 
 @gluon.jit
@@ -751,13 +795,14 @@ def _store_tokens(c_ptr, b, v, tok, n, M, N, HAS_BIAS: gl.constexpr):
 
 
 @gluon.jit
-def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, x_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, M, N, KB, S, NW, CS,
+def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, x_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr,
+                       h_ptr, hout_ptr, nw_ptr, ss_ptr, M, N, KB, S, NW, CS, NSS, eps, KN,
                        SP: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
                        MT: gl.constexpr, XPF: gl.constexpr, STAMP: gl.constexpr, HOIST: gl.constexpr,
                        EPI: gl.constexpr, PRODUCER_REGS: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr,
                        L2S: gl.constexpr, SK: gl.constexpr, TAIL: gl.constexpr, SBITS: gl.constexpr,
                        PWA: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, GLU: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       FOLD: gl.constexpr, SSP: gl.constexpr, num_warps: gl.constexpr):
     # PWA: each consumer warp frees a stage itself (empty barriers of num_warps arrivals, qerl/kernels/ptx_pwa.py)
     p, blk, k0, k1, trow0, w_bufs, s_bufs, ready, empty = _setup(w_desc, s_desc, KB, S, NUM_STAGES, PDL,
                                                                  num_warps if PWA else 1)
@@ -797,7 +842,8 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, x_desc, alpha_ptr, bias_ptr, c_pt
     gl.warp_specialize([
         (_consumer, (xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w_bufs, s_bufs, x_bufs, ready,
                      empty, p, blk, M, N, KB, k0, k1, S, NW, SP, NUM_STAGES, HAS_BIAS, PDL, MT, XPF, STAMP, HOIST, EPI,
-                     SK, red, L5, L2W, L2S, SBITS, XS, LX, GLU, glu_buf, num_warps)),
+                     SK, red, L5, L2W, L2S, SBITS, XS, LX, GLU, glu_buf, h_ptr, hout_ptr, nw_ptr, ss_ptr, NSS, eps,
+                     KN, FOLD, SSP, num_warps)),
         (_gluon_producer, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, trow0, k0, k1, KB, stamp_ptr,
                            p, NUM_STAGES, STAMP, XS, PDL, GLU)),
     ], [1], [PRODUCER_REGS])
@@ -973,7 +1019,7 @@ def glu_usable(x: torch.Tensor, state: dict, bias=None) -> bool:
 
 
 def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | None = None,
-            glu: bool = False) -> torch.Tensor:
+            glu: bool = False, fold: tuple | None = None) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for x [M, K] bf16 (contiguous, M <= 8) and an nvfp4 `state`
     (qerl.kernels.prepare). M = 1 puts x in every column of the MMA's B; M = 2..8 puts token g in
     column g (MT = 8), at the same MMA count per weight.
@@ -988,7 +1034,15 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     glu: the layer is a fused [gate; up] pair (N = 2 I) and the launch returns silu(gate) * up [M, I]
     as decode_ops.silu_mul would from the [M, N] product (same bf16 roundings): each program's
     64-row block holds 32 gate rows and the 32 up rows of the same outputs (`glu_descriptors`), and
-    the epilogue combines them (`_glu_store`). Needs `glu_usable`."""
+    the epilogue combines them (`_glu_store`). Needs `glu_usable`.
+
+    fold (NORM_FOLD, 2..8 tokens): the residual add + RMSNorm between two GEMVs, split over their
+    epilogues. ("res", h, w, h_out, ss): this GEMV's output y goes on as the next norm's input:
+    h_out = bf16(h + y) (h, h_out [M, N] bf16), the return value is bf16(h_out * w) (w [N] bf16: the
+    norm's weight), and ss[blk, token] (fp32 [N / 64, 8]) gets each 64-column block's sum of h_out^2.
+    ("scale", ss, blocks, eps, k): x is such a bf16(h_out * w), and each token's products are scaled by
+    1 / sqrt(sum of its `blocks` partial sums / k + eps) before alpha and bias (and GLU). With one
+    rounding fewer than bf16(w * bf16(h_out * scale)) in the norm kernel, so not bit-equal to it."""
     if state["fmt"] != "nvfp4":
         raise ValueError(f"the Gluon GEMV takes nvfp4 weights, got {state['fmt']}")
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_M:
@@ -1003,6 +1057,11 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         raise ValueError("glu needs nvfp4 [gate; up] halves of whole 64-row blocks, 2..8 tokens and no bias")
     if glu and out is None:
         out = torch.empty(m, n // 2, device=x.device, dtype=torch.bfloat16)
+    kind_fold = fold[0] if fold is not None else None
+    if kind_fold not in (None, "res", "scale") or (fold is not None and (m < 2 or not (HOIST_CONSTS and EPI_SMEM))):
+        raise ValueError("fold: ('res', ...) or ('scale', ...) at 2..8 tokens with HOIST_CONSTS and EPI_SMEM")
+    if kind_fold == "res" and (glu or n % 64):
+        raise ValueError("fold 'res' needs a plain product of whole 64-row blocks")
     cfg = dict(DEFAULT)
     cfg.update({key: v for key, v in (config or {}).items() if key in DEFAULT or key in ("S", "STREAMK", "TAIL_SPLIT")})
     nw = int(cfg["num_warps"])
@@ -1018,7 +1077,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         xs = xs_auto(mt, triton.cdiv(n, 64), per_sm * W._num_sms(x.device.index or 0))
     x = x.contiguous()
     xs = bool(xs) and x.data_ptr() % 16 == 0  # TMA: a 16-byte aligned base
-    key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM, pwa, xs, glu)  # (occupancy; SBITS keeps it)
+    key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM, pwa, xs, glu, kind_fold)  # (occupancy; SBITS keeps it)
     fits = min(_RESIDENT.get(key, per_sm), per_sm)
     s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), fits, mt,
                                                   glu_descriptors(state) if glu else None)
@@ -1037,9 +1096,17 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     l5, l2w, l2s = _layouts(nw)
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
     stamps = W.stamp_slice(grid, n, k, s, m, "gluon")  # instrumentation, None when off (w4a16_triton.STAMP)
+    h_in = h_out = w_norm = ss = c
+    nss, eps, kn, ssp = 0, 0.0, 1, 1
+    if kind_fold == "res":
+        _, h_in, w_norm, h_out, ss = fold
+    elif kind_fold == "scale":
+        _, ss, nss, eps, kn = fold
+        ssp = triton.next_power_of_2(int(nss))
     kernel = _gluon_gemv_kernel[(grid,)](
         x.view(torch.int32), w_desc, s_desc, x_descriptor(x, mt) if xs else w_desc, state["alpha"], bias if bias is not None else c, c, ws,
-        locks, stamps if stamps is not None else ws, m, n, kb, s, nw_whole, cs, SP=sp, NUM_STAGES=ns,
+        locks, stamps if stamps is not None else ws, h_in, h_out, w_norm, ss, m, n, kb, s, nw_whole, cs, int(nss),
+        float(eps), int(kn), FOLD={"res": 1, "scale": 2}.get(kind_fold, 0), SSP=ssp, SP=sp, NUM_STAGES=ns,
         HAS_BIAS=bias is not None, PDL=pdl, MT=mt, XPF=xpf,
         STAMP=stamps is not None, HOIST=HOIST_CONSTS, EPI=EPI_SMEM, PRODUCER_REGS=preg, SK=kind == "sk", TAIL=kind == "tail",
         SBITS=SCALE_BITS and bool(state.get("scale_bits", False)), PWA=pwa, XS=xs, LX=_x_layout(nw, mt),

@@ -108,6 +108,15 @@ STEP_FUSE = os.environ.get("QERL_ROLLOUT_STEP_FUSE", "1") == "1"
 # same process (NOTES_rollout.md section 25): 2048 tokens 50.0 -> 47.4 ms, 16384 tokens 364 -> 339
 # ms. False: the torch ops (flags `noprerope`, `nogqa`).
 PREFILL_ROPE = os.environ.get("QERL_ROLLOUT_PREFILL_ROPE", "1") == "1"
+# The decode step's residual add + RMSNorm between two 4-bit GEMVs split over their epilogues
+# (w4a16_gluon.forward fold): the o / down GEMV adds the residual and writes bf16(r * weight) and
+# per-block sums of r^2, the q/k/v or gate/up GEMV after it scales each token by the norm's
+# 1 / rms. No norm launch; one rounding fewer than the norm kernel (not bit-equal). Where every
+# product involved is nvfp4 without LoRA on the Gluon GEMV (2..8 rows); the first and final norms
+# stay kernels. Same process, batch 8 (NOTES_rollout.md section 25): 7B step 2.564 -> 2.529 ms,
+# whole generate calls 2960.9 -> 3010.1 tok/s; 14B step 4.740 -> 4.651 ms. QERL_ROLLOUT_NORM_FOLD=0
+# (ablation flag `nofold`): the norm kernels.
+NORM_FOLD = os.environ.get("QERL_ROLLOUT_NORM_FOLD", "1") == "1"
 PREFILL_GQA = os.environ.get("QERL_ROLLOUT_PREFILL_GQA", "1") == "1"
 
 
@@ -368,13 +377,15 @@ class RolloutEngine:
             cos, sin, at = self._cos[pos], self._sin[pos], None
         valid = self._valid[:rows]
         h, delta, lo_down = (None if fused else self.embed(tok)), None, None
+        plan = self._fold_plan(rows) if NORM_FOLD else None
+        scale = None  # NORM_FOLD: x is bf16(r * weight) and the next product applies this scale
         for i, layer in enumerate(self.layers):
             if h is None:
                 h, x = layer.attn_norm.embed(tok, self.embed.weight)
-            else:
+            elif scale is None:
                 h, x = layer.attn_norm(delta, h, lo_down)
             kc, vc = self._k[i][:rows], self._v[i][:rows]
-            qkv, lo = self._linear(layer.qkv, x, "qkv")
+            qkv, lo = self._linear(layer.qkv, x, "qkv", scale)
             if layer.q_norm is not None:  # Qwen3: per-head norms on q and k before RoPE
                 d = self.head_dim
                 qkv = qkv if lo is None else qkv + lo
@@ -383,20 +394,41 @@ class RolloutEngine:
                 qkv, lo = torch.cat([q, k, v], 1).reshape(rows, -1), None
             attn = decode_attention_rope(qkv, cos, sin, kc, vc, self._slot, valid, keys, self.scaling, self.n_heads,
                                          self.n_kv, lo, self._attn_counters, at)
-            o, lo = self._linear(layer.o, attn, "o")
-            h, x = layer.mlp_norm(o, h, lo)
-            act = layer.gate_up.glu_forward(x) if GLU and layer.silu else None
+            fold_o, fold_down = plan[i] if plan else (False, False)
+            if fold_o:
+                h, x, scale = layer.o.res_forward(attn, h, layer.mlp_norm.weight, layer.mlp_norm.eps)
+            else:
+                o, lo = self._linear(layer.o, attn, "o")
+                h, x = layer.mlp_norm(o, h, lo)
+                scale = None
+            act = layer.gate_up.glu_forward(x, scale) if GLU and layer.silu else None
             if act is None:
-                gu, lo = self._linear(layer.gate_up, x, "gate_up")
+                gu, lo = self._linear(layer.gate_up, x, "gate_up", scale)
                 act = layer.gate(gu, lo)
-            delta, lo_down = self._linear(layer.down, act, "down")
+            if fold_down:
+                nxt = self.layers[i + 1].attn_norm
+                h, x, scale = layer.down.res_forward(act, h, nxt.weight, nxt.eps)
+                delta = lo_down = None
+            else:
+                delta, lo_down = self._linear(layer.down, act, "down")
+                scale = None
         return bf16_gemv.dense(self.lm_head, self.final_norm(delta, h, lo_down)[1])  # batch 1: the PDL GEMV
 
-    def _linear(self, group: LinearGroup, x: torch.Tensor, kind: str):
+    def _fold_plan(self, rows: int) -> list[tuple[bool, bool]]:
+        """NORM_FOLD per layer: (fold the mlp norm into o -> gate/up, fold the next layer's input
+        norm into down -> next q/k/v); only where producer and consumer both take it."""
+        ok = [(layer.qkv.fold_usable(rows), layer.o.fold_usable(rows), layer.gate_up.fold_usable(rows),
+               layer.down.fold_usable(rows)) for layer in self.layers]
+        return [(o and gu, d and i + 1 < len(ok) and ok[i + 1][0]) for i, (_q, o, gu, d) in enumerate(ok)]
+
+    def _linear(self, group: LinearGroup, x: torch.Tensor, kind: str, scale: tuple | None = None):
         """(base product, LoRA delta or None): on a GPU the delta's two kernels run on the side
-        stream while the base product runs; the caller's kernel adds the delta (`extra`).
+        stream while the base product runs; the caller's kernel adds the delta (`extra`). `scale`
+        (NORM_FOLD): x is bf16(r * weight) and the product applies the norm's scale.
         (Running the shrink first on the main stream, so the base product cannot starve it, was
         slower: 0.72-0.79 of the no-LoRA step at 14B r64 against 0.89; NOTES_rollout.md section 7.)"""
+        if scale is not None:
+            return group.scale_forward(x, scale), None
         if not group.has_lora:
             return group.base_forward(x), None
         workspace = self._lora_workspace(group, kind)

@@ -216,7 +216,46 @@ class LinearGroup:
         """The product without this group's LoRA (with it, where the modules apply it themselves)."""
         return self(x) if self._per_module else bf16_gemv.dense(self.base, x)
 
-    def glu_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+    def fold_usable(self, rows: int) -> bool:
+        """NORM_FOLD can take this group's product at `rows` tokens: one nvfp4 QuantLinear (fused or
+        single) without a LoRA delta whose 2..8-token launch the 4-bit dispatch runs on the Gluon GEMV."""
+        base = self.base
+        if (self._per_module or self.has_lora or not isinstance(base, QuantLinear) or base.fmt != "nvfp4"
+                or not 2 <= rows <= 8 or base.storage_device.type != "cuda"):
+            return False
+        probe = torch.empty(rows, self.in_features, dtype=torch.bfloat16, device=base.storage_device)
+        if base._resolved_backend(probe) != "triton":
+            return False
+        from qerl.kernels import w4a16_triton
+
+        state = base.kernel_state()
+        return state["n"] % 64 == 0 and w4a16_triton.routes_to_gluon_tokens(probe, state)
+
+    def res_forward(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float):
+        """NORM_FOLD producer (`fold_usable`): (h + y, bf16((h + y) * weight), the consumer's scale
+        spec) for y = this group's product, the residual add of the RMSNorm (weight, eps) that follows
+        it done in the product's epilogue (w4a16_gluon.forward fold "res")."""
+        from qerl.kernels import w4a16_gluon
+
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        state = self.base.kernel_state()
+        n = state["n"]
+        h2 = h.reshape(-1, n)
+        h_out = torch.empty_like(h2)
+        ss = torch.empty(n // 64, 8, dtype=torch.float32, device=x.device)
+        rw = w4a16_gluon.forward(x2, state, bias=self.base.bias, fold=("res", h2, weight, h_out, ss))
+        return h_out.view(h.shape), rw.view(h.shape), ("scale", ss, n // 64, float(eps), n)
+
+    def scale_forward(self, x: torch.Tensor, scale: tuple) -> torch.Tensor:
+        """NORM_FOLD consumer (`fold_usable`): the product of x = bf16(r * weight) with each token's
+        RMSNorm scale applied in the epilogue (`scale`: from res_forward)."""
+        from qerl.kernels import w4a16_gluon
+
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        return w4a16_gluon.forward(x2, self.base.kernel_state(), bias=self.base.bias,
+                                   fold=scale).view(*x.shape[:-1], -1)
+
+    def glu_forward(self, x: torch.Tensor, scale: tuple | None = None) -> torch.Tensor | None:
         """silu(gate) * up of a fused [gate; up] group in one Gluon GEMV launch (w4a16_gluon GLU), or
         None where that launch does not apply: a LoRA delta to add first, weights not fused into one
         nvfp4 QuantLinear without bias, or a launch the 4-bit dispatch would not run on the Gluon GEMV
@@ -231,7 +270,7 @@ class LinearGroup:
         state = base.kernel_state()
         if not (w4a16_gluon.glu_usable(x2, state) and w4a16_triton.routes_to_gluon_tokens(x2, state)):
             return None
-        return w4a16_gluon.forward(x2.contiguous(), state, glu=True).view(*x.shape[:-1], -1)
+        return w4a16_gluon.forward(x2.contiguous(), state, glu=True, fold=scale).view(*x.shape[:-1], -1)
 
     def lora_workspace(self, rows: int) -> tuple[torch.Tensor, ...]:
         """Preallocated buffers for `lora` at up to `rows` rows (qerl.kernels.lora_ops.workspace)."""
