@@ -26,11 +26,13 @@ How a call runs.
   only replays, and checks the finished flags once every `check_every` steps, not per token:
   when all rows are done it stops, and when at most half of them are still going, those rows
   move to the front (cache and state, `compact_below`) and decoding goes on with fewer rows.
-- Besides its four linear products a layer is 5 kernels (qerl.kernels.decode_ops: residual add +
-  RMSNorm twice, RoPE + KV-cache write, split-K decode attention + its combine, SiLU gate); LoRA
-  is two small kernels per linear group (qerl.kernels.lora_ops) on a side stream, added by the
-  next kernel; the group's Gluon GEMV is then planned to leave each SM room for them
-  (`LORA_GEMV_PER_SM`).
+- Besides its four linear products a layer is at most 5 kernels (qerl.kernels.decode_ops): residual
+  add + RMSNorm twice (split over the GEMVs' epilogues where NORM_FOLD applies), the split-K decode
+  attention with RoPE and the KV-cache write inside, its combine, and the SiLU gate (in the gate/up
+  GEMV's epilogue where GLU applies). The step's embedding lookup and its advance ride in the first
+  norm and one small kernel (STEP_FUSE). LoRA is two small kernels per linear group
+  (qerl.kernels.lora_ops) on a side stream, added by the next kernel; the group's Gluon GEMV is then
+  planned to leave each SM room for them (`LORA_GEMV_PER_SM`).
 - A row finishes at a stop token (kept) or at max_new_tokens.
 - AQN: the norm weights are read into the engine's buffers at the start of every call, so noise
   swapped in by `AdaptiveQuantNoise.applied()` (or trained norms) is what the rollout samples
@@ -108,6 +110,7 @@ STEP_FUSE = os.environ.get("QERL_ROLLOUT_STEP_FUSE", "1") == "1"
 # same process (NOTES_rollout.md section 25): 2048 tokens 50.0 -> 47.4 ms, 16384 tokens 364 -> 339
 # ms. False: the torch ops (flags `noprerope`, `nogqa`).
 PREFILL_ROPE = os.environ.get("QERL_ROLLOUT_PREFILL_ROPE", "1") == "1"
+PREFILL_GQA = os.environ.get("QERL_ROLLOUT_PREFILL_GQA", "1") == "1"
 # The decode step's residual add + RMSNorm between two 4-bit GEMVs split over their epilogues
 # (w4a16_gluon.forward fold): the o / down GEMV adds the residual and writes bf16(r * weight) and
 # per-block sums of r^2, the q/k/v or gate/up GEMV after it scales each token by the norm's
@@ -117,7 +120,6 @@ PREFILL_ROPE = os.environ.get("QERL_ROLLOUT_PREFILL_ROPE", "1") == "1"
 # whole generate calls 2960.9 -> 3010.1 tok/s; 14B step 4.740 -> 4.651 ms. QERL_ROLLOUT_NORM_FOLD=0
 # (ablation flag `nofold`): the norm kernels.
 NORM_FOLD = os.environ.get("QERL_ROLLOUT_NORM_FOLD", "1") == "1"
-PREFILL_GQA = os.environ.get("QERL_ROLLOUT_PREFILL_GQA", "1") == "1"
 
 
 class EngineError(ValueError):
