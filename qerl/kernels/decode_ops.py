@@ -29,7 +29,7 @@ import os
 
 import torch
 
-__all__ = ["add_rms_norm", "add_rms_norm_reference", "advance", "decode_attention", "decode_attention_reference",
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "advance", "advance_reference", "decode_attention", "decode_attention_reference",
            "decode_attention_rope", "embed_rms_norm", "rope_to_cache", "rope_to_cache_reference", "rotary", "rotary_rows",
            "silu_mul", "silu_mul_reference"]
 
@@ -43,6 +43,13 @@ def add_rms_norm_reference(delta, h, weight, eps, extra=None):
     f = h.float()
     normed = (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
     return h, weight * normed
+
+
+def advance_reference(slot, step, valid):
+    """slot += 1, step += 1, then valid[:, slot] = True (the decode state one token on)."""
+    slot.add_(1)
+    step.add_(1)
+    valid.index_fill_(1, slot, True)
 
 
 def _rotate_half(x):
@@ -489,10 +496,7 @@ def advance(slot, step, valid):
     """The decode state one token on: slot += 1, step += 1 (long [1] each), then valid[:, slot] =
     True ([rows, L] bool); one launch on a GPU."""
     if not _on_gpu(valid, "advance") or valid.stride(1) != 1:
-        slot.add_(1)
-        step.add_(1)
-        valid.index_fill_(1, slot, True)
-        return
+        return advance_reference(slot, step, valid)
     advance_triton(slot, step, valid)
 
 

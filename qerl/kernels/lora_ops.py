@@ -47,13 +47,17 @@ def lora_delta_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, boun
                          out: torch.Tensor | None = None) -> torch.Tensor:
     n = b.shape[0]
     ha = torch.mm(x, a.t())
-    edges = [0, *bounds, n]
-    segs = [(i, edges[i], edges[i + 1]) for i in range(3) if edges[i + 1] > edges[i]]
     if out is None:
         out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    for i, n0, n1 in segs:
+    for i, n0, n1 in _segments(bounds, n):
         torch.mm(ha[:, i * rank:(i + 1) * rank], b[n0:n1].t(), out=out[:, n0:n1])
     return out
+
+
+def _segments(bounds: tuple[int, int], n: int) -> list[tuple[int, int, int]]:
+    """(segment, first output row, end) of the non-empty segments of an N-row group."""
+    edges = [0, *bounds, n]
+    return [(i, edges[i], edges[i + 1]) for i in range(3) if edges[i + 1] > edges[i]]
 
 
 MAX_SPLITS = int(os.environ.get("QERL_LORA_MAX_SPLITS", "64"))
@@ -231,10 +235,6 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     if not ADD_IN_PLACE or y.dtype != a.dtype or _kernel_path(x, a, b):
         return y.add_(lora_delta(x, a, b, bounds, rank, buffers).to(y.dtype))
     ha = torch.mm(x, a.t())
-    n = b.shape[0]
-    edges = [0, *bounds, n]
-    for i in range(3):
-        n0, n1 = edges[i], edges[i + 1]
-        if n1 > n0:
-            y[:, n0:n1].addmm_(ha[:, i * rank:(i + 1) * rank], b[n0:n1].t())
+    for i, n0, n1 in _segments(bounds, b.shape[0]):
+        y[:, n0:n1].addmm_(ha[:, i * rank:(i + 1) * rank], b[n0:n1].t())
     return y

@@ -258,10 +258,11 @@ def _lr3_rows(LR3: gl.constexpr):
 
 
 @gluon.jit
-def _red_idx(LO: gl.constexpr):
-    """MT = 8 shared-memory epilogue: in its [4 (m), 8 (g), 4 (t), 2 (b), 2 (h)] layout LO, rows
-    16m + 8h + g ([4, 8, 1, 1, 2]) and tokens 2t + b ([1, 1, 4, 2, 1])."""
-    m = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LO)))))
+def _red_idx(LO: gl.constexpr, NM: gl.constexpr = 4, base=0):
+    """MT = 8 shared-memory epilogue: in its [NM (m), 8 (g), 4 (t), 2 (b), 2 (h)] layout LO, rows
+    base + 16m + 8h + g ([NM, 8, 1, 1, 2]) and tokens 2t + b ([1, 1, 4, 2, 1]); NM = 2 and base = the
+    pair block's first column for `_glu_store`."""
+    m = gl.arange(0, NM, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LO)))))
     g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LO)))))
     t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, gl.SliceLayout(4, LO)))))
     b = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4, LO)))))
@@ -271,7 +272,7 @@ def _red_idx(LO: gl.constexpr):
     t5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(t, 0), 0), 3), 4)
     b5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(b, 0), 0), 0), 4)
     h5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(h, 0), 0), 0), 0)
-    return m5 * 16 + h5 * 8 + g5, t5 * 2 + b5
+    return base + m5 * 16 + h5 * 8 + g5, t5 * 2 + b5
 
 
 @gluon.jit
@@ -771,18 +772,7 @@ def _glu_store(out, glu_buf, c_ptr, blk, M, NI):
     u = glu_buf.slice(2, 2).load(LG)
     sg = (g / (1.0 + gl.exp(-g))).to(gl.bfloat16).to(gl.float32)
     y = (sg * u).to(gl.bfloat16)
-    m1 = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LG)))))
-    g1 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LG)))))
-    t1 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, gl.SliceLayout(4, LG)))))
-    b1 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4, LG)))))
-    h1 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, LG)))))
-    m5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(m1, 1), 2), 3), 4)
-    g5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(g1, 0), 2), 3), 4)
-    t5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(t1, 0), 0), 3), 4)
-    b5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(b1, 0), 0), 0), 4)
-    h5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(h1, 0), 0), 0), 0)
-    col = blk * 32 + m5 * 16 + h5 * 8 + g5
-    tok = t5 * 2 + b5
+    col, tok = _red_idx(LG, 2, blk * 32)
     gl.store(c_ptr + tok * NI + col, y, mask=(tok < M) & (col < NI))
 
 

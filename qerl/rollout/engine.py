@@ -59,8 +59,8 @@ from torch import nn
 from qerl.nn.quant_linear import _outside_inference_mode
 from qerl.kernels import bf16_gemv
 from qerl.kernels.lora_ops import shrink_splits
-from qerl.kernels.decode_ops import (add_rms_norm, advance, decode_attention_rope, embed_rms_norm, pdl_on, rotary,
-                                    rotary_rows, silu_mul)
+from qerl.kernels.decode_ops import (add_rms_norm, advance, advance_reference, decode_attention_rope, embed_rms_norm,
+                                    pdl_on, rotary, rotary_rows, silu_mul)
 from qerl.rl.rollout import RolloutBatch, RolloutSettings, pad_prompts
 from qerl.rollout.fuse import LinearGroup
 from qerl.kernels.sample_ops import SampleState, sample_step
@@ -295,8 +295,6 @@ class RolloutEngine:
         rows = torch.arange(source.shape[0], device=ids.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cos, sin = self._cos[positions], self._sin[positions]  # [P, Lp, D]
-        cos_rows, sin_rows = cos.view(p * length, -1), sin.view(p * length, -1)
-        cos, sin = cos[:, None], sin[:, None]
         keys = mask.bool()[:, None, None, :]
         causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
         eye = torch.eye(length, dtype=torch.bool, device=ids.device)
@@ -310,12 +308,11 @@ class RolloutEngine:
             if layer.q_norm is not None:
                 q, k = layer.q_norm(None, q)[1], layer.k_norm(None, k)[1]
             if PREFILL_ROPE:
-                q, k = (rotary_rows(t.reshape(p * length, -1, d), cos_rows, sin_rows).view(p, length, -1, d)
-                        for t in (q, k))
-                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            else:
-                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-                q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+                q, k = (rotary_rows(t.reshape(p * length, -1, d), cos.view(p * length, d), sin.view(p * length, d))
+                        .view(p, length, -1, d) for t in (q, k))
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if not PREFILL_ROPE:
+                q, k = rotary(q, cos[:, None], sin[:, None]), rotary(k, cos[:, None], sin[:, None])
             self._k[i][rows, :, :length] = k[source]
             self._v[i][rows, :, :length] = v[source]
             gqa = self.group > 1 and PREFILL_GQA
@@ -473,12 +470,7 @@ class RolloutEngine:
         kernel on a GPU (qerl.kernels.sample_ops); the shared counters advance here."""
         temperature, top_k, top_p = sampling
         sample_step(logits, temperature, self._sample_state, top_k, top_p)
-        if STEP_FUSE:
-            advance(self._slot, self._step, self._valid[:rows])
-        else:
-            self._slot.add_(1)
-            self._step.add_(1)
-            self._valid[:rows].index_fill_(1, self._slot, True)
+        (advance if STEP_FUSE else advance_reference)(self._slot, self._step, self._valid[:rows])
 
     def _decode_step(self, rows: int, keys: int, sampling: tuple) -> None:
         self._sample_and_advance(self._decode_logits(rows, keys), rows, sampling)
