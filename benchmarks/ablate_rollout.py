@@ -127,6 +127,7 @@ def _switches() -> dict:
         **{f"sks{n}": [(w4a16_gluon, "SK_SPARE", n)] for n in (1, 2, 4, 8, 16, 32)},
         "nosbits": [(w4a16_gluon, "SCALE_BITS", False), (w4a16_wgmma, "SCALE_BITS", False)],
         "lsm2": [(engine_mod, "LORA_GEMV_PER_SM", 2)],
+        "lsm1": [(engine_mod, "LORA_GEMV_PER_SM", 1)],
         "lxs0": [(engine_mod, "LORA_GEMV_XS", False)],
         "lora1k": [(lora_ops, "FUSED", True)],
         "noaddmm": [(lora_ops, "ADD_IN_PLACE", False)],

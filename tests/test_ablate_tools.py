@@ -102,16 +102,26 @@ def test_lora_flags_restore(ablate):
     assert (engine_mod.LORA_GEMV_PER_SM, lora_ops.FUSED) == before
 
 
-def test_lora_gemv_plan_applies_per_sm_inside_only():
+def test_lora_gemv_plan_applies_per_sm_inside_only(monkeypatch):
+    """The LoRA groups' Gluon GEMV plan: 2 programs per SM below hidden size 4096 (7B), 3 from it (14B,
+    32B), one value for all with LORA_GEMV_PER_SM, none at 0; only inside the block."""
+    from types import SimpleNamespace
+
     from qerl.rollout import engine as engine_mod
 
     before = dict(w4a16_gluon.DEFAULT)
-    with engine_mod.RolloutEngine._lora_gemv_plan(None):
-        assert w4a16_gluon.DEFAULT["PER_SM"] == engine_mod.LORA_GEMV_PER_SM == 3
-        assert w4a16_gluon.DEFAULT["STREAMK"] is False  # LoRA groups keep the split tail (no stream-K)
-        assert {k: v for k, v in w4a16_gluon.DEFAULT.items() if k not in ("PER_SM", "STREAMK")} == {
-            k: v for k, v in before.items() if k != "PER_SM"}
-    assert w4a16_gluon.DEFAULT == before
+    for hidden, per_sm in ((3584, 2), (5120, 3)):
+        with engine_mod.RolloutEngine._lora_gemv_plan(SimpleNamespace(hidden=hidden)):
+            assert w4a16_gluon.DEFAULT["PER_SM"] == per_sm
+            assert w4a16_gluon.DEFAULT["STREAMK"] is False  # LoRA groups keep the split tail (no stream-K)
+            assert {k: v for k, v in w4a16_gluon.DEFAULT.items() if k not in ("PER_SM", "STREAMK")} == {
+                k: v for k, v in before.items() if k != "PER_SM"}
+        assert w4a16_gluon.DEFAULT == before
+    monkeypatch.setattr(engine_mod, "LORA_GEMV_PER_SM", 4)
+    assert engine_mod.lora_gemv_per_sm(3584) == engine_mod.lora_gemv_per_sm(5120) == 4
+    monkeypatch.setattr(engine_mod, "LORA_GEMV_PER_SM", 0)
+    with engine_mod.RolloutEngine._lora_gemv_plan(SimpleNamespace(hidden=3584)):
+        assert w4a16_gluon.DEFAULT == before
     with pytest.raises(RuntimeError), w4a16_gluon.defaults(PER_SM=2):
         raise RuntimeError  # restored on the way out of a failed launch too
     assert w4a16_gluon.DEFAULT == before

@@ -32,7 +32,7 @@ How a call runs.
   GEMV's epilogue where GLU applies). The step's embedding lookup and its advance ride in the first
   norm and one small kernel (STEP_FUSE). LoRA is two small kernels per linear group
   (qerl.kernels.lora_ops) on a side stream, added by the next kernel; the group's Gluon GEMV is then
-  planned to leave each SM room for them (`LORA_GEMV_PER_SM`).
+  planned to leave each SM room for them (`lora_gemv_per_sm`).
 - A row finishes at a stop token (kept) or at max_new_tokens.
 - AQN: the norm weights are read into the engine's buffers at the start of every call, so noise
   swapped in by `AdaptiveQuantNoise.applied()` (or trained norms) is what the rollout samples
@@ -93,8 +93,19 @@ GLU = os.environ.get("QERL_ROLLOUT_GLU", "1") == "1"
 # fill an SM's register file, so the side stream's LoRA programs could only start as the GEMV's
 # drained. 0: plan as without LoRA. Same-process A/B at batch 8 (NOTES_rollout.md section 12):
 # 7B r16 0.910 -> 0.927 of the no-LoRA step, r64 0.841 -> 0.886 (and 0.838 -> 0.886 in a second
-# call), 14B r32 0.912 -> 0.928.
-LORA_GEMV_PER_SM = int(os.environ.get("QERL_LORA_GEMV_PER_SM", "3"))
+# call), 14B r32 0.912 -> 0.928. Retuned on the session-28 tree (NORM_FOLD and GLU, which LoRA groups
+# skip), same process, 2 rounds (NOTES_rollout.md section 26, a106-a109): 7B batch 8, 2 against 3,
+# r16 / r32 / r64 x1.023 / x1.025 / x1.041 per step (1: x0.964 at r32); 14B r32 x0.996. None (the
+# default) = `lora_gemv_per_sm`: 2 for models of hidden size below 4096, else 3; 0: plan as without
+# LoRA. QERL_LORA_GEMV_PER_SM sets one value for every model.
+LORA_GEMV_PER_SM = int(os.environ["QERL_LORA_GEMV_PER_SM"]) if os.environ.get("QERL_LORA_GEMV_PER_SM") else None
+
+
+def lora_gemv_per_sm(hidden: int) -> int:
+    """Programs per SM for a LoRA group's Gluon GEMV (LORA_GEMV_PER_SM, else by the hidden size)."""
+    if LORA_GEMV_PER_SM is not None:
+        return LORA_GEMV_PER_SM
+    return 2 if hidden < 4096 else 3
 # XS (x copied beside the weight stages, w4a16_gluon.X_SMEM) for a LoRA group's Gluon GEMV: None =
 # the kernel's rule, False / True = off / on there.
 LORA_GEMV_XS = None
@@ -230,6 +241,7 @@ class RolloutEngine:
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.hidden = int(cfg.hidden_size)
         self.group = self.n_heads // self.n_kv
         self.scaling = float(getattr(inner.layers[0].self_attn, "scaling", self.head_dim ** -0.5))
         self.max_batch, self.max_len = int(max_batch), int(max_len)
@@ -451,18 +463,19 @@ class RolloutEngine:
         return self._lora_buffers[key]
 
     def _lora_gemv_plan(self):
-        """The planning of a LoRA group's Gluon GEMV (LORA_GEMV_PER_SM programs per SM, and no
+        """The planning of a LoRA group's Gluon GEMV (`lora_gemv_per_sm` programs per SM, and no
         stream-K: beside the side stream's LoRA kernels its persistent programs cost more than the
         split tail gains, 7B b8 r32 0.863 vs 0.882 of the no-LoRA step, NOTES_w4a16.md section 18);
-        a no-op when LORA_GEMV_PER_SM is off."""
-        if LORA_GEMV_PER_SM <= 0:
+        a no-op when that is 0."""
+        per_sm = lora_gemv_per_sm(self.hidden)
+        if per_sm <= 0:
             return contextlib.nullcontext()
         try:
             from qerl.kernels import w4a16_gluon
         except ImportError:  # a Triton without Gluon: no Gluon GEMV to plan
             return contextlib.nullcontext()
         xs = {} if LORA_GEMV_XS is None else {"XS": LORA_GEMV_XS}
-        return w4a16_gluon.defaults(PER_SM=LORA_GEMV_PER_SM, STREAMK=False, **xs)
+        return w4a16_gluon.defaults(PER_SM=per_sm, STREAMK=False, **xs)
 
     def _sample_and_advance(self, logits: torch.Tensor, rows: int, sampling: tuple) -> None:
         """Sample token self._step for every row, record it, and move the state one token on.
