@@ -52,8 +52,10 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   w4a16_gluon.SK_SPARE, on top of SK_SPARE_GLU for GLU launches), noglu (the gate/up
                   product and the silu kernel as two launches, not engine.GLU's one), norope / nocomb
                   (RoPE / the split combine in launches of their own, not inside the attention kernel), comb (the combine inside), oldepi (its epilogues
-                  without the shared-memory sum), lsm0 / lsm2 (a LoRA group's Gluon GEMV planned
-                  as without LoRA / for 2 programs per SM, not engine.LORA_GEMV_PER_SM), lxs0 (a LoRA
+                  without the shared-memory sum), lsm0 / lsm1 / lsm2 (a LoRA group's Gluon GEMV planned
+                  as without LoRA / for 1 / 2 programs per SM, not engine.lora_gemv_per_sm's),
+                  lsmk:KIND+KIND=N (N programs per SM for those LoRA groups only,
+                  engine.LORA_GEMV_PER_SM_KIND), lxs0 (a LoRA
                   group's Gluon GEMV without XS, engine.LORA_GEMV_XS), lora1k
                   (LoRA's shrink and expand as one launch, lora_ops.FUSED), nohoist (Gluon GEMV's
                   alpha / bias and the norm weight loaded after the PDL wait, not before),
@@ -265,6 +267,14 @@ def variant_of(engine: RolloutEngine, name: str):
     flags = list(filter(None, flags.split("@")))
     table = _switches()
     gluon_cfg = {}  # group kind -> the Gluon GEMV config while that kind's linear runs
+    per_sm_kind = {}  # lsmk:KIND+KIND=N: engine.LORA_GEMV_PER_SM_KIND for those LoRA groups
+    for f in [f for f in flags if f.startswith("lsmk:")]:
+        flags.remove(f)
+        m = re.fullmatch(r"lsmk:([a-z_+]+)=(\d+)", f)
+        targets = tuple(m[1].split("+")) if m else ()
+        if m is None or set(targets) - set(KINDS):
+            raise SystemExit(f"bad flag {f!r} in {name!r}: lsmk:KIND+KIND=N, KIND in {', '.join(KINDS)}")
+        per_sm_kind.update({kind: int(m[2]) for kind in targets})
     for f in [f for f in flags if f.startswith("g:")]:
         flags.remove(f)
         kinds_, _, spec = f[2:].partition(":")
@@ -295,6 +305,9 @@ def variant_of(engine: RolloutEngine, name: str):
     else:
         raise SystemExit(f"unknown variant {name!r}")
     switches = [sw for f in flags for sw in table[f]]
+    if per_sm_kind:
+        from qerl.rollout import engine as engine_mod
+        switches.append((engine_mod, "LORA_GEMV_PER_SM_KIND", per_sm_kind))
     saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in switches]
     saved_side = engine._side
     original = engine._linear

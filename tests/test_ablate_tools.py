@@ -96,10 +96,15 @@ def test_lora_flags_restore(ablate):
     from qerl.rollout import engine as engine_mod
 
     engine = _Engine()
-    before = (engine_mod.LORA_GEMV_PER_SM, lora_ops.FUSED)
+    before = (engine_mod.LORA_GEMV_PER_SM, lora_ops.FUSED, dict(engine_mod.LORA_GEMV_PER_SM_KIND))
     with ablate.variant_of(engine, "lora@lsm2@lora1k"):
         assert engine_mod.LORA_GEMV_PER_SM == 2 and lora_ops.FUSED is True
-    assert (engine_mod.LORA_GEMV_PER_SM, lora_ops.FUSED) == before
+    with ablate.variant_of(engine, "lora@lsmk:qkv+o=2@lsmk:down=4"):
+        assert engine_mod.LORA_GEMV_PER_SM_KIND == {"qkv": 2, "o": 2, "down": 4}
+    assert (engine_mod.LORA_GEMV_PER_SM, lora_ops.FUSED, engine_mod.LORA_GEMV_PER_SM_KIND) == before
+    with pytest.raises(SystemExit):
+        with ablate.variant_of(engine, "lora@lsmk:attn=2"):
+            pass
 
 
 def test_lora_gemv_plan_applies_per_sm_inside_only(monkeypatch):
@@ -119,6 +124,11 @@ def test_lora_gemv_plan_applies_per_sm_inside_only(monkeypatch):
         assert w4a16_gluon.DEFAULT == before
     monkeypatch.setattr(engine_mod, "LORA_GEMV_PER_SM", 4)
     assert engine_mod.lora_gemv_per_sm(3584) == engine_mod.lora_gemv_per_sm(5120) == 4
+    monkeypatch.setattr(engine_mod, "LORA_GEMV_PER_SM_KIND", {"o": 1})
+    assert engine_mod.lora_gemv_per_sm(5120, "o") == 1 and engine_mod.lora_gemv_per_sm(5120, "qkv") == 4
+    with engine_mod.RolloutEngine._lora_gemv_plan(SimpleNamespace(hidden=5120), "o"):
+        assert w4a16_gluon.DEFAULT["PER_SM"] == 1
+    monkeypatch.setattr(engine_mod, "LORA_GEMV_PER_SM_KIND", {})
     monkeypatch.setattr(engine_mod, "LORA_GEMV_PER_SM", 0)
     with engine_mod.RolloutEngine._lora_gemv_plan(SimpleNamespace(hidden=3584)):
         assert w4a16_gluon.DEFAULT == before

@@ -99,10 +99,18 @@ GLU = os.environ.get("QERL_ROLLOUT_GLU", "1") == "1"
 # default) = `lora_gemv_per_sm`: 2 for models of hidden size below 4096, else 3; 0: plan as without
 # LoRA. QERL_LORA_GEMV_PER_SM sets one value for every model.
 LORA_GEMV_PER_SM = int(os.environ["QERL_LORA_GEMV_PER_SM"]) if os.environ.get("QERL_LORA_GEMV_PER_SM") else None
+# ... and per group kind, over both (QERL_LORA_GEMV_PER_SM_KIND="qkv=2,o=2"; ablation flag `lsmk:KIND+KIND=N`):
+# which of the four groups the 7B gain comes from, and whether 14B / 32B gain on some, is not measured yet.
+LORA_GEMV_PER_SM_KIND: dict[str, int] = {
+    kind.strip(): int(n) for kind, _, n in (item.partition("=") for item in os.environ.get(
+        "QERL_LORA_GEMV_PER_SM_KIND", "").split(",") if item.strip())}
 
 
-def lora_gemv_per_sm(hidden: int) -> int:
-    """Programs per SM for a LoRA group's Gluon GEMV (LORA_GEMV_PER_SM, else by the hidden size)."""
+def lora_gemv_per_sm(hidden: int, kind: str | None = None) -> int:
+    """Programs per SM for a LoRA group's Gluon GEMV: LORA_GEMV_PER_SM_KIND[kind], else
+    LORA_GEMV_PER_SM, else 2 below hidden size 4096 and 3 from it."""
+    if kind in LORA_GEMV_PER_SM_KIND:
+        return LORA_GEMV_PER_SM_KIND[kind]
     if LORA_GEMV_PER_SM is not None:
         return LORA_GEMV_PER_SM
     return 2 if hidden < 4096 else 3
@@ -449,7 +457,7 @@ class RolloutEngine:
         self._side.wait_stream(main)
         with torch.cuda.stream(self._side):
             lo = group.lora(x, workspace)
-        with self._lora_gemv_plan():
+        with self._lora_gemv_plan(kind):
             y = group.base_forward(x)
         main.wait_stream(self._side)
         return y, (lo if lo.dtype == y.dtype else lo.to(y.dtype))
@@ -462,12 +470,12 @@ class RolloutEngine:
             self._lora_buffers[key] = group.lora_workspace(self.max_batch)
         return self._lora_buffers[key]
 
-    def _lora_gemv_plan(self):
+    def _lora_gemv_plan(self, kind: str | None = None):
         """The planning of a LoRA group's Gluon GEMV (`lora_gemv_per_sm` programs per SM, and no
         stream-K: beside the side stream's LoRA kernels its persistent programs cost more than the
         split tail gains, 7B b8 r32 0.863 vs 0.882 of the no-LoRA step, NOTES_w4a16.md section 18);
         a no-op when that is 0."""
-        per_sm = lora_gemv_per_sm(self.hidden)
+        per_sm = lora_gemv_per_sm(self.hidden, kind)
         if per_sm <= 0:
             return contextlib.nullcontext()
         try:
