@@ -7,7 +7,7 @@
 One engine, built once; for each variant the CUDA graphs are captured afresh and the graph step
 is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py; --keys N: the
 (N - 255)..N bucket). Variants:
-  base            LoRA off (the base products only)
+  base            LoRA off (the adapters disabled: the no-LoRA step, NORM_FOLD and GLU included)
   lora            LoRA on every group, on the side stream (the engine's default)
   serial          LoRA on every group, on the main stream after the base product
   only:K1+K2      LoRA only for those group kinds (qkv, o, gate_up, down), side stream
@@ -335,11 +335,18 @@ def variant_of(engine: RolloutEngine, name: str):
     engine._linear = linear
     if base == "serial":
         engine._side = None
+    # `base` on a model with adapters: the adapters off (PEFT's disable_adapter), so that NORM_FOLD and GLU,
+    # which skip a group with LoRA, take every group as in the no-LoRA step (with them merely unused,
+    # `base` ran ~3% slower than that step at 7B batch 8: NOTES_rollout.md section 26)
+    model = getattr(engine, "model", None)
+    adapters_off = model.disable_adapter() if base == "base" and hasattr(model, "disable_adapter") else (
+        contextlib.nullcontext())
     for mod, attr, value in switches:
         setattr(mod, attr, value)
     reset()
     try:
-        yield
+        with adapters_off:
+            yield
     finally:
         reset()
         for mod, attr, value in saved:

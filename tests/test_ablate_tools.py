@@ -107,6 +107,31 @@ def test_lora_flags_restore(ablate):
             pass
 
 
+def test_base_variant_turns_the_adapters_off(ablate):
+    """`base` on a model with adapters runs with them disabled (the real no-LoRA step, NORM_FOLD and GLU
+    included); `lora` keeps them; both leave them as they were."""
+    import contextlib
+
+    state = []
+
+    class _Peft:
+        @contextlib.contextmanager
+        def disable_adapter(self):
+            state.append("off")
+            try:
+                yield
+            finally:
+                state.append("on")
+
+    engine = _Engine()
+    engine.model = _Peft()
+    with ablate.variant_of(engine, "base"):
+        assert state == ["off"]
+    assert state == ["off", "on"]
+    with ablate.variant_of(engine, "lora"):
+        assert state == ["off", "on"]
+
+
 def test_lora_gemv_plan_applies_per_sm_inside_only(monkeypatch):
     """The LoRA groups' Gluon GEMV plan: 2 programs per SM below hidden size 4096 (7B), 3 from it (14B,
     32B), one value for all with LORA_GEMV_PER_SM, none at 0; only inside the block."""
