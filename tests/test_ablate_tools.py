@@ -141,7 +141,7 @@ def test_lora_gemv_plan_applies_per_sm_inside_only(monkeypatch):
 
     before = dict(w4a16_gluon.DEFAULT)
     for hidden, per_sm in ((3584, 2), (5120, 3)):
-        with engine_mod.RolloutEngine._lora_gemv_plan(SimpleNamespace(hidden=hidden)):
+        with engine_mod.RolloutEngine._lora_gemv_plan(SimpleNamespace(config=SimpleNamespace(hidden_size=hidden))):
             assert w4a16_gluon.DEFAULT["PER_SM"] == per_sm
             assert w4a16_gluon.DEFAULT["STREAMK"] is False  # LoRA groups keep the split tail (no stream-K)
             assert {k: v for k, v in w4a16_gluon.DEFAULT.items() if k not in ("PER_SM", "STREAMK")} == {
@@ -151,11 +151,11 @@ def test_lora_gemv_plan_applies_per_sm_inside_only(monkeypatch):
     assert engine_mod.lora_gemv_per_sm(3584) == engine_mod.lora_gemv_per_sm(5120) == 4
     monkeypatch.setattr(engine_mod, "LORA_GEMV_PER_SM_KIND", {"o": 1})
     assert engine_mod.lora_gemv_per_sm(5120, "o") == 1 and engine_mod.lora_gemv_per_sm(5120, "qkv") == 4
-    with engine_mod.RolloutEngine._lora_gemv_plan(SimpleNamespace(hidden=5120), "o"):
+    with engine_mod.RolloutEngine._lora_gemv_plan(SimpleNamespace(config=SimpleNamespace(hidden_size=5120)), "o"):
         assert w4a16_gluon.DEFAULT["PER_SM"] == 1
     monkeypatch.setattr(engine_mod, "LORA_GEMV_PER_SM_KIND", {})
     monkeypatch.setattr(engine_mod, "LORA_GEMV_PER_SM", 0)
-    with engine_mod.RolloutEngine._lora_gemv_plan(SimpleNamespace(hidden=3584)):
+    with engine_mod.RolloutEngine._lora_gemv_plan(SimpleNamespace(config=SimpleNamespace(hidden_size=3584))):
         assert w4a16_gluon.DEFAULT == before
     with pytest.raises(RuntimeError), w4a16_gluon.defaults(PER_SM=2):
         raise RuntimeError  # restored on the way out of a failed launch too

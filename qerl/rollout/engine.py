@@ -101,9 +101,13 @@ GLU = os.environ.get("QERL_ROLLOUT_GLU", "1") == "1"
 LORA_GEMV_PER_SM = int(os.environ["QERL_LORA_GEMV_PER_SM"]) if os.environ.get("QERL_LORA_GEMV_PER_SM") else None
 # ... and per group kind, over both (QERL_LORA_GEMV_PER_SM_KIND="qkv=2,o=2"; ablation flag `lsmk:KIND+KIND=N`):
 # which of the four groups the 7B gain comes from, and whether 14B / 32B gain on some, is not measured yet.
-LORA_GEMV_PER_SM_KIND: dict[str, int] = {
-    kind.strip(): int(n) for kind, _, n in (item.partition("=") for item in os.environ.get(
-        "QERL_LORA_GEMV_PER_SM_KIND", "").split(",") if item.strip())}
+def _kind_values(text: str) -> dict[str, int]:
+    """"qkv=2,o=2" -> {"qkv": 2, "o": 2}."""
+    pairs = (item.partition("=") for item in text.split(",") if item.strip())
+    return {kind.strip(): int(n) for kind, _, n in pairs}
+
+
+LORA_GEMV_PER_SM_KIND: dict[str, int] = _kind_values(os.environ.get("QERL_LORA_GEMV_PER_SM_KIND", ""))
 
 
 def lora_gemv_per_sm(hidden: int, kind: str | None = None) -> int:
@@ -249,7 +253,6 @@ class RolloutEngine:
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
-        self.hidden = int(cfg.hidden_size)
         self.group = self.n_heads // self.n_kv
         self.scaling = float(getattr(inner.layers[0].self_attn, "scaling", self.head_dim ** -0.5))
         self.max_batch, self.max_len = int(max_batch), int(max_len)
@@ -475,7 +478,7 @@ class RolloutEngine:
         stream-K: beside the side stream's LoRA kernels its persistent programs cost more than the
         split tail gains, 7B b8 r32 0.863 vs 0.882 of the no-LoRA step, NOTES_w4a16.md section 18);
         a no-op when that is 0."""
-        per_sm = lora_gemv_per_sm(self.hidden, kind)
+        per_sm = lora_gemv_per_sm(self.config.hidden_size, kind)
         if per_sm <= 0:
             return contextlib.nullcontext()
         try:
