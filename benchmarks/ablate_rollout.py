@@ -111,9 +111,7 @@ from bench_rollout import build, gpu_state  # noqa: E402
 from profile_rollout import graph_step_ms, rewind  # noqa: E402
 
 from qerl.rl.rollout import RolloutSettings  # noqa: E402
-from qerl.rollout.engine import RolloutEngine  # noqa: E402
-
-KINDS = ("qkv", "o", "gate_up", "down")
+from qerl.rollout.engine import LORA_GROUP_KINDS as KINDS, RolloutEngine  # noqa: E402
 
 
 def _switches() -> dict:

@@ -132,6 +132,17 @@ def test_base_variant_turns_the_adapters_off(ablate):
         assert state == ["off", "on"]
 
 
+def test_lora_gemv_per_sm_kind_parses_and_refuses_typos():
+    from qerl.rollout import engine as engine_mod
+
+    assert engine_mod._kind_values("qkv=2, o=2,,down=0") == {"qkv": 2, "o": 2, "down": 0}
+    assert engine_mod._kind_values("") == {}
+    for bad in ("qvk=2", "gate=2", "o", "o=", "o=two", "o=-1"):
+        with pytest.raises(ValueError, match="QERL_LORA_GEMV_PER_SM_KIND: bad item") as err:
+            engine_mod._kind_values(bad)
+        assert "\n" not in str(err.value) and "gate_up" in str(err.value)
+
+
 def test_lora_gemv_plan_applies_per_sm_inside_only(monkeypatch):
     """The LoRA groups' Gluon GEMV plan: 2 programs per SM below hidden size 4096 (7B), 3 from it (14B,
     32B), one value for all with LORA_GEMV_PER_SM, none at 0; only inside the block."""

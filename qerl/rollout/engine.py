@@ -99,12 +99,23 @@ GLU = os.environ.get("QERL_ROLLOUT_GLU", "1") == "1"
 # default) = `lora_gemv_per_sm`: 2 for models of hidden size below 4096, else 3; 0: plan as without
 # LoRA. QERL_LORA_GEMV_PER_SM sets one value for every model.
 LORA_GEMV_PER_SM = int(os.environ["QERL_LORA_GEMV_PER_SM"]) if os.environ.get("QERL_LORA_GEMV_PER_SM") else None
-# ... and per group kind, over both (QERL_LORA_GEMV_PER_SM_KIND="qkv=2,o=2"; ablation flag `lsmk:KIND+KIND=N`):
-# which of the four groups the 7B gain comes from, and whether 14B / 32B gain on some, is not measured yet.
+# ... and per group kind, over both (QERL_LORA_GEMV_PER_SM_KIND="qkv=2,o=2"; ablation flag `lsmk:KIND+KIND=N`).
+# Measured at batch 8, r32, same process (NOTES_rollout.md section 27, a110-a112): the 7B gain is gate/up's
+# and down's (3 there again: x0.970; on q/k/v and o: x0.993); 14B gate/up and down at 2 x1.005; 32B x0.963
+# (2 everywhere x0.958). Within the spread of a rule, so no per-kind default.
+LORA_GROUP_KINDS = ("qkv", "o", "gate_up", "down")
+
+
 def _kind_values(text: str) -> dict[str, int]:
-    """"qkv=2,o=2" -> {"qkv": 2, "o": 2}."""
-    pairs = (item.partition("=") for item in text.split(",") if item.strip())
-    return {kind.strip(): int(n) for kind, _, n in pairs}
+    """"qkv=2,o=2" -> {"qkv": 2, "o": 2}; ValueError (one line) on an unknown kind or a bad count."""
+    out = {}
+    for item in filter(str.strip, text.split(",")):
+        kind, eq, n = (part.strip() for part in item.partition("="))
+        if kind not in LORA_GROUP_KINDS or not eq or not n.isdigit():
+            raise ValueError(f"QERL_LORA_GEMV_PER_SM_KIND: bad item {item.strip()!r}; expected KIND=N, KIND in "
+                             f"{', '.join(LORA_GROUP_KINDS)}, N >= 0 programs per SM (0: plan as without LoRA)")
+        out[kind] = int(n)
+    return out
 
 
 LORA_GEMV_PER_SM_KIND: dict[str, int] = _kind_values(os.environ.get("QERL_LORA_GEMV_PER_SM_KIND", ""))
