@@ -101,7 +101,7 @@ GLU = os.environ.get("QERL_ROLLOUT_GLU", "1") == "1"
 LORA_GEMV_PER_SM = int(os.environ["QERL_LORA_GEMV_PER_SM"]) if os.environ.get("QERL_LORA_GEMV_PER_SM") else None
 # ... and per group kind, over both (QERL_LORA_GEMV_PER_SM_KIND="qkv=2,o=2"; ablation flag `lsmk:KIND+KIND=N`).
 # Measured at batch 8, r32, same process (NOTES_rollout.md section 27, a110-a112): the 7B gain is gate/up's
-# and down's (3 there again: x0.970; on q/k/v and o: x0.993); 14B gate/up and down at 2 x1.005; 32B x0.963
+# and down's (3 there again: x0.970; on q/k/v and o: x0.993); 14B gate/up and down at 2 x1.005; 32B x0.965
 # (2 everywhere x0.958). Within the spread of a rule, so no per-kind default.
 LORA_GROUP_KINDS = ("qkv", "o", "gate_up", "down")
 
