@@ -29,6 +29,8 @@ import os
 
 import torch
 
+from qerl.env import env_int
+
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "advance", "advance_reference", "decode_attention", "decode_attention_reference",
            "decode_attention_rope", "embed_rms_norm", "rope_to_cache", "rope_to_cache_reference", "rotary", "rotary_rows",
            "silu_mul", "silu_mul_reference"]
@@ -563,7 +565,7 @@ ATTN_BLOCK_SMALL = 32
 # were 2-6% slower, hence the cap (64 rows keep theirs). Unchanged: 4 KV heads (7B) at batch 1 and
 # 8 up to 2048 keys, 8 KV heads at batch 8 up to 1280, and every shape of bench_rollout.py (768
 # keys at most). 0: ATTN_PROGRAMS alone.
-ATTN_MAX_BLOCKS = int(os.environ.get("QERL_ATTN_MAX_BLOCKS", "4"))
+ATTN_MAX_BLOCKS = env_int("QERL_ATTN_MAX_BLOCKS", 4)
 # Key buckets up to this many keys take ATTN_BLOCK_SMALL-key blocks where those keep to ATTN_PROGRAMS
 # programs of at most ATTN_MAX_BLOCKS blocks, and read their first block before the PDL wait
 # (`attention_prefetch`): shorter serial walks, and half the registers held through the wait.

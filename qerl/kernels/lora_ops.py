@@ -39,6 +39,8 @@ import os
 
 import torch
 
+from qerl.env import env_int
+
 __all__ = ["lora_add_", "lora_delta", "lora_delta_reference", "lora_delta_triton", "lora_expand_triton", "lora_fused_triton",
            "lora_shrink_triton", "shrink_splits"]
 
@@ -60,7 +62,7 @@ def _segments(bounds: tuple[int, int], n: int) -> list[tuple[int, int, int]]:
     return [(i, edges[i], edges[i + 1]) for i in range(3) if edges[i + 1] > edges[i]]
 
 
-MAX_SPLITS = int(os.environ.get("QERL_LORA_MAX_SPLITS", "64"))
+MAX_SPLITS = env_int("QERL_LORA_MAX_SPLITS", 64)
 
 
 def shrink_splits(k: int) -> tuple[int, int]:

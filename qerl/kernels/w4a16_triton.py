@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from qerl.env import env_int
 from qerl.kernels import layout
 
 
@@ -72,56 +73,56 @@ PREFILL = os.environ.get("QERL_W4A16_PREFILL", "auto")
 # splitting them (fewer register permutes; benchmarks/NOTES_w4a16.md section 7). The interpreter
 # cannot run inline PTX and always takes the plain path.
 PACKED_DECODE = os.environ.get("QERL_W4A16_PACKED", "1") == "1"
-DEQUANT_MIN_M = int(os.environ.get("QERL_W4A16_DEQUANT_MIN_M", "512"))
+DEQUANT_MIN_M = env_int("QERL_W4A16_DEQUANT_MIN_M", 512)
 # Slices of the overlapped dequant + cuBLAS path (PATH "overlap"); 0 or 1 = one whole buffer.
-OVERLAP_CHUNKS = int(os.environ.get("QERL_W4A16_CHUNKS", "0"))
+OVERLAP_CHUNKS = env_int("QERL_W4A16_CHUNKS", 0)
 # Forward with M <= GEMV_MAX_M (1) on layers with N*K <= GEMV_MAX_NK: the CUDA-core GEMV of
 # w4a16_gemv.py (no tensor cores), 10-25% faster than the fused kernel there on the H100 and
 # slower on the largest layers (benchmarks/NOTES_w4a16.md section 9). PATH="gemv" forces it,
 # PATH="fused" or a tile config (BO key) the tensor-core kernel.
-GEMV_MAX_M = int(os.environ.get("QERL_W4A16_GEMV_MAX_M", "1"))
-GEMV_MAX_NK = int(os.environ.get("QERL_W4A16_GEMV_MAX_NK", "40000000"))
+GEMV_MAX_M = env_int("QERL_W4A16_GEMV_MAX_M", 1)
+GEMV_MAX_NK = env_int("QERL_W4A16_GEMV_MAX_NK", 40000000)
 # Forward with M = 1, nvfp4, on Hopper (sm_90) layers with N*K >= WSMMA_MIN_NK: the warp-specialised
 # Gluon GEMV with the reduction on the tensor cores (w4a16_gluon.py): on the H100 5-14% faster
 # than the GEMV / fused kernel on the four layers with N*K >= 67M it was timed on (55296x5120
 # 65.7 vs 77.5 us), slower below ~40M (NOTES_w4a16.md section 12). 0 disables it.
-WSMMA_MIN_NK = int(os.environ.get("QERL_W4A16_WSMMA_MIN_NK", "60000000"))
+WSMMA_MIN_NK = env_int("QERL_W4A16_WSMMA_MIN_NK", 60000000)
 # The same threshold with PDL on (the rollout engine's decode step, a PDL chain). There the Gluon GEMV's
 # loader warps stream weights while the previous kernels finish; with 20M it beat the CUDA-core
 # GEMV on 7168x5120 and 5120x5120 too: step time at batch 1 +2.9% (32B) and +2.7% (14B), while 7B's
 # 4608x3584 / 3584x3584 (below 20M, unaffected) would lose 1.6% (benchmarks/NOTES_rollout.md
 # sections 7 and 9; bench_rollout.py: 32B decode 4.57 -> 4.52 s for 512 tokens).
 # QERL_W4A16_WSMMA_MIN_NK=0 turns both off.
-WSMMA_MIN_NK_PDL = int(os.environ.get("QERL_W4A16_WSMMA_MIN_NK_PDL", "20000000" if WSMMA_MIN_NK else "0"))
+WSMMA_MIN_NK_PDL = env_int("QERL_W4A16_WSMMA_MIN_NK_PDL", 20000000 if WSMMA_MIN_NK else 0)
 # Forward with WGMMA_MIN_M <= M < DEQUANT_MIN_M, nvfp4 / mxfp4, on Hopper with K % 256 == 0: the
 # warp-specialised Gluon GEMM (w4a16_wgmma.py: TMA loaders, decoder warps, async wgmma), which
 # overlaps decoding with the tensor cores; on the H100 1.6-2x faster than the fused Triton kernel
 # at M = 128 / 256 and even with it at M = 64 (NOTES_w4a16.md section 13). 0 disables it.
-WGMMA_MIN_M = int(os.environ.get("QERL_W4A16_WGMMA_MIN_M", "65"))
+WGMMA_MIN_M = env_int("QERL_W4A16_WGMMA_MIN_M", 65)
 # Forward with 2 <= M <= 8, nvfp4, on Hopper layers with N >= WSMMA_TOKENS_MIN_N and K >= WSMMA_TOKENS_MIN_K: the
 # same Gluon GEMV with one token per column of its MMA (w4a16_gluon MT = 8) in place of the fused
 # Triton kernel. On the H100 it won only on the two layers of that kind (27648x5120 44.7 -> 39.7 us,
 # 55296x5120 78.3 -> 71.8 at M = 2) and lost 4-66% on the other 12 (NOTES_w4a16.md section 15).
 # 0 disables it.
-WSMMA_TOKENS_MIN_N = int(os.environ.get("QERL_W4A16_WSMMA_TOKENS_MIN_N", "16384"))
+WSMMA_TOKENS_MIN_N = env_int("QERL_W4A16_WSMMA_TOKENS_MIN_N", 16384)
 WSMMA_TOKENS_MIN_K = 4096
 # The same with PDL on (the rollout engine's decode chain): every 2..8-token nvfp4 layer. There its
 # producer warp copies the weights before the wait (the fused kernel loads only after it), and with
 # the shared-memory epilogue (w4a16_gluon.EPI_SMEM) the 7B batch-8 step went 3.232 -> 2.941 ms
 # (+9.9%; q/k/v 11.2 -> 5.5 us after the wait, o 11.2 -> 8.4, down 24.7 -> 17.8; NOTES_rollout.md
 # section 11). With the old epilogue the same routing lost 16%. 0 disables it.
-WSMMA_TOKENS_MIN_N_PDL = int(os.environ.get("QERL_W4A16_WSMMA_TOKENS_MIN_N_PDL", "1" if WSMMA_TOKENS_MIN_N else "0"))
+WSMMA_TOKENS_MIN_N_PDL = env_int("QERL_W4A16_WSMMA_TOKENS_MIN_N_PDL", 1 if WSMMA_TOKENS_MIN_N else 0)
 WSMMA_TOKENS_MIN_K_PDL = 0
 # Forward with WGMMA_SMALL_M <= M < WGMMA_MIN_M on Hopper: the wgmma GEMM where it beat the fused
 # Triton kernel on the H100 (_small_m_wgmma; NOTES_w4a16.md section 15). 0 disables it.
-WGMMA_SMALL_M = int(os.environ.get("QERL_W4A16_WGMMA_SMALL_M", "17"))
+WGMMA_SMALL_M = env_int("QERL_W4A16_WGMMA_SMALL_M", 17)
 # Forward with RWG_MIN_M <= M <= RWG_MAX_M, nvfp4 / mxfp4, on Hopper with K % 256 == 0: the GEMM with the decoded
 # weights as wgmma's register operand (w4a16_rwg.py), checked before the rule above. On the H100, of the
 # kernels then in use at M = 32 / 64 it was the fastest on 13 / 12 of the 14 layer shapes (5120x27648 M = 64
 # 72.9 -> 56.0 us, nvfp4; the sweep's mxfp4 medians at M = 32 / 64 went 1.42 / 1.27 -> 1.57 / 1.51;
 # NOTES_w4a16.md section 20); at M = 16 the fused kernel stays faster on the wide layers.
 # RWG_MIN_M = 0 disables it.
-RWG_MIN_M = int(os.environ.get("QERL_W4A16_RWG_MIN_M", "17"))
+RWG_MIN_M = env_int("QERL_W4A16_RWG_MIN_M", 17)
 RWG_MAX_M = 64
 # w4a16_rwg with R = 1 at two programs per SM (104 registers, shallower rings), by tokens per tile (BM), for
 # layers whose 64-row tiles overrun one program per SM: on the H100 37888x3584 at M = 64 65.9 -> 57.7 us,
@@ -138,7 +139,7 @@ RWG_TWO_PER_SM = {32: {"NSW": 4, "NSX": 3, "maxnreg": 104, "XREL": 1},
 # 154.3, 3584^2 15.3 -> 14.5; one loss, 7168x5120 26.4 -> 27.2 (R = 2 by the rule, R = 1 26.8); the M = 128
 # median of the sweep went 0.98 -> 1.18. At M = 256 it lost on every layer (the wgmma GEMM's 256-token tiles
 # read each weight once; NOTES_w4a16.md section 21). RWG_WIDE_MAX_M = 0 turns it off.
-RWG_WIDE_MAX_M = int(os.environ.get("QERL_W4A16_RWG_WIDE_MAX_M", "128"))
+RWG_WIDE_MAX_M = env_int("QERL_W4A16_RWG_WIDE_MAX_M", 128)
 RWG_WIDE_R2_STEPS = 10
 # its two-programs-per-SM form (80 registers per thread, shallower rings: 93 KB of shared memory)
 WGMMA_TWO_PER_SM = {"maxnreg": 80, "DEC_REGS": 96, "NSW": 3, "NSD": 2, "NSX": 3, "BM": 64}
@@ -149,7 +150,7 @@ WGMMA_TWO_PER_SM = {"maxnreg": 80, "DEC_REGS": 96, "NSW": 3, "NSD": 2, "NSX": 3,
 # bf16: M = 512 0.58-0.61 -> 0.83-0.91x on the large layers; M = 1024 0.68-0.77 -> 0.84-0.93x on
 # six layers, 5120^2 0.77 -> 0.73x (NOTES_w4a16.md section 14); at M = 4096 dequant + cuBLAS stays
 # faster. 0 disables it.
-WGMMA_MAX_M = int(os.environ.get("QERL_W4A16_WGMMA_MAX_M", "2048"))
+WGMMA_MAX_M = env_int("QERL_W4A16_WGMMA_MAX_M", 2048)
 # the 128-row configuration: TMA issued by the MMA warps (12 warps in all), one chunk per decoded stage
 WGMMA_BN128 = {"BN": 128, "LOADS": 1, "CPS": 1, "NSD": 4, "NSX": 3}
 # Programmatic dependent launch (sm_90+): each kernel lets the next one in the stream launch as

@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qerl.env import env_int
 from qerl.nn.quant_linear import _outside_inference_mode
 from qerl.kernels import bf16_gemv
 from qerl.kernels.lora_ops import shrink_splits
@@ -75,7 +76,7 @@ SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 # calls, 256-token prompts + 512 new tokens, same process (H100, NOTES_rollout.md section 25):
 # 128 against 256 gave batch 1 / 8 / 64 x1.001 / x1.008 / x1.014, 64 gave x1.001 / x1.009 / x1.018
 # with twice 128's graphs. QERL_ROLLOUT_LENGTH_BUCKET (a multiple of 64) overrides it.
-LENGTH_BUCKET = int(os.environ.get("QERL_ROLLOUT_LENGTH_BUCKET", "128"))
+LENGTH_BUCKET = env_int("QERL_ROLLOUT_LENGTH_BUCKET", 128)
 if LENGTH_BUCKET < 64 or LENGTH_BUCKET % 64:
     raise ValueError(f"QERL_ROLLOUT_LENGTH_BUCKET must be a positive multiple of 64, got {LENGTH_BUCKET}")
 # On a GPU, prompt widths are left-padded to a multiple of PROMPT_BUCKET, and a prefill of at most
@@ -98,7 +99,7 @@ GLU = os.environ.get("QERL_ROLLOUT_GLU", "1") == "1"
 # r16 / r32 / r64 x1.023 / x1.025 / x1.041 per step (1: x0.964 at r32); 14B r32 x0.996. None (the
 # default) = `lora_gemv_per_sm`: 2 for models of hidden size below 4096, else 3; 0: plan as without
 # LoRA. QERL_LORA_GEMV_PER_SM sets one value for every model.
-LORA_GEMV_PER_SM = int(os.environ["QERL_LORA_GEMV_PER_SM"]) if os.environ.get("QERL_LORA_GEMV_PER_SM") else None
+LORA_GEMV_PER_SM = env_int("QERL_LORA_GEMV_PER_SM", None)
 # ... and per group kind, over both (QERL_LORA_GEMV_PER_SM_KIND="qkv=2,o=2"; ablation flag `lsmk:KIND+KIND=N`).
 # Measured at batch 8, r32, same process (NOTES_rollout.md section 27, a110-a112): the 7B gain is gate/up's
 # and down's (3 there again: x0.970; on q/k/v and o: x0.993); 14B gate/up and down at 2 x1.005; 32B x0.965

@@ -1,0 +1,30 @@
+import pytest
+
+from qerl.env import env_int
+
+
+def test_env_int_reads_defaults_and_names_a_bad_value(monkeypatch):
+    monkeypatch.delenv("QERL_TEST_KNOB", raising=False)
+    assert env_int("QERL_TEST_KNOB", 7) == 7 and env_int("QERL_TEST_KNOB", None) is None
+    monkeypatch.setenv("QERL_TEST_KNOB", "")
+    assert env_int("QERL_TEST_KNOB", 7) == 7
+    monkeypatch.setenv("QERL_TEST_KNOB", " 12 ")
+    assert env_int("QERL_TEST_KNOB", 7) == 12
+    monkeypatch.setenv("QERL_TEST_KNOB", "0")
+    assert env_int("QERL_TEST_KNOB", 7) == 0
+    monkeypatch.setenv("QERL_TEST_KNOB", "2e7")
+    with pytest.raises(ValueError, match=r"^QERL_TEST_KNOB='2e7': expected an integer") as err:
+        env_int("QERL_TEST_KNOB", 7)
+    assert "\n" not in str(err.value)
+
+
+def test_a_bad_kernel_switch_fails_at_import_naming_it():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, QERL_W4A16_RWG_MIN_M="seventeen")
+    out = subprocess.run([sys.executable, "-c", "import qerl.kernels.w4a16_triton"], env=env, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1] == (
+        "ValueError: QERL_W4A16_RWG_MIN_M='seventeen': expected an integer (unset it for the default, 17)")
