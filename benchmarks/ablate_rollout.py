@@ -111,6 +111,7 @@ from bench_rollout import build, gpu_state  # noqa: E402
 from profile_rollout import graph_step_ms, rewind  # noqa: E402
 
 from qerl.rl.rollout import RolloutSettings  # noqa: E402
+from qerl.rollout import engine as engine_mod  # noqa: E402
 from qerl.rollout.engine import LORA_GROUP_KINDS as KINDS, RolloutEngine  # noqa: E402
 
 
@@ -118,7 +119,6 @@ def _switches() -> dict:
     """flag -> [(module, attribute, value)] set while a variant runs."""
     from qerl.kernels import (bf16_gemv, decode_ops, lora_ops, w4a16_gemv, w4a16_gluon, w4a16_rwg, w4a16_triton,
                               w4a16_wgmma)
-    from qerl.rollout import engine as engine_mod
     table = {
         "lsm0": [(engine_mod, "LORA_GEMV_PER_SM", 0)],
         "sk": [(w4a16_gluon, "STREAMK", True)],
@@ -268,11 +268,11 @@ def variant_of(engine: RolloutEngine, name: str):
     per_sm_kind = {}  # lsmk:KIND+KIND=N: engine.LORA_GEMV_PER_SM_KIND for those LoRA groups
     for f in [f for f in flags if f.startswith("lsmk:")]:
         flags.remove(f)
-        m = re.fullmatch(r"lsmk:([a-z_+]+)=(\d+)", f)
-        targets = tuple(m[1].split("+")) if m else ()
-        if m is None or set(targets) - set(KINDS):
-            raise SystemExit(f"bad flag {f!r} in {name!r}: lsmk:KIND+KIND=N, KIND in {', '.join(KINDS)}")
-        per_sm_kind.update({kind: int(m[2]) for kind in targets})
+        kinds_, _, n = f[5:].partition("=")
+        try:  # the engine's own parser of QERL_LORA_GEMV_PER_SM_KIND checks kinds and count
+            per_sm_kind.update(engine_mod._kind_values(",".join(f"{kind}={n}" for kind in kinds_.split("+"))))
+        except ValueError:
+            raise SystemExit(f"bad flag {f!r} in {name!r}: lsmk:KIND+KIND=N, KIND in {', '.join(KINDS)}") from None
     for f in [f for f in flags if f.startswith("g:")]:
         flags.remove(f)
         kinds_, _, spec = f[2:].partition(":")
@@ -304,7 +304,6 @@ def variant_of(engine: RolloutEngine, name: str):
         raise SystemExit(f"unknown variant {name!r}")
     switches = [sw for f in flags for sw in table[f]]
     if per_sm_kind:
-        from qerl.rollout import engine as engine_mod
         switches.append((engine_mod, "LORA_GEMV_PER_SM_KIND", per_sm_kind))
     saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in switches]
     saved_side = engine._side
