@@ -2,6 +2,7 @@
 #   make reproduce   venv + CPU torch + project, then the reproduce-table flow on recipes/embedded.yaml
 #   make test        venv as above, then every test (slow ones included; CI runs this via .ci/run)
 #   make test-fast   the tests not marked slow
+#   make test-gpu    the GPU test files (~19 min on an H100); SHARD=1/3 runs one interleaved third
 #   make ui          MLflow UI on http://127.0.0.1:5000 for ./mlflow.db
 #   make server      Prefect server on http://127.0.0.1:4200; then (other shells) make deploy, make worker,
 #                    prefect deployment run reproduce-table/smoke --watch   (docs/deployments.md)
@@ -23,10 +24,10 @@ UI_URI ?= sqlite:///mlflow.db
 UI_PORT ?= 5000
 STAMP := $(VENV)/.qerl-setup.stamp
 
-.PHONY: help setup reproduce test test-fast ui clean server work-pools deploy worker gpu-workers test-deployment
+.PHONY: help setup reproduce test test-fast test-gpu ui clean server work-pools deploy worker gpu-workers test-deployment
 
 help:
-	@sed -n '2,10p' Makefile
+	@sed -n '2,11p' Makefile
 
 setup: $(STAMP)
 
@@ -48,6 +49,11 @@ test: setup
 
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not slow"
+
+GPU_TESTS := tests/test_kernels_gpu.py tests/test_formats_gpu.py tests/test_rollout_kernels_gpu.py tests/test_single_copy.py
+SHARD ?=
+test-gpu: setup
+	$(PYTHON) -m pytest -q $(GPU_TESTS) $(if $(SHARD),--shard $(SHARD))
 
 ui: setup
 	$(PYTHON) -m qerl.cli ui --uri $(UI_URI) --port $(UI_PORT)

@@ -6,6 +6,9 @@
   and a ChatML chat template. No hub access.
 - `tiny_model`: a randomly initialised 2-layer Llama (hidden 64) over that vocabulary, float32,
   eval mode, fixed seed. Tests that change it must work on a copy (copy.deepcopy).
+- `--shard I/N`: run only the I-th of N interleaved parts of the collected tests (every N-th test
+  from the I-th), so a test set longer than one machine's time limit (the GPU files take ~19 min on
+  an H100) runs as N calls: `pytest tests/test_kernels_gpu.py --shard 1/3`, then 2/3 and 3/3.
 """
 
 from __future__ import annotations
@@ -100,3 +103,40 @@ def _autograd_stays_on():
 
     torch.set_grad_enabled(True)
     yield
+
+
+def shard_spec(text: str) -> tuple[int, int]:
+    """'I/N' -> (I, N) with 1 <= I <= N; anything else raises ValueError with one line saying why."""
+    try:
+        i, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard takes I/N, e.g. 1/3 (got {text!r})") from None
+    if not 1 <= i <= n:
+        raise ValueError(f"--shard {text}: I must be between 1 and N")
+    return i, n
+
+
+def shard_items(items: list, i: int, n: int) -> tuple[list, list]:
+    """(kept, deselected): every n-th item from the i-th (1-based). Interleaved rather than contiguous,
+    so a file's slow parametrisations spread over the shards; the n shards cover every item once."""
+    kept = [it for j, it in enumerate(items) if j % n == i - 1]
+    return kept, [it for j, it in enumerate(items) if j % n != i - 1]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run the I-th of N interleaved parts of the collected tests (e.g. 1/3)")
+
+
+def pytest_collection_modifyitems(config, items):
+    spec = config.getoption("--shard")
+    if not spec:
+        return
+    try:
+        i, n = shard_spec(spec)
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
+    kept, dropped = shard_items(items, i, n)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
