@@ -5,6 +5,7 @@
     qerl quantize embedded -f nvfp4         # one step at a time (own MLflow runs)
     qerl evaluate embedded -f nvfp4
     qerl report embedded                    # rebuild the table from the latest flow run
+    qerl ablation embedded --seeds 0,1,2 --set train.grpo.bf16_autocast=true   # mean +- std over seeds
     qerl ui                                 # MLflow UI on http://127.0.0.1:5000
     qerl validate recipes/qwen2.5-7b.yaml   # check a recipe, print it resolved
 
@@ -114,6 +115,32 @@ def reproduce(
 
             result = run(str(path), overrides or None)
     _print_result(result)
+
+
+@app.command()
+def ablation(
+    recipe: str = typer.Argument(..., help=RECIPE_HELP),
+    seeds: str = typer.Option("0,1,2", "--seeds", help="Distinct integer seeds, comma-separated."),
+    set_: Optional[list[str]] = typer.Option(None, "--set", "-s", help=SET_HELP),
+) -> None:
+    """Run the recipe once per seed (the reproduce-table flow, one seed after the other, in this
+    process), then write mean +- std per variant to <report_dir>/ablation/ (json, md, png)."""
+    with _bad_input_exits():
+        path, overrides, rec = _load(recipe, set_)
+        try:
+            seed_list = [int(v) for v in seeds.split(",") if v.strip()]
+        except ValueError:
+            seed_list = []
+        if not seed_list or len(set(seed_list)) != len(seed_list):
+            typer.echo(f"error: --seeds takes distinct integers such as 0,1,2 (got {seeds!r})", err=True)
+            raise typer.Exit(2)
+        typer.echo(f"recipe {rec.name} ({path}): seeds {', '.join(map(str, seed_list))}")
+        _quiet_prefect_defaults()
+        from flows.ablation import ablation as ablation_flow
+
+        result = ablation_flow(str(path), seed_list, overrides=overrides or None)
+    typer.echo(f"ablation: {result['ablation_md']}")
+    typer.echo(f"MLflow:  run {result['mlflow_run_id']}; browse with `make ui`")
 
 
 @app.command()

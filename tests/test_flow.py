@@ -265,3 +265,38 @@ def test_flow_on_embedded_model(prefect_harness, tmp_path, gsm8k_dir):
         # a trained model is far from uniform over its 49k-token vocabulary (ln 49152 = 10.8)
         assert 0 < row["entropy"] < 5
     assert "| base-nvfp4 | nvfp4 |" in Path(result["table_md"]).read_text()
+
+
+@pytest.mark.slow
+def test_cli_ablation_runs_each_seed_with_the_overrides(prefect_harness, tmp_path, gsm8k_dir):
+    """`qerl ablation RECIPE --seeds --set ...`: the ablation flow in this process, every --set reaching
+    every seed's runs, mean +- std per variant in <report_dir>/ablation/ablation.json."""
+    from typer.testing import CliRunner
+
+    from qerl.cli import app
+
+    ov = overrides_for(tmp_path, gsm8k_dir, formats="[nvfp4]", **{"train.variants": "[qerl-nvfp4]",
+                                                                  "train.grpo.max_steps": 1})
+    sets = [a for k, v in ov.items() for a in ("--set", f"{k}={v}")]
+    out = CliRunner().invoke(app, ["ablation", SMOKE, "--seeds", "0,1", *sets])
+    assert out.exit_code == 0, out.output
+    doc = json.loads((tmp_path / "reports" / "ablation" / "ablation.json").read_text())
+    assert doc["completed_seeds"] == [0, 1] and not doc["failed_seeds"]
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert set(rows) == {"base-nvfp4", "qerl-nvfp4"} and all(r["n_seeds"] == 2 for r in rows.values())
+    client = client_for(tmp_path)
+    exp = client.get_experiment_by_name("test-flow")
+    train = client.search_runs([exp.experiment_id], filter_string="tags.step = 'train'")
+    assert len(train) == 2 and {r.data.params["grpo.max_steps"] for r in train} == {"1"}
+    assert sorted(r.data.tags["seed"] for r in train) == ["0", "1"]
+
+
+@pytest.mark.parametrize("seeds", ["", "0,0", "a,1"])
+def test_cli_ablation_refuses_bad_seeds_in_one_line(tmp_path, seeds):
+    from typer.testing import CliRunner
+
+    from qerl.cli import app
+
+    out = CliRunner().invoke(app, ["ablation", SMOKE, "--seeds", seeds, "--set", f"output_dir={tmp_path / 'out'}"])
+    assert out.exit_code == 2 and out.output.strip().startswith("error: --seeds") and len(out.output.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

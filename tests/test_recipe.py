@@ -265,5 +265,5 @@ def test_cli_help_lists_commands():
 
     result = CliRunner().invoke(app, ["--help"])
     assert result.exit_code == 0
-    for cmd in ("reproduce", "quantize", "evaluate", "report", "ui"):
+    for cmd in ("reproduce", "quantize", "evaluate", "report", "ablation", "ui"):
         assert cmd in result.output
