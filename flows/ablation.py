@@ -36,6 +36,17 @@ from qerl.recipe import Recipe, load_recipe
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
+def parse_seeds(text: str) -> list[int]:
+    """"0,1,2" -> [0, 1, 2]; ValueError (one line) unless distinct integers, at least one."""
+    try:
+        seeds = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds takes distinct integers such as 0,1,2 (got {text!r})")
+    return seeds
+
+
 def seed_overrides(recipe: Recipe, base: dict[str, Any], seed: int) -> dict[str, Any]:
     return {**base, "seed": seed, "report_dir": str(Path(recipe.report_dir) / f"seed{seed}")}
 
@@ -304,5 +315,5 @@ def ablation(
 if __name__ == "__main__":
     ablation(
         sys.argv[1] if len(sys.argv) > 1 else "smoke",
-        [int(s) for s in sys.argv[2].split(",")] if len(sys.argv) > 2 else None,
+        parse_seeds(sys.argv[2]) if len(sys.argv) > 2 else None,
     )

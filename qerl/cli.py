@@ -127,17 +127,15 @@ def ablation(
     process), then write mean +- std per variant to <report_dir>/ablation/ (json, md, png)."""
     with _bad_input_exits():
         path, overrides, rec = _load(recipe, set_)
-        try:
-            seed_list = [int(v) for v in seeds.split(",") if v.strip()]
-        except ValueError:
-            seed_list = []
-        if not seed_list or len(set(seed_list)) != len(seed_list):
-            typer.echo(f"error: --seeds takes distinct integers such as 0,1,2 (got {seeds!r})", err=True)
-            raise typer.Exit(2)
-        typer.echo(f"recipe {rec.name} ({path}): seeds {', '.join(map(str, seed_list))}")
         _quiet_prefect_defaults()
-        from flows.ablation import ablation as ablation_flow
+        from flows.ablation import ablation as ablation_flow, parse_seeds
 
+        try:
+            seed_list = parse_seeds(seeds)
+        except ValueError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        typer.echo(f"recipe {rec.name} ({path}): seeds {', '.join(map(str, seed_list))}")
         result = ablation_flow(str(path), seed_list, overrides=overrides or None)
     typer.echo(f"ablation: {result['ablation_md']}")
     typer.echo(f"MLflow:  run {result['mlflow_run_id']}; browse with `make ui`")
