@@ -419,7 +419,8 @@ def main(argv=None) -> None:
                     help="GRPO steps per configuration; the last is reported (with --rollout-memory auto the third is "
                          "the first that neither compiles nor re-captures graphs)")
     ap.add_argument("--no-aqn", action="store_true", help="AQN off for nvfp4 too")
-    ap.add_argument("--bf16-autocast", action="store_true", help="GRPOSettings.bf16_autocast: LoRA in bf16 in training")
+    ap.add_argument("--bf16-autocast", action="store_true", help="GRPOSettings.bf16_autocast on: LoRA in bf16 in training (the trainer's default on "
+                    "a GPU since session 32; without the flag this bench turns it off, as in its older rows)")
     ap.add_argument("--profile-dir", default=None, help="profile the last step's training phase, kernel tables here")
     ap.add_argument("--keep-checkpoint-layout", action="store_true",
                     help="keep the 4-bit checkpoint tensors beside the kernels' layout (two copies; the old default)")

@@ -31,7 +31,7 @@ import torch
 
 from qerl.nn.aqn import AQNSettings
 from qerl.nn.lora import LoraSettings
-from qerl.rl.grpo import GRPOSettings
+from qerl.rl.grpo import GRPOSettings, autocast_enabled
 
 # The embedded recipe: tuned so the reward clearly rises within ~20 steps on 2 CPU cores.
 DEMO_SETTINGS = dict(
@@ -143,12 +143,39 @@ def run_variant(
         "heldout_accuracy_after": acc_after,
         "train_time_s": sum(h["step_time_s"] for h in result.history),
         "wall_time_s": time.perf_counter() - t0,
+        "device": device,
+        "device_name": torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu",
+        "seed": settings.seed,
+        "bf16_autocast": autocast_enabled(settings.bf16_autocast, device),
         "rewards": [round(h["reward_mean"], 4) for h in result.history],
+        "accuracies": [round(h["accuracy"], 4) for h in result.history],
+        "entropies": [round(h["entropy"], 4) for h in result.history],
+        "step_times_s": [round(h["step_time_s"], 3) for h in result.history],
         "settings": settings.model_dump(),
         "lora": lora.model_dump(),
     }
     Path(out_dir, "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def resolve_device(name: str) -> str:
+    """The demo's --device: "auto" is cuda when a GPU is present, else cpu; a CUDA device that is
+    not there is refused in one line (SystemExit) before any model is loaded."""
+    name = name.strip().lower()
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return name
+    if name.startswith("cuda"):
+        idx = name.partition(":")[2]
+        if idx and not idx.isdigit():
+            raise SystemExit(f"--device {name}: expected cpu, cuda, cuda:N or auto")
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {name}: no CUDA device here (use --device cpu)")
+        if idx and int(idx) >= torch.cuda.device_count():
+            raise SystemExit(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here")
+        return name
+    raise SystemExit(f"--device {name}: expected cpu, cuda, cuda:N or auto")
 
 
 def main(argv=None) -> int:
@@ -171,9 +198,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-eval", type=int, default=64, help="held-out problems (0: no held-out evaluation)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu (default), cuda, cuda:N or auto (cuda when present); on a GPU the model is bf16")
+    ap.add_argument("--bf16-autocast", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+                    help="training forwards under bf16 autocast (GRPOSettings.bf16_autocast); auto (default): "
+                         "on a GPU only; the bare flag means on")
     ap.add_argument("--out", default="runs/rl-demo")
     ap.add_argument("--resume", action="store_true")
     args = ap.parse_args(argv)
+    device = resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = []
@@ -185,10 +218,12 @@ def main(argv=None) -> int:
             max_completion_length=args.max_completion_length, loss_type=args.loss_type, seed=args.seed,
             dynamic_sampling=args.dynamic_sampling, temperature=args.temperature, top_p=args.top_p,
             reward_weights=[1.0, args.format_weight], mask_truncated_completions=not args.no_mask_truncated,
+            bf16_autocast={"auto": "auto", "on": True, "off": False}[args.bf16_autocast],
         )
         out = Path(args.out) / f"{fmt}{'-aqn' if args.aqn else ''}"
         lora = LoraSettings(**{**DEMO_LORA, "lora_alpha": args.lora_alpha})
-        s = run_variant(fmt, args.aqn, out, GRPOSettings(**st), lora=lora, num_eval=args.num_eval, resume=args.resume)
+        s = run_variant(fmt, args.aqn, out, GRPOSettings(**st), lora=lora, num_eval=args.num_eval, resume=args.resume,
+                        device=device)
         rows.append(s)
         print(json.dumps({k: v for k, v in s.items() if k not in ("settings", "lora")}))
     print("\n| variant | steps | reward first 1/5 | reward last 1/5 | held-out acc before -> after | train s | wall s |")

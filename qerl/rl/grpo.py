@@ -124,8 +124,10 @@ class GRPOSettings(BaseModel):
     # accelerate do with bf16=True: the LoRA matmuls and adds run in bf16 over the fp32 adapter
     # weights, which stay the optimiser's master copy, and the adapters take their bf16 input
     # without an fp32 copy (trainer.optimise). Off: the adapters compute in fp32 (a 7B profile put
-    # that fp32 path at ~45% of the training phase, benchmarks/NOTES_grpo.md)
-    bf16_autocast: bool = False
+    # that fp32 path at ~45% of the training phase, benchmarks/NOTES_grpo.md). "auto": on for a
+    # model on a CUDA device, off elsewhere (a CPU runs bf16 matmuls ~50x slower than fp32);
+    # chosen from the GPU learning runs in qerl/rl/DESIGN_NOTES.md (autocast_enabled)
+    bf16_autocast: bool | Literal["auto"] = False
     # logging
     log_completions: bool = False  # append every sampled completion to out_dir/completions.jsonl
     # checkpoints
@@ -327,3 +329,11 @@ def grpo_loss(
         if is_weights is not None:
             stats["is_weight_sum"] = float((is_weights.expand_as(m) * m).sum())
     return loss, stats
+
+
+def autocast_enabled(setting: bool | str, device: torch.device | str) -> bool:
+    """Whether the training forwards run under bf16 autocast: GRPOSettings.bf16_autocast for a
+    model on `device` ("auto" = on for CUDA, off elsewhere)."""
+    if setting == "auto":
+        return torch.device(device).type == "cuda"
+    return bool(setting)

@@ -54,6 +54,7 @@ from qerl.nn.aqn import AdaptiveQuantNoise, AQNSettings
 from qerl.nn.lora import LoraSettings, apply_lora
 from qerl.rl.grpo import (
     GRPOSettings,
+    autocast_enabled,
     group_advantages,
     grpo_loss,
     importance_weights,
@@ -628,6 +629,7 @@ def train(
                 metrics[phase] = timer.seconds.get(phase, 0.0)
             metrics["peak_memory_bytes"] = _peak_memory(device)
             metrics["rollout_memory_released"] = float(memory_plan.released)
+            metrics["bf16_autocast"] = float(autocast_enabled(settings.bf16_autocast, device))  # as resolved
         except torch.OutOfMemoryError as e:
             if isinstance(e, TrainingOOM):
                 raise
@@ -704,14 +706,15 @@ def optimise(
     checkpointed layer's recomputation in the backward must see the same dtypes as its forward."""
     from peft.helpers import disable_input_dtype_casting
 
-    with disable_input_dtype_casting(model, active=settings.bf16_autocast):
+    cast = autocast_enabled(settings.bf16_autocast, _device(model))
+    with disable_input_dtype_casting(model, active=cast):
         return _optimise_steps(model, parts, settings, optimizer, scheduler, aqn, noise_in_training, share_train,
-                               step, timer)
+                               step, timer, cast)
 
 
 def _optimise_steps(
     model, parts, settings: GRPOSettings, optimizer, scheduler, aqn: AdaptiveQuantNoise,
-    noise_in_training: bool, share_train: bool, step: int, timer: PhaseTimer | None,
+    noise_in_training: bool, share_train: bool, step: int, timer: PhaseTimer | None, cast: bool,
 ) -> dict[str, float]:
     timer = timer or PhaseTimer(torch.device("cpu"))
     mb = settings.per_device_train_batch_size
@@ -743,10 +746,10 @@ def _optimise_steps(
     model.train()
     need_old = settings.num_iterations > 1
     chunk = settings.logprob_chunk_tokens
-    # policy_logprobs under bf16 autocast when asked (GRPOSettings.bf16_autocast); the backward
-    # follows the dtypes autocast recorded, and checkpointed layers recompute under the same state
-    autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16,
-                                 enabled=settings.bf16_autocast)
+    # policy_logprobs under bf16 autocast when on (GRPOSettings.bf16_autocast, autocast_enabled);
+    # the backward follows the dtypes autocast recorded, and checkpointed layers recompute under
+    # the same state
+    autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16, enabled=cast)
     old, ref = [], []
     if need_old or settings.beta > 0:
         with torch.no_grad(), timer("logprob_s"):
