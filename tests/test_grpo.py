@@ -477,3 +477,19 @@ def test_arith_problems_are_deterministic_and_gradable():
     assert len({p.id for p in a}) == 50 and all(p.benchmark == "arith" for p in a)
     assert all(int(p.answer) >= 0 for p in a)
     assert gsm8k_accuracy([f"#### {p.answer}" for p in a], answer=[p.answer for p in a]) == [1.0] * 50
+
+
+def test_bf16_autocast_auto_is_on_for_cuda_only():
+    """GRPOSettings.bf16_autocast: "auto" (the default) resolves by the model's device; explicit
+    booleans win; anything else is refused by the settings."""
+    from pydantic import ValidationError
+
+    from qerl.rl.grpo import GRPOSettings, autocast_enabled
+
+    assert GRPOSettings().bf16_autocast == "auto"
+    assert autocast_enabled("auto", "cuda") and autocast_enabled("auto", torch.device("cuda", 1))
+    assert not autocast_enabled("auto", "cpu")
+    assert autocast_enabled(True, "cpu") and not autocast_enabled(False, "cuda")
+    assert GRPOSettings(bf16_autocast=True).bf16_autocast is True
+    with pytest.raises(ValidationError):
+        GRPOSettings(bf16_autocast="sometimes")

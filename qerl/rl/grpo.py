@@ -127,7 +127,7 @@ class GRPOSettings(BaseModel):
     # that fp32 path at ~45% of the training phase, benchmarks/NOTES_grpo.md). "auto": on for a
     # model on a CUDA device, off elsewhere (a CPU runs bf16 matmuls ~50x slower than fp32);
     # chosen from the GPU learning runs in qerl/rl/DESIGN_NOTES.md (autocast_enabled)
-    bf16_autocast: bool | Literal["auto"] = False
+    bf16_autocast: bool | Literal["auto"] = "auto"
     # logging
     log_completions: bool = False  # append every sampled completion to out_dir/completions.jsonl
     # checkpoints
