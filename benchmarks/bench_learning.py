@@ -224,21 +224,33 @@ def table(result: dict) -> str:
         accs = [f"{r['seed']}: {_pct(r['heldout_after'])}" for r in result["rows"]
                 if r["variant"] == s["variant"] and r["status"] == "ok"]
         per_seed.append(f"- {s['variant']}: " + ", ".join(accs))
-    return "\n".join(lines + per_seed + paired_autocast(result)) + "\n"
+    return "\n".join(lines + per_seed + paired(result, "autocast") + paired(result, "aqn")) + "\n"
 
 
-def paired_autocast(result: dict) -> list[str]:
-    """X@autocast against X on the seeds both ran: mean difference of held-out accuracy and of the
-    last fifth's reward (on - off), with its standard error, per format and over all pairs."""
+def _without(variant: str, option: str) -> str | None:
+    """The variant `variant` is compared with: the same without `option` ("autocast" or "aqn"), or
+    None when it does not have that option."""
+    v = parse_variant(variant)
+    if not v[{"autocast": "bf16_autocast", "aqn": "aqn"}[option]]:
+        return None
+    return v["format"] + ("+aqn" if v["aqn"] and option != "aqn" else "") + (
+        "@autocast" if v["bf16_autocast"] and option != "autocast" else "")
+
+
+def paired(result: dict, option: str) -> list[str]:
+    """Variants with `option` ("autocast": bf16 autocast, "aqn": AQN) against the same variant without
+    it, on the seeds both ran: mean difference (with - without) of the held-out accuracy and of the
+    last fifth's reward, with its standard error, per variant and over all pairs."""
     ok = {(r["variant"], r["seed"]): r for r in result["rows"] if r["status"] == "ok"}
     pairs: dict[str, list[tuple[dict, dict]]] = {}
     for (variant, seed), on in ok.items():
-        base, _, mod = variant.partition("@")
-        if mod == "autocast" and (base, seed) in ok:
-            pairs.setdefault(base, []).append((ok[(base, seed)], on))
+        base = _without(variant, option)
+        if base is not None and (base, seed) in ok:
+            pairs.setdefault(variant, []).append((ok[(base, seed)], on))
     if not pairs:
         return []
-    out = ["", "bf16 autocast on - off, paired by seed (mean +- standard error, points):", "",
+    what = {"autocast": "bf16 autocast", "aqn": "AQN"}[option]
+    out = ["", f"{what} on - off, paired by seed (mean +- standard error, points):", "",
            "| variant | pairs | held-out after | reward last 1/5 |", "|---|---|---|---|"]
 
     def cell(ps, key):
@@ -247,8 +259,8 @@ def paired_autocast(result: dict) -> list[str]:
         return f"{100 * m:+.1f} +- {100 * se:.1f}"
 
     everything = [p for ps in pairs.values() for p in ps]
-    for base, ps in list(pairs.items()) + [("all", everything)]:
-        out.append(f"| {base} | {len(ps)} | {cell(ps, 'heldout_after')} | {cell(ps, 'reward_last_fifth')} |")
+    for variant, ps in list(pairs.items()) + [("all", everything)]:
+        out.append(f"| {variant} | {len(ps)} | {cell(ps, 'heldout_after')} | {cell(ps, 'reward_last_fifth')} |")
     return out
 
 

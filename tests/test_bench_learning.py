@@ -86,7 +86,7 @@ def test_demo_device_flag():
     import torch
 
     assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
-    for bad in ("tpu", "cuda:x"):
+    for bad in ("tpu", "cuda:x", "cudax", "cuda:"):
         with pytest.raises(SystemExit, match="expected cpu, cuda"):
             resolve_device(bad)
     if not torch.cuda.is_available():
@@ -119,3 +119,20 @@ def test_cpu_sweep_end_to_end(tmp_path):
     assert all(0.0 <= r["heldout_after"] <= 1.0 and len(r["rewards"]) == 1 for r in res["rows"])
     p2 = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p2.returncode == 0 and "done in" not in p2.stdout
+
+
+def test_paired_tables_for_autocast_and_aqn():
+    """Each option is paired with the same variant without it, on common seeds only."""
+    rows = [_row("nvfp4", 0, 0.5), _row("nvfp4", 1, 0.7), _row("nvfp4@autocast", 0, 0.6), _row("nvfp4@autocast", 1, 0.6),
+            _row("nvfp4+aqn", 0, 0.8), _row("nvfp4+aqn@autocast", 0, 0.9), _row("nvfp4+aqn@autocast", 5, 0.1)]
+    res = {"rows": rows}
+    assert bl._without("nvfp4+aqn@autocast", "aqn") == "nvfp4@autocast"
+    assert bl._without("nvfp4+aqn@autocast", "autocast") == "nvfp4+aqn"
+    assert bl._without("bf16", "aqn") is None
+    ac = bl.paired(res, "autocast")
+    assert "| nvfp4@autocast | 2 | +0.0 +- 10.0 |" in "\n".join(ac)  # +10 and -10 points
+    assert "| nvfp4+aqn@autocast | 1 | +10.0 +- nan |" in "\n".join(ac)
+    aq = "\n".join(bl.paired(res, "aqn"))
+    assert "| nvfp4+aqn | 1 | +30.0 +- nan |" in aq and "| nvfp4+aqn@autocast | 1 | +30.0 +- nan |" in aq
+    assert "| all | 2 | +30.0 +- 0.0 |" in aq
+    assert bl.paired({"rows": rows[:2]}, "aqn") == []
