@@ -1,4 +1,4 @@
-"""RL on the embedded model (SmolLM2-135M-Instruct) with the generated arithmetic task, on a CPU.
+"""RL on the embedded model (SmolLM2-135M-Instruct) with the generated arithmetic task, on a CPU or a GPU.
 
 The smallest real run of the whole method: the embedded model, optionally quantised to a
 4-bit format (frozen), LoRA adapters trained by GRPO/DAPO on `qerl.rl.arith` problems, optional
@@ -8,8 +8,10 @@ and a summary (reward over the first vs the last fifth of the steps, held-out ac
     python -m qerl.rl.demo --format nvfp4 --aqn --out runs/demo-nvfp4-aqn
     python -m qerl.rl.demo --format bf16,nvfp4 --steps 20          # several variants in a row
 
-On a CPU the model runs in float32 (bf16 matmuls are ~50x slower there); "bf16" names the
-unquantised baseline, as everywhere in qerl. `run_variant` is the function behind it.
+`--device` picks where (default auto: a GPU when there is one). On a CPU the model runs in float32
+(bf16 matmuls are ~50x slower there), on a GPU in bf16 with the 4-bit kernels and the rollout
+engine; "bf16" names the unquantised baseline, as everywhere in qerl. `run_variant` is the
+function behind it; `benchmarks/bench_learning.py` runs it as variants x seeds side by side.
 On a busy machine pass `--threads 1` (OpenMP threads spin when the cores are shared).
 
 The recipe (DEMO_SETTINGS) and why, from the runs in qerl/rl/DESIGN_NOTES.md: DAPO loss with
@@ -159,23 +161,24 @@ def run_variant(
 
 
 def resolve_device(name: str) -> str:
-    """The demo's --device: "auto" is cuda when a GPU is present, else cpu; a CUDA device that is
-    not there is refused in one line (SystemExit) before any model is loaded."""
+    """The demo's --device: "auto" is cuda when a GPU is present, else cpu; anything but cpu, cuda,
+    cuda:N or auto, or a CUDA device that is not there, is refused in one line (SystemExit) before
+    any model is loaded."""
+    import re
+
+    from qerl.recipe import _DEVICE_RE
+
     name = name.strip().lower()
+    if not re.fullmatch(_DEVICE_RE, name):
+        raise SystemExit(f"--device {name}: expected cpu, cuda, cuda:N or auto")
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cpu":
-        return name
     if name.startswith("cuda"):
-        idx = name.partition(":")[2]
-        if idx and not idx.isdigit():
-            raise SystemExit(f"--device {name}: expected cpu, cuda, cuda:N or auto")
         if not torch.cuda.is_available():
             raise SystemExit(f"--device {name}: no CUDA device here (use --device cpu)")
-        if idx and int(idx) >= torch.cuda.device_count():
+        if ":" in name and int(name.split(":", 1)[1]) >= torch.cuda.device_count():
             raise SystemExit(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here")
-        return name
-    raise SystemExit(f"--device {name}: expected cpu, cuda, cuda:N or auto")
+    return name
 
 
 def main(argv=None) -> int:
@@ -198,8 +201,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-eval", type=int, default=64, help="held-out problems (0: no held-out evaluation)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    ap.add_argument("--device", default="cpu",
-                    help="cpu (default), cuda, cuda:N or auto (cuda when present); on a GPU the model is bf16")
+    ap.add_argument("--device", default="auto",
+                    help="auto (default: cuda when present, else cpu), cpu, cuda or cuda:N; on a GPU the model is bf16")
     ap.add_argument("--bf16-autocast", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                     help="training forwards under bf16 autocast (GRPOSettings.bf16_autocast); auto (default): "
                          "on a GPU only; the bare flag means on")
