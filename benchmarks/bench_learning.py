@@ -219,7 +219,9 @@ def table(result: dict) -> str:
             f"{_pct(s['reward_first_fifth'], s['reward_first_fifth_std'])} | "
             f"{_pct(s['reward_last_fifth'], s['reward_last_fifth_std'])} | {ent} | {tps} |"
         )
-    per_seed = ["", "Held-out accuracy after training, per seed:", ""]
+    per_seed = ["", "train s / step: wall time of the training steps with the other runs of the call sharing the "
+                "device and the CPU cores; not a speed measurement.", "",
+                "Held-out accuracy after training, per seed:", ""]
     for s in result["variants"]:
         accs = [f"{r['seed']}: {_pct(r['heldout_after'])}" for r in result["rows"]
                 if r["variant"] == s["variant"] and r["status"] == "ok"]
