@@ -32,14 +32,19 @@ import datetime
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-FORMATS = ("bf16", "nf4", "mxfp4", "nvfp4")
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from qerl import FORMATS  # noqa: E402
+from qerl.recipe import parse_seeds  # noqa: E402
+from qerl.rl.demo import variant_dir  # noqa: E402
 
 
 def parse_variant(text: str) -> dict:
@@ -57,22 +62,12 @@ def parse_variant(text: str) -> dict:
     return {"variant": v, "format": fmt, "aqn": extra == "aqn", "bf16_autocast": mod == "autocast"}
 
 
-def parse_seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise ValueError(f"--seeds {text!r}: expected integers separated by commas") from None
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds {text!r}: expected distinct integers separated by commas")
-    return seeds
-
-
 def run_dir(runs_dir: Path, v: dict, seed: int) -> Path:
     return runs_dir / v["variant"].replace("+", "-").replace("@", "-") / f"seed{seed}"
 
 
 def summary_path(runs_dir: Path, v: dict, seed: int) -> Path:
-    return run_dir(runs_dir, v, seed) / f"{v['format']}{'-aqn' if v['aqn'] else ''}" / "summary.json"
+    return variant_dir(run_dir(runs_dir, v, seed), v["format"], v["aqn"]) / "summary.json"
 
 
 def demo_command(v: dict, seed: int, args, out: Path) -> list[str]:
@@ -90,9 +85,7 @@ def _mean_std(xs: list[float]) -> tuple[float | None, float | None]:
     xs = [x for x in xs if x is not None and not math.isnan(x)]
     if not xs:
         return None, None
-    m = sum(xs) / len(xs)
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
-    return m, sd
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
 def _fifth(xs: list[float], last: bool) -> float | None:

@@ -31,20 +31,9 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from qerl.recipe import Recipe, load_recipe
+from qerl.recipe import Recipe, load_recipe, parse_seeds  # noqa: F401  (parse_seeds: this module's CLI and qerl.cli)
 
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
-
-
-def parse_seeds(text: str) -> list[int]:
-    """"0,1,2" -> [0, 1, 2]; ValueError (one line) unless distinct integers, at least one."""
-    try:
-        seeds = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        seeds = []
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds takes distinct integers such as 0,1,2 (got {text!r})")
-    return seeds
 
 
 def seed_overrides(recipe: Recipe, base: dict[str, Any], seed: int) -> dict[str, Any]:

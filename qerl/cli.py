@@ -128,7 +128,8 @@ def ablation(
     with _bad_input_exits():
         path, overrides, rec = _load(recipe, set_)
         _quiet_prefect_defaults()
-        from flows.ablation import ablation as ablation_flow, parse_seeds
+        from flows.ablation import ablation as ablation_flow
+        from qerl.recipe import parse_seeds
 
         try:
             seed_list = parse_seeds(seeds)

@@ -281,11 +281,7 @@ class Recipe(BaseModel):
         return need
 
     def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return resolve_device(self.device)
 
     def resolved_compute_dtype(self) -> str:
         if self.compute_dtype != "auto":
@@ -294,6 +290,26 @@ class Recipe(BaseModel):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def resolve_device(device: str) -> str:
+    """"auto" -> cuda when a GPU is present, else cpu; any other device name as given."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def parse_seeds(text: str) -> list[int]:
+    """"0,1,2" -> [0, 1, 2]; ValueError (one line) unless distinct integers, at least one."""
+    try:
+        seeds = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds takes distinct integers such as 0,1,2 (got {text!r})")
+    return seeds
 
 
 # ----------------------------------------------------------------------------- loading

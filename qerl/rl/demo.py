@@ -160,19 +160,23 @@ def run_variant(
     return summary
 
 
+def variant_dir(out: str | Path, fmt: str, aqn: bool) -> Path:
+    """Where main() puts a variant's run (checkpoints, metrics, summary.json) under --out."""
+    return Path(out) / f"{fmt}{'-aqn' if aqn else ''}"
+
+
 def resolve_device(name: str) -> str:
     """The demo's --device: "auto" is cuda when a GPU is present, else cpu; anything but cpu, cuda,
     cuda:N or auto, or a CUDA device that is not there, is refused in one line (SystemExit) before
     any model is loaded."""
     import re
 
-    from qerl.recipe import _DEVICE_RE
+    from qerl.recipe import _DEVICE_RE, resolve_device as resolve_auto
 
     name = name.strip().lower()
     if not re.fullmatch(_DEVICE_RE, name):
         raise SystemExit(f"--device {name}: expected cpu, cuda, cuda:N or auto")
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+    name = resolve_auto(name)
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
             raise SystemExit(f"--device {name}: no CUDA device here (use --device cpu)")
@@ -223,7 +227,7 @@ def main(argv=None) -> int:
             reward_weights=[1.0, args.format_weight], mask_truncated_completions=not args.no_mask_truncated,
             bf16_autocast={"auto": "auto", "on": True, "off": False}[args.bf16_autocast],
         )
-        out = Path(args.out) / f"{fmt}{'-aqn' if args.aqn else ''}"
+        out = variant_dir(args.out, fmt, args.aqn)
         lora = LoraSettings(**{**DEMO_LORA, "lora_alpha": args.lora_alpha})
         s = run_variant(fmt, args.aqn, out, GRPOSettings(**st), lora=lora, num_eval=args.num_eval, resume=args.resume,
                         device=device)
