@@ -134,6 +134,8 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
         "aqn": aqn_on, "gradient_checkpointing": checkpointing, "logprob_chunk_tokens": args.chunk_tokens,
         "steps": args.steps, "weight_copies": _copies(fmt, args.keep_checkpoint_layout),
         "bf16_autocast": args.bf16_autocast,
+        # GRPOSettings.fused_training_ops (qerl.nn.fused_train; rows before session 33 ran without)
+        "fused_training_ops": not args.no_fused_training_ops,
         # the caching allocator's settings (e.g. expandable_segments:True), "" for the default
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         # GRPOSettings.release_rollout_memory as a name; rollout_memory_released: whether the reported
@@ -157,6 +159,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
             epsilon_high=0.28, temperature=1.0, gradient_checkpointing=checkpointing,
             logprob_chunk_tokens=args.chunk_tokens,
             release_rollout_memory=ROLLOUT_MEMORY[args.rollout_memory], bf16_autocast=args.bf16_autocast,
+            fused_training_ops=not args.no_fused_training_ops,
         )
         share_train = shares_prompt_in_training(settings)  # as train() does
         row["share_prompt"] = share_train
@@ -255,7 +258,7 @@ def _row_copies(row: dict) -> int:
 # settings a row shares with its bf16 baseline beside model, batch and micro-batch, each with the
 # value of the time before the field existed (rows of older calls)
 SETUP_DEFAULTS = {"gpu": None, "bf16_autocast": False, "alloc_conf": "", "rollout_memory": "release",
-                  "gradient_checkpointing": True}
+                  "gradient_checkpointing": True, "fused_training_ops": False}
 
 
 def _setup_fields(row: dict) -> dict:
@@ -264,7 +267,8 @@ def _setup_fields(row: dict) -> dict:
 
 def _setup(row: dict) -> tuple:
     """What a row shares with its bf16 baseline: model, batch, micro-batch and SETUP_DEFAULTS' fields
-    (GPU, autocast, allocator settings, rollout-memory setting, gradient checkpointing)."""
+    (GPU, autocast, allocator settings, rollout-memory setting, gradient checkpointing, fused training
+    ops)."""
     return (row["model"], row["batch"], row["micro_batch"], *_setup_fields(row).values())
 
 
@@ -421,6 +425,9 @@ def main(argv=None) -> None:
     ap.add_argument("--no-aqn", action="store_true", help="AQN off for nvfp4 too")
     ap.add_argument("--bf16-autocast", action="store_true", help="GRPOSettings.bf16_autocast on: LoRA in bf16 in training (the trainer's default on "
                     "a GPU since session 32; without the flag this bench turns it off, as in its older rows)")
+    ap.add_argument("--no-fused-training-ops", action="store_true",
+                    help="GRPOSettings.fused_training_ops off: Hugging Face's RMSNorm / MLP, PEFT's LoRA update and the float32 "
+                         "log-softmax in training, as before session 33")
     ap.add_argument("--profile-dir", default=None, help="profile the last step's training phase, kernel tables here")
     ap.add_argument("--keep-checkpoint-layout", action="store_true",
                     help="keep the 4-bit checkpoint tensors beside the kernels' layout (two copies; the old default)")
@@ -458,6 +465,7 @@ def main(argv=None) -> None:
     child += ["--no-aqn"] * args.no_aqn + ["--rollout-memory", args.rollout_memory]
     child += ["--gradient-checkpointing", args.gradient_checkpointing]
     child += ["--keep-checkpoint-layout"] * args.keep_checkpoint_layout + ["--bf16-autocast"] * args.bf16_autocast
+    child += ["--no-fused-training-ops"] * args.no_fused_training_ops
     child += ["--profile-dir", os.path.abspath(args.profile_dir)] if args.profile_dir else []
     args.child_args = child
     sweep(args)

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora.layer import VARIANT_KWARG_KEYS as _VARIANT_KEYS
+from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
@@ -117,11 +119,65 @@ class QuantLoraLinear(nn.Module, LoraLayer):
                 continue
             lora_a, lora_b = self.lora_A[name], self.lora_B[name]
             xa = self._cast_input_dtype(x, lora_a.weight.dtype)
-            result = result + lora_b(lora_a(self.lora_dropout[name](xa))) * self.scaling[name]
+            result = add_lora(result, self.lora_dropout[name](xa), lora_a, lora_b, self.scaling[name])
         return result.to(out_dtype)
 
     def __repr__(self) -> str:
         return "lora." + super().__repr__()
+
+
+# The low-rank update added inside the expand product (C + scaling * h @ B^T, one rounding, no
+# separate scale and add passes over the [tokens x out] result) when the operands share a dtype
+# (always under bf16 autocast): on a GPU under autocast one Triton pass over C
+# (qerl.nn.fused_train.lora_expand_add: cuBLAS's K = r addmm moves C at ~1.1 TB/s), else torch.addmm;
+# otherwise PEFT's expression. Switch for ablations.
+FUSED_ADD = True
+
+
+def add_lora(result: torch.Tensor, x: torch.Tensor, lora_a: nn.Module, lora_b: nn.Module, scaling: float) -> torch.Tensor:
+    """result + lora_b(lora_a(x)) * scaling, fused into the expand product where possible."""
+    h = lora_a(x)
+    if not FUSED_ADD or type(lora_b) is not nn.Linear or lora_b.bias is not None:
+        return result + lora_b(h) * scaling
+    dev = result.device.type
+    cast = torch.is_autocast_enabled(dev) if dev in ("cuda", "cpu") else False
+    if not cast and not (result.dtype == h.dtype == lora_b.weight.dtype):
+        return result + lora_b(h) * scaling
+    if cast and result.is_cuda:
+        from qerl.nn.fused_train import lora_expand_add
+
+        out = lora_expand_add(result, h, lora_b.weight, scaling)
+        if out is not None:
+            return out
+    out = torch.addmm(result.reshape(-1, result.shape[-1]), h.reshape(-1, h.shape[-1]), lora_b.weight.t(),
+                      alpha=scaling)
+    return out.view(result.shape)
+
+
+class FusedLoraLinear(LoraLinear):
+    """PEFT's LoRA Linear (bf16 bases) with the same fused update as QuantLoraLinear, so the bf16
+    LoRA baseline and the 4-bit runs train through one LoRA code path. Anything but plain LoRA
+    with one active adapter (DoRA, variants, mixed-batch adapters, merged weights) is PEFT's own."""
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        plain = (FUSED_ADD and not self.disable_adapters and not self.merged and not self.lora_variant
+                 and "adapter_names" not in kwargs and not any(k in kwargs for k in _VARIANT_KEYS))
+        if not plain:
+            return super().forward(x, *args, **kwargs)
+        self._check_forward_args(x, *args, **kwargs)
+        result = self.base_layer(x, *args, **kwargs)
+        out_dtype = result.dtype
+        for name in self.active_adapters:
+            if name not in self.lora_A:
+                continue
+            lora_a, lora_b = self.lora_A[name], self.lora_B[name]
+            xa = self._cast_input_dtype(x, lora_a.weight.dtype)
+            result = add_lora(result, self.lora_dropout[name](xa), lora_a, lora_b, self.scaling[name])
+        return result.to(out_dtype)
+
+
+# QuantLinear first: the first isinstance match wins
+_CUSTOM_MODULES = {QuantLinear: QuantLoraLinear, nn.Linear: FusedLoraLinear}
 
 
 def lora_config(settings: LoraSettings, inference_mode: bool = False) -> LoraConfig:
@@ -137,7 +193,7 @@ def lora_config(settings: LoraSettings, inference_mode: bool = False) -> LoraCon
         task_type="CAUSAL_LM",
         inference_mode=inference_mode,
     )
-    cfg._register_custom_module({QuantLinear: QuantLoraLinear})
+    cfg._register_custom_module(_CUSTOM_MODULES)
     return cfg
 
 
@@ -192,7 +248,7 @@ def load_lora(
     if not (path / "adapter_config.json").exists():
         raise FileNotFoundError(f"{path} holds no PEFT adapter (adapter_config.json missing)")
     cfg = LoraConfig.from_pretrained(str(path))
-    cfg._register_custom_module({QuantLinear: QuantLoraLinear})
+    cfg._register_custom_module(_CUSTOM_MODULES)
     cfg.inference_mode = not is_trainable
     with INIT_LOCK, _peft_injection(model):
         peft_model = PeftModel.from_pretrained(

@@ -128,6 +128,12 @@ class GRPOSettings(BaseModel):
     # model on a CUDA device, off elsewhere (a CPU runs bf16 matmuls ~50x slower than fp32);
     # chosen from the GPU learning runs in qerl/rl/DESIGN_NOTES.md (autocast_enabled)
     bf16_autocast: bool | Literal["auto"] = "auto"
+    # fused Triton kernels in the training forwards and backwards on a GPU (qerl.nn.fused_train):
+    # RMSNorm, the SiLU-gated MLP, the LoRA update's expand + add and the token log-probs, each one
+    # pass instead of an elementwise chain (x1.12-1.13 on the training phase at 7B / 14B,
+    # benchmarks/NOTES_grpo.md section 18); outputs round where the modules round. A CPU always
+    # runs the modules' own code
+    fused_training_ops: bool = True
     # logging
     log_completions: bool = False  # append every sampled completion to out_dir/completions.jsonl
     # checkpoints

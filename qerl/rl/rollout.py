@@ -227,8 +227,16 @@ LOGPROB_CHUNK_TOKENS = 1024
 def _head_chunk(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool):
     """(logprob of each token, entropy of its distribution or None) for one chunk of hidden states.
     The entropy is one more pass over [chunk x vocab] (and again in a checkpointed backward), so
-    it is computed only when asked for."""
-    scaled = head(hidden).float()
+    it is computed only when asked for. Without it, on a GPU, qerl.nn.fused_train.token_logprobs
+    reads the logits once (no float32 copy; the same float32 math)."""
+    logits = head(hidden)
+    if not with_entropy:
+        from qerl.nn.fused_train import token_logprobs
+
+        lp = token_logprobs(logits, tokens, temperature if temperature not in (0.0, 1.0) else 1.0)
+        if lp is not None:  # on a GPU: the logits read once, never copied to float32
+            return lp, None
+    scaled = logits.float()
     if temperature not in (0.0, 1.0):
         scaled = scaled / temperature
     lse = torch.logsumexp(scaled, dim=-1)

@@ -274,9 +274,14 @@ class PhaseTimer:
 
 def prepare_policy(model: nn.Module, settings: GRPOSettings, lora_settings: LoraSettings | None = None) -> nn.Module:
     """The trained policy: `model` with LoRA adapters (`apply_lora`, unless it is a PeftModel
-    already) and, with `settings.gradient_checkpointing`, activation checkpointing per layer."""
+    already), with `settings.fused_training_ops` the fused RMSNorm / MLP forms (used on a GPU only),
+    and with `settings.gradient_checkpointing` activation checkpointing per layer."""
     if not _is_peft(model):
         model = apply_lora(model, lora_settings or LoraSettings())
+    if settings.fused_training_ops:
+        from qerl.nn.fused_train import fuse_training_ops
+
+        fuse_training_ops(model)
     if settings.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if hasattr(model, "enable_input_require_grads"):
@@ -706,8 +711,10 @@ def optimise(
     checkpointed layer's recomputation in the backward must see the same dtypes as its forward."""
     from peft.helpers import disable_input_dtype_casting
 
+    from qerl.nn.fused_train import switched
+
     cast = autocast_enabled(settings.bf16_autocast, _device(model))
-    with disable_input_dtype_casting(model, active=cast):
+    with disable_input_dtype_casting(model, active=cast), switched(settings.fused_training_ops):
         return _optimise_steps(model, parts, settings, optimizer, scheduler, aqn, noise_in_training, share_train,
                                step, timer, cast)
 
