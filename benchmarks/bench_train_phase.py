@@ -141,29 +141,28 @@ def run_format(args, fmt: str) -> list[dict]:
 def _time_variant(args, fmt, name, policy, settings, optimizer, scheduler, aqn, batch, adv, device) -> dict:
     from qerl.rl.trainer import PhaseTimer, optimise
 
-    if True:
-        with variant(name):
-            times = []
-            for rep in range(args.warmup + args.reps):
-                timer = PhaseTimer(device)
-                t0 = time.perf_counter()
-                prof = _profiler(args, fmt, name) if rep == args.warmup + args.reps - 1 else contextlib.nullcontext()
-                with prof:
-                    optimise(policy, [(batch, adv, adv)], settings, optimizer, scheduler, aqn, False, False, rep + 1,
-                             timer)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                if rep >= args.warmup and not (args.profile and rep == args.warmup + args.reps - 1 and args.reps > 1):
-                    times.append((time.perf_counter() - t0, timer.seconds))
-            med = statistics.median(t for t, _ in times)
-            pick = min(times, key=lambda ts: abs(ts[0] - med))[1]
-            tokens = args.rows * (args.prompt_len + args.completion)
-            row = {"model": args.model, "layers": args.layers, "format": fmt, "variant": name, "rows": args.rows,
-                   "tokens": tokens, "train_s": round(med, 4), "logprob_s": round(pick.get("logprob_s", 0.0), 4),
-                   "backward_s": round(pick.get("backward_s", 0.0), 4),
-                   "ms_per_layer": round(1000 * med / args.layers, 2), "reps_s": [round(t, 4) for t, _ in times]}
-            log(f"  {fmt} {name}: {med:.3f} s ({row['ms_per_layer']} ms per layer) reps {row['reps_s']}")
-            return row
+    with variant(name):
+        times = []
+        for rep in range(args.warmup + args.reps):
+            timer = PhaseTimer(device)
+            t0 = time.perf_counter()
+            prof = _profiler(args, fmt, name) if rep == args.warmup + args.reps - 1 else contextlib.nullcontext()
+            with prof:
+                optimise(policy, [(batch, adv, adv)], settings, optimizer, scheduler, aqn, False, False, rep + 1,
+                         timer)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if rep >= args.warmup and not (args.profile and rep == args.warmup + args.reps - 1 and args.reps > 1):
+                times.append((time.perf_counter() - t0, timer.seconds))
+        med = statistics.median(t for t, _ in times)
+        pick = min(times, key=lambda ts: abs(ts[0] - med))[1]
+        tokens = args.rows * (args.prompt_len + args.completion)
+        row = {"model": args.model, "layers": args.layers, "format": fmt, "variant": name, "rows": args.rows,
+               "tokens": tokens, "train_s": round(med, 4), "logprob_s": round(pick.get("logprob_s", 0.0), 4),
+               "backward_s": round(pick.get("backward_s", 0.0), 4),
+               "ms_per_layer": round(1000 * med / args.layers, 2), "reps_s": [round(t, 4) for t, _ in times]}
+        log(f"  {fmt} {name}: {med:.3f} s ({row['ms_per_layer']} ms per layer) reps {row['reps_s']}")
+        return row
 
 
 def _profiler(args, fmt: str, name: str):

@@ -191,3 +191,25 @@ def test_switched_off_turns_every_fused_op_off_and_restores():
         assert [getattr(fused_train, n) for n in names] == [True, False, True, True]
     finally:
         fused_train.ENABLED_MLP = True
+
+
+def test_bench_train_phase_runs_on_a_cpu_and_refuses_unknown_switches(tmp_path):
+    """benchmarks/bench_train_phase.py end to end on a tiny model (the trainer's own optimise), its
+    variants restoring the switches, and a one-line refusal of an unknown variant."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "t.json"
+    cmd = [sys.executable, "benchmarks/bench_train_phase.py", "--device", "cpu", "--model", "tiny-llama", "--layers", "2",
+           "--prompt-len", "6", "--completion", "6", "--micro-batch", "2", "--rows", "2", "--rank", "4", "--reps", "1",
+           "--formats", "nvfp4", "--variants", "stock", "fused", "nonorm,nologp", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["stock", "fused", "nonorm,nologp"]
+    assert all(r["train_s"] > 0 and r["tokens"] == 24 and "x_stock" in r for r in rows)
+    bad = subprocess.run(cmd[:-6] + ["--variants", "nofoo"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "unknown variant part 'nofoo'" in bad.stderr

@@ -112,15 +112,7 @@ class QuantLoraLinear(nn.Module, LoraLayer):
             return self.base_layer(x, *args, **kwargs)
         if adapter_names is not None:
             return self._mixed_batch_forward(x, *args, adapter_names=adapter_names, **kwargs)
-        result = self.base_layer(x, *args, **kwargs)
-        out_dtype = result.dtype
-        for name in self.active_adapters:
-            if name not in self.lora_A:
-                continue
-            lora_a, lora_b = self.lora_A[name], self.lora_B[name]
-            xa = self._cast_input_dtype(x, lora_a.weight.dtype)
-            result = add_lora(result, self.lora_dropout[name](xa), lora_a, lora_b, self.scaling[name])
-        return result.to(out_dtype)
+        return _base_plus_adapters(self, x, *args, **kwargs)
 
     def __repr__(self) -> str:
         return "lora." + super().__repr__()
@@ -154,10 +146,23 @@ def add_lora(result: torch.Tensor, x: torch.Tensor, lora_a: nn.Module, lora_b: n
     return out.view(result.shape)
 
 
+def _base_plus_adapters(layer: LoraLayer, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The base layer's output plus each active adapter's update (add_lora), in the base's dtype."""
+    result = layer.base_layer(x, *args, **kwargs)
+    out_dtype = result.dtype
+    for name in layer.active_adapters:
+        if name not in layer.lora_A:
+            continue
+        lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
+        xa = layer._cast_input_dtype(x, lora_a.weight.dtype)
+        result = add_lora(result, layer.lora_dropout[name](xa), lora_a, lora_b, layer.scaling[name])
+    return result.to(out_dtype)
+
+
 class FusedLoraLinear(LoraLinear):
     """PEFT's LoRA Linear (bf16 bases) with the same fused update as QuantLoraLinear, so the bf16
     LoRA baseline and the 4-bit runs train through one LoRA code path. Anything but plain LoRA
-    with one active adapter (DoRA, variants, mixed-batch adapters, merged weights) is PEFT's own."""
+    (DoRA and other variants, mixed-batch adapters, merged weights) is PEFT's own forward."""
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         plain = (FUSED_ADD and not self.disable_adapters and not self.merged and not self.lora_variant
@@ -165,15 +170,7 @@ class FusedLoraLinear(LoraLinear):
         if not plain:
             return super().forward(x, *args, **kwargs)
         self._check_forward_args(x, *args, **kwargs)
-        result = self.base_layer(x, *args, **kwargs)
-        out_dtype = result.dtype
-        for name in self.active_adapters:
-            if name not in self.lora_A:
-                continue
-            lora_a, lora_b = self.lora_A[name], self.lora_B[name]
-            xa = self._cast_input_dtype(x, lora_a.weight.dtype)
-            result = add_lora(result, self.lora_dropout[name](xa), lora_a, lora_b, self.scaling[name])
-        return result.to(out_dtype)
+        return _base_plus_adapters(self, x, *args, **kwargs)
 
 
 # QuantLinear first: the first isinstance match wins
