@@ -136,6 +136,8 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
         "bf16_autocast": args.bf16_autocast,
         # GRPOSettings.fused_training_ops (qerl.nn.fused_train; rows before session 33 ran without)
         "fused_training_ops": not args.no_fused_training_ops,
+        # the fused RoPE (off unless QERL_FUSED_ROPE=1 while it is untimed)
+        "fused_rope": _fused_rope() and not args.no_fused_training_ops,
         # the caching allocator's settings (e.g. expandable_segments:True), "" for the default
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         # GRPOSettings.release_rollout_memory as a name; rollout_memory_released: whether the reported
@@ -223,6 +225,12 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
     return row
 
 
+def _fused_rope() -> bool:
+    from qerl.nn import fused_train
+
+    return bool(fused_train.ENABLED_ROPE)
+
+
 @contextlib.contextmanager
 def _maybe_profile(args, step: int, name: str):
     """The last step's training phase under torch.profiler (CUDA kernels): its kernel table to
@@ -258,7 +266,7 @@ def _row_copies(row: dict) -> int:
 # settings a row shares with its bf16 baseline beside model, batch and micro-batch, each with the
 # value of the time before the field existed (rows of older calls)
 SETUP_DEFAULTS = {"gpu": None, "bf16_autocast": False, "alloc_conf": "", "rollout_memory": "release",
-                  "gradient_checkpointing": True, "fused_training_ops": False}
+                  "gradient_checkpointing": True, "fused_training_ops": False, "fused_rope": False}
 
 
 def _setup_fields(row: dict) -> dict:
@@ -268,7 +276,7 @@ def _setup_fields(row: dict) -> dict:
 def _setup(row: dict) -> tuple:
     """What a row shares with its bf16 baseline: model, batch, micro-batch and SETUP_DEFAULTS' fields
     (GPU, autocast, allocator settings, rollout-memory setting, gradient checkpointing, fused training
-    ops)."""
+    ops, fused RoPE)."""
     return (row["model"], row["batch"], row["micro_batch"], *_setup_fields(row).values())
 
 

@@ -15,10 +15,11 @@ bf16 autocast as the trainer's defaults on a GPU.
         --completion 8 --micro-batch 2 --rows 2 --rank 4 --reps 1
 
 Variants (comma-joined switches on top of the defaults): `stock` = every fused op off,
-`fused` = the defaults (fused LoRA update, RMSNorm, MLP, token log-probs), `compile` = torch.compile on each decoder layer (run it last: a reference
-for what fusing everything could give, not a product path), `nolora` / `noloratriton` / `nonorm` / `nomlp` / `nologp` = without the fused LoRA update
-(`qerl.nn.lora.FUSED_ADD`), its Triton form (torch.addmm instead), the fused RMSNorm, MLP or token
-log-probs (`qerl.nn.fused_train`).
+`fused` = every fused op (LoRA update, RMSNorm, MLP, token log-probs, RoPE), `default` = the switches as
+the product sets them (RoPE off until it is timed), `compile` = torch.compile on each decoder layer (run it last: a reference
+for what fusing everything could give, not a product path), `nolora` / `noloratriton` / `nonorm` / `nomlp` / `nologp` / `norope` = without the fused LoRA update
+(`qerl.nn.lora.FUSED_ADD`), its Triton form (torch.addmm instead), the fused RMSNorm, MLP, token
+log-probs or RoPE (`qerl.nn.fused_train`).
 Rows: {"model", "layers", "format", "variant", "rows", "tokens", "train_s" (median over --reps of
 log-probs + backward + optimizer), "logprob_s", "backward_s", "ms_per_layer", "x_stock"}.
 """
@@ -41,7 +42,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 SWITCHES = {"lora": ("qerl.nn.lora", "FUSED_ADD"), "loratriton": ("qerl.nn.fused_train", "ENABLED_LORA"),
             "norm": ("qerl.nn.fused_train", "ENABLED_NORM"), "mlp": ("qerl.nn.fused_train", "ENABLED_MLP"),
-            "logp": ("qerl.nn.fused_train", "ENABLED_LOGP")}
+            "logp": ("qerl.nn.fused_train", "ENABLED_LOGP"), "rope": ("qerl.nn.fused_train", "ENABLED_ROPE")}
 
 
 def log(*a):
@@ -58,12 +59,14 @@ def variant(name: str):
     for part in name.split(","):
         if part == "stock":
             want = {k: False for k in SWITCHES}
+        elif part == "default":  # the switches as the product sets them (RoPE off until timed)
+            want = {k: getattr(importlib.import_module(mod), attr) for k, (mod, attr) in SWITCHES.items()}
         elif part in ("fused", "compile"):
             pass
         elif part.startswith("no") and part[2:] in SWITCHES:
             want[part[2:]] = False
         else:
-            raise SystemExit(f"unknown variant part {part!r}; use stock, fused or no<{'|'.join(SWITCHES)}>")
+            raise SystemExit(f"unknown variant part {part!r}; use stock, default, fused or no<{'|'.join(SWITCHES)}>")
     try:
         for k, (mod, attr) in SWITCHES.items():
             m = importlib.import_module(mod)

@@ -74,6 +74,73 @@ print("RESULTS" + json.dumps(res))
 """
 
 
+ROPE_SCRIPT = r"""
+import json, os, torch
+torch.manual_seed(int(os.environ["SEED"]))
+from qerl.nn.fused_train import _Rope
+from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb, Qwen2RotaryEmbedding, Qwen2Config
+res = {}
+for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    B, T, H, HK, D = 2, 5, 6, 2, 16
+    rot = Qwen2RotaryEmbedding(Qwen2Config(hidden_size=H * D, num_attention_heads=H, num_key_value_heads=HK))
+    pos = torch.arange(T)[None].expand(B, T) + torch.tensor([[0], [3]])
+    cos, sin = rot(torch.randn(B, T, D).to(dt), pos)
+    q = torch.randn(B, T, H, D).to(dt).transpose(1, 2).requires_grad_(True)  # [B, H, T, D] views, as HF makes them
+    k = torch.randn(B, T, HK, D).to(dt).transpose(1, 2).requires_grad_(True)
+    qr, kr = apply_rotary_pos_emb(q, k, cos, sin)
+    qf, kf = _Rope.apply(q, cos, sin), _Rope.apply(k, cos, sin)
+    res[f"equal_{name}"] = float(torch.cat([(qf == qr).flatten(), (kf == kr).flatten()]).float().mean())
+    rel = lambda a, b: float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
+    res[f"rel_{name}"] = max(rel(qf, qr), rel(kf, kr))
+    res[f"strides_{name}"] = qf.stride() == q.stride() and kf.stride() == k.stride()
+    gq, gk = torch.randn_like(qr), torch.randn_like(kr)
+    q64, k64 = q.detach().double().requires_grad_(True), k.detach().double().requires_grad_(True)
+    a, b = apply_rotary_pos_emb(q64, k64, cos.double(), sin.double())
+    ((a * gq.double()).sum() + (b * gk.double()).sum()).backward()
+    dq, dk = torch.autograd.grad((qf, kf), (q, k), (gq, gk))
+    res[f"bwd_{name}"] = max(float((dq.double() - q64.grad).norm() / q64.grad.norm()),
+                             float((dk.double() - k64.grad).norm() / k64.grad.norm()))
+print("RESULTS" + json.dumps(res))
+"""
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fused_rope_matches_apply_rotary_pos_emb_under_the_interpreter(seed):
+    """The RoPE kernel on HF-shaped [B, H, T, D] views: float32 bit for bit as apply_rotary_pos_emb
+    (the same three roundings); bf16 at bf16 level (the interpreter rounds by truncation; the GPU
+    test asks for equality); the output keeps the input's strides; the backward at bf16 level."""
+    r = run_interpreted(ROPE_SCRIPT, seed)
+    assert r["equal_fp32"] == 1.0 and r["strides_fp32"] and r["strides_bf16"], r
+    assert r["rel_bf16"] <= 1e-2, r
+    assert r["bwd_fp32"] <= 1e-6 and r["bwd_bf16"] <= 1e-2, r
+
+
+def test_rope_patched_swaps_and_restores_and_a_cpu_keeps_the_original():
+    import transformers.models.llama.modeling_llama as llama
+    import transformers.models.qwen2.modeling_qwen2 as qwen2
+
+    from qerl.nn import fused_train
+
+    orig = qwen2.apply_rotary_pos_emb, llama.apply_rotary_pos_emb
+    model = _tiny_qwen2()
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        ref = model(ids).logits
+    saved = fused_train.ENABLED_ROPE
+    fused_train.ENABLED_ROPE = True
+    try:
+        with fused_train.rope_patched():
+            assert qwen2.apply_rotary_pos_emb is not orig[0] and llama.apply_rotary_pos_emb is not orig[1]
+            with fused_train.rope_patched():  # nested: nothing patched twice
+                pass
+            assert getattr(qwen2.apply_rotary_pos_emb, "_qerl_fused", False)
+            with torch.no_grad():
+                assert torch.equal(model(ids).logits, ref)  # CPU tensors take the original
+    finally:
+        fused_train.ENABLED_ROPE = saved
+    assert (qwen2.apply_rotary_pos_emb, llama.apply_rotary_pos_emb) == orig
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_fused_kernels_match_the_modules_under_the_interpreter(seed):
     """Forward within a few units in the last place of Hugging Face's own output (the interpreter
@@ -183,11 +250,13 @@ def test_switched_off_turns_every_fused_op_off_and_restores():
 
     names = ("ENABLED_NORM", "ENABLED_MLP", "ENABLED_LORA", "ENABLED_LOGP")
     fused_train.ENABLED_MLP = False  # an ablation's own switch survives both ways
+    rope = fused_train.ENABLED_ROPE
     try:
         with fused_train.switched(True):
             assert [getattr(fused_train, n) for n in names] == [True, False, True, True]
+            assert fused_train.ENABLED_ROPE == rope
         with fused_train.switched(False):
-            assert not any(getattr(fused_train, n) for n in names)
+            assert not any(getattr(fused_train, n) for n in names) and not fused_train.ENABLED_ROPE
         assert [getattr(fused_train, n) for n in names] == [True, False, True, True]
     finally:
         fused_train.ENABLED_MLP = True

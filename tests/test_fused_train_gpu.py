@@ -116,11 +116,41 @@ def test_token_logprobs_match_log_softmax(vocab, temperature):
     assert (dx.float() - xr.grad).norm() / xr.grad.norm() <= 1e-2
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(40, 8, 128), (28, 4, 128), (9, 3, 64)])
+def test_rope_matches_apply_rotary_pos_emb(heads, kv_heads, head_dim):
+    """RoPE on HF's [B, H, T, D] views of q / k: bf16 bit for bit as apply_rotary_pos_emb (the same
+    three roundings, to nearest), the output in the input's strides, the gradients at bf16 level."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Config, Qwen2RotaryEmbedding, apply_rotary_pos_emb
+
+    from qerl.nn.fused_train import _Rope
+
+    torch.manual_seed(heads)
+    b, t = 3, 600 + int(torch.randint(0, 97, ()))
+    rot = Qwen2RotaryEmbedding(Qwen2Config(hidden_size=heads * head_dim, num_attention_heads=heads,
+                                           num_key_value_heads=kv_heads, rope_theta=1e6)).cuda()
+    pos = torch.arange(t, device="cuda")[None].expand(b, t) + torch.tensor([[0], [17], [301]], device="cuda")
+    cos, sin = rot(torch.randn(b, t, head_dim, device="cuda").bfloat16(), pos)
+    q = torch.randn(b, t, heads, head_dim, device="cuda").bfloat16().transpose(1, 2).requires_grad_(True)
+    k = torch.randn(b, t, kv_heads, head_dim, device="cuda").bfloat16().transpose(1, 2).requires_grad_(True)
+    qr, kr = apply_rotary_pos_emb(q, k, cos, sin)
+    qf, kf = _Rope.apply(q, cos, sin), _Rope.apply(k, cos, sin)
+    assert torch.equal(qf, qr) and torch.equal(kf, kr)
+    assert qf.stride() == q.stride() and kf.stride() == k.stride()
+    gq, gk = torch.randn_like(qr), torch.randn_like(kr)
+    q64, k64 = q.detach().double().requires_grad_(True), k.detach().double().requires_grad_(True)
+    a, c = apply_rotary_pos_emb(q64, k64, cos.double(), sin.double())
+    ((a * gq.double()).sum() + (c * gk.double()).sum()).backward()
+    dq, dk = torch.autograd.grad((qf, kf), (q, k), (gq, gk))
+    assert (dq.double() - q64.grad).norm() / q64.grad.norm() <= 1e-2
+    assert (dk.double() - k64.grad).norm() / k64.grad.norm() <= 1e-2
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_policy_logprobs_and_lora_grads_with_fused_ops(fmt, monkeypatch):
     """A Qwen2-shaped policy in bf16 / nvfp4 with LoRA, bf16 autocast and gradient checkpointing,
-    as the trainer prepares it: the fused ops' log-probs and adapter gradients against the same
-    policy running the modules' own code and PEFT's LoRA expression."""
+    as the trainer prepares it: the fused ops' log-probs and adapter gradients (RoPE included, which
+    is off by default until timed) against the same policy running the modules' own code and PEFT's
+    LoRA expression."""
     from qerl.build import build_model
     from qerl.nn import fused_train
     from qerl.nn.lora import LoraSettings
@@ -151,12 +181,14 @@ def test_policy_logprobs_and_lora_grads_with_fused_ops(fmt, monkeypatch):
 
     from qerl.nn import lora as qlora
 
+    rope_default = fused_train.ENABLED_ROPE
+
     def run(enabled: bool):
         fused_train.ENABLED_NORM = fused_train.ENABLED_MLP = fused_train.ENABLED_LORA = enabled
-        fused_train.ENABLED_LOGP = qlora.FUSED_ADD = enabled
+        fused_train.ENABLED_LOGP = fused_train.ENABLED_ROPE = qlora.FUSED_ADD = enabled
         try:
             policy.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast("cuda", dtype=torch.bfloat16), fused_train.rope_patched():
                 lp = policy_logprobs(policy, batch, None, 1.0, False, 64)
             lp.float().mean().backward()
             grads = {n: p.grad.float().clone() for n, p in policy.named_parameters() if p.grad is not None}
@@ -164,6 +196,7 @@ def test_policy_logprobs_and_lora_grads_with_fused_ops(fmt, monkeypatch):
         finally:
             fused_train.ENABLED_NORM = fused_train.ENABLED_MLP = fused_train.ENABLED_LORA = True
             fused_train.ENABLED_LOGP = qlora.FUSED_ADD = True
+            fused_train.ENABLED_ROPE = rope_default
 
     (lp1, g1), (lp0, g0) = run(True), run(False)
     assert torch.isfinite(lp1).all()

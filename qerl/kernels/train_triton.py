@@ -210,3 +210,49 @@ def token_logprob_bwd(x2, t, lse, g, inv_t: float):
     _token_logprob_bwd[(m,)](x2, t, lse, g, dx, v, x2.stride(0), dx.stride(0), float(inv_t), BV=LOGP_BLOCK,
                              num_warps=8)
     return dx
+
+
+@triton.jit
+def _rope_fwd(x_ptr, c_ptr, s_ptr, y_ptr, H, T, sxb, sxh, sxt, syb, syh, syt, scb, sct,
+              HB: tl.constexpr, HALF: tl.constexpr, BWD: tl.constexpr):
+    # one (batch, position) row, HB heads: y = x * cos + rotate_half(x) * sin, each product and the
+    # sum rounded to x's dtype as torch's three ops round (forward); the backward (BWD) is the
+    # transpose, dx = dy * cos - rotate_half(dy * sin), in float32 with one rounding
+    row = tl.program_id(0)
+    b = (row // T).to(tl.int64)
+    t = (row % T).to(tl.int64)
+    h = tl.program_id(1) * HB + tl.arange(0, HB)
+    d = tl.arange(0, HALF)
+    mask = (h < H)[:, None]
+    xo = x_ptr + b * sxb + t * sxt + h[:, None].to(tl.int64) * sxh + d[None, :]
+    yo = y_ptr + b * syb + t * syt + h[:, None].to(tl.int64) * syh + d[None, :]
+    co = b * scb + t * sct + d
+    x1 = tl.load(xo, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(xo + HALF, mask=mask, other=0.0).to(tl.float32)
+    c1 = tl.load(c_ptr + co).to(tl.float32)[None, :]
+    c2 = tl.load(c_ptr + co + HALF).to(tl.float32)[None, :]
+    s1 = tl.load(s_ptr + co).to(tl.float32)[None, :]
+    s2 = tl.load(s_ptr + co + HALF).to(tl.float32)[None, :]
+    dt = y_ptr.dtype.element_ty
+    if BWD:
+        y1 = (x1 * c1 + x2 * s2).to(dt)
+        y2 = (x2 * c2 - x1 * s1).to(dt)
+    else:
+        y1 = ((x1 * c1).to(dt).to(tl.float32) - (x2 * s1).to(dt).to(tl.float32)).to(dt)
+        y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    tl.store(yo, y1, mask=mask)
+    tl.store(yo + HALF, y2, mask=mask)
+
+
+ROPE_HEADS = 8
+
+
+def rope(x, cos, sin, backward: bool = False):
+    """x [B, H, T, D] (any strides, unit stride along D), cos / sin [B, T, D] (batch stride may be 0)
+    -> y like x (same strides): x * cos + rotate_half(x) * sin, or with backward the gradient map."""
+    bsz, heads, t, d = x.shape
+    y = torch.empty_like(x)
+    _rope_fwd[(bsz * t, triton.cdiv(heads, ROPE_HEADS))](
+        x, cos, sin, y, heads, t, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
+        cos.stride(0), cos.stride(1), HB=ROPE_HEADS, HALF=d // 2, BWD=backward, num_warps=4)
+    return y

@@ -23,6 +23,7 @@ the ENABLED_* switches turn one off (ablations).
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 from torch import nn
@@ -31,8 +32,11 @@ ENABLED_NORM = True
 ENABLED_MLP = True
 ENABLED_LORA = True  # the LoRA update's expand + add in one Triton pass (qerl.nn.lora.add_lora)
 ENABLED_LOGP = True  # the training log-probs' log-softmax + gather in one pass (qerl.rl.rollout)
+# RoPE on q and k in one pass each (rope_patched): built and tested in session 33, not yet timed on a
+# GPU (no device time was left), so off unless QERL_FUSED_ROPE=1 (benchmarks/NOTES_grpo.md section 18)
+ENABLED_ROPE = os.environ.get("QERL_FUSED_ROPE", "0") == "1"
 
-_SWITCHES = ("ENABLED_NORM", "ENABLED_MLP", "ENABLED_LORA", "ENABLED_LOGP")
+_SWITCHES = ("ENABLED_NORM", "ENABLED_MLP", "ENABLED_LORA", "ENABLED_LOGP", "ENABLED_ROPE")
 
 
 @contextlib.contextmanager
@@ -154,6 +158,71 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     if not (ENABLED_LOGP and logits.is_cuda and logits.dtype in _FLOAT and logits.shape[:-1] == tokens.shape):
         return None
     return _TokenLogprob.apply(logits, tokens, 1.0 / float(temperature))
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _kernels().rope(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        return _kernels().rope(dy if dy.stride(-1) == 1 else dy.contiguous(), cos, sin, backward=True), None, None
+
+
+def _rope_supported(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    if not (x.is_cuda and x.dim() == 4 and cos.dim() == 3 and x.dtype in _FLOAT and cos.dtype == x.dtype == sin.dtype):
+        return False
+    b, _, t, d = x.shape
+    pow2 = d >= 2 and d & (d - 1) == 0
+    return (pow2 and x.stride(-1) == 1 and cos.shape[1:] == (t, d) and cos.shape[0] in (1, b)
+            and sin.shape == cos.shape and sin.stride() == cos.stride() and cos.stride(-1) == 1)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """(q, k) rotated as Hugging Face's apply_rotary_pos_emb (unsqueeze_dim 1) rounds them, one Triton
+    pass each forward and backward; None where it does not apply."""
+    if not (ENABLED_ROPE and _rope_supported(q, cos, sin) and _rope_supported(k, cos, sin)):
+        return None
+    cos, sin = cos.expand(q.shape[0], -1, -1), sin.expand(q.shape[0], -1, -1)
+    return _Rope.apply(q, cos, sin), _Rope.apply(k, cos, sin)
+
+
+_ROPE_MODULES = ("transformers.models.qwen2.modeling_qwen2", "transformers.models.llama.modeling_llama")
+
+
+@contextlib.contextmanager
+def rope_patched():
+    """While inside (and ENABLED_ROPE is on at entry), the Qwen2 / Llama attention's
+    apply_rotary_pos_emb takes apply_rope where it applies (CUDA tensors) and the original otherwise;
+    the originals are put back on exit. The trainer's training phase runs inside it (the attention looks the function up in its
+    module at each call, so this is the one place to reach it without copying the attention)."""
+    import importlib
+
+    saved = []
+    if not ENABLED_ROPE:  # off (the default while untimed): nothing is patched
+        yield
+        return
+    try:
+        for name in _ROPE_MODULES:
+            mod = importlib.import_module(name)
+            orig = getattr(mod, "apply_rotary_pos_emb", None)
+            if orig is None or getattr(orig, "_qerl_fused", False):
+                continue
+
+            def fused(q, k, cos, sin, unsqueeze_dim=1, _orig=orig):
+                out = apply_rope(q, k, cos, sin) if unsqueeze_dim == 1 else None
+                return out if out is not None else _orig(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+            fused._qerl_fused = True
+            saved.append((mod, orig))
+            mod.apply_rotary_pos_emb = fused
+        yield
+    finally:
+        for mod, orig in saved:
+            mod.apply_rotary_pos_emb = orig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

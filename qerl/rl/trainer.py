@@ -711,10 +711,10 @@ def optimise(
     checkpointed layer's recomputation in the backward must see the same dtypes as its forward."""
     from peft.helpers import disable_input_dtype_casting
 
-    from qerl.nn.fused_train import switched
+    from qerl.nn.fused_train import rope_patched, switched
 
     cast = autocast_enabled(settings.bf16_autocast, _device(model))
-    with disable_input_dtype_casting(model, active=cast), switched(settings.fused_training_ops):
+    with disable_input_dtype_casting(model, active=cast), switched(settings.fused_training_ops), rope_patched():
         return _optimise_steps(model, parts, settings, optimizer, scheduler, aqn, noise_in_training, share_train,
                                step, timer, cast)
 
