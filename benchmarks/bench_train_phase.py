@@ -18,7 +18,7 @@ Variants (comma-joined switches on top of the defaults): `stock` = every fused o
 `fused` = every fused op (LoRA update, RMSNorm, MLP, token log-probs, RoPE), `default` = the switches as
 the product sets them (RoPE off until it is timed), `compile` = torch.compile on each decoder layer (run it last: a reference
 for what fusing everything could give, not a product path), `nolora` / `noloratriton` / `nonorm` / `nomlp` / `nologp` / `norope` = without the fused LoRA update
-(`qerl.nn.lora.FUSED_ADD`), its Triton form (torch.addmm instead), the fused RMSNorm, MLP, token
+(`qerl.nn.fused_train.ENABLED_LORA_ADD`), its Triton form (torch.addmm instead), the fused RMSNorm, MLP, token
 log-probs or RoPE (`qerl.nn.fused_train`).
 Rows: {"model", "layers", "format", "variant", "rows", "tokens", "train_s" (median over --reps of
 log-probs + backward + optimizer), "logprob_s", "backward_s", "ms_per_layer", "x_stock"}.
@@ -40,7 +40,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-SWITCHES = {"lora": ("qerl.nn.lora", "FUSED_ADD"), "loratriton": ("qerl.nn.fused_train", "ENABLED_LORA"),
+SWITCHES = {"lora": ("qerl.nn.fused_train", "ENABLED_LORA_ADD"), "loratriton": ("qerl.nn.fused_train", "ENABLED_LORA"),
             "norm": ("qerl.nn.fused_train", "ENABLED_NORM"), "mlp": ("qerl.nn.fused_train", "ENABLED_MLP"),
             "logp": ("qerl.nn.fused_train", "ENABLED_LOGP"), "rope": ("qerl.nn.fused_train", "ENABLED_ROPE")}
 

@@ -208,7 +208,7 @@ def test_prepare_policy_fuses_only_when_asked():
 def test_fused_lora_update_matches_pefts_expression(fmt, autocast):
     """add_lora (result + scaling * h @ B^T inside one addmm) against PEFT's `result + B(A(x)) *
     scaling`, outputs and adapter gradients, on an fp32 model and under CPU bf16 autocast."""
-    from qerl.nn import lora as qlora
+    from qerl.nn import fused_train
     from qerl.nn.lora import FusedLoraLinear, LoraSettings, QuantLoraLinear, apply_lora
     from qerl.quantize import quantize_
 
@@ -225,8 +225,8 @@ def test_fused_lora_update_matches_pefts_expression(fmt, autocast):
     ids = torch.randint(0, 128, (2, 11))
 
     def run(fused: bool):
-        saved = qlora.FUSED_ADD
-        qlora.FUSED_ADD = fused
+        saved = fused_train.ENABLED_LORA_ADD
+        fused_train.ENABLED_LORA_ADD = fused
         try:
             model.zero_grad(set_to_none=True)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -236,7 +236,7 @@ def test_fused_lora_update_matches_pefts_expression(fmt, autocast):
             grads += [m.lora_B["default"].weight.grad.clone() for m in layers]
             return out.detach(), grads
         finally:
-            qlora.FUSED_ADD = saved
+            fused_train.ENABLED_LORA_ADD = saved
 
     (o1, g1), (o0, g0) = run(True), run(False)
     tol = 2e-2 if autocast else 1e-5

@@ -179,13 +179,11 @@ def test_policy_logprobs_and_lora_grads_with_fused_ops(fmt, monkeypatch):
                          torch.ones_like(comp), torch.zeros(4, 96), torch.zeros(4, 96), torch.zeros(4, dtype=torch.bool))
     policy.train()
 
-    from qerl.nn import lora as qlora
-
     rope_default = fused_train.ENABLED_ROPE
 
     def run(enabled: bool):
         fused_train.ENABLED_NORM = fused_train.ENABLED_MLP = fused_train.ENABLED_LORA = enabled
-        fused_train.ENABLED_LOGP = fused_train.ENABLED_ROPE = qlora.FUSED_ADD = enabled
+        fused_train.ENABLED_LOGP = fused_train.ENABLED_ROPE = fused_train.ENABLED_LORA_ADD = enabled
         try:
             policy.zero_grad(set_to_none=True)
             with torch.autocast("cuda", dtype=torch.bfloat16), fused_train.rope_patched():
@@ -195,7 +193,7 @@ def test_policy_logprobs_and_lora_grads_with_fused_ops(fmt, monkeypatch):
             return lp.detach().float(), grads
         finally:
             fused_train.ENABLED_NORM = fused_train.ENABLED_MLP = fused_train.ENABLED_LORA = True
-            fused_train.ENABLED_LOGP = qlora.FUSED_ADD = True
+            fused_train.ENABLED_LOGP = fused_train.ENABLED_LORA_ADD = True
             fused_train.ENABLED_ROPE = rope_default
 
     (lp1, g1), (lp0, g0) = run(True), run(False)

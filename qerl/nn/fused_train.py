@@ -30,13 +30,16 @@ from torch import nn
 
 ENABLED_NORM = True
 ENABLED_MLP = True
+# the LoRA update inside the expand product (qerl.nn.lora.add_lora: torch.addmm, or on a GPU under
+# autocast and with ENABLED_LORA the one Triton pass of lora_expand_add); off: PEFT's expression
+ENABLED_LORA_ADD = True
 ENABLED_LORA = True  # the LoRA update's expand + add in one Triton pass (qerl.nn.lora.add_lora)
 ENABLED_LOGP = True  # the training log-probs' log-softmax + gather in one pass (qerl.rl.rollout)
 # RoPE on q and k in one pass each (rope_patched): built and tested in session 33, not yet timed on a
 # GPU (no device time was left), so off unless QERL_FUSED_ROPE=1 (benchmarks/NOTES_grpo.md section 18)
 ENABLED_ROPE = os.environ.get("QERL_FUSED_ROPE", "0") == "1"
 
-_SWITCHES = ("ENABLED_NORM", "ENABLED_MLP", "ENABLED_LORA", "ENABLED_LOGP", "ENABLED_ROPE")
+_SWITCHES = ("ENABLED_NORM", "ENABLED_MLP", "ENABLED_LORA_ADD", "ENABLED_LORA", "ENABLED_LOGP", "ENABLED_ROPE")
 
 
 @contextlib.contextmanager

@@ -39,6 +39,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
+from qerl.nn import fused_train
 from qerl.nn.lora_settings import DEFAULT_NORM_MODULES, DEFAULT_TARGET_MODULES, LoraSettings
 from qerl.nn.quant_linear import QuantLinear
 from qerl.threads import INIT_LOCK
@@ -118,27 +119,23 @@ class QuantLoraLinear(nn.Module, LoraLayer):
         return "lora." + super().__repr__()
 
 
-# The low-rank update added inside the expand product (C + scaling * h @ B^T, one rounding, no
-# separate scale and add passes over the [tokens x out] result) when the operands share a dtype
-# (always under bf16 autocast): on a GPU under autocast one Triton pass over C
-# (qerl.nn.fused_train.lora_expand_add: cuBLAS's K = r addmm moves C at ~1.1 TB/s), else torch.addmm;
-# otherwise PEFT's expression. Switch for ablations.
-FUSED_ADD = True
-
-
 def add_lora(result: torch.Tensor, x: torch.Tensor, lora_a: nn.Module, lora_b: nn.Module, scaling: float) -> torch.Tensor:
-    """result + lora_b(lora_a(x)) * scaling, fused into the expand product where possible."""
+    """result + lora_b(lora_a(x)) * scaling, fused into the expand product where possible.
+
+    The low-rank update goes inside the expand product (C + scaling * h @ B^T, one rounding, no
+    separate scale and add passes over the [tokens x out] result) when the operands share a dtype
+    (always under bf16 autocast): on a GPU under autocast one Triton pass over C
+    (fused_train.lora_expand_add: cuBLAS's K = r addmm moves C at ~1.1 TB/s), else torch.addmm;
+    otherwise, or with fused_train.ENABLED_LORA_ADD off, PEFT's expression."""
     h = lora_a(x)
-    if not FUSED_ADD or type(lora_b) is not nn.Linear or lora_b.bias is not None:
+    if not fused_train.ENABLED_LORA_ADD or type(lora_b) is not nn.Linear or lora_b.bias is not None:
         return result + lora_b(h) * scaling
     dev = result.device.type
     cast = torch.is_autocast_enabled(dev) if dev in ("cuda", "cpu") else False
     if not cast and not (result.dtype == h.dtype == lora_b.weight.dtype):
         return result + lora_b(h) * scaling
     if cast and result.is_cuda:
-        from qerl.nn.fused_train import lora_expand_add
-
-        out = lora_expand_add(result, h, lora_b.weight, scaling)
+        out = fused_train.lora_expand_add(result, h, lora_b.weight, scaling)
         if out is not None:
             return out
     out = torch.addmm(result.reshape(-1, result.shape[-1]), h.reshape(-1, h.shape[-1]), lora_b.weight.t(),
@@ -165,7 +162,7 @@ class FusedLoraLinear(LoraLinear):
     (DoRA and other variants, mixed-batch adapters, merged weights) is PEFT's own forward."""
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        plain = (FUSED_ADD and not self.disable_adapters and not self.merged and not self.lora_variant
+        plain = (fused_train.ENABLED_LORA_ADD and not self.disable_adapters and not self.merged and not self.lora_variant
                  and "adapter_names" not in kwargs and not any(k in kwargs for k in _VARIANT_KEYS))
         if not plain:
             return super().forward(x, *args, **kwargs)

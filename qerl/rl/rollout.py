@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from qerl.nn.fused_train import token_logprobs
 from qerl.rollout.sampling import draw_uniform, sample_next
 
 __all__ = [
@@ -231,8 +232,6 @@ def _head_chunk(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: f
     reads the logits once (no float32 copy; the same float32 math)."""
     logits = head(hidden)
     if not with_entropy:
-        from qerl.nn.fused_train import token_logprobs
-
         lp = token_logprobs(logits, tokens, temperature if temperature not in (0.0, 1.0) else 1.0)
         if lp is not None:  # on a GPU: the logits read once, never copied to float32
             return lp, None
