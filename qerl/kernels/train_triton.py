@@ -213,8 +213,17 @@ def token_logprob_bwd(x2, t, lse, g, inv_t: float):
 
 
 @triton.jit
+def _to_bf16_rne(x):
+    # float32 -> the nearest bfloat16 (ties to even), still held in float32: integer operations, which
+    # no compiler pass can merge with the products around them (finite inputs; RoPE's are)
+    b = x.to(tl.uint32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _rope_fwd(x_ptr, c_ptr, s_ptr, y_ptr, H, T, sxb, sxh, sxt, syb, syh, syt, scb, sct,
-              HB: tl.constexpr, HALF: tl.constexpr, BWD: tl.constexpr):
+              HB: tl.constexpr, HALF: tl.constexpr, BWD: tl.constexpr, BF16: tl.constexpr):
     # one (batch, position) row, HB heads: y = x * cos + rotate_half(x) * sin, each product and the
     # sum rounded to x's dtype as torch's three ops round (forward); the backward (BWD) is the
     # transpose, dx = dy * cos - rotate_half(dy * sin), in float32 with one rounding
@@ -237,6 +246,9 @@ def _rope_fwd(x_ptr, c_ptr, s_ptr, y_ptr, H, T, sxb, sxh, sxt, syb, syh, syt, sc
     if BWD:
         y1 = (x1 * c1 + x2 * s2).to(dt)
         y2 = (x2 * c2 - x1 * s1).to(dt)
+    elif BF16:  # each rounding made by hand: the compiler folds a cast pair away (measured, H100)
+        y1 = _to_bf16_rne(_to_bf16_rne(x1 * c1) - _to_bf16_rne(x2 * s1)).to(dt)
+        y2 = _to_bf16_rne(_to_bf16_rne(x2 * c2) + _to_bf16_rne(x1 * s2)).to(dt)
     else:
         y1 = ((x1 * c1).to(dt).to(tl.float32) - (x2 * s1).to(dt).to(tl.float32)).to(dt)
         y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
@@ -254,5 +266,6 @@ def rope(x, cos, sin, backward: bool = False):
     y = torch.empty_like(x)
     _rope_fwd[(bsz * t, triton.cdiv(heads, ROPE_HEADS))](
         x, cos, sin, y, heads, t, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
-        cos.stride(0), cos.stride(1), HB=ROPE_HEADS, HALF=d // 2, BWD=backward, num_warps=4)
+        cos.stride(0), cos.stride(1), HB=ROPE_HEADS, HALF=d // 2, BWD=backward, BF16=x.dtype == torch.bfloat16,
+        num_warps=4, enable_fp_fusion=False)
     return y

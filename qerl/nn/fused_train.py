@@ -1,4 +1,4 @@
-"""Fused training ops on a GPU: RMSNorm, SiLU-gated MLP, the LoRA update, the token log-probs.
+"""Fused training ops on a GPU: RMSNorm, SiLU-gated MLP, the LoRA update, the token log-probs, RoPE.
 
 Why: the training phase of a GRPO step runs Hugging Face's decoder layers eagerly. Their RMSNorm
 is seven float32 elementwise kernels forward (and more backward), their MLP a SiLU and a product
@@ -35,9 +35,10 @@ ENABLED_MLP = True
 ENABLED_LORA_ADD = True
 ENABLED_LORA = True  # the LoRA update's expand + add in one Triton pass (qerl.nn.lora.add_lora)
 ENABLED_LOGP = True  # the training log-probs' log-softmax + gather in one pass (qerl.rl.rollout)
-# RoPE on q and k in one pass each (rope_patched): built and tested in session 33, not yet timed on a
-# GPU (no device time was left), so off unless QERL_FUSED_ROPE=1 (benchmarks/NOTES_grpo.md section 18)
-ENABLED_ROPE = os.environ.get("QERL_FUSED_ROPE", "0") == "1"
+# RoPE on q and k in one pass each (rope_patched), bf16 bit for bit as Hugging Face's: timed in session
+# 34 (training phase x1.06 bf16 / x1.03 nvfp4 at 14B, 6 layers; NOTES_grpo.md section 19), so on;
+# QERL_FUSED_ROPE=0 turns it off
+ENABLED_ROPE = os.environ.get("QERL_FUSED_ROPE", "1") == "1"
 
 _SWITCHES = ("ENABLED_NORM", "ENABLED_MLP", "ENABLED_LORA_ADD", "ENABLED_LORA", "ENABLED_LOGP", "ENABLED_ROPE")
 
@@ -205,7 +206,7 @@ def rope_patched():
     import importlib
 
     saved = []
-    if not ENABLED_ROPE:  # off (the default while untimed): nothing is patched
+    if not ENABLED_ROPE:  # off: nothing is patched
         yield
         return
     try:
