@@ -65,6 +65,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
+from qerl.env import switches_prefix  # noqa: E402
+
 FORMATS = ("bf16", "nf4", "mxfp4", "nvfp4")
 MEMORY_FIELDS = ("model", "format", "gpu", "generations", "completion_len", "lora_rank", "status", "peak_gib",
                  "rollout_s", "logprob_s", "backward_s", "optimizer_s", "step_s")
@@ -136,7 +138,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
         "bf16_autocast": args.bf16_autocast,
         # GRPOSettings.fused_training_ops (qerl.nn.fused_train; rows before session 33 ran without)
         "fused_training_ops": not args.no_fused_training_ops,
-        # the fused RoPE (off unless QERL_FUSED_ROPE=1 while it is untimed)
+        # the fused RoPE (on by default since session 34; QERL_FUSED_ROPE=0 turns it off)
         "fused_rope": _fused_rope() and not args.no_fused_training_ops,
         # the caching allocator's settings (e.g. expandable_segments:True), "" for the default
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
@@ -336,7 +338,7 @@ def sweep(args) -> dict:
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python benchmarks/bench_grpo_step.py " + " ".join(args.argv),
+        "command": switches_prefix() + "python benchmarks/bench_grpo_step.py " + " ".join(args.argv),
         "note": ("random-initialised Qwen2.5-*-shaped models (honest for speed and memory, not quality); batch = "
                  "prompts per step, each with `generations` samples of exactly completion_len tokens; the last of "
                  "`steps` steps is reported (the first compiles kernels and captures graphs)"),

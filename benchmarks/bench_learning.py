@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from qerl import FORMATS  # noqa: E402
+from qerl.env import switches_prefix  # noqa: E402
 from qerl.recipe import parse_seeds  # noqa: E402
 from qerl.rl.demo import variant_dir  # noqa: E402
 
@@ -133,7 +134,7 @@ def sweep(args, variants: list[dict], seeds: list[int]) -> dict:
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") and torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "triton": _triton_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python benchmarks/bench_learning.py " + " ".join(args.argv), "steps": args.steps,
+        "command": switches_prefix() + "python benchmarks/bench_learning.py " + " ".join(args.argv), "steps": args.steps,
     }
 
     def write():

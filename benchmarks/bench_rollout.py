@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from qerl.model import build_random  # noqa: E402
+from qerl.env import switches_prefix  # noqa: E402
 from qerl.quantize import quantize_  # noqa: E402
 from qerl.rl.rollout import RolloutSettings  # noqa: E402
 from qerl.rollout.engine import RolloutEngine  # noqa: E402
@@ -277,7 +278,7 @@ def run(args) -> None:
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": __import__("triton").__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python benchmarks/bench_rollout.py " + " ".join(sys.argv[1:]),
+        "command": switches_prefix() + "python benchmarks/bench_rollout.py " + " ".join(sys.argv[1:]),
         "pdl": bool(args.pdl),
         "note": "random-initialised weights (honest for speed, not quality); every row generates exactly completion_len tokens",
     }

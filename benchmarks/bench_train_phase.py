@@ -40,6 +40,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
+from qerl.env import switches_prefix  # noqa: E402
+
 SWITCHES = {"lora": ("qerl.nn.fused_train", "ENABLED_LORA_ADD"), "loratriton": ("qerl.nn.fused_train", "ENABLED_LORA"),
             "norm": ("qerl.nn.fused_train", "ENABLED_NORM"), "mlp": ("qerl.nn.fused_train", "ENABLED_MLP"),
             "logp": ("qerl.nn.fused_train", "ENABLED_LOGP"), "rope": ("qerl.nn.fused_train", "ENABLED_ROPE")}
@@ -216,7 +218,7 @@ def main(argv=None) -> None:
     result = {
         "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python " + " ".join([os.path.relpath(__file__, os.getcwd())] + (argv or sys.argv[1:])),
+        "command": switches_prefix() + "python " + " ".join([os.path.relpath(__file__, os.getcwd())] + (argv or sys.argv[1:])),
         "rows": rows,
     }
     if args.out:

@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from qerl.formats import quantize_weight  # noqa: E402
+from qerl.env import switches_prefix  # noqa: E402
 from qerl.kernels import prepare  # noqa: E402
 from qerl.kernels.shapes import M_SWEEP, QWEN25, linear_shapes  # noqa: E402
 
@@ -721,8 +722,8 @@ def main(argv=None) -> int:
     result = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
               "torch": torch.__version__, "triton": triton.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join([f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("QERL_W4A16_")]
-                                  + [os.path.basename(sys.executable)] + sys.argv), "copy_gbps": None, "rows": []}
+              "command": switches_prefix() + " ".join([os.path.basename(sys.executable)] + sys.argv),
+              "copy_gbps": None, "rows": []}
     rows = result["rows"]
 
     def write():

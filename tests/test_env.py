@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from qerl.env import env_int
@@ -28,3 +30,16 @@ def test_a_bad_kernel_switch_fails_at_import_naming_it():
     assert out.returncode != 0
     assert out.stderr.strip().splitlines()[-1] == (
         "ValueError: QERL_W4A16_RWG_MIN_M='seventeen': expected an integer (unset it for the default, 17)")
+
+
+def test_switches_prefix_lists_the_set_qerl_switches_sorted_and_leaves_paths_out(monkeypatch):
+    from qerl.env import switches_prefix
+
+    for k in [k for k in os.environ if k.startswith("QERL_")]:
+        monkeypatch.delenv(k)
+    assert switches_prefix() == ""
+    monkeypatch.setenv("QERL_ROLLOUT_PDL", "0")
+    monkeypatch.setenv("QERL_FUSED_ROPE", "1")
+    monkeypatch.setenv("QERL_DATA_DIR", "/data")
+    monkeypatch.setenv("OTHER", "x")
+    assert switches_prefix() == "QERL_FUSED_ROPE=1 QERL_ROLLOUT_PDL=0 "
