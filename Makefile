@@ -51,7 +51,7 @@ test: setup
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not slow"
 
-GPU_TESTS := tests/test_kernels_gpu.py tests/test_formats_gpu.py tests/test_rollout_kernels_gpu.py tests/test_single_copy.py tests/test_fused_train_gpu.py
+GPU_TESTS := tests/test_kernels_gpu.py tests/test_formats_gpu.py tests/test_rollout_kernels_gpu.py tests/test_single_copy.py tests/test_fused_train_gpu.py tests/test_memory_plan_gpu.py
 SHARD ?=
 JOBS ?=
 test-gpu: setup

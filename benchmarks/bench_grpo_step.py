@@ -18,7 +18,8 @@ as "oom" and the next starts clean):
   random-initialised Qwen2.5-*-shaped weights: honest for speed and memory, not quality; no bf16
   copy of a 4-bit model ever exists);
 - LoRA adapters of --rank on all seven linears of every layer (`qerl.rl.trainer.prepare_policy`,
-  gradient checkpointing as --gradient-checkpointing says, on by default; off, the training
+  gradient checkpointing as --gradient-checkpointing says, on by default, of every layer or, with
+  --checkpoint-layers auto, of all but the layers the memory plan finds room for; off, the training
   forwards share each group's prompt as the trainer's do); AQN on for nvfp4 (QeRL), off for the
   bf16 and nf4 baselines;
 - --steps GRPO steps, each: `batch` random prompts of --prompt-len tokens x --generations samples
@@ -112,9 +113,9 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
     from qerl.nn.lora import LoraSettings
     from qerl.rl.grpo import GRPOSettings, group_advantages
     from qerl.rl.rollout import RolloutSettings
-    from qerl.rl.memory_plan import RolloutMemoryPlan
-    from qerl.rl.trainer import (PhaseTimer, make_optimizer, optimise_planned, prepare_policy, run_rollout,
-                                 sequence_lengths, shares_prompt_in_training)
+    from qerl.rl.memory_plan import CheckpointPlan, RolloutMemoryPlan
+    from qerl.rl.trainer import (PhaseTimer, make_optimizer, optimise_planned, plan_next_step_memory, prepare_policy,
+                                 run_rollout, shares_prompt_in_training)
     from qerl.rollout.engine import engine_rollouts
 
     device = torch.device(args.device)
@@ -145,6 +146,9 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
         # GRPOSettings.release_rollout_memory as a name; rollout_memory_released: whether the reported
         # step freed the KV cache and graphs (auto frees until a measured step says keeping fits)
         "rollout_memory": args.rollout_memory,
+        # GRPOSettings.checkpoint_layers; uncheckpointed_layers: how many layers the reported step ran
+        # without checkpointing (auto plans them from the previous step's measured peak)
+        "checkpoint_layers": args.checkpoint_layers,
     }
     mem = _Memory(device)
     phase = "build"
@@ -163,7 +167,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
             epsilon_high=0.28, temperature=1.0, gradient_checkpointing=checkpointing,
             logprob_chunk_tokens=args.chunk_tokens,
             release_rollout_memory=ROLLOUT_MEMORY[args.rollout_memory], bf16_autocast=args.bf16_autocast,
-            fused_training_ops=not args.no_fused_training_ops,
+            fused_training_ops=not args.no_fused_training_ops, checkpoint_layers=args.checkpoint_layers,
         )
         share_train = shares_prompt_in_training(settings)  # as train() does
         row["share_prompt"] = share_train
@@ -179,6 +183,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
                              stop_ids=[10**9], pad_id=0)
         gen = torch.Generator(device=device).manual_seed(0)
         plan = RolloutMemoryPlan(settings.release_rollout_memory, device)
+        layers_plan = CheckpointPlan(settings.checkpoint_layers, device)
         for step in range(args.steps):
             timer = PhaseTimer(device)
             mem.mark()
@@ -198,12 +203,13 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
             adv = group_advantages(rewards, gens, settings.reward_scaling)
             with _maybe_profile(args, step, f"{preset}_{fmt}_b{batch}"):
                 stats = optimise_planned(policy, [(rollout, rewards, adv)], settings, optimizer, scheduler, aqn, False,
-                                         share_train, step + 1, timer, plan)
+                                         share_train, step + 1, timer, plan, layers_plan)
             row["profiled"] = bool(args.profile_dir)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             train_peak = mem.peak()
-            plan.after_training(*sequence_lengths([rollout], settings))  # as train() does
+            uncheckpointed = layers_plan.applied
+            plan_next_step_memory(policy, settings, [rollout], plan, layers_plan)  # as train() does
             step_s = time.perf_counter() - t_step
             tokens = int(rollout.completion_mask.sum())
             row.update(
@@ -214,6 +220,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
                 rollout_peak_allocated_gib=round(rollout_peak[0], 3), train_peak_allocated_gib=round(train_peak[0], 3),
                 rollout_tokens=tokens, rollout_tokens_per_s=round(tokens / max(timer.seconds["rollout_s"], 1e-9), 1),
                 loss=stats["loss"], grad_norm=stats["grad_norm"], rollout_memory_released=plan.released,
+                uncheckpointed_layers=uncheckpointed,
             )
             if step == 0 and args.steps > 1:
                 row["warmup_step_s"] = round(step_s, 3)
@@ -268,7 +275,8 @@ def _row_copies(row: dict) -> int:
 # settings a row shares with its bf16 baseline beside model, batch and micro-batch, each with the
 # value of the time before the field existed (rows of older calls)
 SETUP_DEFAULTS = {"gpu": None, "bf16_autocast": False, "alloc_conf": "", "rollout_memory": "release",
-                  "gradient_checkpointing": True, "fused_training_ops": False, "fused_rope": False}
+                  "gradient_checkpointing": True, "fused_training_ops": False, "fused_rope": False,
+                  "checkpoint_layers": "all"}
 
 
 def _setup_fields(row: dict) -> dict:
@@ -446,6 +454,9 @@ def main(argv=None) -> None:
                          "never (keep), or once measured training leaves room, keep them (auto, the trainer's default)")
     ap.add_argument("--gradient-checkpointing", choices=["on", "off"], default="on",
                     help="GRPOSettings.gradient_checkpointing; off also shares each group's prompt in training, as train() does")
+    ap.add_argument("--checkpoint-layers", choices=["all", "auto"], default="all",
+                    help="GRPOSettings.checkpoint_layers: every decoder layer recomputes in the backward (all), or the "
+                         "layers that fit in the memory a measured step leaves free keep their activations (auto)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--time-budget-s", type=float, default=540)
     ap.add_argument("--min-config-s", type=float, default=20, help="start no configuration with less of the budget left")
@@ -473,7 +484,7 @@ def main(argv=None) -> None:
              "--completion", str(args.completion), "--rank", str(args.rank), "--micro-batch", str(args.micro_batch),
              "--chunk-tokens", str(args.chunk_tokens), "--steps", str(args.steps)]
     child += ["--no-aqn"] * args.no_aqn + ["--rollout-memory", args.rollout_memory]
-    child += ["--gradient-checkpointing", args.gradient_checkpointing]
+    child += ["--gradient-checkpointing", args.gradient_checkpointing, "--checkpoint-layers", args.checkpoint_layers]
     child += ["--keep-checkpoint-layout"] * args.keep_checkpoint_layout + ["--bf16-autocast"] * args.bf16_autocast
     child += ["--no-fused-training-ops"] * args.no_fused_training_ops
     child += ["--profile-dir", os.path.abspath(args.profile_dir)] if args.profile_dir else []

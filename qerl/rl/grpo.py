@@ -112,6 +112,11 @@ class GRPOSettings(BaseModel):
     # model types it supports, else the Hugging Face KV-cache loop; "hf": always that loop
     rollout_engine: Literal["qerl", "hf"] = "qerl"
     gradient_checkpointing: bool = False
+    # with gradient_checkpointing, which decoder layers recompute their forward in the backward:
+    # "all" (the smallest peak); "auto": the last layers that fit in the memory a measured step leaves
+    # free (under 90% of the GPU, beside the rollout plan's KV cache) keep their activations instead,
+    # so the backward skips their recomputation (qerl/rl/memory_plan.py CheckpointPlan; a GPU only)
+    checkpoint_layers: Literal["all", "auto"] = "all"
     # the lm_head + log-softmax of the training forward run this many tokens at a time, each chunk
     # recomputed in the backward pass, so [tokens x vocab] logits never exist whole (0: all at once)
     logprob_chunk_tokens: int = Field(1024, ge=0)

@@ -27,6 +27,8 @@ increment by the length ratio, so it errs towards freeing.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 # the fraction of device memory left free under "auto" (fragmentation, the CUDA context, spikes)
@@ -87,6 +89,7 @@ class RolloutMemoryPlan:
         self.released = False
         self._base = self._held = None
         self._gave_up = False  # auto, after a training phase ran out of memory with the rollout memory kept
+        self.projected: int | None = None  # the next step's peak, every layer checkpointed (after_training)
 
     def after_rollout(self, model) -> None:
         """Free the engine's KV cache and graphs unless the plan keeps them. Notes the memory
@@ -101,17 +104,28 @@ class RolloutMemoryPlan:
             self._base = self.memory.reserved()
             self._held = before - self._base if self.released else 0
 
-    def after_training(self, trained_len: int, max_len: int) -> None:
+    def after_training(self, trained_len: int, max_len: int, unplanned: int = 0) -> None:
         """Decide the next step from this step's training peak; trained_len / max_len: the longest
-        sequence trained this step and the longest the settings allow."""
+        sequence trained this step and the longest the settings allow; `unplanned`: bytes of the
+        peak that the next step's own plan decides again (the activations of layers that ran without
+        checkpointing, CheckpointPlan), taken out before the bound. Sets `projected`, the next step's
+        peak with every layer checkpointed (None without a measurement)."""
         if self.memory is None:
             return
         peak = self.memory.peak()
         if self.released:
             self.memory.empty_cache()  # the next rollout (its KV cache, graph captures) starts from a clean pool
-        if self.setting == "auto" and self._base is not None and not self._gave_up:
-            self.keeping = fits_with_rollout_memory(self._base, peak, self._held, self.memory.total,
-                                                    max_len / max(1, trained_len), self.headroom)
+        if self._base is None:
+            return
+        peak = max(self._base, peak - max(0, unplanned))
+        ratio = max_len / max(1, trained_len)
+        if self.setting == "auto" and not self._gave_up:
+            self.keeping = fits_with_rollout_memory(self._base, peak, self._held, self.memory.total, ratio,
+                                                    self.headroom)
+        # the next step's peak: the increment grown as the bound grows it, plus what keeping holds
+        # (inside base already when this step kept)
+        grown = self._base + max(0, peak - self._base) * max(1.0, float(ratio))
+        self.projected = int(grown + (self._held if self.keeping and self.released else 0))
 
     def free_after_oom(self, model) -> bool:
         """After the training phase ran out of memory: under "auto", if this step kept the
@@ -125,4 +139,146 @@ class RolloutMemoryPlan:
         # once the failed attempt's tensors are gone
         release_rollout_memory(model)
         self.released, self.keeping, self._gave_up = True, False, True
+        return True
+
+
+# ---- which decoder layers recompute their activations in the backward -----------------------------
+#
+# With gradient checkpointing every decoder layer keeps only its input and recomputes its forward in
+# the backward. With LoRA the base weights are frozen, so a layer's backward is about one forward's
+# work (input gradients only), and the recomputation is close to half of the backward
+# (benchmarks/NOTES_grpo.md section 19). GRPOSettings.checkpoint_layers "auto" spends the memory a
+# step leaves free on keeping some layers' activations instead:
+#
+#     free_layers = floor(((1 - HEADROOM) * device memory - projected peak) / layer bytes)
+#
+# where the projected peak is the next step's with every layer checkpointed (the rollout plan's own
+# bound: base + training increment grown to the longest sequence + the kept KV cache and graphs), and
+# layer bytes what one layer keeps for its backward over the largest micro-batch at the longest
+# sequence the settings allow (measured once by `layer_bytes_per_token`). "all" checkpoints every
+# layer (the smallest peak). A training phase that still runs out of memory with free layers goes
+# back to "all" for the rest of the run and trains that step again (CheckpointPlan.recompute_all_after_oom).
+
+
+def decoder_layers(model) -> list:
+    """The model's checkpointable decoder layers (Hugging Face's GradientCheckpointingLayer), in order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def layer_bytes_per_token(model, context=None, tokens: tuple[int, int] = (32, 64)) -> float:
+    """Bytes a decoder layer's forward keeps for its backward, per token, when it is not checkpointed:
+    the decoder runs (autograd on, every layer uncheckpointed, inside `context()`, e.g. the trainer's
+    autocast and fused-op switches) over one row of `tokens[0]` and one of `tokens[1]` random ids;
+    the storages saved for backward inside each layer are summed (each once) and averaged over the
+    layers, and the slope between the two lengths is returned, so what does not grow with the tokens
+    (weights, casts of the adapters) drops out. 0.0 for a model without decoder layers."""
+    from qerl.rl.rollout import _decoder_and_head
+
+    layers = decoder_layers(model)
+    split = _decoder_and_head(model)
+    if not layers or split is None:
+        return 0.0
+    decoder = split[0]
+    device = next(model.parameters()).device
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or decoder.get_input_embeddings().num_embeddings)
+    saved: dict[tuple[int, int], int] = {}
+    where = [None]
+
+    def pack(t):
+        if where[0] is not None:
+            storage = t.untyped_storage()
+            saved[(where[0], storage.data_ptr())] = storage.nbytes()
+        return t
+
+    def enter(i):
+        return lambda *_: where.__setitem__(0, i)
+
+    hooks = [h for i, layer in enumerate(layers)
+             for h in (layer.register_forward_pre_hook(enter(i)), layer.register_forward_hook(enter(None)))]
+    flags = [layer.gradient_checkpointing for layer in layers]
+    per_length = []
+    try:
+        for layer in layers:
+            layer.gradient_checkpointing = False
+        gen = torch.Generator().manual_seed(0)
+        for n in tokens:
+            saved.clear()
+            ids = torch.randint(0, max(1, vocab), (1, n), generator=gen).to(device)
+            with torch.enable_grad(), (context() if context else contextlib.nullcontext()), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = decoder(input_ids=ids, use_cache=False)
+            del out
+            per_length.append(sum(saved.values()) / len(layers))
+    finally:
+        for h in hooks:
+            h.remove()
+        for layer, flag in zip(layers, flags):
+            layer.gradient_checkpointing = flag
+        saved.clear()
+    return max(0.0, (per_length[1] - per_length[0]) / (tokens[1] - tokens[0]))
+
+
+class CheckpointPlan:
+    """How many decoder layers train without activation checkpointing (the last `free_layers` of
+    them; the rest recompute). Used only with gradient_checkpointing on and, for "auto", a CUDA
+    device (off a GPU it keeps every layer checkpointed).
+
+        plan = CheckpointPlan(settings.checkpoint_layers, device)
+        plan.apply(model)                      # before each training phase
+        ... training ...
+        plan.after_training(model, rollout_plan, rows, trained_len, max_len, probe)
+
+    `rollout_plan` is the step's RolloutMemoryPlan after its own after_training (its projected
+    peak); `rows` the rows of the largest micro-batch; `probe()` gives layer_bytes_per_token
+    (called once)."""
+
+    def __init__(self, setting: str, device: torch.device, headroom: float = HEADROOM, memory=None):
+        if setting not in ("all", "auto"):
+            raise ValueError(f"checkpoint_layers must be 'all' or 'auto', not {setting!r}")
+        self.setting = setting
+        if memory is None and setting == "auto" and torch.device(device).type == "cuda":
+            memory = _CudaMemory(torch.device(device))
+        self.memory = memory
+        self.headroom = headroom
+        self.free_layers = 0  # layers without checkpointing in the next training phase
+        self.applied = 0  # ... and in the last one applied
+        self.per_token: float | None = None
+        self._gave_up = False
+
+    def applied_bytes(self, rows: int, trained_len: int) -> int:
+        """What the last applied free layers kept at once over a micro-batch of `rows` x `trained_len`."""
+        return int(self.applied * (self.per_token or 0.0) * rows * trained_len)
+
+    def apply(self, model) -> None:
+        """Checkpoint all but the last free_layers decoder layers (call it only on a model whose
+        checkpointing is enabled: it sets the layers' flags, not the checkpoint function)."""
+        layers = decoder_layers(model)
+        k = min(self.free_layers, len(layers))
+        for i, layer in enumerate(layers):
+            layer.gradient_checkpointing = i < len(layers) - k
+        self.applied = k
+
+    def after_training(self, model, rollout_plan: RolloutMemoryPlan, rows: int, max_len: int, probe) -> None:
+        """Plan the next step: as many free layers as fit between the rollout plan's projected peak
+        and (1 - headroom) of the device (0 under "all", off a GPU, without a projection, or after an
+        out-of-memory fallback)."""
+        projected = getattr(rollout_plan, "projected", None)
+        if self.setting != "auto" or self.memory is None or self._gave_up or projected is None:
+            self.free_layers = 0
+            return
+        if self.per_token is None:
+            self.per_token = float(probe())
+        layer = self.per_token * rows * max_len
+        spare = (1.0 - self.headroom) * self.memory.total - projected
+        self.free_layers = int(min(len(decoder_layers(model)), max(0, spare // layer))) if layer > 0 else 0
+
+    def recompute_all_after_oom(self, model) -> bool:
+        """After the training phase ran out of memory: if layers ran without checkpointing, checkpoint
+        every layer from now on and return True (the caller may train the step again)."""
+        if self.applied == 0:
+            return False
+        self.free_layers, self._gave_up = 0, True
+        self.apply(model)
         return True

@@ -62,7 +62,7 @@ from qerl.rl.grpo import (
     overlong_penalty,
     zero_variance_groups,
 )
-from qerl.rl.memory_plan import RolloutMemoryPlan
+from qerl.rl.memory_plan import CheckpointPlan, RolloutMemoryPlan, layer_bytes_per_token
 from qerl.rl.rewards import NUMBER_TASKS
 from qerl.rl.rollout import RolloutBatch, RolloutSettings, policy_logprobs, sample_rollouts
 
@@ -91,6 +91,7 @@ METRIC_KEYS = (
     "optimizer_s",
     "peak_memory_bytes",
     "rollout_memory_released",
+    "uncheckpointed_layers",
     "loss",
     "grad_norm",
     "learning_rate",
@@ -115,6 +116,7 @@ __all__ = [
     "make_optimizer",
     "optimise",
     "optimise_planned",
+    "plan_next_step_memory",
     "prepare_policy",
     "run_rollout",
     "sequence_lengths",
@@ -521,6 +523,7 @@ def train(
         return ids
 
     memory_plan = RolloutMemoryPlan(settings.release_rollout_memory, device)
+    checkpoint_plan = CheckpointPlan(settings.checkpoint_layers, device)
     for step in range(start_step, settings.max_steps):
         t0 = time.perf_counter()
         if device.type == "cuda":
@@ -608,8 +611,9 @@ def train(
                     (b, r, group_advantages(r, G, "none") / (std + 1e-4)) for b, r, _ in parts
                 ]
             stats = optimise_planned(model, parts, settings, optimizer, scheduler, aqn, noise_in_training,
-                                     share_train, step + 1, timer, memory_plan)
-            memory_plan.after_training(*sequence_lengths([p[0] for p in parts], settings))
+                                     share_train, step + 1, timer, memory_plan, checkpoint_plan)
+            uncheckpointed = checkpoint_plan.applied
+            plan_next_step_memory(model, settings, [p[0] for p in parts], memory_plan, checkpoint_plan)
 
             # ---- metrics ----------------------------------------------------------------
             r_all = torch.cat(all_rewards)
@@ -634,6 +638,7 @@ def train(
                 metrics[phase] = timer.seconds.get(phase, 0.0)
             metrics["peak_memory_bytes"] = _peak_memory(device)
             metrics["rollout_memory_released"] = float(memory_plan.released)
+            metrics["uncheckpointed_layers"] = float(uncheckpointed)
             metrics["bf16_autocast"] = float(autocast_enabled(settings.bf16_autocast, device))  # as resolved
         except torch.OutOfMemoryError as e:
             if isinstance(e, TrainingOOM):
@@ -676,10 +681,14 @@ def _decode(tokenizer, batch: RolloutBatch, stops: set[int]) -> list[str]:
 
 def optimise_planned(model, parts, settings: GRPOSettings, optimizer, scheduler, aqn: AdaptiveQuantNoise,
                      noise_in_training: bool, share_train: bool, step: int, timer: PhaseTimer,
-                     memory_plan: RolloutMemoryPlan) -> dict[str, float]:
-    """`optimise`; when it runs out of memory before any optimiser step while the memory plan kept
-    the rollout engine's KV cache and graphs, those are freed (for the rest of the run) and the
-    update runs again from the same weights. Any other out-of-memory error propagates."""
+                     memory_plan: RolloutMemoryPlan, checkpoint_plan: CheckpointPlan | None = None) -> dict[str, float]:
+    """`optimise`, with the decoder layers checkpointed as `checkpoint_plan` says (gradient
+    checkpointing on). When it runs out of memory before any optimiser step, the plans give memory
+    back for the rest of the run and the update runs again from the same weights: first layers that
+    ran without checkpointing are checkpointed again, else the rollout engine's kept KV cache and
+    graphs are freed. Any other out-of-memory error propagates."""
+    if checkpoint_plan is not None and settings.gradient_checkpointing:
+        checkpoint_plan.apply(model)
     update = functools.partial(optimise, model, parts, settings, optimizer, scheduler, aqn, noise_in_training,
                                share_train, step, timer)
     first_update = scheduler.last_epoch
@@ -687,14 +696,55 @@ def optimise_planned(model, parts, settings: GRPOSettings, optimizer, scheduler,
         return update()
     except torch.OutOfMemoryError:
         # the adapters are unchanged until the scheduler has stepped: the update can start over
-        if scheduler.last_epoch != first_update or not memory_plan.free_after_oom(model):
+        if scheduler.last_epoch != first_update:
             raise
-    warnings.warn(f"step {step}: training ran out of memory with the rollout engine's KV cache and CUDA graphs "
-                  "kept (release_rollout_memory: auto); they are freed after every rollout from now on, and this "
-                  "step trains again", RuntimeWarning, stacklevel=2)
+        if checkpoint_plan is not None and checkpoint_plan.recompute_all_after_oom(model):
+            what = ("with decoder layers kept from checkpointing (checkpoint_layers: auto); every layer is "
+                    "checkpointed from now on")
+        elif memory_plan.free_after_oom(model):
+            what = ("with the rollout engine's KV cache and CUDA graphs kept (release_rollout_memory: auto); they "
+                    "are freed after every rollout from now on")
+        else:
+            raise
+    warnings.warn(f"step {step}: training ran out of memory {what}, and this step trains again", RuntimeWarning,
+                  stacklevel=2)
     if _device(model).type == "cuda":
         torch.cuda.empty_cache()  # what the failed attempt's activations held
     return update()
+
+
+def plan_next_step_memory(model, settings: GRPOSettings, batches: Sequence[RolloutBatch],
+                          memory_plan: RolloutMemoryPlan, checkpoint_plan: CheckpointPlan) -> None:
+    """After a training phase (train() and the GRPO bench): the rollout memory plan decides whether
+    the next step keeps the engine's KV cache and graphs, then the checkpoint plan how many layers
+    it runs without checkpointing in the memory left (qerl/rl/memory_plan.py)."""
+    trained, longest = sequence_lengths(batches, settings)
+    rows = settings.per_device_train_batch_size
+    memory_plan.after_training(trained, longest, checkpoint_plan.applied_bytes(rows, trained))
+    if settings.gradient_checkpointing:
+        probe = functools.partial(layer_bytes_per_token, model, functools.partial(_probe_context, model, settings))
+        checkpoint_plan.after_training(model, memory_plan, rows, longest, probe)
+
+
+@contextlib.contextmanager
+def training_context(model, settings: GRPOSettings):
+    """What a training phase runs inside (optimise): the adapters' input casting off under bf16
+    autocast (PEFT's disable_input_dtype_casting), the fused training ops as the settings say, the
+    fused RoPE patched in. Yields whether autocast is on."""
+    from peft.helpers import disable_input_dtype_casting
+
+    from qerl.nn.fused_train import rope_patched, switched
+
+    cast = autocast_enabled(settings.bf16_autocast, _device(model))
+    with disable_input_dtype_casting(model, active=cast), switched(settings.fused_training_ops), rope_patched():
+        yield cast
+
+
+@contextlib.contextmanager
+def _probe_context(model, settings: GRPOSettings):
+    with training_context(model, settings) as cast:
+        with torch.autocast(device_type=_device(model).type, dtype=torch.bfloat16, enabled=cast):
+            yield
 
 
 def optimise(
@@ -709,12 +759,7 @@ def optimise(
     disable_input_dtype_casting) for the whole update, forwards and backward: otherwise each
     adapter copies its bf16 input to fp32 (the masters' dtype) for autocast to copy it back, and a
     checkpointed layer's recomputation in the backward must see the same dtypes as its forward."""
-    from peft.helpers import disable_input_dtype_casting
-
-    from qerl.nn.fused_train import rope_patched, switched
-
-    cast = autocast_enabled(settings.bf16_autocast, _device(model))
-    with disable_input_dtype_casting(model, active=cast), switched(settings.fused_training_ops), rope_patched():
+    with training_context(model, settings) as cast:
         return _optimise_steps(model, parts, settings, optimizer, scheduler, aqn, noise_in_training, share_train,
                                step, timer, cast)
 
