@@ -95,6 +95,30 @@ def tiny_model(tiny_tokenizer):
     return model
 
 
+@pytest.fixture
+def qwen3b_policy(monkeypatch):
+    """make(fmt, layers, rank, alpha) -> (policy, GRPOSettings): a Qwen2.5-3B-shaped model cut to
+    `layers` decoder layers, built in `fmt` on the GPU with frozen weights, prepared by the trainer
+    (LoRA, fused training ops, gradient checkpointing; micro-batches of 4)."""
+
+    def make(fmt: str, layers: int, rank: int, alpha: int):
+        from qerl import model as qmodel
+        from qerl.build import build_model
+        from qerl.nn.lora import LoraSettings
+        from qerl.rl.grpo import GRPOSettings
+        from qerl.rl.trainer import prepare_policy
+
+        name = f"qwen2.5-3b-l{layers}"
+        monkeypatch.setitem(qmodel.QWEN_PRESETS, name, {**qmodel.QWEN_PRESETS["qwen2.5-3b"], "num_hidden_layers": layers})
+        model = build_model(f"random:{name}", fmt, "cuda", seed=0, progress=False)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        settings = GRPOSettings(num_generations=4, per_device_train_batch_size=4, gradient_checkpointing=True)
+        return prepare_policy(model, settings, LoraSettings(r=rank, lora_alpha=alpha)), settings
+
+    return make
+
+
 @pytest.fixture(autouse=True)
 def _autograd_stays_on():
     """Every test starts with autograd on, whatever an earlier test (or a library it imported:

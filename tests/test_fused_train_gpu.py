@@ -149,27 +149,14 @@ def test_rope_matches_apply_rotary_pos_emb(heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_policy_logprobs_and_lora_grads_with_fused_ops(fmt, monkeypatch):
+def test_policy_logprobs_and_lora_grads_with_fused_ops(fmt, qwen3b_policy):
     """A Qwen2-shaped policy in bf16 / nvfp4 with LoRA, bf16 autocast and gradient checkpointing,
-    as the trainer prepares it: the fused ops' log-probs and adapter gradients (RoPE included, which
-    is off by default until timed) against the same policy running the modules' own code and PEFT's
-    LoRA expression."""
-    from qerl.build import build_model
+    as the trainer prepares it: the fused ops' log-probs and adapter gradients (RoPE included)
+    against the same policy running the modules' own code and PEFT's LoRA expression."""
     from qerl.nn import fused_train
-    from qerl.nn.lora import LoraSettings
-    from qerl.rl.grpo import GRPOSettings
     from qerl.rl.rollout import RolloutBatch, policy_logprobs
-    from qerl.rl.trainer import prepare_policy
 
-    from qerl import model as qmodel
-
-    # Qwen2.5-3B's layer shapes, two layers
-    monkeypatch.setitem(qmodel.QWEN_PRESETS, "qwen2.5-3b-l2", {**qmodel.QWEN_PRESETS["qwen2.5-3b"], "num_hidden_layers": 2})
-    model = build_model("random:qwen2.5-3b-l2", fmt, "cuda", seed=0, progress=False)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    settings = GRPOSettings(num_generations=4, per_device_train_batch_size=4, gradient_checkpointing=True)
-    policy = prepare_policy(model, settings, LoraSettings(r=16, lora_alpha=32))
+    policy, _ = qwen3b_policy(fmt, layers=2, rank=16, alpha=32)  # Qwen2.5-3B's layer shapes, two layers
     assert sum(getattr(type(m), "_qerl_fused", False) for m in policy.modules()) > 0
     torch.manual_seed(3)
     for name, p in policy.named_parameters():

@@ -14,23 +14,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_probe_matches_the_allocator(fmt, monkeypatch):
+def test_probe_matches_the_allocator(fmt, qwen3b_policy):
     import functools
 
-    from qerl import model as qmodel
-    from qerl.build import build_model
-    from qerl.nn.lora import LoraSettings
-    from qerl.rl.grpo import GRPOSettings
     from qerl.rl.memory_plan import decoder_layers, layer_bytes_per_token
     from qerl.rl.rollout import RolloutBatch, policy_logprobs
-    from qerl.rl.trainer import _probe_context, prepare_policy
+    from qerl.rl.trainer import _probe_context
 
-    monkeypatch.setitem(qmodel.QWEN_PRESETS, "qwen2.5-3b-l4", {**qmodel.QWEN_PRESETS["qwen2.5-3b"], "num_hidden_layers": 4})
-    model = build_model("random:qwen2.5-3b-l4", fmt, "cuda", seed=0, progress=False)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    settings = GRPOSettings(num_generations=4, per_device_train_batch_size=4, gradient_checkpointing=True)
-    policy = prepare_policy(model, settings, LoraSettings(r=32, lora_alpha=32))
+    policy, settings = qwen3b_policy(fmt, layers=4, rank=32, alpha=32)
     policy.train()
     context = functools.partial(_probe_context, policy, settings)
     per_token = layer_bytes_per_token(policy, context)
