@@ -1,4 +1,6 @@
-"""Whether an RL step frees the rollout engine's KV cache and CUDA graphs before training.
+"""The memory plan of an RL step: whether it frees the rollout engine's KV cache and CUDA graphs
+before training (RolloutMemoryPlan), and which decoder layers skip activation checkpointing
+(CheckpointPlan, below).
 
 Freeing them gives the training phase their memory (4.8 GB of KV cache for a 32B model at
 8 x 2304 tokens), but the next rollout must capture every decode graph again: on an H100 that
@@ -167,7 +169,7 @@ def decoder_layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def layer_bytes_per_token(model, context=None, tokens: tuple[int, int] = (32, 64)) -> float:
+def layer_bytes_per_token(model, context=None, tokens: tuple[int, int] = (128, 256)) -> float:
     """Bytes a decoder layer's forward keeps for its backward, per token, when it is not checkpointed:
     the decoder runs (autograd on, every layer uncheckpointed, inside `context()`, e.g. the trainer's
     autocast and fused-op switches) over one row of `tokens[0]` and one of `tokens[1]` random ids;
