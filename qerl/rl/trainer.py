@@ -14,7 +14,10 @@ Per step (= one generation batch, `settings.prompts_per_step` prompts x `num_gen
      over micro-batches; importance weights correct for the rollout policy differing from the
      training one (AQN noise, another engine); beta > 0 adds the k3 KL to the base model
      (adapters disabled);
-  5. metrics -> `log_fn(step, metrics)`; every `save_steps` a checkpoint.
+  5. the memory plan (qerl/rl/memory_plan.py) decides from this step's measured peak whether the
+     next rollout keeps the engine's KV cache and graphs and, with checkpoint_layers "auto", how
+     many decoder layers the next training phase runs without activation checkpointing;
+  6. metrics -> `log_fn(step, metrics)`; every `save_steps` a checkpoint.
 
 Checkpoints: out_dir/checkpoint-<step>/ holds the adapter in PEFT format
 (adapter_model.safetensors + adapter_config.json), trainer_state.pt (optimizer, scheduler, RNG
