@@ -16,12 +16,14 @@ bf16 autocast as the trainer's defaults on a GPU.
 
 Variants (comma-joined switches on top of the defaults): `stock` = every fused op off,
 `fused` = every fused op (LoRA update, RMSNorm, MLP, token log-probs, RoPE), `default` = the switches as
-the product sets them (RoPE off until it is timed), `compile` = torch.compile on each decoder layer (run it last: a reference
+the product sets them, `compile` = torch.compile on each decoder layer (run it last: a reference
 for what fusing everything could give, not a product path), `nolora` / `noloratriton` / `nonorm` / `nomlp` / `nologp` / `norope` = without the fused LoRA update
 (`qerl.nn.fused_train.ENABLED_LORA_ADD`), its Triton form (torch.addmm instead), the fused RMSNorm, MLP, token
-log-probs or RoPE (`qerl.nn.fused_train`).
-Rows: {"model", "layers", "format", "variant", "rows", "tokens", "train_s" (median over --reps of
-log-probs + backward + optimizer), "logprob_s", "backward_s", "ms_per_layer", "x_stock"}.
+log-probs or RoPE (`qerl.nn.fused_train`); `free<N>` = the last N decoder layers without gradient checkpointing
+(what GRPOSettings.checkpoint_layers auto plans), `free` = every layer (e.g. `default,free`: what the
+recomputation costs per layer).
+Rows: {"model", "layers", "format", "variant", "rows", "tokens", "uncheckpointed_layers", "train_s" (median
+over --reps of log-probs + backward + optimizer), "logprob_s", "backward_s", "ms_per_layer", "x_stock"}.
 """
 
 from __future__ import annotations
@@ -61,14 +63,15 @@ def variant(name: str):
     for part in name.split(","):
         if part == "stock":
             want = {k: False for k in SWITCHES}
-        elif part == "default":  # the switches as the product sets them (RoPE off until timed)
+        elif part == "default":  # the switches as the product sets them
             want = {k: getattr(importlib.import_module(mod), attr) for k, (mod, attr) in SWITCHES.items()}
-        elif part in ("fused", "compile"):
+        elif part in ("fused", "compile") or _free_layers(part) is not None:
             pass
         elif part.startswith("no") and part[2:] in SWITCHES:
             want[part[2:]] = False
         else:
-            raise SystemExit(f"unknown variant part {part!r}; use stock, default, fused or no<{'|'.join(SWITCHES)}>")
+            raise SystemExit(f"unknown variant part {part!r}; use stock, default, fused, no<{'|'.join(SWITCHES)}> "
+                             "or free<N> / free")
     try:
         for k, (mod, attr) in SWITCHES.items():
             m = importlib.import_module(mod)
@@ -78,6 +81,14 @@ def variant(name: str):
     finally:
         for k, (mod, attr) in SWITCHES.items():
             setattr(importlib.import_module(mod), attr, saved[k])
+
+
+def _free_layers(part: str) -> int | None:
+    """free<N>: the last N decoder layers run without checkpointing (as GRPOSettings.checkpoint_layers
+    auto would plan them); free: every layer; None for other parts."""
+    if part == "free":
+        return 10**9
+    return int(part[4:]) if part.startswith("free") and part[4:].isdigit() else None
 
 
 def random_batch(rows: int, prompt_len: int, completion: int, vocab: int, seed: int):
@@ -144,9 +155,13 @@ def run_format(args, fmt: str) -> list[dict]:
 
 
 def _time_variant(args, fmt, name, policy, settings, optimizer, scheduler, aqn, batch, adv, device) -> dict:
+    from qerl.rl.memory_plan import CheckpointPlan
     from qerl.rl.trainer import PhaseTimer, optimise
 
-    with variant(name):
+    plan = CheckpointPlan("auto", device)
+    plan.free_layers = max([_free_layers(p) or 0 for p in name.split(",")])
+    plan.apply(policy)
+    with variant(name), _all_checkpointed_after(plan, policy):
         times = []
         for rep in range(args.warmup + args.reps):
             timer = PhaseTimer(device)
@@ -163,11 +178,21 @@ def _time_variant(args, fmt, name, policy, settings, optimizer, scheduler, aqn, 
         pick = min(times, key=lambda ts: abs(ts[0] - med))[1]
         tokens = args.rows * (args.prompt_len + args.completion)
         row = {"model": args.model, "layers": args.layers, "format": fmt, "variant": name, "rows": args.rows,
+               "uncheckpointed_layers": plan.applied,
                "tokens": tokens, "train_s": round(med, 4), "logprob_s": round(pick.get("logprob_s", 0.0), 4),
                "backward_s": round(pick.get("backward_s", 0.0), 4),
                "ms_per_layer": round(1000 * med / args.layers, 2), "reps_s": [round(t, 4) for t, _ in times]}
         log(f"  {fmt} {name}: {med:.3f} s ({row['ms_per_layer']} ms per layer) reps {row['reps_s']}")
         return row
+
+
+@contextlib.contextmanager
+def _all_checkpointed_after(plan, policy):
+    try:
+        yield
+    finally:
+        plan.free_layers = 0
+        plan.apply(policy)
 
 
 def _profiler(args, fmt: str, name: str):

@@ -274,11 +274,12 @@ def test_bench_train_phase_runs_on_a_cpu_and_refuses_unknown_switches(tmp_path):
     out = tmp_path / "t.json"
     cmd = [sys.executable, "benchmarks/bench_train_phase.py", "--device", "cpu", "--model", "tiny-llama", "--layers", "2",
            "--prompt-len", "6", "--completion", "6", "--micro-batch", "2", "--rows", "2", "--rank", "4", "--reps", "1",
-           "--formats", "nvfp4", "--variants", "stock", "fused", "nonorm,nologp", "--out", str(out)]
+           "--formats", "nvfp4", "--variants", "stock", "fused", "nonorm,nologp", "default,free1", "free", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["variant"] for r in rows] == ["stock", "fused", "nonorm,nologp"]
+    assert [r["variant"] for r in rows] == ["stock", "fused", "nonorm,nologp", "default,free1", "free"]
     assert all(r["train_s"] > 0 and r["tokens"] == 24 and "x_stock" in r for r in rows)
-    bad = subprocess.run(cmd[:-6] + ["--variants", "nofoo"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert [r["uncheckpointed_layers"] for r in rows] == [0, 0, 0, 1, 2]  # free<N>: the last N of the 2 layers
+    bad = subprocess.run(cmd[:-8] + ["--variants", "nofoo"], cwd=root, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "unknown variant part 'nofoo'" in bad.stderr
