@@ -838,7 +838,9 @@ def _optimise_steps(
                 num_sequences=num_seqs, num_tokens=num_tokens,
             )
             _finite_or_raise(loss.detach(), "loss", step)
-            with timer("backward_s"):
+            # checkpointed layers recompute their forward in here: under the same AQN noise as the
+            # forward (place "both"), or the recomputed activations differ from the forward's
+            with timer("backward_s"), aqn.applied(noise_in_training):
                 loss.backward()
             loss_sum += float(loss.detach())
             for k in tot:
