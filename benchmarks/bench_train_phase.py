@@ -91,25 +91,13 @@ def _free_layers(part: str) -> int | None:
     return int(part[4:]) if part.startswith("free") and part[4:].isdigit() else None
 
 
-def random_batch(rows: int, prompt_len: int, completion: int, vocab: int, seed: int):
-    from qerl.rl.rollout import RolloutBatch
-
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, vocab, (1, prompt_len), generator=g)
-    comp = torch.randint(0, vocab, (rows, completion), generator=g)
-    return RolloutBatch(
-        prompt_ids=prompts, prompt_mask=torch.ones_like(prompts), prompt_index=torch.zeros(rows, dtype=torch.long),
-        completion_ids=comp, completion_mask=torch.ones_like(comp), logprobs=torch.full((rows, completion), -3.0),
-        entropies=torch.zeros(rows, completion), finished=torch.zeros(rows, dtype=torch.bool),
-    )
-
-
 def run_format(args, fmt: str) -> list[dict]:
     from qerl import model as qmodel
     from qerl.build import build_model
     from qerl.nn.aqn import AdaptiveQuantNoise, AQNSettings
     from qerl.nn.lora import LoraSettings
     from qerl.rl.grpo import GRPOSettings
+    from qerl.rl.rollout import RolloutBatch
     from qerl.rl.trainer import make_optimizer, prepare_policy
 
     device = torch.device(args.device)
@@ -130,7 +118,7 @@ def run_format(args, fmt: str) -> list[dict]:
     optimizer, scheduler = make_optimizer(policy, settings)
     aqn = AdaptiveQuantNoise(policy, AQNSettings(enabled=False), total_steps=1000)
     vocab = min(int(model.config.vocab_size), 150000)
-    batch = random_batch(args.rows, args.prompt_len, args.completion, vocab, seed=1)
+    batch = RolloutBatch.random(args.rows, args.prompt_len, args.completion, vocab, seed=1)
     adv = torch.linspace(-1.0, 1.0, args.rows)
     rows = []
     for name in args.variants:

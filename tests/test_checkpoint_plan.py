@@ -14,7 +14,9 @@ import torch
 GB = 10**9
 
 
-def _policy(tiny_model, layers=2):
+def _policy(tiny_model, layers=2, checkpointing=True):
+    """The tiny Llama (cut or grown to `layers`) as the trainer prepares it: LoRA r4 (B drawn, so the
+    adapters matter; the same draw every call), float32, in train mode; with its GRPOSettings."""
     from qerl.nn.lora import LoraSettings
     from qerl.rl.grpo import GRPOSettings
     from qerl.rl.trainer import prepare_policy
@@ -30,11 +32,38 @@ def _policy(tiny_model, layers=2):
             model = LlamaForCausalLM(cfg).float()
     for p in model.parameters():
         p.requires_grad_(False)
-    settings = GRPOSettings(gradient_checkpointing=True, per_device_train_batch_size=2, num_generations=2,
+    settings = GRPOSettings(gradient_checkpointing=checkpointing, per_device_train_batch_size=2, num_generations=2,
                             bf16_autocast=False)
-    policy = prepare_policy(model, settings, LoraSettings(r=4, lora_alpha=8))
+    with torch.random.fork_rng():
+        torch.manual_seed(2)
+        policy = prepare_policy(model, settings, LoraSettings(r=4, lora_alpha=8))
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)
     policy.train()
     return policy, settings
+
+
+def _adapter_grads(policy, settings, aqn=None, noise_in_training=False, plan=None):
+    """(loss, {name: gradient}) of one optimise_planned call on two random rows of a 6-token prompt
+    + 5 tokens, at learning rate 0 (so repeated calls see the same weights); the gradients as the
+    optimiser met them."""
+    from qerl.nn.aqn import AdaptiveQuantNoise, AQNSettings
+    from qerl.rl.rollout import RolloutBatch
+    from qerl.rl.trainer import make_optimizer, optimise_planned
+
+    batch = RolloutBatch.random(2, 6, 5, policy.config.vocab_size, seed=1, logprob=0.0)
+    parts = [(batch, torch.tensor([0.0, 1.0]), torch.tensor([-1.0, 1.0]))]
+    settings = settings.model_copy(update={"learning_rate": 0.0})
+    aqn = aqn or AdaptiveQuantNoise(policy, AQNSettings(enabled=False), total_steps=1)
+    optimizer, scheduler = make_optimizer(policy, settings)
+    captured = {}
+    optimizer.register_step_pre_hook(lambda opt, *_: captured.update(
+        {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}))
+    stats = optimise_planned(policy, parts, settings, optimizer, scheduler, aqn, noise_in_training, False, 1, None,
+                             None, plan)
+    return stats["loss"], captured
 
 
 def test_probe_counts_one_layers_saved_activations_per_token(tiny_model):
@@ -132,41 +161,17 @@ def test_rollout_plan_projects_the_next_peak_without_the_planned_layers():
 def test_training_with_uncheckpointed_layers_gives_the_same_gradients(tiny_model):
     """optimise on one micro-batch with every layer checkpointed and with one layer not: the same
     loss and adapter gradients (the recomputation gives what the forward kept)."""
-    from qerl.nn.aqn import AdaptiveQuantNoise, AQNSettings
     from qerl.rl.memory_plan import CheckpointPlan
-    from qerl.rl.rollout import RolloutBatch
-    from qerl.rl.trainer import make_optimizer, optimise_planned
 
     policy, settings = _policy(tiny_model)
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, policy.config.vocab_size, (1, 6), generator=g)
-    comp = torch.randint(0, policy.config.vocab_size, (2, 5), generator=g)
-    batch = RolloutBatch(prompt, torch.ones_like(prompt), torch.zeros(2, dtype=torch.long), comp, torch.ones_like(comp),
-                         torch.zeros(2, 5), torch.zeros(2, 5), torch.zeros(2, dtype=torch.bool))
-    parts = [(batch, torch.tensor([0.0, 1.0]), torch.tensor([-1.0, 1.0]))]
-    settings = settings.model_copy(update={"learning_rate": 0.0})  # no update: both runs see the same weights
     grads = []
     for free in (0, 1):
         plan = CheckpointPlan("auto", torch.device("cpu"))
         plan.free_layers = free
-        optimizer, scheduler = make_optimizer(policy, settings)
-        captured = {}
-
-        def keep(opt, *_):
-            captured.update({n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None})
-
-        handle = optimizer.register_step_pre_hook(keep)
-        stats = optimise_planned(policy, parts, settings, optimizer, scheduler,
-                                 AdaptiveQuantNoise(policy, AQNSettings(enabled=False), total_steps=1), False, False, 1,
-                                 None, None, plan)
-        handle.remove()
+        loss, captured = _adapter_grads(policy, settings, plan=plan)
         assert plan.applied == free
         assert [layer.gradient_checkpointing for layer in policy.base_model.model.model.layers] == [True, not free]
-        grads.append((stats["loss"], captured))
+        grads.append((loss, captured))
     (l0, g0), (l1, g1) = grads
     assert len(g0) > 0 and g0.keys() == g1.keys()
     assert l0 == pytest.approx(l1, rel=1e-6, abs=1e-7)
@@ -231,41 +236,14 @@ def test_checkpointing_gives_the_gradients_of_no_checkpointing_under_aqn(tiny_mo
     backward must run under the same noisy norms as the forward: the adapter gradients equal those of
     a run without checkpointing (a large sigma makes a miss obvious: 9% off before the fix)."""
     from qerl.nn.aqn import AdaptiveQuantNoise, AQNSettings
-    from qerl.nn.lora import LoraSettings
-    from qerl.rl.grpo import GRPOSettings
-    from qerl.rl.rollout import RolloutBatch
-    from qerl.rl.trainer import make_optimizer, optimise, prepare_policy
 
-    vocab = tiny_model.config.vocab_size
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, vocab, (1, 6), generator=g)
-    comp = torch.randint(0, vocab, (2, 5), generator=g)
-    batch = RolloutBatch(prompt, torch.ones_like(prompt), torch.zeros(2, dtype=torch.long), comp, torch.ones_like(comp),
-                         torch.zeros(2, 5), torch.zeros(2, 5), torch.zeros(2, dtype=torch.bool))
-    parts = [(batch, torch.tensor([0.0, 1.0]), torch.tensor([-1.0, 1.0]))]
     grads = []
     for checkpointing in (False, True):
-        settings = GRPOSettings(gradient_checkpointing=checkpointing, per_device_train_batch_size=2, num_generations=2,
-                                bf16_autocast=False).model_copy(update={"learning_rate": 0.0})
-        model = copy.deepcopy(tiny_model)
-        for p in model.parameters():
-            p.requires_grad_(False)
-        torch.manual_seed(2)
-        policy = prepare_policy(model, settings, LoraSettings(r=4, lora_alpha=8))
-        policy.train()
-        with torch.no_grad():
-            for name, p in policy.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.05)
+        policy, settings = _policy(tiny_model, checkpointing=checkpointing)
         aqn = AdaptiveQuantNoise(policy, AQNSettings(enabled=True, place=place, sigma_start=0.05, sigma_end=0.05),
                                  total_steps=10)
         assert aqn.resample(5) == 0.05
-        optimizer, scheduler = make_optimizer(policy, settings)
-        captured = {}
-        optimizer.register_step_pre_hook(lambda opt, *_: captured.update(
-            {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}))
-        optimise(policy, parts, settings, optimizer, scheduler, aqn, place == "both", False, 1, None)
-        grads.append(captured)
+        grads.append(_adapter_grads(policy, settings, aqn, place == "both")[1])
     g0, g1 = grads
     assert len(g0) > 0 and g0.keys() == g1.keys()
     for k in g0:

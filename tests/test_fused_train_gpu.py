@@ -162,11 +162,7 @@ def test_policy_logprobs_and_lora_grads_with_fused_ops(fmt, qwen3b_policy):
     for name, p in policy.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
-    g = torch.Generator().manual_seed(5)
-    prompt = torch.randint(0, 150000, (1, 64), generator=g)
-    comp = torch.randint(0, 150000, (4, 96), generator=g)
-    batch = RolloutBatch(prompt, torch.ones_like(prompt), torch.zeros(4, dtype=torch.long), comp,
-                         torch.ones_like(comp), torch.zeros(4, 96), torch.zeros(4, 96), torch.zeros(4, dtype=torch.bool))
+    batch = RolloutBatch.random(4, 64, 96, 150000, seed=5, logprob=0.0)
     policy.train()
 
     rope_default = fused_train.ENABLED_ROPE

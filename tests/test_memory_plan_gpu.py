@@ -27,11 +27,7 @@ def test_probe_matches_the_allocator(fmt, qwen3b_policy):
     per_token = layer_bytes_per_token(policy, context)
     layers = decoder_layers(policy)
 
-    g = torch.Generator().manual_seed(5)
-    prompt = torch.randint(0, 150000, (1, 256), generator=g)
-    comp = torch.randint(0, 150000, (4, 768), generator=g)
-    batch = RolloutBatch(prompt, torch.ones_like(prompt), torch.zeros(4, dtype=torch.long), comp,
-                         torch.ones_like(comp), torch.zeros(4, 768), torch.zeros(4, 768), torch.zeros(4, dtype=torch.bool))
+    batch = RolloutBatch.random(4, 256, 768, 150000, seed=5, logprob=0.0)
     tokens = 4 * (256 + 768)
 
     def held(checkpointed: bool) -> int:

@@ -37,13 +37,17 @@ import torch
 HEADROOM = 0.10
 
 
+def grown_peak(base: int, train_peak: int, length_ratio: float = 1.0) -> float:
+    """A training phase's peak from `base` with its increment grown by `length_ratio` (never shrunk)."""
+    return base + max(0, train_peak - base) * max(1.0, float(length_ratio))
+
+
 def fits_with_rollout_memory(base: int, train_peak: int, held: int, total: int, length_ratio: float = 1.0,
                              headroom: float = HEADROOM) -> bool:
     """True when a training phase that peaked at `train_peak` bytes from `base` would, with `held`
     more bytes kept and its activations grown by `length_ratio` (>= 1), stay under (1 - headroom)
     of `total`."""
-    grown = base + max(0, train_peak - base) * max(1.0, float(length_ratio))
-    return grown + max(0, held) <= (1.0 - headroom) * total
+    return grown_peak(base, train_peak, length_ratio) + max(0, held) <= (1.0 - headroom) * total
 
 
 class _CudaMemory:
@@ -124,10 +128,10 @@ class RolloutMemoryPlan:
         if self.setting == "auto" and not self._gave_up:
             self.keeping = fits_with_rollout_memory(self._base, peak, self._held, self.memory.total, ratio,
                                                     self.headroom)
-        # the next step's peak: the increment grown as the bound grows it, plus what keeping holds
-        # (inside base already when this step kept)
-        grown = self._base + max(0, peak - self._base) * max(1.0, float(ratio))
-        self.projected = int(grown + (self._held if self.keeping and self.released else 0))
+        # the next step's peak, grown as the bound grows it, plus what keeping holds (inside base
+        # already when this step kept)
+        held = self._held if self.keeping and self.released else 0
+        self.projected = int(grown_peak(self._base, peak, ratio) + held)
 
     def free_after_oom(self, model) -> bool:
         """After the training phase ran out of memory: under "auto", if this step kept the

@@ -85,6 +85,19 @@ class RolloutBatch:
     def lengths(self) -> torch.Tensor:
         return self.completion_mask.sum(-1)
 
+    @classmethod
+    def random(cls, rows: int, prompt_len: int, completion: int, vocab: int, seed: int = 0,
+               logprob: float = -3.0) -> "RolloutBatch":
+        """`rows` completions of `completion` random token ids after one prompt of `prompt_len`, every
+        token real and none finished, rollout log-probs `logprob`: what the training phase needs
+        without sampling anything (its benchmarks and tests)."""
+        g = torch.Generator().manual_seed(seed)
+        prompt = torch.randint(0, vocab, (1, prompt_len), generator=g)
+        comp = torch.randint(0, vocab, (rows, completion), generator=g)
+        return cls(prompt, torch.ones_like(prompt), torch.zeros(rows, dtype=torch.long), comp, torch.ones_like(comp),
+                   torch.full((rows, completion), float(logprob)), torch.zeros(rows, completion),
+                   torch.zeros(rows, dtype=torch.bool))
+
     def select(self, rows: torch.Tensor | Sequence[int]) -> "RolloutBatch":
         """The sub-batch of `rows` (prompts are kept whole; prompt_index still points into them)."""
         rows = torch.as_tensor(rows, dtype=torch.long)
