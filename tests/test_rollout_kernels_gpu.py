@@ -437,3 +437,27 @@ def test_kept_graphs_replay_updated_adapters_and_norms(fmt):
     assert not torch.equal(kept.completion_ids, before.completion_ids)  # the updates reached the rollout
     assert torch.equal(kept.completion_ids, fresh.completion_ids)
     assert torch.equal(kept.logprobs, fresh.logprobs)
+
+
+def test_eager_rollouts_repeat_beside_other_processes():
+    """The decode chain's reads before the PDL wait (decode_ops.PDL): the small nvfp4 model's rollouts,
+    eager and graphed, run twice each in six processes at once on the GPU
+    (benchmarks/diag_prefill_graph.py), must repeat bit for bit. With the step's first kernel launched
+    under PDL the attention read a stale slot: two identical eager runs differed in 31 of 64
+    repetitions with eight processes (none alone)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "diag_prefill_graph.py"), "--reps", "3"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root) for _ in range(6)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-2000:]
+        results += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    differ = [r for r in results if r.get("differ")]
+    assert sum(1 for r in results if "rep" in r) == 18
+    assert not differ, differ[:3]

@@ -124,11 +124,21 @@ def _on_gpu(t: torch.Tensor, op: str) -> bool:
 
 # Programmatic dependent launch (Hopper and later): every kernel here (and the sampling kernels)
 # lets the next kernel in the stream launch as soon as all its programs run, and waits for the
-# previous kernel to finish (griddepcontrol.wait) before it reads or writes anything; so launch
-# latency and the next kernel's prologue hide behind this one's tail. The rollout engine turns
-# it on for issue 4's 4-bit kernels too during decode (they also load their first weights before
-# the wait). Every kernel waits before touching memory, so a chain stays ordered whatever its
-# members; bench_rollout.py --check compares rollouts with and without it token for token.
+# previous kernel to finish (griddepcontrol.wait) before it reads the previous kernels' outputs or
+# writes anything; so launch latency and the next kernel's prologue hide behind this one's tail.
+# The rollout engine turns it on for issue 4's 4-bit kernels too during decode.
+# What a kernel may read before its wait: the wait only orders it after the kernel just before it,
+# and every kernel of a chain triggers its successor at its start, so before the wait any earlier
+# kernel of the chain may still be running. Reads before the wait are therefore limited to data no
+# kernel of the current decode step writes: weights, scales, norm weights (AQN rewrites them between
+# rollouts), LoRA A; and the decode state the previous step left: slot and positions (attention,
+# POS / ROPE), the K / V of earlier slots (ATTN_PREFETCH). That holds because each decode step's
+# first kernel (embed_rms_norm, or a torch op) is launched without PDL, so it starts only once
+# everything before it finished; a graphed step starts after the previous replay anyway. Session
+# 35 found the eager engine (no graphs) reading a stale slot when the step's first kernel was a PDL
+# launch: two identical eager runs differed in 31 of 64 repetitions beside 7 other processes on
+# the GPU (0 of 8 alone; benchmarks/NOTES_rollout.md section 30).
+# bench_rollout.py --check compares rollouts with and without PDL token for token.
 # Measured (H100, 7B / 14B nvfp4 batch 1): +6% / +7% tokens/s. QERL_ROLLOUT_PDL=0 turns it off.
 PDL = os.environ.get("QERL_ROLLOUT_PDL", "1") == "1" and os.environ.get("TRITON_INTERPRET") != "1"
 
@@ -309,7 +319,8 @@ def _triton_kernels():
             crow = b
         if PREFETCH:  # (ATTN_PREFETCH) the chunk's first K / V block read before the wait: every
             # slot but `slot` (written in this step: by the RoPE kernel, or with ROPE below) was
-            # final before this step began
+            # final before this step began (its first kernel starts the PDL chain: decode_ops.PDL),
+            # as are slot and pos above
             n = start + tl.arange(0, BLOCK)
             old = (n < stop) & (n != slot)
             k_pre = tl.load(k_ptr + b * kc_b + h * kc_h + n[:, None] * kc_l + d[None, :], mask=old[:, None], other=0.0)
@@ -476,10 +487,12 @@ def add_rms_norm(delta, h, weight, eps, extra=None):
 
 def embed_rms_norm(ids, table, weight, eps):
     """(table[ids], RMSNorm(table[ids]) * weight): the embedding lookup of the decode step's tokens
-    inside the first norm's launch (no gather kernel of its own)."""
+    inside the first norm's launch (no gather kernel of its own). It is the step's first kernel, so
+    it starts the step's PDL chain: launched without PDL, it waits for everything before it
+    (decode_ops.PDL)."""
     if not _on_gpu(table, "norm") or table.dtype != weight.dtype or not table.is_contiguous():
         return add_rms_norm_reference(None, torch.nn.functional.embedding(ids, table), weight, eps)
-    return add_rms_norm_triton(None, table, weight, eps, ids=ids)
+    return add_rms_norm_triton(None, table, weight, eps, ids=ids, chain_start=True)
 
 
 def rotary_rows(x, cos, sin):
@@ -683,9 +696,11 @@ def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: 
     return out
 
 
-def add_rms_norm_triton(delta, h, weight, eps, extra=None, ids=None):
+def add_rms_norm_triton(delta, h, weight, eps, extra=None, ids=None, chain_start=False):
     """add_rms_norm's kernel; with `ids` (long [B]) h is the embedding table and row b is its
-    row ids[b] (embed_rms_norm): returns (those rows, their norm)."""
+    row ids[b] (embed_rms_norm): returns (those rows, their norm). chain_start: launched without
+    the PDL attribute (the first kernel of a decode step: it starts once everything before it has
+    finished), while still letting the next kernel launch early."""
     kern = _triton_kernels()[0]
     n = h.shape[-1]
     h2 = h.reshape(-1, n).contiguous()
@@ -695,10 +710,11 @@ def add_rms_norm_triton(delta, h, weight, eps, extra=None, ids=None):
     h_out = torch.empty(rows, n, dtype=h2.dtype, device=h2.device) if delta is not None or ids is not None else h2
     x_out = torch.empty_like(h_out)
     block = _next_pow2(n)
+    pdl = pdl_on(h2)  # chain_start: still triggers its successor early; nothing for its wait to wait on
     kern[(rows,)](d2, e2, h2, weight, h_out, x_out, n, float(eps), ids if ids is not None else h2,
                   HAS_DELTA=delta is not None, HAS_EXTRA=delta is not None and extra is not None,
-                  BLOCK=block, num_warps=min(16, max(1, block // 256)), PDL=pdl_on(h2), W_EARLY=NORM_W_EARLY,
-                  HAS_IDS=ids is not None, launch_pdl=pdl_on(h2))
+                  BLOCK=block, num_warps=min(16, max(1, block // 256)), PDL=pdl, W_EARLY=NORM_W_EARLY,
+                  HAS_IDS=ids is not None, launch_pdl=pdl and not chain_start)
     if ids is not None:
         return h_out, x_out
     return h_out.view(h.shape), x_out.view(h.shape)
