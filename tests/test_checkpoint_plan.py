@@ -97,7 +97,7 @@ class _Memory:
 def test_plan_turns_the_memory_left_into_uncheckpointed_layers(tiny_model):
     from types import SimpleNamespace
 
-    from qerl.rl.memory_plan import CheckpointPlan
+    from qerl.rl.memory_plan import PROBE_CREDIT, CheckpointPlan
 
     policy, _ = _policy(tiny_model, layers=4)
     probes = []
@@ -113,7 +113,7 @@ def test_plan_turns_the_memory_left_into_uncheckpointed_layers(tiny_model):
     assert plan.free_layers == 2
     plan.apply(policy)
     assert [layer.gradient_checkpointing for layer in policy.base_model.model.model.layers] == [True, True, False, False]
-    assert plan.applied == 2 and plan.applied_bytes(rows=8, trained_len=1_000_000) == 2 * 1000 * 8 * 1_000_000
+    assert plan.applied == 2 and plan.applied_bytes(rows=8, trained_len=1_000_000) == int(PROBE_CREDIT * 2 * 1000 * 8 * 1_000_000)
     # capped at the model's layers; the probe ran once
     plan.after_training(policy, SimpleNamespace(projected=1 * GB), rows=1, max_len=10, probe=probe)
     assert plan.free_layers == 4 and len(probes) == 1
