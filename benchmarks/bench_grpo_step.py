@@ -454,9 +454,10 @@ def main(argv=None) -> None:
                          "never (keep), or once measured training leaves room, keep them (auto, the trainer's default)")
     ap.add_argument("--gradient-checkpointing", choices=["on", "off"], default="on",
                     help="GRPOSettings.gradient_checkpointing; off also shares each group's prompt in training, as train() does")
-    ap.add_argument("--checkpoint-layers", choices=["all", "auto"], default="all",
-                    help="GRPOSettings.checkpoint_layers: every decoder layer recomputes in the backward (all), or the "
-                         "layers that fit in the memory a measured step leaves free keep their activations (auto)")
+    ap.add_argument("--checkpoint-layers", choices=["all", "auto"], default="auto",
+                    help="GRPOSettings.checkpoint_layers: every decoder layer recomputes in the backward (all: the smallest "
+                         "peak, what the 32B memory goal is measured with), or the layers that fit in the memory a measured "
+                         "step leaves free keep their activations (auto, the trainer's default)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--time-budget-s", type=float, default=540)
     ap.add_argument("--min-config-s", type=float, default=20, help="start no configuration with less of the budget left")

@@ -227,7 +227,6 @@ def test_bench_grpo_step_runs_on_a_tiny_model(tmp_path, checkpointing):
            "--models", "tiny-llama", "--formats", "bf16", "nvfp4", "--batches", "1", "--generations", "2",
            "--prompt-len", "8", "--completion", "6", "--rank", "4", "--micro-batch", "1", "--chunk-tokens", "4",
            "--steps", "2", "--out-dir", str(tmp_path), "--gradient-checkpointing", checkpointing]
-    cmd += ["--checkpoint-layers", "auto"] * (checkpointing == "on")  # a CPU plans none: every layer checkpointed
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     memory = json.loads((tmp_path / "memory.json").read_text())
@@ -243,7 +242,8 @@ def test_bench_grpo_step_runs_on_a_tiny_model(tmp_path, checkpointing):
         assert r["aqn"] == (r["format"] == "nvfp4") and "warmup_step_s" in r
         # without checkpointing the training forwards share each group's prompt, as train() does
         assert (r["gradient_checkpointing"], r["share_prompt"]) == ((True, False) if checkpointing == "on" else (False, True))
-        assert (r["checkpoint_layers"], r["uncheckpointed_layers"]) == ("auto" if checkpointing == "on" else "all", 0)
+        # "auto", the default: a CPU plans no free layer, every layer checkpointed (when checkpointing is on)
+        assert (r["checkpoint_layers"], r["uncheckpointed_layers"]) == ("auto", 0)
     rows = {r["format"]: r for r in steps["rows"]}
     assert set(rows["nvfp4"]) >= {"model", "format", "batch", "step_s", "bf16_step_s", "speedup"}
     assert rows["nvfp4"]["bf16_step_s"] == rows["bf16"]["step_s"]

@@ -115,8 +115,10 @@ class GRPOSettings(BaseModel):
     # with gradient_checkpointing, which decoder layers recompute their forward in the backward:
     # "all" (the smallest peak); "auto": the last layers that fit in the memory a measured step leaves
     # free (under 90% of the GPU, beside the rollout plan's KV cache) keep their activations instead,
-    # so the backward skips their recomputation (qerl/rl/memory_plan.py CheckpointPlan; a GPU only)
-    checkpoint_layers: Literal["all", "auto"] = "all"
+    # so the backward skips their recomputation (qerl/rl/memory_plan.py CheckpointPlan; a GPU only:
+    # elsewhere "auto" checkpoints every layer). Default since session 35: GRPO steps on an H100 gained
+    # in both formats at 7B / 14B batch 2, 4, 8 (benchmarks/RESULTS.md)
+    checkpoint_layers: Literal["all", "auto"] = "auto"
     # the lm_head + log-softmax of the training forward run this many tokens at a time, each chunk
     # recomputed in the backward pass, so [tokens x vocab] logits never exist whole (0: all at once)
     logprob_chunk_tokens: int = Field(1024, ge=0)
