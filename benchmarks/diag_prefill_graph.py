@@ -2,6 +2,8 @@
 nvfp4 model differ (tests/test_rollout_kernels_gpu.py::test_engine_prefill_graph_replays_the_eager_prefill
 failed once under `-n 8`), and where. Repeats the test's body; also runs the eager engine twice and
 the graphed engine twice, so a difference is placed in the eager path, the graphed path or between them.
+Run several at once to give the GPU other work (benchmarks/NOTES_rollout.md section 30);
+tests/test_rollout_kernels_gpu.py::test_eager_rollouts_repeat_beside_other_processes runs six.
 
     python benchmarks/diag_prefill_graph.py --reps 10 [--fmt nvfp4]
 """
