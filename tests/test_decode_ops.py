@@ -218,3 +218,30 @@ def test_attention_short_buckets(monkeypatch):
     assert ops.attention_prefetch(32, 512) is False
     monkeypatch.setattr(ops, "ATTN_PREFETCH", True)  # forced (QERL_ATTN_PREFETCH=1)
     assert ops.attention_prefetch(64, 4096) is True
+
+
+def test_the_decode_step_starts_its_pdl_chain(monkeypatch):
+    """decode_ops.PDL: the decode step's first kernel (embed_rms_norm) is launched without the PDL
+    attribute, so the state the attention reads before its wait (slot, positions) is final; a norm
+    inside the step keeps it. Both kernels still trigger their successor early (PDL=True inside).
+    The launch arguments are recorded with PDL forced on (the GPU test
+    test_eager_rollouts_repeat_beside_other_processes checks the effect)."""
+    launches = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append({k: kw[k] for k in ("PDL", "launch_pdl", "HAS_IDS")})
+
+    monkeypatch.setattr(ops, "_triton_kernels", lambda: (Kernel(),))
+    monkeypatch.setattr(ops, "pdl_on", lambda t: True)
+    table, w = torch.randn(10, 8), torch.rand(8)
+    ops.add_rms_norm_triton(None, table, w, 1e-6, ids=torch.tensor([1, 2]), chain_start=True)
+    ops.add_rms_norm_triton(torch.randn(2, 8), torch.randn(2, 8), w, 1e-6)
+    assert launches == [{"PDL": True, "launch_pdl": False, "HAS_IDS": True},
+                        {"PDL": True, "launch_pdl": True, "HAS_IDS": False}]
+    # embed_rms_norm asks for it (on a GPU it takes the kernel; here it is checked by its call)
+    calls = []
+    monkeypatch.setattr(ops, "_on_gpu", lambda t, op: True)
+    monkeypatch.setattr(ops, "add_rms_norm_triton", lambda *a, **kw: calls.append(kw))
+    ops.embed_rms_norm(torch.tensor([1]), table, w, 1e-6)
+    assert calls == [{"ids": calls[0]["ids"], "chain_start": True}]
