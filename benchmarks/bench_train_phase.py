@@ -147,9 +147,7 @@ def _time_variant(args, fmt, name, policy, settings, optimizer, scheduler, aqn, 
     from qerl.rl.trainer import PhaseTimer, optimise
 
     plan = CheckpointPlan("auto", device)
-    plan.free_layers = max([_free_layers(p) or 0 for p in name.split(",")])
-    plan.apply(policy)
-    with variant(name), _all_checkpointed_after(plan, policy):
+    with variant(name), _layers_free(plan, policy, max([_free_layers(p) or 0 for p in name.split(",")])):
         times = []
         for rep in range(args.warmup + args.reps):
             timer = PhaseTimer(device)
@@ -175,7 +173,10 @@ def _time_variant(args, fmt, name, policy, settings, optimizer, scheduler, aqn, 
 
 
 @contextlib.contextmanager
-def _all_checkpointed_after(plan, policy):
+def _layers_free(plan, policy, n: int):
+    """The last n decoder layers without checkpointing inside; every layer checkpointed again after."""
+    plan.free_layers = n
+    plan.apply(policy)
     try:
         yield
     finally:

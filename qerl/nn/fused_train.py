@@ -36,7 +36,7 @@ ENABLED_LORA_ADD = True
 ENABLED_LORA = True  # the LoRA update's expand + add in one Triton pass (qerl.nn.lora.add_lora)
 ENABLED_LOGP = True  # the training log-probs' log-softmax + gather in one pass (qerl.rl.rollout)
 # RoPE on q and k in one pass each (rope_patched), bf16 bit for bit as Hugging Face's: timed in session
-# 34 (training phase x1.06 bf16 / x1.03 nvfp4 at 14B, 6 layers; NOTES_grpo.md section 19), so on;
+# 34 (training phase x1.067 bf16 / x1.058 nvfp4 at 14B, 6 layers; NOTES_grpo.md section 19), so on;
 # QERL_FUSED_ROPE=0 turns it off
 ENABLED_ROPE = os.environ.get("QERL_FUSED_ROPE", "1") == "1"
 
