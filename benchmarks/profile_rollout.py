@@ -1,12 +1,17 @@
 """Where a decode step of the rollout engine spends its time (CUDA GPU).
 
-    python benchmarks/profile_rollout.py --model qwen2.5-7b --formats bf16 nvfp4 --batches 1 8 [--lora 16] --out prof.json
+    python benchmarks/profile_rollout.py --model qwen2.5-7b --formats bf16 nvfp4 --batches 1 8 [--lora 16] \
+        [--keys 1280] --out prof.json
 
-For each format and batch: the engine's CUDA-graph step time (median of 64 replays, taken from
-a 512-token generate), then torch.profiler over 16 eager steps: the GPU time of every kernel,
-grouped by kind (4-bit / cuBLAS GEMMs, attention, the decode_ops kernels, sampling, ...). The
-sum of kernel times against the graph's step time is what the step loses between kernels.
-Random-initialised weights (honest for speed).
+For each format and batch: the engine's CUDA-graph step time at --keys keys of KV cache (the
+graph of that key bucket, median of 64 replays, taken from a generate long enough to reach it;
+1280 is the mean length of an issue-9 rollout, 256-token prompts and 2048 new tokens), then
+torch.profiler over 16 eager steps: the GPU time of every kernel, grouped by kind (4-bit / cuBLAS
+GEMMs, attention, the decode_ops kernels, sampling, ...). Without PDL (--no-pdl) and LoRA, the sum
+of kernel times against the graph's step time is what the step loses between kernels; with PDL a
+kernel's time includes its wait for the one before it, and LoRA's kernels run beside the base
+products on a side stream, so the sum then exceeds the step. Random-initialised weights (honest
+for speed).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from qerl.rollout.engine import RolloutEngine  # noqa: E402
 
 KINDS = [  # (kind, regex on the kernel name), first match wins
     ("attention", r"attn_partial|attn_combine|fmha|sdpa|flash|attention"),
-    ("4-bit GEMM", r"w4a16|gluon_gemv|_gemv_kernel|wgmma|wsmma|nf4_dequant"),
+    ("4-bit GEMM", r"w4a16|gluon_gemv|_gemv_kernel|wgmma|wsmma|_rwg_kernel|nf4_dequant"),
     ("cuBLAS GEMM", r"nvjet|gemm|splitK|cutlass|xmma"),
     ("norm/rope/silu", r"add_rms_norm|rope_cache|silu_mul"),
     ("LoRA", r"lora_shrink|lora_expand"),
@@ -46,8 +51,8 @@ def kind_of(name: str) -> str:
 
 
 def rewind(engine: RolloutEngine, rows: int, keys: int = 512) -> None:
-    """Put the decode state back inside the (keys - 255)..keys bucket (timed replays advance it):
-    slot keys - 212 of 256-token prompts (300 for the 512-key bucket)."""
+    """Put the decode state back at slot keys - 212 of 256-token prompts (timed replays advance it;
+    the `keys`-key graph and step read `keys` cache slots whatever the slot, so only its bound matters)."""
     engine._slot.fill_(keys - 212)
     engine._step.fill_(keys - 212 - 256)
     engine._pos[:rows].fill_(keys - 212)
@@ -130,6 +135,8 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=["bf16", "nvfp4"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--lora", type=int, default=0)
+    ap.add_argument("--keys", type=int, default=512,
+                    help="keys of KV cache the timed and profiled steps attend over (a multiple of 256, >= 512)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-pdl", dest="pdl", action="store_false", help="as bench_rollout.py --no-pdl")
     ap.add_argument("--prefill", action="store_true",
@@ -140,7 +147,10 @@ def main() -> None:
     from qerl.kernels import decode_ops
 
     decode_ops.PDL = decode_ops.PDL and a.pdl
-    settings = RolloutSettings(max_new_tokens=512, temperature=1.0, stop_ids=[10**9], pad_id=0)
+    if a.keys < 512 or a.keys % 256:
+        ap.error(f"--keys {a.keys}: a multiple of 256, at least 512")
+    # long enough that the generate's slots reach the --keys bucket from 256-token prompts
+    settings = RolloutSettings(max_new_tokens=max(512, a.keys - 240), temperature=1.0, stop_ids=[10**9], pad_id=0)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv), "rows": []}
     for fmt in a.formats:
         model = build(a.model, fmt)
@@ -148,17 +158,17 @@ def main() -> None:
             from qerl.nn.lora import LoraSettings, apply_lora
 
             model = apply_lora(model, LoraSettings(r=a.lora, lora_alpha=a.lora)).eval()
-        engine = RolloutEngine(model, max_batch=max(a.batches), max_len=768)
+        engine = RolloutEngine(model, max_batch=max(a.batches), max_len=a.keys + 256)
         for b in a.batches:
             prompts = [torch.randint(0, 150000, (256,)).tolist() for _ in range(b)]
             with torch.inference_mode():
-                _, step_ms = graph_step_ms(engine, prompts, settings)
+                _, step_ms = graph_step_ms(engine, prompts, settings, keys=a.keys)
                 from torch.profiler import ProfilerActivity, profile
 
-                rewind(engine, b)
+                rewind(engine, b, a.keys)
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(16):
-                        engine._decode_step(b, 512, (1.0, 0, 1.0))
+                        engine._decode_step(b, a.keys, (1.0, 0, 1.0))
                     torch.cuda.synchronize()
             per_kind: dict[str, float] = defaultdict(float)
             per_kernel: dict[str, list] = defaultdict(lambda: [0.0, 0])
