@@ -20,7 +20,8 @@ _SCRIPT = textwrap.dedent(
     from qerl.kernels import lora_ops as lo
     torch.manual_seed(int(__import__("os").environ.get("SEED", "0")))
     out = []
-    for m, k, sizes, rank in ((1, 200, [96], 16), (3, 384, [64, 32, 32], 16), (8, 1000, [160, 160], 32), (17, 300, [48, 80, 16], 8)):
+    for m, k, sizes, rank in ((1, 200, [96], 16), (3, 384, [64, 32, 32], 16), (8, 1000, [160, 160], 32), (17, 300, [48, 80, 16], 8),
+                            (40, 2400, [96, 32], 16)):
         n = sum(sizes)
         edges = [sum(sizes[:i + 1]) for i in range(len(sizes))]
         bounds = (edges[0] if len(sizes) > 1 else n, edges[1] if len(sizes) > 2 else n)
@@ -46,7 +47,7 @@ _SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize("seed", [0, 1])
 def test_lora_kernels_under_interpreter(seed):
     results = run_interpreted(_SCRIPT, seed)
-    assert len(results) == 4
+    assert len(results) == 5  # the last: 40 rows take 10 slices of 256 K (two 128-K chunks each)
     assert all(r[-2] <= 1e-5 for r in results), results
     assert all(r[-1] for r in results), results  # fused == two kernels, bit for bit
 
@@ -74,6 +75,16 @@ def test_shrink_splits_bound_the_partials():
     for k in (64, 896, 3584, 5120, 18944, 27648, 29568):
         bk, s = lora_ops.shrink_splits(k)
         assert bk >= 128 and bk & (bk - 1) == 0 and s <= 64 and (s - 1) * bk < k <= s * bk
+        for m in (1, 8, 16, 17, 32, 33, 64):
+            bk_m, s_m = lora_ops.shrink_splits(k, m)
+            # fewer slices with more rows (the reducing program's partials stay S x MP <= 1024 rows, or
+            # 8 slices), never more than the workspace sized by shrink_splits(k) holds
+            mp = max(16, 1 << (m - 1).bit_length())
+            assert s_m <= s and (s_m * mp <= lora_ops.SPLIT_PARTIAL_ROWS or s_m <= 8)
+            assert bk_m & (bk_m - 1) == 0 and (s_m - 1) * bk_m < k <= s_m * bk_m
+    assert lora_ops.shrink_splits(5120, 8) == lora_ops.shrink_splits(5120) == (128, 40)
+    assert lora_ops.shrink_splits(5120, 64) == (512, 10)
+    assert lora_ops.shrink_splits(13824, 32) == (512, 27)
 
 
 def test_workspace_too_small_for_the_split_is_refused():
