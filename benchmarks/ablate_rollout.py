@@ -36,6 +36,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   ap528 / ap1056 (attention programs to aim for), amb0 / amb2 / amb8 (key blocks per
                   attention program at most: off / 2 / 8, not ATTN_MAX_BLOCKS), ab16 / ab32 (attention key block),
                   br16 / br32 (LoRA shrink rows per program), lw8 (8 warps per shrink program),
+                  sprold (the LoRA shrink's K split as before session 36: MAX_SPLITS at every row count,
+                  lora_ops.SPLIT_PARTIAL_ROWS unbounded),
                   g:K1+K2:pPsS[wW][kK][x][q][t][z|y] (the Gluon GEMV for those group kinds, or "all",
                   planned for P programs per SM with an S-stage ring, W consumer warps, K slices per
                   row block forced, x loaded a step ahead, stream-K, split tail forced, x beside the
@@ -202,6 +204,7 @@ def _switches() -> dict:
         table[f"pf{d}"] = [(w4a16_gemv, "PF_DEPTH", d)]
     for n in (8, 16, 32, 64, 128, 256):
         table[f"s{n}"] = [(lora_ops, "MAX_SPLITS", n)]
+    table["sprold"] = [(lora_ops, "SPLIT_PARTIAL_ROWS", 1 << 30)]
     return table
 
 
