@@ -62,30 +62,29 @@ def _segments(bounds: tuple[int, int], n: int) -> list[tuple[int, int, int]]:
     return [(i, edges[i], edges[i + 1]) for i in range(3) if edges[i + 1] > edges[i]]
 
 
+def _pow2_at_least(n: int, floor: int = 16) -> int:
+    return max(floor, 1 << (int(n) - 1).bit_length())
+
+
+# The shrink splits K into at most MAX_SPLITS slices, and at most max(8, SPLIT_PARTIAL_ROWS // MP) of them
+# (MP: the rows padded to a power of two >= 16). The last program of each row block sums the S x MP x BR
+# fp32 partials alone, so that serial tail grows with the rows. 64 slices suit the 8-row decode step; at
+# 64 rows (issue 9's batch-8 GRPO rollouts) they made LoRA r32 cost 0.811 / 0.893 of the 14B / 7B step
+# (1280 keys), at most 8 or 16 slices 0.969-0.970 / 0.936-0.940 (H100, NOTES_rollout.md section 31).
+# 1024 keeps the bound at 64 up to 16 rows and gives 32 at 17-32 rows, 16 at 33-64 (K = 5120 at 64 rows:
+# 10 slices of 512).
 MAX_SPLITS = env_int("QERL_LORA_MAX_SPLITS", 64)
-# ... and at most SPLIT_PARTIAL_ROWS // MP of them (MP: the rows padded to a power of two >= 16; that bound never
-# below 8):
-# the last program of each row block sums S x MP x BR partials alone, so that serial tail grows with the rows.
-# 64 slices suit the 8-row decode step; at 64 rows (issue 9's batch-8 GRPO rollouts) they made LoRA r32 cost
-# 0.811 / 0.893 of the 14B / 7B step (1280 keys), and 8 or 16 slices 0.969-0.970 / 0.936-0.940 (H100,
-# NOTES_rollout.md section 31). 1024 keeps the bound at 64 up to 16 rows and gives 32 at 17-32 rows, 16 at 33-64
-# (K = 5120 at 64 rows: 10 slices of 512).
 SPLIT_PARTIAL_ROWS = 1024
 
 
 def shrink_splits(k: int, m: int = 1) -> tuple[int, int]:
     """(BK, S): the K-slice per shrink program (a power of two >= 128) and the number of slices for
-    `m` rows (<= MAX_SPLITS and <= max(8, SPLIT_PARTIAL_ROWS // MP); m = 1 gives the most, so a workspace
-    sized by it serves any rows)."""
+    `m` rows (the bounds above; m = 1 gives the most, so a workspace sized by it serves any rows)."""
     most = min(MAX_SPLITS, max(8, SPLIT_PARTIAL_ROWS // _pow2_at_least(m)))
     bk = 128
     while -(-k // bk) > most:
         bk *= 2
     return bk, -(-k // bk)
-
-
-def _pow2_at_least(n: int, floor: int = 16) -> int:
-    return max(floor, 1 << (int(n) - 1).bit_length())
 
 
 # LoRA rows per shrink program. The last program of each row block to arrive reduces S x M x
