@@ -37,7 +37,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   attention program at most: off / 2 / 8, not ATTN_MAX_BLOCKS), ab16 / ab32 (attention key block),
                   br16 / br32 (LoRA shrink rows per program), lw8 (8 warps per shrink program),
                   sprold (the LoRA shrink's K split as before session 36: MAX_SPLITS at every row count,
-                  lora_ops.SPLIT_PARTIAL_ROWS unbounded),
+                  lora_ops.SPLIT_PARTIAL_ROWS unbounded), sp1024 (session 36's split: SPLIT_PARTIAL_ROWS
+                  1024, i.e. 32 slices at 17-32 rows, 16 at 33-64),
                   g:K1+K2:pPsS[wW][kK][x][q][t][z|y] (the Gluon GEMV for those group kinds, or "all",
                   planned for P programs per SM with an S-stage ring, W consumer warps, K slices per
                   row block forced, x loaded a step ahead, stream-K, split tail forced, x beside the
@@ -205,6 +206,7 @@ def _switches() -> dict:
     for n in (8, 16, 32, 64, 128, 256):
         table[f"s{n}"] = [(lora_ops, "MAX_SPLITS", n)]
     table["sprold"] = [(lora_ops, "SPLIT_PARTIAL_ROWS", 1 << 30)]
+    table["sp1024"] = [(lora_ops, "SPLIT_PARTIAL_ROWS", 1024)]
     return table
 
 

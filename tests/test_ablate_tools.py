@@ -101,7 +101,9 @@ def test_lora_flags_restore(ablate):
         assert engine_mod.LORA_GEMV_PER_SM == 2 and lora_ops.FUSED is True
     with ablate.variant_of(engine, "lora@sprold"):
         assert lora_ops.shrink_splits(5120, 64) == lora_ops.shrink_splits(5120) == (128, 40)
-    assert lora_ops.shrink_splits(5120, 64) == (512, 10)
+    with ablate.variant_of(engine, "lora@sp1024"):
+        assert lora_ops.shrink_splits(5120, 32) == (256, 20) and lora_ops.shrink_splits(5120, 64) == (512, 10)
+    assert lora_ops.shrink_splits(5120, 64) == (1024, 5)
     with ablate.variant_of(engine, "lora@lsmk:qkv+o=2@lsmk:down=4"):
         assert engine_mod.LORA_GEMV_PER_SM_KIND == {"qkv": 2, "o": 2, "down": 4}
     assert (engine_mod.LORA_GEMV_PER_SM, lora_ops.FUSED, engine_mod.LORA_GEMV_PER_SM_KIND) == before

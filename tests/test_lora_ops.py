@@ -47,7 +47,7 @@ _SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize("seed", [0, 1])
 def test_lora_kernels_under_interpreter(seed):
     results = run_interpreted(_SCRIPT, seed)
-    assert len(results) == 5  # the last: 40 rows take 10 slices of 256 K (two 128-K chunks each)
+    assert len(results) == 5  # the last: 40 rows take 5 slices of 512 K (four 128-K chunks each)
     assert all(r[-2] <= 1e-5 for r in results), results
     assert all(r[-1] for r in results), results  # fused == two kernels, bit for bit
 
@@ -77,14 +77,20 @@ def test_shrink_splits_bound_the_partials():
         assert bk >= 128 and bk & (bk - 1) == 0 and s <= 64 and (s - 1) * bk < k <= s * bk
         for m in (1, 8, 16, 17, 32, 33, 64):
             bk_m, s_m = lora_ops.shrink_splits(k, m)
-            # fewer slices with more rows (the reducing program's partials stay S x MP <= 1024 rows, or
-            # 8 slices), never more than the workspace sized by shrink_splits(k) holds
+            # up to 16 rows the split of one row; above, fewer slices (the reducing program's partials
+            # stay S x MP <= 512 rows, or 8 slices), never more than the workspace sized by shrink_splits(k)
             mp = max(16, 1 << (m - 1).bit_length())
-            assert s_m <= s and (s_m * mp <= lora_ops.SPLIT_PARTIAL_ROWS or s_m <= 8)
+            assert s_m <= s
+            if m <= 16:
+                assert (bk_m, s_m) == (bk, s)
+            else:
+                assert s_m * mp <= lora_ops.SPLIT_PARTIAL_ROWS or s_m <= 8
             assert bk_m & (bk_m - 1) == 0 and (s_m - 1) * bk_m < k <= s_m * bk_m
     assert lora_ops.shrink_splits(5120, 8) == lora_ops.shrink_splits(5120) == (128, 40)
-    assert lora_ops.shrink_splits(5120, 64) == (512, 10)
-    assert lora_ops.shrink_splits(13824, 32) == (512, 27)
+    assert lora_ops.shrink_splits(5120, 16) == (128, 40)
+    assert lora_ops.shrink_splits(5120, 32) == (512, 10)
+    assert lora_ops.shrink_splits(5120, 64) == (1024, 5)
+    assert lora_ops.shrink_splits(13824, 32) == (1024, 14)
 
 
 def test_workspace_too_small_for_the_split_is_refused():

@@ -66,21 +66,23 @@ def _pow2_at_least(n: int, floor: int = 16) -> int:
     return max(floor, 1 << (int(n) - 1).bit_length())
 
 
-# The shrink splits K into at most MAX_SPLITS slices, and at most max(8, SPLIT_PARTIAL_ROWS // MP) of them
-# (MP: the rows padded to a power of two >= 16). The last program of each row block sums the S x MP x BR
-# fp32 partials alone, so that serial tail grows with the rows. 64 slices suit the 8-row decode step; at
-# 64 rows (issue 9's batch-8 GRPO rollouts) they made LoRA r32 cost 0.811 / 0.893 of the 14B / 7B step
-# (1280 keys), at most 8 or 16 slices 0.969-0.970 / 0.936-0.940 (H100, NOTES_rollout.md section 31).
-# 1024 keeps the bound at 64 up to 16 rows and gives 32 at 17-32 rows, 16 at 33-64 (K = 5120 at 64 rows:
-# 10 slices of 512).
+# The shrink splits K into at most MAX_SPLITS slices. Above 16 rows it takes at most
+# max(8, SPLIT_PARTIAL_ROWS // MP) of them (MP: the rows padded to a power of two). The last program of
+# each row block sums the S x MP x BR fp32 partials alone, so that serial tail grows with the rows.
+# 64 slices suit the 8- and 16-row decode steps. Measured on the H100 (NOTES_rollout.md sections 31-32),
+# LoRA r32 as a fraction of the no-LoRA 14B step at 1280 keys:
+#   64 rows: 0.811 with 64 slices, 0.970 / 0.969 with at most 16 / 8;
+#   32 rows: 0.842 with 64 slices, 0.925 with at most 32, 0.955 / 0.960 with at most 16 / 8.
+# 512 gives 16 at 17-32 rows and 8 from 33 rows on (K = 5120 at 64 rows: 5 slices of 1024).
 MAX_SPLITS = env_int("QERL_LORA_MAX_SPLITS", 64)
-SPLIT_PARTIAL_ROWS = 1024
+SPLIT_PARTIAL_ROWS = 512
 
 
 def shrink_splits(k: int, m: int = 1) -> tuple[int, int]:
     """(BK, S): the K-slice per shrink program (a power of two >= 128) and the number of slices for
     `m` rows (the bounds above; m = 1 gives the most, so a workspace sized by it serves any rows)."""
-    most = min(MAX_SPLITS, max(8, SPLIT_PARTIAL_ROWS // _pow2_at_least(m)))
+    mp = _pow2_at_least(m)
+    most = MAX_SPLITS if mp <= 16 else min(MAX_SPLITS, max(8, SPLIT_PARTIAL_ROWS // mp))
     bk = 128
     while -(-k // bk) > most:
         bk *= 2
