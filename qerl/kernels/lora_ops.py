@@ -72,7 +72,7 @@ def _pow2_at_least(n: int, floor: int = 16) -> int:
 # 64 slices suit the 8- and 16-row decode steps. Measured on the H100 (NOTES_rollout.md sections 31-32),
 # LoRA r32 as a fraction of the no-LoRA 14B step at 1280 keys:
 #   64 rows: 0.811 with 64 slices, 0.970 / 0.969 with at most 16 / 8;
-#   32 rows: 0.842 with 64 slices, 0.925 with at most 32, 0.955 / 0.960 with at most 16 / 8.
+#   32 rows: 0.841 with 64 slices, 0.924 with at most 32, 0.954 / 0.959 with at most 16 / 8 (a118).
 # 512 gives 16 at 17-32 rows and 8 from 33 rows on (K = 5120 at 64 rows: 5 slices of 1024).
 MAX_SPLITS = env_int("QERL_LORA_MAX_SPLITS", 64)
 SPLIT_PARTIAL_ROWS = 512
