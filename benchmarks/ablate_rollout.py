@@ -74,7 +74,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   expand GEMM, lora_ops.ADD_IN_PLACE), lb64 / lb128 / lb256 (decode key buckets of that
                   many slots, engine.LENGTH_BUCKET; with --generate, as they change which buckets run),
                   nostepfuse (the step's embedding, cos / sin gathers and advance as their own launches,
-                  not engine.STEP_FUSE's), noprerope / nogqa (the prefill's RoPE as torch ops / K and V
+                  not engine.STEP_FUSE's), noshare (each sample reads its own copy of the prompt's K / V,
+                  not engine.SHARE_PROMPT_KEYS's first-sample copy; matters with --generations > 1), noprerope / nogqa (the prefill's RoPE as torch ops / K and V
                   repeated per query head, not engine.PREFILL_ROPE / PREFILL_GQA; with --generate),
                   nonorm (timing only: every decode norm but the first skipped, no residual add: what
                   folding the norms into the GEMVs could give at most), fold / nofold (engine.NORM_FOLD
@@ -190,6 +191,7 @@ def _switches() -> dict:
     table["nobf16gemv"] = [(bf16_gemv, "ENABLED", False)]
     table["noglu"] = [(engine_mod, "GLU", False)]
     table["nostepfuse"] = [(engine_mod, "STEP_FUSE", False)]
+    table["noshare"] = [(engine_mod, "SHARE_PROMPT_KEYS", False)]
     table["nonorm"] = [(engine_mod._Norm, "__call__", _skip_norm)]
     table["fold"] = [(engine_mod, "NORM_FOLD", True)]
     table["nofold"] = [(engine_mod, "NORM_FOLD", False)]
@@ -460,7 +462,7 @@ def stamp_summary(graph, sm_mhz: float) -> dict:
 
 def time_variant(engine: RolloutEngine, prompts: list, settings, with_timeline: bool, keys: int = 512) -> dict:
     """Capture the step graphs afresh (two generates) and time 64 replays of the `keys`-key graph."""
-    rows = len(prompts)
+    rows = len(prompts) * settings.num_generations
     graph, ms = graph_step_ms(engine, prompts, settings, keys=keys)
     row = {"step_ms": round(ms, 4), "tokens_per_s": round(rows * 1e3 / ms, 1), "gpu_state": gpu_state()}
     if with_timeline:
@@ -549,8 +551,12 @@ def main() -> None:
                     help="time N whole generate calls per variant (256-token prompts, 512 new tokens: bench_rollout's "
                          "tok/s, prefill and both key buckets) instead of one bucket's graph step; step_ms is then "
                          "the decode time per step")
+    ap.add_argument("--generations", type=int, default=1,
+                    help="samples per prompt (GRPO's 8: batch / 8 prompts whose samples share their prompt's slots)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if any(b % a.generations for b in a.batch):
+        raise SystemExit(f"--batch {a.batch}: each a multiple of --generations {a.generations}")
     if a.keys % 256 or a.keys < 512:
         raise SystemExit(f"--keys must be a multiple of 256 from 512, got {a.keys}")
     model = build(a.model, a.format)
@@ -561,11 +567,12 @@ def main() -> None:
     # 256-token prompts: 512 new tokens reach the 768-key bucket, keys - 192 the `keys` one
     engine = RolloutEngine(model, max_batch=max(a.batch), max_len=max(768, a.keys + 64))
     settings = RolloutSettings(max_new_tokens=512 if a.keys == 512 else a.keys - 192, temperature=1.0,
-                               stop_ids=[10**9], pad_id=0)
+                               stop_ids=[10**9], pad_id=0, num_generations=a.generations)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
-              "model": a.model, "format": a.format, "lora_rank": a.lora, "keys": a.keys, "rows": []}
+              "model": a.model, "format": a.format, "lora_rank": a.lora, "keys": a.keys, "generations": a.generations,
+              "rows": []}
     for batch in a.batch:
-        prompts = [torch.randint(0, 150000, (256,)).tolist() for _ in range(batch)]
+        prompts = [torch.randint(0, 150000, (256,)).tolist() for _ in range(batch // a.generations)]
         for rnd, name in ((r, n) for r in range(a.rounds) for n in a.variants):
             with variant_of(engine, name), torch.inference_mode():
                 timed = (time_generate(engine, prompts, settings, a.generate) if a.generate else

@@ -63,7 +63,7 @@ def graph_step_ms(engine: RolloutEngine, prompts: list, settings: RolloutSetting
     """(graph, ms): capture the decode graphs (two generates: a warm-up step, then the capture) and
     time `replays` replays of the `keys`-key graph (a multiple of 256; the generates must reach
     it), rewound into its bucket; the median, CUDA events."""
-    rows = len(prompts)
+    rows = len(prompts) * settings.num_generations
     gen = torch.Generator(device="cuda").manual_seed(0)
     engine.generate(prompts, settings, gen)
     engine.generate(prompts, settings, gen)
@@ -139,6 +139,8 @@ def main() -> None:
                     help="keys of KV cache the timed and profiled steps attend over (a multiple of 256, >= 512)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-pdl", dest="pdl", action="store_false", help="as bench_rollout.py --no-pdl")
+    ap.add_argument("--generations", type=int, default=1,
+                    help="samples per prompt (GRPO's 8: batch / 8 prompts whose samples share their prompt's slots)")
     ap.add_argument("--prefill", action="store_true",
                     help="profile the prefill instead (host and GPU time of one generate of 2 tokens)")
     a = ap.parse_args()
@@ -150,7 +152,10 @@ def main() -> None:
     if a.keys < 512 or a.keys % 256:
         ap.error(f"--keys {a.keys}: a multiple of 256, at least 512")
     # long enough that the generate's slots reach the --keys bucket from 256-token prompts
-    settings = RolloutSettings(max_new_tokens=max(512, a.keys - 240), temperature=1.0, stop_ids=[10**9], pad_id=0)
+    if any(b % a.generations for b in a.batches):
+        ap.error(f"--batches {a.batches}: each a multiple of --generations {a.generations}")
+    settings = RolloutSettings(max_new_tokens=max(512, a.keys - 240), temperature=1.0, stop_ids=[10**9], pad_id=0,
+                               num_generations=a.generations)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv), "rows": []}
     for fmt in a.formats:
         model = build(a.model, fmt)
@@ -160,7 +165,7 @@ def main() -> None:
             model = apply_lora(model, LoraSettings(r=a.lora, lora_alpha=a.lora)).eval()
         engine = RolloutEngine(model, max_batch=max(a.batches), max_len=a.keys + 256)
         for b in a.batches:
-            prompts = [torch.randint(0, 150000, (256,)).tolist() for _ in range(b)]
+            prompts = [torch.randint(0, 150000, (256,)).tolist() for _ in range(b // a.generations)]
             with torch.inference_mode():
                 _, step_ms = graph_step_ms(engine, prompts, settings, keys=a.keys)
                 from torch.profiler import ProfilerActivity, profile
@@ -179,7 +184,8 @@ def main() -> None:
                     per_kernel[ev.name][1] += 1 / 16
             kernel_ms = sum(per_kind.values()) / 1e3
             top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:12]
-            row = {"model": a.model, "format": fmt, "batch": b, "lora_rank": a.lora, "graph_step_ms": round(step_ms, 4),
+            row = {"model": a.model, "format": fmt, "batch": b, "generations": a.generations, "lora_rank": a.lora,
+                   "graph_step_ms": round(step_ms, 4),
                    "kernel_ms_per_step": round(kernel_ms, 4), "launches_per_step": round(sum(v[1] for v in per_kernel.values())),
                    "per_kind_us": {k: round(v, 1) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
                    "top_kernels_us": [(n[:90], round(v[0], 1), round(v[1], 1)) for n, v in top]}

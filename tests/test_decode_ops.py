@@ -105,6 +105,39 @@ _SCRIPT = textwrap.dedent(
         q = ops.rope_to_cache_reference(qkv, cos[pos], sin[pos], kc_r, vc_r, slot, heads, kv)
         ref = ops.decode_attention_reference(q, kc_r, vc_r, valid, keys, dim ** -0.5)
         out.append(("attention_rope_pos", b, heads, keys, max(err(got, ref), err(kc_t, kc_r), err(vc_t, vc_r))))
+    # LEAD (the engine's SHARE_PROMPT_KEYS): key blocks wholly below `shared` come from row lead[b].
+    # The other rows' copies of those blocks are garbage here, so a read of them would show; the
+    # result must equal the reference over caches where every row holds its lead's keys there
+    # (shared 64: block-aligned; 45 and 100: a block straddles it and is read from the row's own copy)
+    ops.ATTN_PREFETCH = None
+    for prefetch in (False, True):
+        ops.ATTN_PREFETCH = prefetch
+        for b, heads, kv, dim, length, keys, lead, shared in ((4, 4, 2, 16, 200, 160, [0, 0, 2, 2], 64),
+                                                              (3, 6, 2, 32, 140, 130, [0, 0, 0], 45),
+                                                              (5, 4, 1, 16, 300, 256, [0, 0, 0, 3, 3], 100)):
+            lead_t, shared_t = torch.tensor(lead, dtype=torch.int32), torch.tensor([shared])
+            qkv = torch.randn(b, (heads + 2 * kv) * dim)
+            ang = torch.rand(b, dim // 2) * 6.28
+            cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+            kc_r, vc_r = torch.randn(b, kv, length, dim), torch.randn(b, kv, length, dim)
+            kc_r[:, :, :shared], vc_r[:, :, :shared] = kc_r[lead_t.long(), :, :shared], vc_r[lead_t.long(), :, :shared]
+            block = ops.attention_splits(b, kv, keys)[0]
+            whole = shared // block * block
+            kc_t, vc_t = kc_r.clone(), vc_r.clone()
+            others = torch.tensor([r for r in range(b) if lead[r] != r])
+            kc_t[others, :, :whole], vc_t[others, :, :whole] = torch.randn(len(others), kv, whole, dim) * 5, torch.randn(len(others), kv, whole, dim) * 5
+            valid = torch.rand(b, length) > 0.3
+            valid[:, :shared] = valid[lead_t.long(), :shared]
+            valid[:, 0] = True
+            slot = torch.tensor([keys - 3])
+            valid[:, slot] = True
+            got = ops.decode_attention_rope_triton(qkv, cos, sin, kc_t, vc_t, slot, valid, keys, dim ** -0.5, heads, kv,
+                                                   lead=lead_t, shared=shared_t)
+            q = ops.rope_to_cache_reference(qkv, cos, sin, kc_r, vc_r, slot, heads, kv)
+            ref = ops.decode_attention_reference(q, kc_r, vc_r, valid, keys, dim ** -0.5)
+            out.append(("attention_lead", b, heads, keys, prefetch, shared,
+                        max(err(got, ref), err(kc_t[:, :, whole:], kc_r[:, :, whole:]),
+                            err(vc_t[:, :, whole:], vc_r[:, :, whole:]))))
     # the embedding lookup inside the norm, RoPE over rows of heads (a strided view), the advance
     table, w = torch.randn(50, 96), torch.rand(96) + 0.5
     ids = torch.tensor([3, 49, 0, 3])
@@ -132,7 +165,7 @@ _SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize("seed", [0, 1])
 def test_triton_decode_ops_under_interpreter(seed):
     results = run_interpreted(_SCRIPT, seed)
-    assert len(results) == 44
+    assert len(results) == 50
     bad = [r for r in results if not r[-1] <= 1e-5]
     assert not bad, bad
 

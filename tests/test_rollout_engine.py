@@ -219,6 +219,11 @@ def test_finished_rows_are_compacted_without_changing_the_rollout():
     for below in (0.0, 0.5, 1.0):
         engine = RolloutEngine(model, max_batch=16, max_len=64, compact_below=below)
         runs[below] = (engine.generate(prompts, settings, torch.Generator().manual_seed(0)), dict(engine.stats))
+        # after the compactions every row's lead (whose prompt slots the GPU attention reads) is a row
+        # of the same prompt, at or before it
+        rows = engine.stats["final_rows"]
+        prompt, lead = engine._row_map[:rows] // 3, engine._lead[:rows].long()
+        assert torch.equal(prompt[lead], prompt) and bool((lead <= torch.arange(rows)).all())
     base, stats0 = runs[0.0]
     lengths = base.completion_mask.sum(1)
     assert stats0["compactions"] == 0 and lengths.min() < lengths.max() == 40  # rows stop at different steps
@@ -232,6 +237,18 @@ def test_finished_rows_are_compacted_without_changing_the_rollout():
     m = base.completion_mask.bool()
     fresh = policy_logprobs(model, runs[1.0][0], temperature=1.0).detach()
     torch.testing.assert_close(runs[1.0][0].logprobs[m], fresh[m], rtol=1e-4, atol=1e-4)
+
+
+def test_lead_rows_is_the_first_row_of_each_prompt():
+    """engine.lead_rows: per row, the first row sampling the same prompt (SHARE_PROMPT_KEYS reads
+    the prompt's slots there), for grouped rows, rows left after a compaction, and any order."""
+    from qerl.rollout.engine import lead_rows
+
+    assert lead_rows(torch.arange(8) // 4).tolist() == [0, 0, 0, 0, 4, 4, 4, 4]
+    assert lead_rows(torch.tensor([0, 2, 2, 5])).tolist() == [0, 1, 1, 3]
+    assert lead_rows(torch.tensor([3, 1, 3, 1, 0])).tolist() == [0, 1, 0, 1, 4]
+    assert lead_rows(torch.arange(5)).tolist() == list(range(5))
+    assert lead_rows(torch.arange(5)).dtype == torch.int32
 
 
 def test_gpu_prompt_width_buckets_within_the_cache():

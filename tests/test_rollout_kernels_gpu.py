@@ -131,6 +131,33 @@ def test_engine_attention_prefetch_changes_nothing(fmt, monkeypatch):
     assert torch.equal(runs[0].logprobs, runs[1].logprobs)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_engine_shared_prompt_keys_change_nothing(fmt, monkeypatch):
+    """engine.SHARE_PROMPT_KEYS (the attention reads a prompt's slots from its first sample's row):
+    graphed rollouts with and without it are equal token for token and logprob for logprob, also
+    after compactions move the rows (stop tokens end rows early; leads recomputed), at 4 samples
+    per prompt and with distinct prompts (one sample each)."""
+    from qerl.rl.rollout import RolloutSettings
+    from qerl.rollout import engine as engine_mod
+    from qerl.rollout.engine import RolloutEngine
+
+    model = _small_model(fmt)
+    prompts = [torch.randint(0, 4096, (n,)).tolist() for n in (5, 70, 33)]
+    for g in (4, 1):
+        settings = RolloutSettings(num_generations=g, max_new_tokens=160, temperature=1.0,
+                                   stop_ids=list(range(1, 4096, 40)), pad_id=0)
+        runs = []
+        for share in (False, True):
+            monkeypatch.setattr(engine_mod, "SHARE_PROMPT_KEYS", share)
+            engine = RolloutEngine(model, max_batch=12, max_len=256)
+            with torch.inference_mode():
+                runs.append(engine.generate(prompts, settings, torch.Generator(device="cuda").manual_seed(0)))
+            if g == 4:
+                assert engine.stats["compactions"] >= 1
+        assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+        assert torch.equal(runs[0].logprobs, runs[1].logprobs)
+
+
 def test_engine_glu_changes_nothing(monkeypatch):
     """engine.GLU (silu(gate) * up from one Gluon GEMV launch, w4a16_gluon GLU, in place of the
     gate/up product and silu_mul) in graphed, PDL-chained nvfp4 decode steps: a sampled rollout with

@@ -288,11 +288,11 @@ def _triton_kernels():
     @triton.jit
     def attn_partial_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, po_ptr, pm_ptr, pl_ptr,
                             kc_b, kc_h, kc_l, vc_b, vc_h, vc_l, valid_b, keys, splits, scale,
-                            e_ptr, cos_ptr, sin_ptr, cnt_ptr, out_ptr, pos_ptr, CHUNK: tl.constexpr,
+                            e_ptr, cos_ptr, sin_ptr, cnt_ptr, out_ptr, pos_ptr, lead_ptr, shared_ptr, CHUNK: tl.constexpr,
                             KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                             PDL: tl.constexpr = False, EARLY_V: tl.constexpr = False, PREFETCH: tl.constexpr = False,
                             ROPE: tl.constexpr = False, HAS_EXTRA: tl.constexpr = False, COMBINE: tl.constexpr = False,
-                            POS: tl.constexpr = False):
+                            POS: tl.constexpr = False, LEAD: tl.constexpr = False):
         # one (row, KV head, key chunk): the G query heads of that KV head against CHUNK keys,
         # online softmax; partial output, max and sum per query head to po / pm / pl.
         # ROPE (decode_attention_rope): q_ptr is the qkv projection [B, (KV G + 2 KV) D]; the
@@ -301,6 +301,9 @@ def _triton_kernels():
         # work, without its launch). COMBINE: the last of a (row, KV head)'s programs to finish
         # (counter cnt_ptr, reset by it) does attn_combine_kernel's sum for the G heads. POS: cos /
         # sin are the whole tables and row b's are at its position pos[b] (final before the step).
+        # LEAD (ATTN_SHARE_PROMPT): key blocks wholly below shared[0] are read from row lead[b]'s
+        # cache, not b's: rows that sample the same prompt hold the same K / V there, and reading
+        # one copy lets L2 serve the group's other programs (launched next to it: b varies fastest).
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -317,14 +320,21 @@ def _triton_kernels():
             crow = tl.load(pos_ptr + b).to(tl.int64)
         else:
             crow = b
+        if LEAD:  # final before this step (set between generate calls and compactions)
+            lead = tl.load(lead_ptr + b)
+            shared = tl.load(shared_ptr).to(tl.int32)
         if PREFETCH:  # (ATTN_PREFETCH) the chunk's first K / V block read before the wait: every
             # slot but `slot` (written in this step: by the RoPE kernel, or with ROPE below) was
             # final before this step began (its first kernel starts the PDL chain: decode_ops.PDL),
             # as are slot and pos above
             n = start + tl.arange(0, BLOCK)
             old = (n < stop) & (n != slot)
-            k_pre = tl.load(k_ptr + b * kc_b + h * kc_h + n[:, None] * kc_l + d[None, :], mask=old[:, None], other=0.0)
-            v_pre = tl.load(v_ptr + b * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=old[:, None], other=0.0)
+            if LEAD:
+                rk = tl.where(start + BLOCK <= shared, lead, b)
+            else:
+                rk = b
+            k_pre = tl.load(k_ptr + rk * kc_b + h * kc_h + n[:, None] * kc_l + d[None, :], mask=old[:, None], other=0.0)
+            v_pre = tl.load(v_ptr + rk * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=old[:, None], other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
         if ROPE:
@@ -365,9 +375,13 @@ def _triton_kernels():
             if ROPE:
                 mine = n == slot
                 fresh = fresh & (n != slot)
-            k = tl.load(k_ptr + b * kc_b + h * kc_h + n[:, None] * kc_l + d[None, :], mask=fresh[:, None], other=0.0)
+            if LEAD:  # the whole block below `shared`: the group's first row's copy
+                rk = tl.where(start + n0 + BLOCK <= shared, lead, b)
+            else:
+                rk = b
+            k = tl.load(k_ptr + rk * kc_b + h * kc_h + n[:, None] * kc_l + d[None, :], mask=fresh[:, None], other=0.0)
             if EARLY_V or PREFETCH:
-                v = tl.load(v_ptr + b * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=fresh[:, None], other=0.0)
+                v = tl.load(v_ptr + rk * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=fresh[:, None], other=0.0)
             if PREFETCH:
                 k = tl.where(fresh[:, None], k, k_pre)
                 v = tl.where(fresh[:, None], v, v_pre)
@@ -381,7 +395,7 @@ def _triton_kernels():
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if not (EARLY_V or PREFETCH):
-                v = tl.load(v_ptr + b * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=fresh[:, None], other=0.0)
+                v = tl.load(v_ptr + rk * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=fresh[:, None], other=0.0)
             if ROPE:
                 v = tl.where(mine[:, None], v_new[None, :], v)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -531,19 +545,22 @@ def silu_mul(gate_up, extra=None):
 
 
 def decode_attention_rope(qkv, cos, sin, k_cache, v_cache, slot, valid, keys: int, scale: float, heads: int,
-                          kv_heads: int, extra=None, counters=None, pos=None):
+                          kv_heads: int, extra=None, counters=None, pos=None, lead=None, shared=None):
     """rope_to_cache then decode_attention, one kernel on a GPU (ATTN_ROPE): the attention's
     programs rotate q themselves and the one whose key chunk holds `slot` writes the new key and
     value; with `counters` (int32 zeros, >= B * kv_heads, kept at zero) the combine runs in the
     same launch (ATTN_COMBINE). With `pos` (long [B]) cos / sin are the whole [L, D] tables and
-    row b takes row pos[b] of them (inside the kernel: no gather launch). Returns [B, heads * D],
+    row b takes row pos[b] of them (inside the kernel: no gather launch). With `lead` (int32 [B])
+    and `shared` (long [1]), on a GPU, key blocks wholly below slot shared[0] are read from row
+    lead[b] of the caches (ATTN_SHARE_PROMPT: the caller guarantees those rows hold the same keys
+    and values there; the reference path reads row b, which is then the same). Returns [B, heads * D],
     as decode_attention."""
     d = cos.shape[-1]
     if (ATTN_ROPE and _on_gpu(qkv, "attention") and _on_gpu(qkv, "rope") and qkv.is_contiguous() and d >= 16
             and not d & (d - 1) and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and valid.is_contiguous()
             and _same_dtype(qkv, extra, k_cache, v_cache)):
         return decode_attention_rope_triton(qkv, cos, sin, k_cache, v_cache, slot, valid, keys, scale, heads,
-                                            kv_heads, extra, counters, pos)
+                                            kv_heads, extra, counters, pos, lead, shared)
     if pos is not None:
         cos, sin = cos[pos], sin[pos]
     q = rope_to_cache(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads, extra)
@@ -656,18 +673,18 @@ def decode_attention_triton(q, k_cache, v_cache, valid, keys: int, scale: float,
 
 
 def decode_attention_rope_triton(qkv, cos, sin, k_cache, v_cache, slot, valid, keys: int, scale: float,
-                                 heads: int, kv_heads: int, extra=None, counters=None, pos=None):
+                                 heads: int, kv_heads: int, extra=None, counters=None, pos=None, lead=None, shared=None):
     """rope_to_cache + decode_attention as one launch (ATTN_ROPE); with ATTN_COMBINE and
-    `counters` (int32 [>= B * KV], zeros; left at zero) the combine rides in it too; `pos`:
-    decode_attention_rope's."""
+    `counters` (int32 [>= B * KV], zeros; left at zero) the combine rides in it too; `pos`, `lead`,
+    `shared`: decode_attention_rope's."""
     d = cos.shape[-1]
     rope = (qkv.contiguous(), extra.contiguous() if extra is not None else None, cos.contiguous(), sin.contiguous())
     return _attention_launch(qkv.view(qkv.shape[0], heads + 2 * kv_heads, d), heads, k_cache, v_cache, valid, keys,
-                             scale, slot, rope, counters if ATTN_COMBINE else None, pos)
+                             scale, slot, rope, counters if ATTN_COMBINE else None, pos, lead, shared)
 
 
 def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: float, slot=None, rope=None,
-                      counters=None, pos=None):
+                      counters=None, pos=None, lead=None, shared=None):
     partial, combine = _triton_kernels()[3:5]
     b, d = q.shape[0], q.shape[2]
     kv = k_cache.shape[1]
@@ -686,10 +703,12 @@ def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: 
                              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), valid.stride(0),
                              keys, splits, float(scale), e if e is not None else qkv, cos, sin,
                              counters if counters is not None else valid, out, pos if pos is not None else valid,
+                             lead if lead is not None else valid, shared if lead is not None else valid,
                              CHUNK=chunk, KV=kv, G=group, GP=max(16, _next_pow2(group)), D=d,
                              BLOCK=block, num_warps=4, PDL=pdl_on(q), EARLY_V=ATTN_EARLY_V, PREFETCH=prefetch,
                              ROPE=rope is not None, HAS_EXTRA=e is not None, COMBINE=counters is not None,
-                             POS=rope is not None and pos is not None, launch_pdl=pdl_on(q))
+                             POS=rope is not None and pos is not None, LEAD=lead is not None and shared is not None,
+                             launch_pdl=pdl_on(q))
     if counters is None:
         combine[(b, heads)](po, pm, pl, out, splits, KV=kv, G=group, D=d, SP=sp, num_warps=1,
                             PDL=pdl_on(q), launch_pdl=pdl_on(q))

@@ -15,7 +15,8 @@ window), i.e. Hugging Face's `model.model.layers[i].self_attn / mlp / *_layernor
 
 How a call runs.
 - Prefill: each distinct prompt once (left padded, causal + padding mask), its K/V written to
-  the preallocated cache rows of its `num_generations` samples. On a GPU the prompt width is
+  the preallocated cache rows of its `num_generations` samples (the decode attention then reads
+  a prompt's slots from its first sample's row for all of them: SHARE_PROMPT_KEYS). On a GPU the prompt width is
   padded to a multiple of PROMPT_BUCKET and a small prefill (<= PREFILL_GRAPH_TOKENS tokens) is
   captured in a CUDA graph per (prompts, width, rows) after its first, eager run, and replayed.
 - Decode: one token per row per step, the whole step on the device: forward, sampling
@@ -155,10 +156,25 @@ PREFILL_GQA = os.environ.get("QERL_ROLLOUT_PREFILL_GQA", "1") == "1"
 # whole generate calls 2960.9 -> 3010.1 tok/s; 14B step 4.740 -> 4.651 ms. QERL_ROLLOUT_NORM_FOLD=0
 # (ablation flag `nofold`): the norm kernels.
 NORM_FOLD = os.environ.get("QERL_ROLLOUT_NORM_FOLD", "1") == "1"
+# The samples of one prompt hold the same K / V in its slots (one prefill, copied to each row):
+# the decode attention reads a prompt key block from the group's first row for all of them
+# (decode_ops attn_partial LEAD), so L2 serves the other rows' reads of it and DRAM carries each
+# prompt's keys once per step instead of once per sample. Same values, bit for bit. False: each row
+# reads its own copy (ablation flag `noshare`).
+SHARE_PROMPT_KEYS = os.environ.get("QERL_ROLLOUT_SHARE_PROMPT_KEYS", "1") == "1"
 
 
 class EngineError(ValueError):
     """The model or the request does not fit the engine."""
+
+
+def lead_rows(prompt: torch.Tensor) -> torch.Tensor:
+    """For rows that sample prompts `prompt` (long [R], prompt index per row): the first row of
+    each row's prompt (int32 [R]), the copy SHARE_PROMPT_KEYS reads."""
+    rows = torch.arange(prompt.shape[0], device=prompt.device)
+    first = torch.full((int(prompt.max()) + 1 if prompt.numel() else 0,), prompt.shape[0], dtype=torch.long,
+                       device=prompt.device).scatter_reduce(0, prompt, rows, "amin")
+    return first[prompt].to(torch.int32)
 
 
 def supports(model: nn.Module) -> bool:
@@ -291,6 +307,10 @@ class RolloutEngine:
             self._step = torch.zeros(1, dtype=torch.long, device=dev)  # index of the token to sample
             self._valid = torch.zeros(mb, ml, dtype=torch.bool, device=dev)  # keys a row may attend
             self._attn_counters = torch.zeros(mb * self.n_kv, dtype=torch.int32, device=dev)  # decode_attention_rope
+            # SHARE_PROMPT_KEYS: the row whose cache the attention reads for slots below _shared[0]
+            self._lead = torch.arange(mb, dtype=torch.int32, device=dev)
+            self._shared = torch.zeros(1, dtype=torch.long, device=dev)
+            self._group = 1  # samples per prompt in the current call's rows (1: nothing shared)
             self._finished = torch.zeros(mb, dtype=torch.bool, device=dev)
             self._row_map = torch.zeros(mb, dtype=torch.long, device=dev)  # decoding row -> output row
             self._uniform = torch.zeros(ml, mb, dtype=torch.float32, device=dev)
@@ -412,6 +432,7 @@ class RolloutEngine:
         valid = self._valid[:rows]
         h, delta, lo_down = (None if fused else self.embed(tok)), None, None
         plan = self._fold_plan(rows) if NORM_FOLD else None
+        shared = (self._lead[:rows], self._shared) if SHARE_PROMPT_KEYS else ()
         scale = None  # NORM_FOLD: x is bf16(r * weight) and the next product applies this scale
         for i, layer in enumerate(self.layers):
             if h is None:
@@ -427,7 +448,7 @@ class RolloutEngine:
                 q, k = layer.q_norm(None, q)[1], layer.k_norm(None, k)[1]
                 qkv, lo = torch.cat([q, k, v], 1).reshape(rows, -1), None
             attn = decode_attention_rope(qkv, cos, sin, kc, vc, self._slot, valid, keys, self.scaling, self.n_heads,
-                                         self.n_kv, lo, self._attn_counters, at)
+                                         self.n_kv, lo, self._attn_counters, at, *shared)
             fold_o, fold_down = plan[i] if plan else (False, False)
             if fold_o:
                 h, x, scale = layer.o.res_forward(attn, h, layer.mlp_norm.weight, layer.mlp_norm.eps)
@@ -546,6 +567,7 @@ class RolloutEngine:
         k = keep.shape[0]
         for buf in (*self._k, *self._v, self._tok, self._pos, self._valid, self._finished, self._row_map):
             buf[:k] = buf.index_select(0, keep)
+        self._lead[:k] = lead_rows(self._row_map[:k] // self._group)
 
     @contextlib.contextmanager
     def _four_bit_pdl(self):
@@ -660,6 +682,11 @@ class RolloutEngine:
             source = torch.arange(n, device=self.device)
         self._valid[:n].zero_()
         self._valid[:n, :plen] = mask[source].bool()
+        # rows of one prompt hold one prefill's K / V in slots [0, plen) (share_prompt): the decode
+        # attention may read them from the group's first row (SHARE_PROMPT_KEYS)
+        self._group = g if settings.share_prompt else 1
+        self._lead[:n] = lead_rows(torch.arange(n, device=self.device) // self._group)
+        self._shared.fill_(plen if self._group > 1 else 0)
         t_prefill = time.perf_counter()
         logits = self._run_prefill(ids, mask, source)[source if settings.share_prompt else slice(None)]
         # state for the first token: it is sampled from the prefill logits, then goes in slot plen
