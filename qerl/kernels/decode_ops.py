@@ -301,9 +301,10 @@ def _triton_kernels():
         # work, without its launch). COMBINE: the last of a (row, KV head)'s programs to finish
         # (counter cnt_ptr, reset by it) does attn_combine_kernel's sum for the G heads. POS: cos /
         # sin are the whole tables and row b's are at its position pos[b] (final before the step).
-        # LEAD (ATTN_SHARE_PROMPT): key blocks wholly below shared[0] are read from row lead[b]'s
-        # cache, not b's: rows that sample the same prompt hold the same K / V there, and reading
-        # one copy lets L2 serve the group's other programs (launched next to it: b varies fastest).
+        # LEAD (the engine's SHARE_PROMPT_KEYS): key blocks wholly below shared[0] are read from
+        # row lead[b]'s cache, not b's: rows that sample the same prompt hold the same K / V there,
+        # and reading one copy lets L2 serve the group's other programs (launched next to it: b
+        # varies fastest).
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -552,9 +553,9 @@ def decode_attention_rope(qkv, cos, sin, k_cache, v_cache, slot, valid, keys: in
     same launch (ATTN_COMBINE). With `pos` (long [B]) cos / sin are the whole [L, D] tables and
     row b takes row pos[b] of them (inside the kernel: no gather launch). With `lead` (int32 [B])
     and `shared` (long [1]), on a GPU, key blocks wholly below slot shared[0] are read from row
-    lead[b] of the caches (ATTN_SHARE_PROMPT: the caller guarantees those rows hold the same keys
-    and values there; the reference path reads row b, which is then the same). Returns [B, heads * D],
-    as decode_attention."""
+    lead[b] of the caches (the engine's SHARE_PROMPT_KEYS: the caller guarantees that those rows
+    hold the same keys and values there; the reference path reads row b, which is then the same).
+    Returns [B, heads * D], as decode_attention."""
     d = cos.shape[-1]
     if (ATTN_ROPE and _on_gpu(qkv, "attention") and _on_gpu(qkv, "rope") and qkv.is_contiguous() and d >= 16
             and not d & (d - 1) and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and valid.is_contiguous()

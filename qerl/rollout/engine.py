@@ -16,9 +16,10 @@ window), i.e. Hugging Face's `model.model.layers[i].self_attn / mlp / *_layernor
 How a call runs.
 - Prefill: each distinct prompt once (left padded, causal + padding mask), its K/V written to
   the preallocated cache rows of its `num_generations` samples (the decode attention then reads
-  a prompt's slots from its first sample's row for all of them: SHARE_PROMPT_KEYS). On a GPU the prompt width is
-  padded to a multiple of PROMPT_BUCKET and a small prefill (<= PREFILL_GRAPH_TOKENS tokens) is
-  captured in a CUDA graph per (prompts, width, rows) after its first, eager run, and replayed.
+  a prompt's slots from its first sample's row for all of them: SHARE_PROMPT_KEYS). On a GPU the
+  prompt width is padded to a multiple of PROMPT_BUCKET and a small prefill (<=
+  PREFILL_GRAPH_TOKENS tokens) is captured in a CUDA graph per (prompts, width, rows) after its
+  first, eager run, and replayed.
 - Decode: one token per row per step, the whole step on the device: forward, sampling
   (qerl.rollout.sampling, from uniforms drawn for the whole rollout up front), the writes of the
   token / logprob / entropy, the finished flags and the advance of position and cache slot. On a
