@@ -112,7 +112,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_rollout import build, gpu_state  # noqa: E402
-from profile_rollout import graph_step_ms, rewind  # noqa: E402
+from profile_rollout import add_generations_arg, graph_step_ms, random_prompts, rewind  # noqa: E402
 
 from qerl.rl.rollout import RolloutSettings  # noqa: E402
 from qerl.rollout import engine as engine_mod  # noqa: E402
@@ -551,12 +551,9 @@ def main() -> None:
                     help="time N whole generate calls per variant (256-token prompts, 512 new tokens: bench_rollout's "
                          "tok/s, prefill and both key buckets) instead of one bucket's graph step; step_ms is then "
                          "the decode time per step")
-    ap.add_argument("--generations", type=int, default=1,
-                    help="samples per prompt (GRPO's 8: batch / 8 prompts whose samples share their prompt's slots)")
+    add_generations_arg(ap)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    if any(b % a.generations for b in a.batch):
-        raise SystemExit(f"--batch {a.batch}: each a multiple of --generations {a.generations}")
     if a.keys % 256 or a.keys < 512:
         raise SystemExit(f"--keys must be a multiple of 256 from 512, got {a.keys}")
     model = build(a.model, a.format)
@@ -572,7 +569,7 @@ def main() -> None:
               "model": a.model, "format": a.format, "lora_rank": a.lora, "keys": a.keys, "generations": a.generations,
               "rows": []}
     for batch in a.batch:
-        prompts = [torch.randint(0, 150000, (256,)).tolist() for _ in range(batch // a.generations)]
+        prompts = random_prompts(batch, a.generations)
         for rnd, name in ((r, n) for r in range(a.rounds) for n in a.variants):
             with variant_of(engine, name), torch.inference_mode():
                 timed = (time_generate(engine, prompts, settings, a.generate) if a.generate else

@@ -58,6 +58,19 @@ def rewind(engine: RolloutEngine, rows: int, keys: int = 512) -> None:
     engine._pos[:rows].fill_(keys - 212)
 
 
+def add_generations_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--generations", type=int, default=1,
+                    help="samples per prompt (GRPO's 8: batch / 8 prompts whose samples share their prompt's slots)")
+
+
+def random_prompts(rows: int, generations: int) -> list:
+    """rows / generations random 256-token prompts (each sampled `generations` times: `rows` rows);
+    SystemExit where rows is not a multiple of generations."""
+    if rows % generations:
+        raise SystemExit(f"batch {rows}: not a multiple of --generations {generations}")
+    return [torch.randint(0, 150000, (256,)).tolist() for _ in range(rows // generations)]
+
+
 def graph_step_ms(engine: RolloutEngine, prompts: list, settings: RolloutSettings, replays: int = 64,
                   keys: int = 512):
     """(graph, ms): capture the decode graphs (two generates: a warm-up step, then the capture) and
@@ -139,8 +152,7 @@ def main() -> None:
                     help="keys of KV cache the timed and profiled steps attend over (a multiple of 256, >= 512)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-pdl", dest="pdl", action="store_false", help="as bench_rollout.py --no-pdl")
-    ap.add_argument("--generations", type=int, default=1,
-                    help="samples per prompt (GRPO's 8: batch / 8 prompts whose samples share their prompt's slots)")
+    add_generations_arg(ap)
     ap.add_argument("--prefill", action="store_true",
                     help="profile the prefill instead (host and GPU time of one generate of 2 tokens)")
     a = ap.parse_args()
@@ -152,8 +164,6 @@ def main() -> None:
     if a.keys < 512 or a.keys % 256:
         ap.error(f"--keys {a.keys}: a multiple of 256, at least 512")
     # long enough that the generate's slots reach the --keys bucket from 256-token prompts
-    if any(b % a.generations for b in a.batches):
-        ap.error(f"--batches {a.batches}: each a multiple of --generations {a.generations}")
     settings = RolloutSettings(max_new_tokens=max(512, a.keys - 240), temperature=1.0, stop_ids=[10**9], pad_id=0,
                                num_generations=a.generations)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv), "rows": []}
@@ -165,7 +175,7 @@ def main() -> None:
             model = apply_lora(model, LoraSettings(r=a.lora, lora_alpha=a.lora)).eval()
         engine = RolloutEngine(model, max_batch=max(a.batches), max_len=a.keys + 256)
         for b in a.batches:
-            prompts = [torch.randint(0, 150000, (256,)).tolist() for _ in range(b // a.generations)]
+            prompts = random_prompts(b, a.generations)
             with torch.inference_mode():
                 _, step_ms = graph_step_ms(engine, prompts, settings, keys=a.keys)
                 from torch.profiler import ProfilerActivity, profile

@@ -698,17 +698,20 @@ def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: 
     out = torch.empty(b, heads * d, dtype=q.dtype, device=q.device)
     prefetch = attention_prefetch(block, keys) and slot is not None
     qkv, e, cos, sin = rope if rope is not None else (q, None, q, q)
+    use_lead = lead is not None and shared is not None
+    if not use_lead:  # placeholders the kernel does not read
+        lead = shared = valid
     sp = max(2, _next_pow2(splits))
     partial[(b, kv, splits)](qkv, k_cache, v_cache, valid, slot if (prefetch or rope is not None) else valid, po, pm, pl,
                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), valid.stride(0),
                              keys, splits, float(scale), e if e is not None else qkv, cos, sin,
                              counters if counters is not None else valid, out, pos if pos is not None else valid,
-                             lead if lead is not None else valid, shared if lead is not None else valid,
+                             lead, shared,
                              CHUNK=chunk, KV=kv, G=group, GP=max(16, _next_pow2(group)), D=d,
                              BLOCK=block, num_warps=4, PDL=pdl_on(q), EARLY_V=ATTN_EARLY_V, PREFETCH=prefetch,
                              ROPE=rope is not None, HAS_EXTRA=e is not None, COMBINE=counters is not None,
-                             POS=rope is not None and pos is not None, LEAD=lead is not None and shared is not None,
+                             POS=rope is not None and pos is not None, LEAD=use_lead,
                              launch_pdl=pdl_on(q))
     if counters is None:
         combine[(b, heads)](po, pm, pl, out, splits, KV=kv, G=group, D=d, SP=sp, num_warps=1,
