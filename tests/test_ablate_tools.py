@@ -44,6 +44,25 @@ class _Group:
         return dict(w4a16_gluon.DEFAULT)
 
 
+
+def test_rwg_three_per_sm_flags_apply_and_restore(ablate):
+    """rwg3 / rwg3all route 17..32-token rwg launches to three programs per SM (wide layers / every
+    layer); 33..64 tokens and the defaults after the variant are untouched."""
+    engine = _Engine()
+    two, route = dict(w4a16_triton.RWG_TWO_PER_SM), w4a16_triton._rwg_config
+    three = {"R": 1, **ablate.RWG_THREE_PER_SM}
+    wide, narrow = (27648, 5120), (7168, 5120)  # 432 / 112 row tiles of 64 on 132 SMs
+    with ablate.variant_of(engine, "base@rwg3"):
+        assert w4a16_triton._rwg_config(*wide, 32, 132) == three
+        assert w4a16_triton._rwg_config(*narrow, 32, 132) == route(*narrow, 32, 132)
+        assert w4a16_triton._rwg_config(*wide, 64, 132) == route(*wide, 64, 132)
+    with ablate.variant_of(engine, "base@rwg3all"):
+        assert w4a16_triton._rwg_config(*narrow, 17, 132) == three
+        assert w4a16_triton._rwg_config(*wide, 64, 132) == route(*wide, 64, 132)
+        assert w4a16_triton._rwg_config(*wide, 100, 132) == route(*wide, 100, 132)
+    assert w4a16_triton.RWG_TWO_PER_SM == two and w4a16_triton._rwg_config is route
+
+
 def test_gluon_flags_apply_per_kind_and_restore(ablate):
     before = dict(w4a16_gluon.DEFAULT)
     engine = _Engine()
