@@ -26,9 +26,9 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   wsmma20m (in the decode chain, M = 1 layers from 20M weights on the Gluon GEMV),
                   norwg (no w4a16_rwg: 17..128 tokens back on the fused / wgmma kernels), rwg9 (rwg from
                   9 tokens), norwgw (no 128-token rwg tiles: 65..128 tokens on the wgmma GEMM), norwg2
-                  (no two-per-SM rwg form), noxrel (that form without XREL), rwg3 / rwg3all (17..32 tokens at three rwg
-                  programs per SM, RWG_THREE_PER_SM below: where the 64-row tiles overrun one per SM / on every
-                  layer), pwa / pwag / pwar (per-warp
+                  (no two-per-SM rwg form), noxrel (that form without XREL), rwg3 / rwg3all
+                  (17..32 tokens at three rwg programs per SM, RWG_THREE_PER_SM below: where the 64-row
+                  tiles overrun one per SM / on every layer), pwa / pwag / pwar (per-warp
                   stage release, qerl/kernels/ptx_pwa.py, forced on: Gluon GEMV at every M and rwg / GEMV
                   only / rwg only), nopwa (off in both; the default: GEMV at M = 2..8 and rwg),
                   earlyv (attention loads V with K),

@@ -44,7 +44,6 @@ class _Group:
         return dict(w4a16_gluon.DEFAULT)
 
 
-
 def test_rwg_three_per_sm_flags_apply_and_restore(ablate):
     """rwg3 / rwg3all route 17..32-token rwg launches to three programs per SM (wide layers / every
     layer); 33..64 tokens and the defaults after the variant are untouched."""
