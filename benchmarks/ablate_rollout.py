@@ -28,7 +28,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   9 tokens), norwgw (no 128-token rwg tiles: 65..128 tokens on the wgmma GEMM), norwg2
                   (no two-per-SM rwg form), noxrel (that form without XREL), rwg3 / rwg3all
                   (17..32 tokens at three rwg programs per SM, RWG_THREE_PER_SM below: where the 64-row
-                  tiles overrun one per SM / on every layer), pwa / pwag / pwar (per-warp
+                  tiles overrun one per SM / on every layer), rwg3b32 (rwg3all, and 33..64 tokens as two
+                  32-token tiles at three per SM), pwa / pwag / pwar (per-warp
                   stage release, qerl/kernels/ptx_pwa.py, forced on: Gluon GEMV at every M and rwg / GEMV
                   only / rwg only), nopwa (off in both; the default: GEMV at M = 2..8 and rwg),
                   earlyv (attention loads V with K),
@@ -126,10 +127,13 @@ from qerl.rollout.engine import LORA_GROUP_KINDS as KINDS, RolloutEngine  # noqa
 RWG_THREE_PER_SM = {"NSW": 3, "NSX": 2, "maxnreg": 80, "XREL": 1}
 
 
-def _rwg_three_everywhere(default):
-    """_rwg_config with every 17..32-token launch at RWG_THREE_PER_SM, R = 1 (wide or not)."""
+def _rwg_three_everywhere(default, up_to: int = 32):
+    """_rwg_config with every rwg launch of up to `up_to` tokens at RWG_THREE_PER_SM, R = 1 (wide or
+    not); 33..64 tokens (up_to 64) as two 32-token tiles, each weight tile decoded twice."""
     def config(n, k, m, slots):
-        return {"R": 1, **RWG_THREE_PER_SM} if m <= 32 else default(n, k, m, slots)
+        if m > up_to:
+            return default(n, k, m, slots)
+        return {"R": 1, **RWG_THREE_PER_SM, **({"BM": 32} if m > 32 else {})}
     return config
 
 
@@ -173,6 +177,7 @@ def _switches() -> dict:
                     {b: {**c, "XREL": 0} for b, c in w4a16_triton.RWG_TWO_PER_SM.items()})],
         "rwg3": [(w4a16_triton, "RWG_TWO_PER_SM", {**w4a16_triton.RWG_TWO_PER_SM, 32: dict(RWG_THREE_PER_SM)})],
         "rwg3all": [(w4a16_triton, "_rwg_config", _rwg_three_everywhere(w4a16_triton._rwg_config))],
+        "rwg3b32": [(w4a16_triton, "_rwg_config", _rwg_three_everywhere(w4a16_triton._rwg_config, 64))],
         "wg9": [(w4a16_triton, "WGMMA_SMALL_M", 9)],
         "wg9all": [(w4a16_triton, "WGMMA_SMALL_M", 9), (w4a16_triton, "_small_m_wgmma", lambda n, k, m: {})],
         "wg9two": [(w4a16_triton, "WGMMA_SMALL_M", 9),

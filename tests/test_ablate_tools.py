@@ -46,7 +46,8 @@ class _Group:
 
 def test_rwg_three_per_sm_flags_apply_and_restore(ablate):
     """rwg3 / rwg3all route 17..32-token rwg launches to three programs per SM (wide layers / every
-    layer); 33..64 tokens and the defaults after the variant are untouched."""
+    layer), rwg3b32 33..64-token ones too (as 32-token tiles); larger launches and the defaults after
+    the variant are untouched."""
     engine = _Engine()
     two, route = dict(w4a16_triton.RWG_TWO_PER_SM), w4a16_triton._rwg_config
     three = {"R": 1, **ablate.RWG_THREE_PER_SM}
@@ -59,6 +60,10 @@ def test_rwg_three_per_sm_flags_apply_and_restore(ablate):
         assert w4a16_triton._rwg_config(*narrow, 17, 132) == three
         assert w4a16_triton._rwg_config(*wide, 64, 132) == route(*wide, 64, 132)
         assert w4a16_triton._rwg_config(*wide, 100, 132) == route(*wide, 100, 132)
+    with ablate.variant_of(engine, "base@rwg3b32"):
+        assert w4a16_triton._rwg_config(*narrow, 32, 132) == three
+        assert w4a16_triton._rwg_config(*wide, 64, 132) == dict(three, BM=32)
+        assert w4a16_triton._rwg_config(*wide, 65, 132) == route(*wide, 65, 132)
     assert w4a16_triton.RWG_TWO_PER_SM == two and w4a16_triton._rwg_config is route
 
 
