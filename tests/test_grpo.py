@@ -452,6 +452,30 @@ def test_zero_advantage_rows_can_be_skipped_exactly(loss_type):
     torch.testing.assert_close(part, full)
 
 
+
+def test_a_step_that_trains_nothing_advances_the_schedule_without_torchs_warning():
+    """A first step with nothing to train (every advantage 0) still steps the learning-rate schedule;
+    torch's "lr_scheduler.step() before optimizer.step()" warning is intended there and not shown,
+    while other warnings pass through."""
+    import warnings
+
+    from qerl.rl.trainer import advance_schedule
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        advance_schedule(sched)
+        warnings.warn("another warning", UserWarning)
+    assert sched.last_epoch == 1 and opt.param_groups[0]["lr"] == pytest.approx(5e-4)
+    assert [str(w.message) for w in seen] == ["another warning"]
+    with warnings.catch_warnings(record=True) as bare:  # the same call straight to torch does warn
+        warnings.simplefilter("always")
+        fresh = torch.optim.lr_scheduler.LambdaLR(torch.optim.AdamW([p], lr=1e-3), lambda s: 1.0)
+        fresh.step()
+    assert any("lr_scheduler.step()" in str(w.message) for w in bare)
+
 def test_reward_functions():
     from qerl.rl.rewards import accuracy, format_reward, get_reward_functions, gsm8k_accuracy, math_accuracy
 

@@ -767,6 +767,16 @@ def optimise(
                                step, timer, cast)
 
 
+def advance_schedule(scheduler) -> None:
+    """Step the learning-rate schedule for a step that trained nothing (every advantage 0, or no
+    completion token): the schedule follows steps, trained or not. Torch warns when a schedule's first
+    step comes before any optimizer step; here that is intended, so that one warning is not shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before",
+                                category=UserWarning)
+        scheduler.step()
+
+
 def _optimise_steps(
     model, parts, settings: GRPOSettings, optimizer, scheduler, aqn: AdaptiveQuantNoise,
     noise_in_training: bool, share_train: bool, step: int, timer: PhaseTimer | None, cast: bool,
@@ -795,7 +805,7 @@ def _optimise_steps(
     if settings.beta > 0:
         stats["kl"] = 0.0
     if not micro or num_tokens == 0:
-        scheduler.step()  # the schedule follows steps, trained or not
+        advance_schedule(scheduler)
         return stats
 
     model.train()
