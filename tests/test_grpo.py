@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -452,13 +453,10 @@ def test_zero_advantage_rows_can_be_skipped_exactly(loss_type):
     torch.testing.assert_close(part, full)
 
 
-
 def test_a_step_that_trains_nothing_advances_the_schedule_without_torchs_warning():
     """A first step with nothing to train (every advantage 0) still steps the learning-rate schedule;
     torch's "lr_scheduler.step() before optimizer.step()" warning is intended there and not shown,
     while other warnings pass through."""
-    import warnings
-
     from qerl.rl.trainer import advance_schedule
 
     p = torch.nn.Parameter(torch.zeros(2))
