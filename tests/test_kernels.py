@@ -349,9 +349,11 @@ def test_wgmma_kernel_builds_for_hopper(fmt, m, cfg):
                                        ("nvfp4", 64, {"PWA": 1}),
                                        ("nvfp4", 64, {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1, "PWA": 1}),
                                        ("mxfp4", 64, {"PWA": 1, "PDL": True}),
-                                       ("nvfp4", 128, {"BM": 128, "NSX": 2, "PWA": 1})],
+                                       ("nvfp4", 128, {"BM": 128, "NSX": 2, "PWA": 1}),
+                                       ("nvfp4", 32, {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 80, "XREL": 1, "PWA": 1})],
                          ids=["M64", "M32", "M16-R1", "M64-pdl", "M64-two-per-SM-xrel", "mxfp4-M64", "mxfp4-M32-two",
-                              "BM128", "BM128-R1", "M64-pwa", "M64-two-xrel-pwa", "mxfp4-M64-pwa-pdl", "BM128-pwa"])
+                              "BM128", "BM128-R1", "M64-pwa", "M64-two-xrel-pwa", "mxfp4-M64-pwa-pdl", "BM128-pwa",
+                              "M32-three-per-SM"])
 def test_rwg_kernel_builds_for_hopper(fmt, m, cfg):
     """Offline sm_90a build of w4a16_rwg (no GPU needed): the register layouts convert trivially to
     the wgmma register operand (assert_trivial fails the build otherwise), no spills, the rings fit,
@@ -372,6 +374,9 @@ def test_rwg_kernel_builds_for_hopper(fmt, m, cfg):
     rings = R.smem_bytes(consts["BM"], consts["num_warps"] // 4, consts["NSW"], consts["NSX"])
     assert consts["BM"] == cfg.get("BM", consts["BM"]) and rings - 1024 <= ck.metadata.shared <= 232448
     assert spills == 0
+    if cfg.get("maxnreg"):  # the 104 / 80-register forms fit 2 / 3 programs per SM (WG._resident's count)
+        fit = min(65536 // (regs * ck.metadata.num_warps * 32), 233472 // (ck.metadata.shared + 1024))
+        assert fit == {104: 2, 80: 3}[cfg["maxnreg"]]
     ptx = ck.asm["ptx"]
     assert ptx.count("wgmma.mma_async") == 32 and ptx.count("griddepcontrol") == (3 if cfg.get("PDL") else 0)
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
