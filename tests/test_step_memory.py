@@ -238,7 +238,9 @@ def test_bench_grpo_step_runs_on_a_tiny_model(tmp_path, checkpointing):
                           "rollout_s", "logprob_s", "backward_s", "optimizer_s", "step_s"}
         assert r["generations"] == 2 and r["completion_len"] == 6 and r["lora_rank"] == 4
         assert r["rollout_tokens"] == 2 * 6  # every row generates exactly --completion tokens
-        assert 0 < r["rollout_s"] + r["logprob_s"] + r["backward_s"] + r["optimizer_s"] <= r["step_s"]
+        # the phases lie within the step; each of the five values is rounded to 1 ms (a tiny model's phases
+        # take a few ms, so their rounded sum may pass the rounded step by up to 2.5 ms)
+        assert 0 < r["rollout_s"] + r["logprob_s"] + r["backward_s"] + r["optimizer_s"] <= r["step_s"] + 0.0025 + 1e-9
         assert r["aqn"] == (r["format"] == "nvfp4") and "warmup_step_s" in r
         # without checkpointing the training forwards share each group's prompt, as train() does
         assert (r["gradient_checkpointing"], r["share_prompt"]) == ((True, False) if checkpointing == "on" else (False, True))
