@@ -78,7 +78,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   many slots, engine.LENGTH_BUCKET; with --generate, as they change which buckets run),
                   nostepfuse (the step's embedding, cos / sin gathers and advance as their own launches,
                   not engine.STEP_FUSE's), noshare (each sample reads its own copy of the prompt's K / V,
-                  not engine.SHARE_PROMPT_KEYS's first-sample copy; matters with --generations > 1), noprerope / nogqa (the prefill's RoPE as torch ops / K and V
+                  not engine.SHARE_PROMPT_KEYS's first-sample copy; matters with --generations > 1),
+                  noprerope / nogqa (the prefill's RoPE as torch ops / K and V
                   repeated per query head, not engine.PREFILL_ROPE / PREFILL_GQA; with --generate),
                   nonorm (timing only: every decode norm but the first skipped, no residual add: what
                   folding the norms into the GEMVs could give at most), fold / nofold (engine.NORM_FOLD
