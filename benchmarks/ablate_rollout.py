@@ -26,10 +26,10 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   wsmma20m (in the decode chain, M = 1 layers from 20M weights on the Gluon GEMV),
                   norwg (no w4a16_rwg: 17..128 tokens back on the fused / wgmma kernels), rwg9 (rwg from
                   9 tokens), norwgw (no 128-token rwg tiles: 65..128 tokens on the wgmma GEMM), norwg2
-                  (no two-per-SM rwg form), noxrel (that form without XREL), rwg3 / rwg3all
-                  (17..32 tokens at three rwg programs per SM, RWG_THREE_PER_SM below: where the 64-row
-                  tiles overrun one per SM / on every layer), rwg3b32 (rwg3all, and 33..64 tokens as two
-                  32-token tiles at three per SM), pwa / pwag / pwar (per-warp
+                  (no two-per-SM rwg form), noxrel (that form without XREL), norwg3 / rwg3all
+                  (17..32 tokens at three rwg programs per SM, w4a16_triton.RWG_THREE_PER_SM: nowhere /
+                  on every layer, not only the wide ones), rwg3b32 (rwg3all, and 33..64 tokens as
+                  two 32-token tiles at three per SM), pwa / pwag / pwar (per-warp
                   stage release, qerl/kernels/ptx_pwa.py, forced on: Gluon GEMV at every M and rwg / GEMV
                   only / rwg only), nopwa (off in both; the default: GEMV at M = 2..8 and rwg),
                   earlyv (attention loads V with K),
@@ -122,19 +122,14 @@ from qerl.rl.rollout import RolloutSettings  # noqa: E402
 from qerl.rollout import engine as engine_mod  # noqa: E402
 from qerl.rollout.engine import LORA_GROUP_KINDS as KINDS, RolloutEngine  # noqa: E402
 
-# rwg at 17..32 tokens with three programs per SM (12 MMA warps per SM, not 8): 80 registers and rings of
-# 3 weight / 2 activation stages, 68.7 KB of shared memory; the offline sm_90a build has no spills
-# (NOTES_w4a16.md section 29). Not a default: to be timed (flags rwg3 / rwg3all).
-RWG_THREE_PER_SM = {"NSW": 3, "NSX": 2, "maxnreg": 80, "XREL": 1}
 
-
-def _rwg_three_everywhere(default, up_to: int = 32):
-    """_rwg_config with every rwg launch of up to `up_to` tokens at RWG_THREE_PER_SM, R = 1 (wide or
-    not); 33..64 tokens (up_to 64) as two 32-token tiles, each weight tile decoded twice."""
+def _rwg_three_everywhere(default, form: dict, up_to: int = 32):
+    """_rwg_config with every rwg launch of up to `up_to` tokens at `form` (w4a16_triton.RWG_THREE_PER_SM),
+    R = 1 (wide or not); 33..64 tokens (up_to 64) as two 32-token tiles, each weight tile decoded twice."""
     def config(n, k, m, slots):
         if m > up_to:
             return default(n, k, m, slots)
-        return {"R": 1, **RWG_THREE_PER_SM, **({"BM": 32} if m > 32 else {})}
+        return {"R": 1, **form, **({"BM": 32} if m > 32 else {})}
     return config
 
 
@@ -142,6 +137,7 @@ def _switches() -> dict:
     """flag -> [(module, attribute, value)] set while a variant runs."""
     from qerl.kernels import (bf16_gemv, decode_ops, lora_ops, w4a16_gemv, w4a16_gluon, w4a16_rwg, w4a16_triton,
                               w4a16_wgmma)
+    three = dict(w4a16_triton.RWG_THREE_PER_SM)
     table = {
         "lsm0": [(engine_mod, "LORA_GEMV_PER_SM", 0)],
         "sk": [(w4a16_gluon, "STREAMK", True)],
@@ -176,9 +172,9 @@ def _switches() -> dict:
         "norwg2": [(w4a16_triton, "RWG_TWO_PER_SM", {})],
         "noxrel": [(w4a16_triton, "RWG_TWO_PER_SM",
                     {b: {**c, "XREL": 0} for b, c in w4a16_triton.RWG_TWO_PER_SM.items()})],
-        "rwg3": [(w4a16_triton, "RWG_TWO_PER_SM", {**w4a16_triton.RWG_TWO_PER_SM, 32: dict(RWG_THREE_PER_SM)})],
-        "rwg3all": [(w4a16_triton, "_rwg_config", _rwg_three_everywhere(w4a16_triton._rwg_config))],
-        "rwg3b32": [(w4a16_triton, "_rwg_config", _rwg_three_everywhere(w4a16_triton._rwg_config, 64))],
+        "norwg3": [(w4a16_triton, "RWG_THREE_PER_SM", {})],
+        "rwg3all": [(w4a16_triton, "_rwg_config", _rwg_three_everywhere(w4a16_triton._rwg_config, three))],
+        "rwg3b32": [(w4a16_triton, "_rwg_config", _rwg_three_everywhere(w4a16_triton._rwg_config, three, 64))],
         "wg9": [(w4a16_triton, "WGMMA_SMALL_M", 9)],
         "wg9all": [(w4a16_triton, "WGMMA_SMALL_M", 9), (w4a16_triton, "_small_m_wgmma", lambda n, k, m: {})],
         "wg9two": [(w4a16_triton, "WGMMA_SMALL_M", 9),

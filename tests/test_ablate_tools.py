@@ -45,17 +45,16 @@ class _Group:
 
 
 def test_rwg_three_per_sm_flags_apply_and_restore(ablate):
-    """rwg3 / rwg3all route 17..32-token rwg launches to three programs per SM (wide layers / every
-    layer), rwg3b32 33..64-token ones too (as 32-token tiles); larger launches and the defaults after
-    the variant are untouched."""
+    """norwg3 turns the three-per-SM rwg form off, rwg3all routes every 17..32-token rwg launch to it,
+    rwg3b32 33..64-token ones too (as 32-token tiles); larger launches and the defaults after the
+    variant are untouched."""
     engine = _Engine()
-    two, route = dict(w4a16_triton.RWG_TWO_PER_SM), w4a16_triton._rwg_config
-    three = {"R": 1, **ablate.RWG_THREE_PER_SM}
+    form, route = dict(w4a16_triton.RWG_THREE_PER_SM), w4a16_triton._rwg_config
+    three = {"R": 1, **form}
     wide, narrow = (27648, 5120), (7168, 5120)  # 432 / 112 row tiles of 64 on 132 SMs
-    with ablate.variant_of(engine, "base@rwg3"):
-        assert w4a16_triton._rwg_config(*wide, 32, 132) == three
-        assert w4a16_triton._rwg_config(*narrow, 32, 132) == route(*narrow, 32, 132)
-        assert w4a16_triton._rwg_config(*wide, 64, 132) == route(*wide, 64, 132)
+    assert route(*wide, 32, 132) == three and route(*narrow, 32, 132) != three
+    with ablate.variant_of(engine, "base@norwg3"):
+        assert w4a16_triton._rwg_config(*wide, 32, 132) == {"R": 1, **w4a16_triton.RWG_TWO_PER_SM[32]}
     with ablate.variant_of(engine, "base@rwg3all"):
         assert w4a16_triton._rwg_config(*narrow, 17, 132) == three
         assert w4a16_triton._rwg_config(*wide, 64, 132) == route(*wide, 64, 132)
@@ -64,7 +63,7 @@ def test_rwg_three_per_sm_flags_apply_and_restore(ablate):
         assert w4a16_triton._rwg_config(*narrow, 32, 132) == three
         assert w4a16_triton._rwg_config(*wide, 64, 132) == dict(three, BM=32)
         assert w4a16_triton._rwg_config(*wide, 65, 132) == route(*wide, 65, 132)
-    assert w4a16_triton.RWG_TWO_PER_SM == two and w4a16_triton._rwg_config is route
+    assert w4a16_triton.RWG_THREE_PER_SM == form and w4a16_triton._rwg_config is route
 
 
 def test_gluon_flags_apply_per_kind_and_restore(ablate):

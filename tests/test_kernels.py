@@ -350,7 +350,7 @@ def test_wgmma_kernel_builds_for_hopper(fmt, m, cfg):
                                        ("nvfp4", 64, {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1, "PWA": 1}),
                                        ("mxfp4", 64, {"PWA": 1, "PDL": True}),
                                        ("nvfp4", 128, {"BM": 128, "NSX": 2, "PWA": 1}),
-                                       ("nvfp4", 32, {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 80, "XREL": 1, "PWA": 1})],
+                                       ("nvfp4", 32, {"R": 1, "NSW": 2, "NSX": 2, "maxnreg": 80, "XREL": 1, "PWA": 1})],
                          ids=["M64", "M32", "M16-R1", "M64-pdl", "M64-two-per-SM-xrel", "mxfp4-M64", "mxfp4-M32-two",
                               "BM128", "BM128-R1", "M64-pwa", "M64-two-xrel-pwa", "mxfp4-M64-pwa-pdl", "BM128-pwa",
                               "M32-three-per-SM"])
@@ -614,6 +614,28 @@ def test_rwg_rows_rule():
     assert W._rwg_config(5120, 13824, 100, 132) == {"BM": 128, "NSX": 2, "R": 2}
     assert W._rwg_config(5120, 5120, 128, 132) == {"BM": 128, "NSX": 2, "R": 1, "XREL": 1}  # 20 steps in 3 slices
     assert W._rwg_config(22016, 2048, 65, 132) == {"BM": 128, "NSX": 2, "R": 1, "XREL": 1}  # 8 steps
+
+
+def test_rwg_three_per_sm_rule():
+    """RWG_THREE_MIN_M..32 tokens on the layers whose 64-row tiles overrun the SMs: three rwg programs
+    per SM; fewer or more tokens, and narrower layers, keep the forms above. Off with RWG_THREE_PER_SM = {}."""
+    from qerl.kernels import w4a16_triton as W
+
+    three = {"R": 1, **W.RWG_THREE_PER_SM}
+    assert W.RWG_THREE_PER_SM["maxnreg"] * 8 * 32 * 3 <= 65536  # three 8-warp programs fit the registers
+    for n, k in ((22016, 2048), (37888, 3584), (27648, 5120), (55296, 5120)):  # row tiles > 132 SMs
+        assert W._rwg_config(n, k, 32, 132) == W._rwg_config(n, k, W.RWG_THREE_MIN_M, 132) == three
+        assert W._rwg_config(n, k, W.RWG_THREE_MIN_M - 1, 132) == {"R": 1, **W.RWG_TWO_PER_SM[32]}
+        assert W._rwg_config(n, k, 33, 132) == {"R": 1, **W.RWG_TWO_PER_SM[64]}
+    # 56 / 112 / 80 row tiles: one program per SM, R by the fill rule (3584x18944 won standalone at three
+    # per SM but lost in the 7B decode chain)
+    assert W._rwg_config(3584, 18944, 32, 132) == {"R": 1} and W._rwg_config(7168, 5120, 32, 132) == {"R": 1}
+    assert W._rwg_config(5120, 13824, 32, 132) == {"R": 2}
+    old, W.RWG_THREE_PER_SM = W.RWG_THREE_PER_SM, {}
+    try:
+        assert W._rwg_config(27648, 5120, 32, 132) == {"R": 1, **W.RWG_TWO_PER_SM[32]}
+    finally:
+        W.RWG_THREE_PER_SM = old
 
 
 def test_small_m_wgmma_rule():

@@ -567,7 +567,7 @@ WG_CASES = [{}, {"NSW": 2, "NSD": 2, "NSX": 2}, {"S": 1}, {"S": 3}, {"BM": 16}, 
                                  {"BM": 128, "NSX": 2}, {"BM": 128, "R": 1, "NSX": 2, "XREL": 1, "PDL": True},
                                  {"PWA": 1}, {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1, "PDL": True, "PWA": 1},
                                  {"BM": 128, "NSX": 2, "PWA": 1}, {"BM": 128, "R": 1, "NSX": 2, "XREL": 1, "PWA": 1},
-                                 {"BM": 32, "R": 1, "NSW": 3, "NSX": 2, "maxnreg": 80, "XREL": 1, "PWA": 1}],
+                                 {"BM": 32, "R": 1, "NSW": 2, "NSX": 2, "maxnreg": 80, "XREL": 1, "PWA": 1}],
                          ids=["default", "R1", "BM64", "shallow", "pdl", "R1-two-per-SM", "xrel", "R1-two-xrel-pdl",
                               "BM128", "BM128-R1-xrel-pdl", "pwa", "R1-two-xrel-pdl-pwa", "BM128-pwa", "BM128-R1-xrel-pwa",
                               "BM32-R1-three-per-SM"])
@@ -590,7 +590,7 @@ def test_rwg_kernel(fmt, cfg):
         finally:
             WG.SCALE_BITS = old
 
-    # M per token tile; BM 32 is the rwg3 flags' form (ablate_rollout.RWG_THREE_PER_SM): 17..32 tokens in
+    # M per token tile; BM 32 is the three-per-SM form (w4a16_triton.RWG_THREE_PER_SM): 17..32 tokens in
     # one tile, 64 in two
     tokens = {128: (65, 128, 300), 32: (17, 32, 64)}
     ms = (1, 5, 16, 17, 33, 64, 100) if not cfg else tokens.get(cfg.get("BM"), (16, 64))

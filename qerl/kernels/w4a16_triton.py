@@ -132,6 +132,14 @@ RWG_MAX_M = 64
 # {} turns it off.
 RWG_TWO_PER_SM = {32: {"NSW": 4, "NSX": 3, "maxnreg": 104, "XREL": 1},
                   64: {"NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1}}
+# Its three-programs-per-SM form for RWG_THREE_MIN_M..32 tokens on the same wide layers (80 registers, rings of
+# 2 weight / 2 activation stages, 59.5 KB: 12 MMA warps per SM instead of 8). On the H100, nvfp4 at M = 32
+# (NOTES_w4a16.md section 30): 22016x2048 19.8 -> 18.0 us, 37888x3584 47.2 -> 44.4, 27648x5120 50.4 -> 49.4,
+# 55296x5120 85.6 -> 80.2; at 17 / 20 tokens 27648x5120 lost 10-15%, hence the M floor. The 32-row decode
+# step: 7B 4.612 -> 4.581 ms, 14B 9.553 -> 9.433. Narrower layers lost 3-13% standalone, except 3584x18944
+# (30.2 -> 27.0 us), which lost in the 7B chain (4.620 -> 4.773 ms with it). {} turns it off.
+RWG_THREE_PER_SM = {"NSW": 2, "NSX": 2, "maxnreg": 80, "XREL": 1}
+RWG_THREE_MIN_M = 24
 # The same GEMM at RWG_MAX_M < M <= RWG_WIDE_MAX_M in 128-token tiles (one program per SM, two activation stages of
 # 64 KB): R = 2 where its slices run >= RWG_WIDE_R2_STEPS 256-K steps (the activation traffic, 64 KB per step, is
 # shared by twice the weight rows), else R = 1 with XREL. On the H100 at M = 128, nvfp4, against the wgmma GEMM it
@@ -921,15 +929,18 @@ def _rwg_rows(n: int, k: int, slots: int) -> int:
 
 
 def _rwg_config(n: int, k: int, m: int, slots: int) -> dict:
-    """w4a16_rwg's config for M = RWG_MIN_M..RWG_WIDE_MAX_M tokens. Up to RWG_MAX_M: R = 1 at two programs
-    per SM where the 64-row tiles overrun one per SM (RWG_TWO_PER_SM), else R by _rwg_rows. Above: 128-token
-    tiles, R = 2 where its K slices are long (RWG_WIDE_R2_STEPS), else R = 1."""
+    """w4a16_rwg's config for M = RWG_MIN_M..RWG_WIDE_MAX_M tokens. Up to RWG_MAX_M, where the 64-row tiles
+    overrun one program per SM: R = 1 at three programs per SM for RWG_THREE_MIN_M..32 tokens
+    (RWG_THREE_PER_SM), else at two (RWG_TWO_PER_SM); elsewhere R by _rwg_rows. Above: 128-token tiles,
+    R = 2 where its K slices are long (RWG_WIDE_R2_STEPS), else R = 1."""
     if m > RWG_MAX_M:
         from qerl.kernels.w4a16_wgmma import split
 
         kb, tiles = -(-k // 256), -(-n // 128)
         long_slices = kb // split(tiles, kb, slots) >= RWG_WIDE_R2_STEPS
         return {"BM": 128, "NSX": 2, **({"R": 2} if long_slices else {"R": 1, "XREL": 1})}
+    if -(-n // 64) > slots and RWG_THREE_PER_SM and RWG_THREE_MIN_M <= m <= 32:
+        return {"R": 1, **RWG_THREE_PER_SM}
     wide = RWG_TWO_PER_SM.get(32 if m <= 32 else 64) if -(-n // 64) > slots else None
     if wide:
         return {"R": 1, **wide}
