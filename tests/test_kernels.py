@@ -340,6 +340,11 @@ def test_wgmma_kernel_builds_for_hopper(fmt, m, cfg):
     assert ptx.count("griddepcontrol") == (3 if consts["PDL"] else 0)
 
 
+# the three-programs-per-SM rwg form the routing picks at 24..32 tokens (w4a16_triton.RWG_THREE_PER_SM, R = 1),
+# built offline below and checked against the routing in test_rwg_three_per_sm_rule
+THREE_PER_SM = {"R": 1, "NSW": 2, "NSX": 2, "maxnreg": 80, "XREL": 1}
+
+
 @pytest.mark.parametrize("fmt,m,cfg", [("nvfp4", 64, {}), ("nvfp4", 32, {}), ("nvfp4", 16, {"R": 1}),
                                        ("nvfp4", 64, {"PDL": True}),
                                        ("nvfp4", 64, {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1}),
@@ -350,7 +355,7 @@ def test_wgmma_kernel_builds_for_hopper(fmt, m, cfg):
                                        ("nvfp4", 64, {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1, "PWA": 1}),
                                        ("mxfp4", 64, {"PWA": 1, "PDL": True}),
                                        ("nvfp4", 128, {"BM": 128, "NSX": 2, "PWA": 1}),
-                                       ("nvfp4", 32, {"R": 1, "NSW": 2, "NSX": 2, "maxnreg": 80, "XREL": 1, "PWA": 1})],
+                                       ("nvfp4", 32, {**THREE_PER_SM, "PWA": 1})],
                          ids=["M64", "M32", "M16-R1", "M64-pdl", "M64-two-per-SM-xrel", "mxfp4-M64", "mxfp4-M32-two",
                               "BM128", "BM128-R1", "M64-pwa", "M64-two-xrel-pwa", "mxfp4-M64-pwa-pdl", "BM128-pwa",
                               "M32-three-per-SM"])
@@ -622,7 +627,7 @@ def test_rwg_three_per_sm_rule():
     from qerl.kernels import w4a16_triton as W
 
     three = {"R": 1, **W.RWG_THREE_PER_SM}
-    assert W.RWG_THREE_PER_SM["maxnreg"] * 8 * 32 * 3 <= 65536  # three 8-warp programs fit the registers
+    assert three == THREE_PER_SM  # the form test_rwg_kernel_builds_for_hopper[M32-three-per-SM] builds
     for n, k in ((22016, 2048), (37888, 3584), (27648, 5120), (55296, 5120)):  # row tiles > 132 SMs
         assert W._rwg_config(n, k, 32, 132) == W._rwg_config(n, k, W.RWG_THREE_MIN_M, 132) == three
         assert W._rwg_config(n, k, W.RWG_THREE_MIN_M - 1, 132) == {"R": 1, **W.RWG_TWO_PER_SM[32]}
