@@ -126,9 +126,9 @@ from qerl.rollout.engine import LORA_GROUP_KINDS as KINDS, RolloutEngine  # noqa
 def _rwg_three_everywhere(default, form: dict, up_to: int = 32):
     """_rwg_config with every rwg launch of up to `up_to` tokens at `form` (w4a16_triton.RWG_THREE_PER_SM),
     R = 1 (wide or not); 33..64 tokens (up_to 64) as two 32-token tiles, each weight tile decoded twice."""
-    def config(n, k, m, slots):
+    def config(n, k, m, slots, fmt="nvfp4"):
         if m > up_to:
-            return default(n, k, m, slots)
+            return default(n, k, m, slots, fmt)
         return {"R": 1, **form, **({"BM": 32} if m > 32 else {})}
     return config
 

@@ -137,9 +137,11 @@ RWG_TWO_PER_SM = {32: {"NSW": 4, "NSX": 3, "maxnreg": 104, "XREL": 1},
 # (NOTES_w4a16.md section 30): 22016x2048 19.8 -> 18.0 us, 37888x3584 47.2 -> 44.4, 27648x5120 50.4 -> 49.4,
 # 55296x5120 85.6 -> 80.2; at 17 / 20 tokens 27648x5120 lost 10-15%, hence the M floor. The 32-row decode
 # step: 7B 4.612 -> 4.581 ms, 14B 9.553 -> 9.433. Narrower layers lost 3-13% standalone, except 3584x18944
-# (30.2 -> 27.0 us), which lost in the 7B chain (4.620 -> 4.773 ms with it). {} turns it off.
+# (30.2 -> 27.0 us), which lost in the 7B chain (4.620 -> 4.773 ms with it). Timed for nvfp4 only, so only
+# RWG_THREE_FORMATS take it (mxfp4 passes the same GPU tests on it). {} turns it off.
 RWG_THREE_PER_SM = {"NSW": 2, "NSX": 2, "maxnreg": 80, "XREL": 1}
 RWG_THREE_MIN_M = 24
+RWG_THREE_FORMATS = ("nvfp4",)
 # The same GEMM at RWG_MAX_M < M <= RWG_WIDE_MAX_M in 128-token tiles (one program per SM, two activation stages of
 # 64 KB): R = 2 where its slices run >= RWG_WIDE_R2_STEPS 256-K steps (the activation traffic, 64 KB per step, is
 # shared by twice the weight rows), else R = 1 with XREL. On the H100 at M = 128, nvfp4, against the wgmma GEMM it
@@ -928,18 +930,18 @@ def _rwg_rows(n: int, k: int, slots: int) -> int:
     return 2 if -(-n // 128) >= slots else 1
 
 
-def _rwg_config(n: int, k: int, m: int, slots: int) -> dict:
+def _rwg_config(n: int, k: int, m: int, slots: int, fmt: str = "nvfp4") -> dict:
     """w4a16_rwg's config for M = RWG_MIN_M..RWG_WIDE_MAX_M tokens. Up to RWG_MAX_M, where the 64-row tiles
     overrun one program per SM: R = 1 at three programs per SM for RWG_THREE_MIN_M..32 tokens
-    (RWG_THREE_PER_SM), else at two (RWG_TWO_PER_SM); elsewhere R by _rwg_rows. Above: 128-token tiles,
-    R = 2 where its K slices are long (RWG_WIDE_R2_STEPS), else R = 1."""
+    (RWG_THREE_PER_SM, RWG_THREE_FORMATS), else at two (RWG_TWO_PER_SM); elsewhere R by _rwg_rows. Above:
+    128-token tiles, R = 2 where its K slices are long (RWG_WIDE_R2_STEPS), else R = 1."""
     if m > RWG_MAX_M:
         from qerl.kernels.w4a16_wgmma import split
 
         kb, tiles = -(-k // 256), -(-n // 128)
         long_slices = kb // split(tiles, kb, slots) >= RWG_WIDE_R2_STEPS
         return {"BM": 128, "NSX": 2, **({"R": 2} if long_slices else {"R": 1, "XREL": 1})}
-    if -(-n // 64) > slots and RWG_THREE_PER_SM and RWG_THREE_MIN_M <= m <= 32:
+    if -(-n // 64) > slots and RWG_THREE_PER_SM and RWG_THREE_MIN_M <= m <= 32 and fmt in RWG_THREE_FORMATS:
         return {"R": 1, **RWG_THREE_PER_SM}
     wide = RWG_TWO_PER_SM.get(32 if m <= 32 else 64) if -(-n // 64) > slots else None
     if wide:
@@ -1005,8 +1007,8 @@ def _fused_route(m: int, state: dict, device: torch.device, config: dict | None)
         path = "wsmma"
     elif 0 < RWG_MIN_M <= m <= max(RWG_MAX_M, RWG_WIDE_MAX_M) and _wsmma_ok(device, state):
         path = "rwg"
-        config = {**_rwg_config(state["n"], state["k"], m, _num_sms(device.index if device.index is not None
-                                                                   else 0)), **(config or {})}
+        slots = _num_sms(device.index if device.index is not None else 0)
+        config = {**_rwg_config(state["n"], state["k"], m, slots, state["fmt"]), **(config or {})}
     elif 0 < WGMMA_MIN_M <= m and _wsmma_ok(device, state):
         path = "wgmma"
     elif 0 < WGMMA_SMALL_M <= m and WGMMA_MIN_M > 0 and _wsmma_ok(device, state):
