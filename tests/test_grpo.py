@@ -474,6 +474,7 @@ def test_a_step_that_trains_nothing_advances_the_schedule_without_torchs_warning
         fresh.step()
     assert any("lr_scheduler.step()" in str(w.message) for w in bare)
 
+
 def test_reward_functions():
     from qerl.rl.rewards import accuracy, format_reward, get_reward_functions, gsm8k_accuracy, math_accuracy
 

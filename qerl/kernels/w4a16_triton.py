@@ -941,11 +941,12 @@ def _rwg_config(n: int, k: int, m: int, slots: int, fmt: str = "nvfp4") -> dict:
         kb, tiles = -(-k // 256), -(-n // 128)
         long_slices = kb // split(tiles, kb, slots) >= RWG_WIDE_R2_STEPS
         return {"BM": 128, "NSX": 2, **({"R": 2} if long_slices else {"R": 1, "XREL": 1})}
-    if -(-n // 64) > slots and RWG_THREE_PER_SM and RWG_THREE_MIN_M <= m <= 32 and fmt in RWG_THREE_FORMATS:
-        return {"R": 1, **RWG_THREE_PER_SM}
-    wide = RWG_TWO_PER_SM.get(32 if m <= 32 else 64) if -(-n // 64) > slots else None
-    if wide:
-        return {"R": 1, **wide}
+    if -(-n // 64) > slots:  # the 64-row tiles overrun one program per SM
+        if RWG_THREE_PER_SM and RWG_THREE_MIN_M <= m <= 32 and fmt in RWG_THREE_FORMATS:
+            return {"R": 1, **RWG_THREE_PER_SM}
+        wide = RWG_TWO_PER_SM.get(32 if m <= 32 else 64)
+        if wide:
+            return {"R": 1, **wide}
     return {"R": _rwg_rows(n, k, slots)}
 
 
