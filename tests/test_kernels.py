@@ -623,7 +623,7 @@ def test_rwg_rows_rule():
 
 def test_rwg_three_per_sm_rule():
     """RWG_THREE_MIN_M..32 tokens on the layers whose 64-row tiles overrun the SMs: three rwg programs
-    per SM (nvfp4); fewer or more tokens, narrower layers and mxfp4 keep the forms above. Off with
+    per SM (nvfp4 and mxfp4); fewer or more tokens and narrower layers keep the forms above. Off with
     RWG_THREE_PER_SM = {}."""
     from qerl.kernels import w4a16_triton as W
 
@@ -637,7 +637,8 @@ def test_rwg_three_per_sm_rule():
     # per SM but lost in the 7B decode chain)
     assert W._rwg_config(3584, 18944, 32, 132) == {"R": 1} and W._rwg_config(7168, 5120, 32, 132) == {"R": 1}
     assert W._rwg_config(5120, 13824, 32, 132) == {"R": 2}
-    assert W._rwg_config(27648, 5120, 32, 132, "mxfp4") == {"R": 1, **W.RWG_TWO_PER_SM[32]}  # timed for nvfp4
+    assert W._rwg_config(27648, 5120, 32, 132, "mxfp4") == three  # mxfp4 timed on it in session 41
+    assert W._rwg_config(27648, 5120, 23, 132, "mxfp4") == {"R": 1, **W.RWG_TWO_PER_SM[32]}
     old, W.RWG_THREE_PER_SM = W.RWG_THREE_PER_SM, {}
     try:
         assert W._rwg_config(27648, 5120, 32, 132) == {"R": 1, **W.RWG_TWO_PER_SM[32]}

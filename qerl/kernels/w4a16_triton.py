@@ -137,11 +137,12 @@ RWG_TWO_PER_SM = {32: {"NSW": 4, "NSX": 3, "maxnreg": 104, "XREL": 1},
 # (NOTES_w4a16.md section 30): 22016x2048 19.8 -> 18.0 us, 37888x3584 47.2 -> 44.4, 27648x5120 50.4 -> 49.4,
 # 55296x5120 85.6 -> 80.2; at 17 / 20 tokens 27648x5120 lost 10-15%, hence the M floor. The 32-row decode
 # step: 7B 4.612 -> 4.581 ms, 14B 9.553 -> 9.433. Narrower layers lost 3-13% standalone, except 3584x18944
-# (30.2 -> 27.0 us), which lost in the 7B chain (4.620 -> 4.773 ms with it). Timed for nvfp4 only, so only
-# RWG_THREE_FORMATS take it (mxfp4 passes the same GPU tests on it). {} turns it off.
+# (30.2 -> 27.0 us), which lost in the 7B chain (4.620 -> 4.773 ms with it). mxfp4 (session 41, 24..32 tokens):
+# 22016x2048 20.0 -> 17.8 us, 37888x3584 48.3 -> 44.4, 27648x5120 52.2 -> 50.8, 55296x5120 89.0 -> 82.2 at 32,
+# and 27648x5120 lost at 17 / 20 there too (52.8 -> 54.6). {} turns it off; RWG_THREE_FORMATS names who takes it.
 RWG_THREE_PER_SM = {"NSW": 2, "NSX": 2, "maxnreg": 80, "XREL": 1}
 RWG_THREE_MIN_M = 24
-RWG_THREE_FORMATS = ("nvfp4",)
+RWG_THREE_FORMATS = ("nvfp4", "mxfp4")
 # The same GEMM at RWG_MAX_M < M <= RWG_WIDE_MAX_M in 128-token tiles (one program per SM, two activation stages of
 # 64 KB): R = 2 where its slices run >= RWG_WIDE_R2_STEPS 256-K steps (the activation traffic, 64 KB per step, is
 # shared by twice the weight rows), else R = 1 with XREL. On the H100 at M = 128, nvfp4, against the wgmma GEMM it
