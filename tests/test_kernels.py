@@ -355,15 +355,18 @@ THREE_PER_SM = {"R": 1, "NSW": 2, "NSX": 2, "maxnreg": 80, "XREL": 1}
                                        ("nvfp4", 64, {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1, "PWA": 1}),
                                        ("mxfp4", 64, {"PWA": 1, "PDL": True}),
                                        ("nvfp4", 128, {"BM": 128, "NSX": 2, "PWA": 1}),
-                                       ("nvfp4", 32, {**THREE_PER_SM, "PWA": 1})],
+                                       ("nvfp4", 32, {**THREE_PER_SM, "PWA": 1}),
+                                       ("nvfp4", 32, {"R": 1, "KP": 2, "XREL": 1, "NSX": 4}),
+                                       ("mxfp4", 64, {"R": 1, "KP": 2, "NSX": 4, "PDL": True})],
                          ids=["M64", "M32", "M16-R1", "M64-pdl", "M64-two-per-SM-xrel", "mxfp4-M64", "mxfp4-M32-two",
                               "BM128", "BM128-R1", "M64-pwa", "M64-two-xrel-pwa", "mxfp4-M64-pwa-pdl", "BM128-pwa",
-                              "M32-three-per-SM"])
+                              "M32-three-per-SM", "M32-KP2", "mxfp4-M64-KP2-pdl"])
 def test_rwg_kernel_builds_for_hopper(fmt, m, cfg):
     """Offline sm_90a build of w4a16_rwg (no GPU needed): the register layouts convert trivially to
     the wgmma register operand (assert_trivial fails the build otherwise), no spills, the rings fit,
-    16 wgmmas per step (peeled first step + loop), and ptxas does not serialise the wgmmas (C7515:
-    a path reaching the final wait with re-defined accumulator registers does that)."""
+    16 wgmmas per step (peeled first step + loop; twice with KP = 2, one loop per MMA warpgroup), and
+    ptxas does not serialise the wgmmas (C7515: a path reaching the final wait with re-defined
+    accumulator registers does that)."""
     pytest.importorskip("triton.experimental.gluon")
     import subprocess
     import tempfile
@@ -376,14 +379,17 @@ def test_rwg_kernel_builds_for_hopper(fmt, m, cfg):
     cg = _compile_gluon()
     regs, spills = cg._resources(ck.asm["cubin"])
     consts, _ = R.kernel_args(m, cfg, fmt)
-    rings = R.smem_bytes(consts["BM"], consts["num_warps"] // 4, consts["NSW"], consts["NSX"])
+    kp = cfg.get("KP", 1)
+    rings = R.smem_bytes(consts["BM"], consts["num_warps"] // 4, consts["NSW"], consts["NSX"], kp)
     assert consts["BM"] == cfg.get("BM", consts["BM"]) and rings - 1024 <= ck.metadata.shared <= 232448
     assert spills == 0
     if cfg.get("maxnreg"):  # the 104 / 80-register forms fit 2 / 3 programs per SM (WG._resident's count)
         fit = min(65536 // (regs * ck.metadata.num_warps * 32), 233472 // (ck.metadata.shared + 1024))
         assert fit == {104: 2, 80: 3}[cfg["maxnreg"]]
     ptx = ck.asm["ptx"]
-    assert ptx.count("wgmma.mma_async") == 32 and ptx.count("griddepcontrol") == (3 if cfg.get("PDL") else 0)
+    assert ptx.count("wgmma.mma_async") == 32 * kp and ptx.count("griddepcontrol") == (3 if cfg.get("PDL") else 0)
+    if kp == 2:  # one program per SM: the two MMA warpgroups, the loaders' (padded) one, ~100 KB of rings
+        assert ck.metadata.num_warps == 12 and 65536 // (regs * 12 * 32) == 1
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.ptx")
@@ -633,8 +639,8 @@ def test_rwg_three_per_sm_rule():
         assert W._rwg_config(n, k, 32, 132) == W._rwg_config(n, k, W.RWG_THREE_MIN_M, 132) == three
         assert W._rwg_config(n, k, W.RWG_THREE_MIN_M - 1, 132) == {"R": 1, **W.RWG_TWO_PER_SM[32]}
         assert W._rwg_config(n, k, 33, 132) == {"R": 1, **W.RWG_TWO_PER_SM[64]}
-    # 56 / 112 / 80 row tiles: one program per SM, R by the fill rule (3584x18944 won standalone at three
-    # per SM but lost in the 7B decode chain)
+    # 56 / 112 / 80 row tiles: one program per SM, R by the fill rule (3584x18944 won standalone at three per SM
+    # but lost in the 7B decode chain)
     assert W._rwg_config(3584, 18944, 32, 132) == {"R": 1} and W._rwg_config(7168, 5120, 32, 132) == {"R": 1}
     assert W._rwg_config(5120, 13824, 32, 132) == {"R": 2}
     assert W._rwg_config(27648, 5120, 32, 132, "mxfp4") == three  # mxfp4 timed on it in session 41
@@ -644,6 +650,50 @@ def test_rwg_three_per_sm_rule():
         assert W._rwg_config(27648, 5120, 32, 132) == {"R": 1, **W.RWG_TWO_PER_SM[32]}
     finally:
         W.RWG_THREE_PER_SM = old
+
+
+def test_rwg_kp_rings_are_even():
+    """rwg's KP form (two MMA warpgroups on alternate K steps) only with R = 1 and rings of an even number of
+    stages, so each stage belongs to one warpgroup: with three activation stages a warpgroup can reach a stage
+    two phases ahead of its last wait there, where mbarrier.try_wait.parity passes at once (on the H100 one
+    output in 2000 differed, session 41). The wrapper cuts the split to slices of >= 2 steps."""
+    from qerl.kernels import w4a16_rwg as R
+    from qerl.kernels import w4a16_triton as W
+
+    for bad in ({"R": 1, "KP": 2}, {"R": 1, "KP": 2, "NSX": 3}, {"R": 1, "KP": 2, "NSW": 3, "NSX": 4},
+                {"R": 2, "KP": 2, "NSX": 4}, {"R": 1, "KP": 3, "NSX": 4}):
+        with pytest.raises(ValueError, match="KP"):
+            R.kernel_args(32, bad)
+    consts, cfg = R.kernel_args(32, {"R": 1, **W.RWG_KP_FORM})
+    assert cfg["KP"] == 2 and consts["NSW"] % 2 == consts["NSX"] % 2 == 0 and "PWA" not in consts
+    assert R.smem_bytes(32, 1, 4, 4, 2) == R.smem_bytes(32, 1, 4, 4) + 64 * 32 * 4  # + the odd steps' sum
+
+
+def test_rwg_kp_rule():
+    """17..64 tokens on the layers whose 64-row tiles fit one wave: rwg's KP form (two MMA warpgroups on
+    alternate K steps) where its slices run >= RWG_KP_MIN_STEPS steps and, against R = 2, the fitted time
+    model favours it (the layers timed in session 41). Off by default (RWG_KP = {}: an unexplained launch
+    failure), so the rule is checked with RWG_KP = RWG_KP_FORM."""
+    from qerl.kernels import w4a16_triton as W
+
+    assert W.RWG_KP == {} and W._rwg_config(7168, 5120, 32, 132) == {"R": 1}
+    kp = {"R": 1, **W.RWG_KP_FORM}
+    old, W.RWG_KP = W.RWG_KP, dict(W.RWG_KP_FORM)
+    try:
+        _check_kp_rule(W, kp)
+    finally:
+        W.RWG_KP = old
+
+
+def _check_kp_rule(W, kp):
+    for m in (17, 32, 64):
+        for n, k in ((7168, 5120), (4608, 3584), (3584, 18944), (3584, 3584), (2048, 11008)):  # won standalone
+            assert W._rwg_config(n, k, m, 132) == kp, (n, k, m)
+        assert W._rwg_config(2048, 2048, m, 132) == {"R": 1}  # 2-step slices: lost
+        assert W._rwg_config(2560, 2048, m, 132) == {"R": 1}  # 3-step slices: lost
+        assert W._rwg_config(5120, 13824, m, 132) == {"R": 2}  # R = 2 at 27 us against 34
+        assert W._rwg_config(27648, 5120, m, 132)["R"] == 1 and "KP" not in W._rwg_config(27648, 5120, m, 132)
+    assert W._rwg_kp_wins(4608, 3584, 132, 2) and not W._rwg_kp_wins(5120, 27648, 132, 2)
 
 
 def test_small_m_wgmma_rule():

@@ -130,10 +130,12 @@ def _a_operand(wc, sc, rt, st, ROWS: gl.constexpr, AOP: gl.constexpr):
 @gluon.jit
 def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, zw, r0, r1, r2, r3, s0_, s1_, s2_,
           s3_, exp_bias, NSW: gl.constexpr, NSX: gl.constexpr, FMT: gl.constexpr, XREL: gl.constexpr,
-          ROWS: gl.constexpr, LW2: gl.constexpr, LS3: gl.constexpr, LW3: gl.constexpr, AOP: gl.constexpr):
+          ROWS: gl.constexpr, LW2: gl.constexpr, LS3: gl.constexpr, LW3: gl.constexpr, AOP: gl.constexpr,
+          KP: gl.constexpr = 1):
     """One 256-K step: read and release the weight stage, then per 64-K chunk decode into the A
     operand, issue the async wgmma and retire the previous chunk's; the previous step's activation
-    stage is released once its last wgmma retired (after this step's first wait)."""
+    stage is released once its last wgmma retired (after this step's first wait). With KP MMA
+    warpgroups on alternate steps, this warpgroup's previous step is i - KP."""
     i = kk - k0
     iw = i % NSW
     mbarrier.wait(w_ready.index(iw), (i // NSW) & 1)
@@ -148,7 +150,7 @@ def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empt
         # its activation stage beside this weight stage: three CTA barriers per step instead of four
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(w_empty.index(iw), count=1)
-        mbarrier.arrive(x_empty.index((i + NSX - 1) % NSX), count=1, pred=i > 0)
+        mbarrier.arrive(x_empty.index((i + NSX - KP) % NSX), count=1, pred=i >= KP)
     else:
         mbarrier.arrive(w_empty.index(iw), count=1)
     w3 = gl.expand_dims(gl.convert_layout(w2, gl.SliceLayout(2, LW3), assert_trivial=True), 2).to(
@@ -172,7 +174,7 @@ def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empt
     acc = warpgroup_mma(a, x_bufs.index(4 * ix + 0).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
     if not XREL:  # the previous step's last wgmma has retired: its activation stage is free
-        mbarrier.arrive(x_empty.index((i + NSX - 1) % NSX), count=1, pred=i > 0)
+        mbarrier.arrive(x_empty.index((i + NSX - KP) % NSX), count=1, pred=i >= KP)
     a = _a_operand(w1, c1, r1, s1_, ROWS, AOP)
     acc = warpgroup_mma(a, x_bufs.index(4 * ix + 1).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -186,11 +188,12 @@ def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empt
 
 
 @gluon.jit
-def _consumer(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr,
-              lock_ptr, p, tile, n0, m0, M, N, k0, k1, S, exp_bias, NSW: gl.constexpr, NSX: gl.constexpr,
-              BM: gl.constexpr, FMT: gl.constexpr, XREL: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
-              RT: gl.constexpr, ST: gl.constexpr, LW2: gl.constexpr, LS3: gl.constexpr, LW3: gl.constexpr,
-              ACC: gl.constexpr, AOP: gl.constexpr, num_warps: gl.constexpr):
+def _mma_steps(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, k0, k1, exp_bias, NSW: gl.constexpr,
+               NSX: gl.constexpr, BM: gl.constexpr, FMT: gl.constexpr, XREL: gl.constexpr, RT: gl.constexpr,
+               ST: gl.constexpr, LW2: gl.constexpr, LS3: gl.constexpr, LW3: gl.constexpr, ACC: gl.constexpr,
+               AOP: gl.constexpr, KP: gl.constexpr, PART: gl.constexpr, num_warps: gl.constexpr):
+    """The MMA warpgroups' main loop: steps k0 + PART, k0 + PART + KP, ... < k1 (KP MMA warpgroups
+    on alternate steps of one tile, this one number PART), every wgmma retired -> the accumulator."""
     ROWS: gl.constexpr = 16 * num_warps
     t1 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, LW3)))
     t3 = gl.expand_dims(gl.expand_dims(t1, 0), 0)  # [1, 1, 4]: the quad lane t
@@ -204,15 +207,54 @@ def _consumer(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_
     acc = gl.zeros([ROWS, BM], gl.float32, ACC)
     # the first step outside the loop: with a loop that may run zero times, the path that skips it
     # reached the final wait with zeroed accumulator registers and ptxas serialised every wgmma
-    # (C7515); the split never makes an empty slice
-    acc = _step(acc, k0, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, zw, r0, r1, r2, r3, s0_, s1_,
-                s2_, s3_, exp_bias, NSW, NSX, FMT, XREL, ROWS, LW2, LS3, LW3, AOP)
-    for kk in range(k0 + 1, k1):
+    # (C7515); the split never makes an empty slice (nor, with KP = 2, one of a single step)
+    acc = _step(acc, k0 + PART, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, zw, r0, r1, r2, r3,
+                s0_, s1_, s2_, s3_, exp_bias, NSW, NSX, FMT, XREL, ROWS, LW2, LS3, LW3, AOP, KP)
+    for kk in range(k0 + PART + KP, k1, KP):
         acc = _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, zw, r0, r1, r2, r3, s0_,
-                    s1_, s2_, s3_, exp_bias, NSW, NSX, FMT, XREL, ROWS, LW2, LS3, LW3, AOP)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    WG._tile_epilogue(acc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, n0, m0, M, N, k0, k1, S, ROWS, BM,
-                      HAS_BIAS, PDL, num_warps)
+                    s1_, s2_, s3_, exp_bias, NSW, NSX, FMT, XREL, ROWS, LW2, LS3, LW3, AOP, KP)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+
+@gluon.jit
+def _consumer(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr,
+              lock_ptr, p, tile, n0, m0, M, N, k0, k1, S, exp_bias, NSW: gl.constexpr, NSX: gl.constexpr,
+              BM: gl.constexpr, FMT: gl.constexpr, XREL: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
+              RT: gl.constexpr, ST: gl.constexpr, LW2: gl.constexpr, LS3: gl.constexpr, LW3: gl.constexpr,
+              ACC: gl.constexpr, AOP: gl.constexpr, num_warps: gl.constexpr):
+    acc = _mma_steps(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, k0, k1, exp_bias, NSW, NSX, BM, FMT,
+                     XREL, RT, ST, LW2, LS3, LW3, ACC, AOP, 1, 0, num_warps)
+    WG._tile_epilogue(acc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, n0, m0, M, N, k0, k1, S,
+                      16 * num_warps, BM, HAS_BIAS, PDL, num_warps)
+
+
+@gluon.jit
+def _kp_lead(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, red, red_bar, alpha_ptr, bias_ptr, c_ptr,
+             ws_ptr, lock_ptr, p, tile, n0, m0, M, N, k0, k1, S, exp_bias, NSW: gl.constexpr, NSX: gl.constexpr,
+             BM: gl.constexpr, FMT: gl.constexpr, XREL: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
+             RT: gl.constexpr, ST: gl.constexpr, LW2: gl.constexpr, LS3: gl.constexpr, LW3: gl.constexpr,
+             ACC: gl.constexpr, AOP: gl.constexpr, num_warps: gl.constexpr):
+    """KP = 2, the even steps (default partition): adds the odd steps' accumulator from shared memory
+    once it is there, then the epilogue."""
+    acc = _mma_steps(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, k0, k1, exp_bias, NSW, NSX, BM, FMT,
+                     XREL, RT, ST, LW2, LS3, LW3, ACC, AOP, 2, 0, num_warps)
+    mbarrier.wait(red_bar, 0)
+    acc = acc + red.load(ACC)
+    WG._tile_epilogue(acc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, n0, m0, M, N, k0, k1, S,
+                      16 * num_warps, BM, HAS_BIAS, PDL, num_warps)
+
+
+@gluon.jit
+def _kp_odd(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, red, red_bar, k0, k1, exp_bias,
+            NSW: gl.constexpr, NSX: gl.constexpr, BM: gl.constexpr, FMT: gl.constexpr, XREL: gl.constexpr,
+            RT: gl.constexpr, ST: gl.constexpr, LW2: gl.constexpr, LS3: gl.constexpr, LW3: gl.constexpr,
+            ACC: gl.constexpr, AOP: gl.constexpr):
+    """KP = 2, the odd steps (a 4-warp worker partition): its accumulator into shared memory for the
+    lead warpgroup (the arrive follows a barrier of this partition's warps, so every store is in)."""
+    acc = _mma_steps(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, k0, k1, exp_bias, NSW, NSX, BM, FMT,
+                     XREL, RT, ST, LW2, LS3, LW3, ACC, AOP, 2, 1, 4)
+    red.store(acc)
+    mbarrier.arrive(red_bar, count=1)
 
 
 @gluon.jit
@@ -275,7 +317,39 @@ def _rwg_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock
     ], [1, 1], [LOAD_REGS, LOAD_REGS])
 
 
-DEFAULT = dict(BM=None, R=2, NSW=4, NSX=3, XREL=0, LOAD_REGS=24, PER_SM=None, maxnreg=None, PDL=None, S=None, PWA=None)
+@gluon.jit
+def _rwg_kp_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, M, N, KB, S, MT, exp_bias,
+                   BM: gl.constexpr, NSW: gl.constexpr, NSX: gl.constexpr, FMT: gl.constexpr, XREL: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, PDL: gl.constexpr, LOAD_REGS: gl.constexpr,
+                   MMA_REGS: gl.constexpr, RT: gl.constexpr, ST: gl.constexpr, LW2: gl.constexpr, LS3: gl.constexpr,
+                   LW3: gl.constexpr, ACC: gl.constexpr, AOP: gl.constexpr, num_warps: gl.constexpr):
+    """_rwg_kernel's R = 1 tile with two MMA warpgroups on alternate 256-K steps (KP = 2): twice the
+    warps decoding one tile, one weight ring, and the K split summed in shared memory instead of
+    through the workspace (slices of >= 2 steps, forward() sees to it). The even steps' warpgroup
+    (default partition) ends with the tile's epilogue."""
+    if PDL:
+        _gdc("launch_dependents")
+    p, tile, nt, mt, k0, k1 = WG._tile_slice(KB, S, MT)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NSW, 64, 32], w_desc.layout)
+    s_bufs = gl.allocate_shared_memory(s_desc.dtype, [NSW, s_desc.block_type.shape[0], 16], s_desc.layout)
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [4 * NSX] + x_desc.block_type.shape, x_desc.layout)
+    red = gl.allocate_shared_memory(gl.float32, [64, BM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    w_ready, w_empty = _ring_barriers(NSW)
+    x_ready, x_empty = _ring_barriers(NSX)
+    red_bar, _unused = _ring_barriers(1)
+    gl.warp_specialize([
+        (_kp_lead, (w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, red, red_bar.index(0), alpha_ptr,
+                    bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, nt * 64, mt * BM, M, N, k0, k1, S, exp_bias, NSW, NSX,
+                    BM, FMT, XREL, HAS_BIAS, PDL, RT, ST, LW2, LS3, LW3, ACC, AOP, num_warps)),
+        (_kp_odd, (w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, red, red_bar.index(0), k0, k1, exp_bias,
+                   NSW, NSX, BM, FMT, XREL, RT, ST, LW2, LS3, LW3, ACC, AOP)),
+        (_w_loader, (w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, nt * KB * 64, k0, k1, KB, 1, NSW)),
+        (_x_loader, (x_desc, x_bufs, x_ready, x_empty, mt * BM, k0, k1, NSX, PDL)),
+    ], [4, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
+
+
+DEFAULT = dict(BM=None, R=2, NSW=4, NSX=3, XREL=0, LOAD_REGS=24, PER_SM=None, maxnreg=None, PDL=None, S=None, PWA=None,
+               KP=1, MMA_REGS=160)
 # Per-warp release of the weight and activation stages (qerl/kernels/ptx_pwa.py): no CTA barrier in
 # the MMA loop. Config key PWA overrides per call (None: this switch). Decode steps (a64, H100, same
 # process): 7B at 32 / 64 rows +1.1% / +0.5%. NOTES_w4a16.md section 22.
@@ -283,10 +357,10 @@ PER_WARP_ARRIVE = True
 _RESIDENT: dict = {}
 
 
-def smem_bytes(bm: int, r: int, nsw: int, nsx: int) -> int:
+def smem_bytes(bm: int, r: int, nsw: int, nsx: int, kp: int = 1) -> int:
     """Shared memory of the rings (nvfp4's, the larger scale tile): R raw weight tiles per stage, four
-    x chunks per stage (+ barriers)."""
-    return nsw * r * (8192 + 1024) + nsx * 4 * bm * 128 + 1024
+    x chunks per stage (+ barriers); with KP = 2 also the odd steps' fp32 accumulator."""
+    return nsw * r * (8192 + 1024) + nsx * 4 * bm * 128 + 1024 + (64 * bm * 4 if kp > 1 else 0)
 
 
 @functools.lru_cache(maxsize=256)
@@ -298,13 +372,18 @@ def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool, pwa_default:
         raise ValueError(f"unknown rwg config keys {sorted(unknown)}; known: {sorted(DEFAULT)}")
     cfg.update({key: v for key, v in items if key in DEFAULT})
     bm = int(cfg["BM"] or (16 if m <= 16 else 32 if m <= 32 else 64))
-    r, nsw, nsx = int(cfg["R"]), int(cfg["NSW"]), int(cfg["NSX"])
+    r, nsw, nsx, kp = int(cfg["R"]), int(cfg["NSW"]), int(cfg["NSX"]), int(cfg["KP"])
     if bm not in (16, 32, 64, 128) or r not in (1, 2) or nsw < 1 or nsx < 1:
         # (R = 4 compiles but spills at the 16-warp register cap and overruns shared memory)
         raise ValueError(f"rwg needs BM in (16, 32, 64, 128), R in (1, 2), NSW, NSX >= 1; got {bm}, {r}, {nsw}, "
                          f"{nsx}")
-    if smem_bytes(bm, r, nsw, nsx) > 232448:
-        raise ValueError(f"rwg rings need {smem_bytes(bm, r, nsw, nsx)} B of shared memory (H100: 232448)")
+    if kp not in (1, 2) or (kp == 2 and (r != 1 or nsw % 2 or nsx % 2)):
+        # each ring stage must belong to one MMA warpgroup: with an odd ring a warpgroup can reach a stage two
+        # phases ahead of its last wait there, and mbarrier.try_wait.parity passes at once on such a phase
+        raise ValueError(f"rwg needs KP in (1, 2), and with KP = 2 R = 1 and even NSW, NSX; got KP {kp}, R {r}, "
+                         f"NSW {nsw}, NSX {nsx}")
+    if smem_bytes(bm, r, nsw, nsx, kp) > 232448:
+        raise ValueError(f"rwg rings need {smem_bytes(bm, r, nsw, nsx, kp)} B of shared memory (H100: 232448)")
     cfg["PDL"] = bool(pdl_default if cfg["PDL"] is None else cfg["PDL"])
     lw2, ls3, lw3, acc, aop = layouts(r, bm, fmt)
     rot_mag, rot_sign = lane_rotations()
@@ -313,6 +392,10 @@ def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool, pwa_default:
                   PWA=pwa,
                   LOAD_REGS=int(cfg["LOAD_REGS"]), RT=rot_mag, ST=rot_sign, LW2=lw2, LS3=ls3, LW3=lw3, ACC=acc,
                   AOP=aop, num_warps=4 * r)
+    if kp == 2:  # _rwg_kp_kernel: the odd steps' partition gets MMA_REGS; no per-warp release (ptx_pwa's
+        # rewrite knows one MMA partition per kernel)
+        consts["MMA_REGS"] = int(cfg["MMA_REGS"])
+        del consts["PWA"]
     return consts, cfg
 
 
@@ -329,26 +412,34 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     else 64; 128 only when asked), R (64-row tiles per program: 1 or 2, one MMA warpgroup each), NSW
     (weight stages), NSX (activation stages), XREL (0 / 1: where the activation stage is released, see
     the module doc), LOAD_REGS (setmaxnreg of the loader warps), S (forced K slices), PER_SM, maxnreg,
-    PDL, PWA (per-warp stage release, qerl/kernels/ptx_pwa.py; None: PER_WARP_ARRIVE)."""
+    PDL, PWA (per-warp stage release, qerl/kernels/ptx_pwa.py; None: PER_WARP_ARRIVE), KP (1, or 2 with R = 1:
+    two MMA warpgroups on alternate 256-K steps of one tile, _rwg_kp_kernel; slices of >= 2 steps), MMA_REGS
+    (KP = 2: setmaxnreg of the odd steps' warpgroup)."""
     x = WG.checked_input(x, state, "rwg")
     fmt, n, kb, m = state["fmt"], state["n"], state["kb"], x.shape[0]
     consts, cfg = kernel_args(m, config, fmt)
+    kp = int(cfg["KP"])
+    if kp == 2 and kb < 2:  # two warpgroups on alternate steps need two steps per slice
+        consts, cfg, kp = *kernel_args(m, dict(config, KP=1), fmt), 1
     if fmt == "nvfp4" and WG.SCALE_BITS and state.get("scale_bits", False):
         consts = dict(consts, FMT=2)
     bm, rows = consts["BM"], consts["num_warps"] * 16
     nt, mt = triton.cdiv(n, rows), triton.cdiv(m, bm)
     tiles = nt * mt
-    key = (bm, rows, consts["NSW"], consts["NSX"], consts["XREL"], consts["PDL"], cfg["maxnreg"], consts["PWA"])
-    per_sm = cfg["PER_SM"] or _RESIDENT.get(key) or max(1, min(2, 232448 // smem_bytes(bm, rows // 64, consts["NSW"],
-                                                                                        consts["NSX"])))
+    key = (bm, rows, consts["NSW"], consts["NSX"], consts["XREL"], consts["PDL"], cfg["maxnreg"], consts.get("PWA"), kp)
+    # (the KP = 2 kernel's 12 warps at ~168 registers fit one program per SM)
+    per_sm = cfg["PER_SM"] or _RESIDENT.get(key) or max(1, min(2 if kp == 1 else 1, 232448 // smem_bytes(
+        bm, rows // 64, consts["NSW"], consts["NSX"], kp)))
     if cfg.get("S") is not None:
         s = max(1, min(int(cfg["S"]), kb))
     else:
         s = WG.split(tiles, kb, int(per_sm) * W._num_sms(x.device.index or 0))
+    if kp == 2:
+        s = min(s, kb // 2)
     x_desc, w_desc, s_desc = WG.descriptors(x, state, bm)
     c, locks, ws = WG.launch_buffers(x, state, out, tiles, s, rows * bm)
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
-    kernel = _rwg_kernel[(tiles * s,)](
+    kernel = (_rwg_kp_kernel if kp == 2 else _rwg_kernel)[(tiles * s,)](
         x_desc, w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws, locks, m, n, kb, s, mt,
         int(state.get("exp_bias", 0)), HAS_BIAS=bias is not None, launch_pdl=consts["PDL"], **consts, **extra,
     )
@@ -361,4 +452,4 @@ def compile_offline(m: int = 64, n: int = 7168, k: int = 5120, config: dict | No
                     sbits: bool = False, fmt: str = "nvfp4"):
     """Compile for sm_90a without a GPU (ptxas included) -> triton CompiledKernel."""
     consts, cfg = kernel_args(m, config, fmt)
-    return WG.compile_gemm_offline(_rwg_kernel, fmt, m, n, k, consts, cfg, bias, sbits)
+    return WG.compile_gemm_offline(_rwg_kp_kernel if int(cfg["KP"]) == 2 else _rwg_kernel, fmt, m, n, k, consts, cfg, bias, sbits)
