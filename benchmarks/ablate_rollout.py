@@ -29,7 +29,9 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   (no two-per-SM rwg form), noxrel (that form without XREL), norwg3 / rwg3all
                   (17..32 tokens at three rwg programs per SM, w4a16_triton.RWG_THREE_PER_SM: nowhere /
                   on every layer, not only the wide ones), rwg3b32 (rwg3all, and 33..64 tokens as
-                  two 32-token tiles at three per SM), pwa / pwag / pwar (per-warp
+                  two 32-token tiles at three per SM), kp / nokp / kpall (rwg's KP form, two MMA warpgroups
+                  on alternate K steps of one tile, w4a16_triton.RWG_KP_FORM; off by default: where
+                  _rwg_kp_wins / nowhere / on every layer whose 64-row tiles fit one wave), pwa / pwag / pwar (per-warp
                   stage release, qerl/kernels/ptx_pwa.py, forced on: Gluon GEMV at every M and rwg / GEMV
                   only / rwg only), nopwa (off in both; the default: GEMV at M = 2..8 and rwg),
                   earlyv (attention loads V with K),
@@ -173,6 +175,10 @@ def _switches() -> dict:
         "noxrel": [(w4a16_triton, "RWG_TWO_PER_SM",
                     {b: {**c, "XREL": 0} for b, c in w4a16_triton.RWG_TWO_PER_SM.items()})],
         "norwg3": [(w4a16_triton, "RWG_THREE_PER_SM", {})],
+        "kp": [(w4a16_triton, "RWG_KP", dict(w4a16_triton.RWG_KP_FORM))],
+        "nokp": [(w4a16_triton, "RWG_KP", {})],
+        "kpall": [(w4a16_triton, "RWG_KP", dict(w4a16_triton.RWG_KP_FORM)),
+                  (w4a16_triton, "_rwg_kp_wins", lambda n, k, slots, r: True)],
         "rwg3all": [(w4a16_triton, "_rwg_config", _rwg_three_everywhere(w4a16_triton._rwg_config, three))],
         "rwg3b32": [(w4a16_triton, "_rwg_config", _rwg_three_everywhere(w4a16_triton._rwg_config, three, 64))],
         "wg9": [(w4a16_triton, "WGMMA_SMALL_M", 9)],

@@ -66,6 +66,27 @@ def test_rwg_three_per_sm_flags_apply_and_restore(ablate):
     assert w4a16_triton.RWG_THREE_PER_SM == form and w4a16_triton._rwg_config is route
 
 
+def test_rwg_kp_flags_apply_and_restore(ablate):
+    """kp turns rwg's KP form on where its rule says (off by default), nokp off, kpall routes every layer whose
+    64-row tiles fit one wave to it (2048^2: two-step slices, no KP by the rule); the wide layers and the
+    defaults after the variant are untouched."""
+    engine = _Engine()
+    form, rule = dict(w4a16_triton.RWG_KP), w4a16_triton._rwg_kp_wins
+    kp = {"R": 1, **w4a16_triton.RWG_KP_FORM}
+    route = w4a16_triton._rwg_config
+    assert form == {} and route(7168, 5120, 32, 132) == {"R": 1}
+    with ablate.variant_of(engine, "base@kp"):
+        assert w4a16_triton._rwg_config(7168, 5120, 32, 132) == kp
+        assert w4a16_triton._rwg_config(2048, 2048, 32, 132) == {"R": 1}
+    with ablate.variant_of(engine, "base@nokp"):
+        assert w4a16_triton._rwg_config(7168, 5120, 32, 132) == {"R": 1}
+    with ablate.variant_of(engine, "base@kpall"):
+        assert w4a16_triton._rwg_config(2048, 2048, 32, 132) == kp
+        assert w4a16_triton._rwg_config(5120, 13824, 64, 132) == kp
+        assert w4a16_triton._rwg_config(27648, 5120, 32, 132) == route(27648, 5120, 32, 132)
+    assert w4a16_triton.RWG_KP == form and w4a16_triton._rwg_kp_wins is rule
+
+
 def test_gluon_flags_apply_per_kind_and_restore(ablate):
     before = dict(w4a16_gluon.DEFAULT)
     engine = _Engine()

@@ -143,6 +143,18 @@ RWG_TWO_PER_SM = {32: {"NSW": 4, "NSX": 3, "maxnreg": 104, "XREL": 1},
 RWG_THREE_PER_SM = {"NSW": 2, "NSX": 2, "maxnreg": 80, "XREL": 1}
 RWG_THREE_MIN_M = 24
 RWG_THREE_FORMATS = ("nvfp4", "mxfp4")
+# Its KP form (R = 1 with two MMA warpgroups on alternate 256-K steps of one tile, one program per SM, the split
+# summed in shared memory) for 17..64 tokens on the layers whose 64-row tiles fit one wave, where its slices run
+# >= RWG_KP_MIN_STEPS steps and, against R = 2, a time model fitted on the H100 at M = 32 (us: KP 3.4 + 0.57 per
+# step of its slice, R = 2 6.8 + 1.12 per step of its slice) says it is faster. nvfp4 at M = 32 (NOTES_w4a16.md
+# section 31): 7168x5120 16.9 -> 15.6 us, 4608x3584 12.4 -> 11.4, 3584x18944 29.4 -> 27.3, 2048x11008 13.7 -> 13.0;
+# 2048x2048 / 2560x2048 (2-3 step slices) lost 3-5%, 5120x13824 (R = 2: 27 us) 34.3. Off by default (RWG_KP = {}):
+# in session 41 two processes on the H100 died of "unspecified launch failure" with the form in use, both with
+# 7B's 3584x18944 (37-step slices), and the cause is not found; the 14B 32-row decode step gained 0.8% with it.
+# RWG_KP = RWG_KP_FORM turns it on (ablate_rollout.py flag kp).
+RWG_KP_FORM = {"KP": 2, "XREL": 1, "NSX": 4}
+RWG_KP: dict = {}
+RWG_KP_MIN_STEPS = 6
 # The same GEMM at RWG_MAX_M < M <= RWG_WIDE_MAX_M in 128-token tiles (one program per SM, two activation stages of
 # 64 KB): R = 2 where its slices run >= RWG_WIDE_R2_STEPS 256-K steps (the activation traffic, 64 KB per step, is
 # shared by twice the weight rows), else R = 1 with XREL. On the H100 at M = 128, nvfp4, against the wgmma GEMM it
@@ -934,7 +946,8 @@ def _rwg_rows(n: int, k: int, slots: int) -> int:
 def _rwg_config(n: int, k: int, m: int, slots: int, fmt: str = "nvfp4") -> dict:
     """w4a16_rwg's config for M = RWG_MIN_M..RWG_WIDE_MAX_M tokens. Up to RWG_MAX_M, where the 64-row tiles
     overrun one program per SM: R = 1 at three programs per SM for RWG_THREE_MIN_M..32 tokens
-    (RWG_THREE_PER_SM, RWG_THREE_FORMATS), else at two (RWG_TWO_PER_SM); elsewhere R by _rwg_rows. Above:
+    (RWG_THREE_PER_SM, RWG_THREE_FORMATS), else at two (RWG_TWO_PER_SM); elsewhere the KP form where
+    _rwg_kp_wins, else R by _rwg_rows. Above:
     128-token tiles, R = 2 where its K slices are long (RWG_WIDE_R2_STEPS), else R = 1."""
     if m > RWG_MAX_M:
         from qerl.kernels.w4a16_wgmma import split
@@ -948,7 +961,25 @@ def _rwg_config(n: int, k: int, m: int, slots: int, fmt: str = "nvfp4") -> dict:
         wide = RWG_TWO_PER_SM.get(32 if m <= 32 else 64)
         if wide:
             return {"R": 1, **wide}
-    return {"R": _rwg_rows(n, k, slots)}
+        return {"R": _rwg_rows(n, k, slots)}
+    r = _rwg_rows(n, k, slots)
+    return {"R": 1, **RWG_KP} if RWG_KP and _rwg_kp_wins(n, k, slots, r) else {"R": r}
+
+
+def _rwg_kp_wins(n: int, k: int, slots: int, r: int) -> bool:
+    """RWG_KP's rule for a layer whose 64-row tiles fit one wave and the R the fill rule picked: its
+    slices (one program per SM, >= 2 steps each) run >= RWG_KP_MIN_STEPS steps, and against R = 2 the
+    fitted time model says it is faster."""
+    from qerl.kernels.w4a16_wgmma import split
+
+    kb, tiles = -(-k // 256), -(-n // 64)
+    steps = -(-kb // max(1, min(split(tiles, kb, slots), kb // 2)))
+    if steps < RWG_KP_MIN_STEPS:
+        return False
+    if r == 1:
+        return True
+    tiles2 = -(-n // 128)
+    return 3.4 + 0.57 * steps < 6.8 + 1.12 * -(-kb // split(tiles2, kb, slots))
 
 
 def _wsmma_ok(device: torch.device, state: dict) -> bool:
