@@ -32,6 +32,10 @@ Program = R row tiles of 64 (one warpgroup each, R = 1 or 2) x BM tokens (the wg
 - activation loader (1 warp): TMA copies of the step's four x chunks [BM, 64] (128-byte swizzle)
   into a ring of NSX stages; with PDL only this warp waits for the previous kernel, so weights
   stream before it ends.
+KP = 2 (`_rwg_kp_kernel`, R = 1): a second 4-warp MMA partition takes the odd steps of the same tile and
+hands its accumulator to the first through shared memory; the rings need an even number of stages, so that
+each stage belongs to one MMA warpgroup (with an odd ring a warpgroup can reach a stage two phases ahead of
+its last wait there, where the parity wait passes at once).
 Schedule: as w4a16_wgmma (tile p // S, K slice p % S, deterministic fixup). Scales: one per two
 words (nvfp4, FP8-E4M3 per 16 K) or per four (mxfp4, E8M0 per 32 K), broadcast onto the words in
 registers before the decode. One launch, no host sync, capturable.
@@ -420,7 +424,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     consts, cfg = kernel_args(m, config, fmt)
     kp = int(cfg["KP"])
     if kp == 2 and kb < 2:  # two warpgroups on alternate steps need two steps per slice
-        consts, cfg, kp = *kernel_args(m, dict(config, KP=1), fmt), 1
+        consts, cfg, kp = *kernel_args(m, dict(config or {}, KP=1), fmt), 1
     if fmt == "nvfp4" and WG.SCALE_BITS and state.get("scale_bits", False):
         consts = dict(consts, FMT=2)
     bm, rows = consts["BM"], consts["num_warps"] * 16
