@@ -652,6 +652,19 @@ def test_rwg_three_per_sm_rule():
         W.RWG_THREE_PER_SM = old
 
 
+@pytest.mark.parametrize("cfg", [{}, {"R": 1, "KP": 2, "NSX": 4}], ids=["rwg", "KP2"])
+def test_rwg_launch_constexprs_match_the_kernel(cfg):
+    """The constexpr arguments forward() passes (kernel_args' plus HAS_BIAS) are exactly the kernel's
+    constexpr parameters, for both rwg kernels: the offline build fills in what it is given, so a parameter
+    the wrapper stopped passing (session 41: PWA on the KP kernel) only failed at the first GPU launch."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_rwg as R
+
+    consts, cfg_ = R.kernel_args(32, cfg)
+    kernel = R._rwg_kp_kernel if cfg_["KP"] == 2 else R._rwg_kernel
+    assert {p.name for p in kernel.params if p.is_constexpr} == set(consts) | {"HAS_BIAS"}
+
+
 def test_rwg_kp_rings_are_even():
     """rwg's KP form (two MMA warpgroups on alternate K steps) only with R = 1 and rings of an even number of
     stages, so each stage belongs to one warpgroup: with three activation stages a warpgroup can reach a stage
