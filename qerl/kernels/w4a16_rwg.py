@@ -456,4 +456,5 @@ def compile_offline(m: int = 64, n: int = 7168, k: int = 5120, config: dict | No
                     sbits: bool = False, fmt: str = "nvfp4"):
     """Compile for sm_90a without a GPU (ptxas included) -> triton CompiledKernel."""
     consts, cfg = kernel_args(m, config, fmt)
-    return WG.compile_gemm_offline(_rwg_kp_kernel if int(cfg["KP"]) == 2 else _rwg_kernel, fmt, m, n, k, consts, cfg, bias, sbits)
+    kernel = _rwg_kp_kernel if int(cfg["KP"]) == 2 else _rwg_kernel
+    return WG.compile_gemm_offline(kernel, fmt, m, n, k, consts, cfg, bias, sbits)

@@ -149,9 +149,10 @@ RWG_THREE_FORMATS = ("nvfp4", "mxfp4")
 # step of its slice, R = 2 6.8 + 1.12 per step of its slice) says it is faster. nvfp4 at M = 32 (NOTES_w4a16.md
 # section 31): 7168x5120 16.9 -> 15.6 us, 4608x3584 12.4 -> 11.4, 3584x18944 29.4 -> 27.3, 2048x11008 13.7 -> 13.0;
 # 2048x2048 / 2560x2048 (2-3 step slices) lost 3-5%, 5120x13824 (R = 2: 27 us) 34.3. Off by default (RWG_KP = {}):
-# in session 41 two processes on the H100 died of "unspecified launch failure" with the form in use, both with
-# 7B's 3584x18944 (37-step slices), and the cause is not found; the 14B 32-row decode step gained 0.8% with it.
-# RWG_KP = RWG_KP_FORM turns it on (ablate_rollout.py flag kp).
+# timed with 3 activation stages, it raced (two processes on the H100 died of "unspecified launch failure", one
+# hung, one output in 2000 differed): an odd ring lets a warpgroup wait on a stage two phases ahead. The form now
+# needs even rings (NSX 4 here) and has not run on a GPU since; the 14B 32-row decode step gained 0.8% with the
+# racy form. RWG_KP = RWG_KP_FORM turns it on (ablate_rollout.py flag kp).
 RWG_KP_FORM = {"KP": 2, "XREL": 1, "NSX": 4}
 RWG_KP: dict = {}
 RWG_KP_MIN_STEPS = 6
