@@ -57,12 +57,13 @@ def main() -> int:
                             graph.replay()
                             torch.cuda.synchronize()
                             bad += sum(int(not torch.equal(y, first)) for y in ys)
-                    for rep in range(0 if a.graph else a.reps):
-                        y = W.forward(x, st, config=conf)
-                        if (rep + 1) % a.sync == 0:
-                            torch.cuda.synchronize()
-                            bad += int(not torch.equal(y, first))
-                    torch.cuda.synchronize()
+                    else:
+                        for rep in range(a.reps):
+                            y = W.forward(x, st, config=conf)
+                            if (rep + 1) % a.sync == 0:
+                                torch.cuda.synchronize()
+                                bad += int(not torch.equal(y, first))
+                        torch.cuda.synchronize()
                 except Exception as e:  # noqa: BLE001 (a CUDA error: report where and stop)
                     print(f"FAIL {fmt} {n}x{k} M={m} after <= {rep + 1} launches: {type(e).__name__}: {e}", flush=True)
                     return 1

@@ -685,8 +685,8 @@ def test_rwg_kp_rings_are_even():
 def test_rwg_kp_rule():
     """17..64 tokens on the layers whose 64-row tiles fit one wave: rwg's KP form (two MMA warpgroups on
     alternate K steps) where its slices run >= RWG_KP_MIN_STEPS steps and, against R = 2, the fitted time
-    model favours it (the layers timed in session 41). Off by default (RWG_KP = {}: an unexplained launch
-    failure), so the rule is checked with RWG_KP = RWG_KP_FORM."""
+    model favours it (the layers timed in session 41). Off by default (RWG_KP = {}: the even-ring form has
+    not run on a GPU yet), so the rule is checked with RWG_KP = RWG_KP_FORM."""
     from qerl.kernels import w4a16_triton as W
 
     assert W.RWG_KP == {} and W._rwg_config(7168, 5120, 32, 132) == {"R": 1}

@@ -956,15 +956,14 @@ def _rwg_config(n: int, k: int, m: int, slots: int, fmt: str = "nvfp4") -> dict:
         kb, tiles = -(-k // 256), -(-n // 128)
         long_slices = kb // split(tiles, kb, slots) >= RWG_WIDE_R2_STEPS
         return {"BM": 128, "NSX": 2, **({"R": 2} if long_slices else {"R": 1, "XREL": 1})}
-    if -(-n // 64) > slots:  # the 64-row tiles overrun one program per SM
-        if RWG_THREE_PER_SM and RWG_THREE_MIN_M <= m <= 32 and fmt in RWG_THREE_FORMATS:
-            return {"R": 1, **RWG_THREE_PER_SM}
-        wide = RWG_TWO_PER_SM.get(32 if m <= 32 else 64)
-        if wide:
-            return {"R": 1, **wide}
-        return {"R": _rwg_rows(n, k, slots)}
+    wide = -(-n // 64) > slots  # the 64-row tiles overrun one program per SM
+    if wide and RWG_THREE_PER_SM and RWG_THREE_MIN_M <= m <= 32 and fmt in RWG_THREE_FORMATS:
+        return {"R": 1, **RWG_THREE_PER_SM}
+    two = RWG_TWO_PER_SM.get(32 if m <= 32 else 64) if wide else None
+    if two:
+        return {"R": 1, **two}
     r = _rwg_rows(n, k, slots)
-    return {"R": 1, **RWG_KP} if RWG_KP and _rwg_kp_wins(n, k, slots, r) else {"R": r}
+    return {"R": 1, **RWG_KP} if not wide and RWG_KP and _rwg_kp_wins(n, k, slots, r) else {"R": r}
 
 
 def _rwg_kp_wins(n: int, k: int, slots: int, r: int) -> bool:
