@@ -30,7 +30,7 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   (17..32 tokens at three rwg programs per SM, w4a16_triton.RWG_THREE_PER_SM: nowhere /
                   on every layer, not only the wide ones), rwg3b32 (rwg3all, and 33..64 tokens as
                   two 32-token tiles at three per SM), kp / nokp / kpall (rwg's KP form, two MMA warpgroups
-                  on alternate K steps of one tile, w4a16_triton.RWG_KP_FORM; off by default: where
+                  on alternate K steps of one tile, w4a16_triton.RWG_KP_FORM; on by default: where
                   _rwg_kp_wins / nowhere / on every layer whose 64-row tiles fit one wave), pwa / pwag / pwar (per-warp
                   stage release, qerl/kernels/ptx_pwa.py, forced on: Gluon GEMV at every M and rwg / GEMV
                   only / rwg only), nopwa (off in both; the default: GEMV at M = 2..8 and rwg),

@@ -67,14 +67,14 @@ def test_rwg_three_per_sm_flags_apply_and_restore(ablate):
 
 
 def test_rwg_kp_flags_apply_and_restore(ablate):
-    """kp turns rwg's KP form on where its rule says (off by default), nokp off, kpall routes every layer whose
-    64-row tiles fit one wave to it (2048^2: two-step slices, no KP by the rule); the wide layers and the
+    """kp turns rwg's KP form on where its rule says (the default since session 42), nokp off, kpall routes every
+    layer whose 64-row tiles fit one wave to it (2048^2: two-step slices, no KP by the rule); the wide layers and the
     defaults after the variant are untouched."""
     engine = _Engine()
     form, rule = dict(w4a16_triton.RWG_KP), w4a16_triton._rwg_kp_wins
     kp = {"R": 1, **w4a16_triton.RWG_KP_FORM}
     route = w4a16_triton._rwg_config
-    assert form == {} and route(7168, 5120, 32, 132) == {"R": 1}
+    assert form == w4a16_triton.RWG_KP_FORM and route(7168, 5120, 32, 132) == kp
     with ablate.variant_of(engine, "base@kp"):
         assert w4a16_triton._rwg_config(7168, 5120, 32, 132) == kp
         assert w4a16_triton._rwg_config(2048, 2048, 32, 132) == {"R": 1}

@@ -639,9 +639,10 @@ def test_rwg_three_per_sm_rule():
         assert W._rwg_config(n, k, 32, 132) == W._rwg_config(n, k, W.RWG_THREE_MIN_M, 132) == three
         assert W._rwg_config(n, k, W.RWG_THREE_MIN_M - 1, 132) == {"R": 1, **W.RWG_TWO_PER_SM[32]}
         assert W._rwg_config(n, k, 33, 132) == {"R": 1, **W.RWG_TWO_PER_SM[64]}
-    # 56 / 112 / 80 row tiles: one program per SM, R by the fill rule (3584x18944 won standalone at three per SM
-    # but lost in the 7B decode chain)
-    assert W._rwg_config(3584, 18944, 32, 132) == {"R": 1} and W._rwg_config(7168, 5120, 32, 132) == {"R": 1}
+    # 56 / 112 / 80 row tiles: one program per SM, R by the fill rule, or its KP form where test_rwg_kp_rule
+    # says (3584x18944 won standalone at three per SM but lost in the 7B decode chain)
+    kp = {"R": 1, **W.RWG_KP_FORM} if W.RWG_KP else {"R": 1}
+    assert W._rwg_config(3584, 18944, 32, 132) == kp and W._rwg_config(7168, 5120, 32, 132) == kp
     assert W._rwg_config(5120, 13824, 32, 132) == {"R": 2}
     assert W._rwg_config(27648, 5120, 32, 132, "mxfp4") == three  # mxfp4 timed on it in session 41
     assert W._rwg_config(27648, 5120, 23, 132, "mxfp4") == {"R": 1, **W.RWG_TWO_PER_SM[32]}
@@ -685,15 +686,16 @@ def test_rwg_kp_rings_are_even():
 def test_rwg_kp_rule():
     """17..64 tokens on the layers whose 64-row tiles fit one wave: rwg's KP form (two MMA warpgroups on
     alternate K steps) where its slices run >= RWG_KP_MIN_STEPS steps and, against R = 2, the fitted time
-    model favours it (the layers timed in session 41). Off by default (RWG_KP = {}: the even-ring form has
-    not run on a GPU yet), so the rule is checked with RWG_KP = RWG_KP_FORM."""
+    model favours it (the layers timed in session 41). On by default since session 42 (the even-ring form ran
+    race-free on the GPU and gained in the 7B chain); RWG_KP = {} turns it off."""
     from qerl.kernels import w4a16_triton as W
 
-    assert W.RWG_KP == {} and W._rwg_config(7168, 5120, 32, 132) == {"R": 1}
-    kp = {"R": 1, **W.RWG_KP_FORM}
-    old, W.RWG_KP = W.RWG_KP, dict(W.RWG_KP_FORM)
+    assert W.RWG_KP == W.RWG_KP_FORM
+    _check_kp_rule(W, {"R": 1, **W.RWG_KP_FORM})
+    old, W.RWG_KP = W.RWG_KP, {}
     try:
-        _check_kp_rule(W, kp)
+        assert W._rwg_config(7168, 5120, 32, 132) == {"R": 1}
+        assert W._rwg_config(5120, 13824, 32, 132) == {"R": 2}
     finally:
         W.RWG_KP = old
 

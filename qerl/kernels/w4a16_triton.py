@@ -148,13 +148,15 @@ RWG_THREE_FORMATS = ("nvfp4", "mxfp4")
 # >= RWG_KP_MIN_STEPS steps and, against R = 2, a time model fitted on the H100 at M = 32 (us: KP 3.4 + 0.57 per
 # step of its slice, R = 2 6.8 + 1.12 per step of its slice) says it is faster. nvfp4 at M = 32 (NOTES_w4a16.md
 # section 31): 7168x5120 16.9 -> 15.6 us, 4608x3584 12.4 -> 11.4, 3584x18944 29.4 -> 27.3, 2048x11008 13.7 -> 13.0;
-# 2048x2048 / 2560x2048 (2-3 step slices) lost 3-5%, 5120x13824 (R = 2: 27 us) 34.3. Off by default (RWG_KP = {}):
-# timed with 3 activation stages, it raced (two processes on the H100 died of "unspecified launch failure", one
-# hung, one output in 2000 differed): an odd ring lets a warpgroup wait on a stage two phases ahead. The form now
-# needs even rings (NSX 4 here) and has not run on a GPU since; the 14B 32-row decode step gained 0.8% with the
-# racy form. RWG_KP = RWG_KP_FORM turns it on (ablate_rollout.py flag kp).
+# 2048x2048 / 2560x2048 (2-3 step slices) lost 3-5%, 5120x13824 (R = 2: 27 us) 34.3. Timed first with 3 activation
+# stages, it raced (two processes on the H100 died of "unspecified launch failure", one hung, one output in 2000
+# differed): an odd ring lets a warpgroup wait on a stage two phases ahead, so the form needs even rings (NSX 4).
+# On since session 42: the NSX 4 form gave identical outputs in 3000 graph-replayed launches on each of 18 cases
+# (benchmarks/probe_rwg_kp.py, H200) and the nvfp4 LoRA r32 32-row decode step went 4.316 -> 4.221 ms at 7B and
+# 8.803 -> 8.792 at 14B (ablate a127, H200; routing every fitting layer to it, kpall, lost at 14B: 9.132).
+# RWG_KP = {} turns it off (ablate_rollout.py flag nokp).
 RWG_KP_FORM = {"KP": 2, "XREL": 1, "NSX": 4}
-RWG_KP: dict = {}
+RWG_KP: dict = dict(RWG_KP_FORM)
 RWG_KP_MIN_STEPS = 6
 # The same GEMM at RWG_MAX_M < M <= RWG_WIDE_MAX_M in 128-token tiles (one program per SM, two activation stages of
 # 64 KB): R = 2 where its slices run >= RWG_WIDE_R2_STEPS 256-K steps (the activation traffic, 64 KB per step, is
