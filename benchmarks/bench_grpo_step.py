@@ -43,7 +43,7 @@ peak of live tensors. grpo_step.json: {"model", "format", "batch", "step_s", "bf
 "speedup"} with speedup = bf16 LoRA step time / this step time, same model, batch and micro-batch
 (and both steady-state steps, or both single warm-up steps).
 Rows are keyed by (model, format, batch, micro-batch, weight copies, GPU, bf16 autocast, allocator
-settings, rollout memory) and carry the command and date of their call. --profile-dir puts the last step's training phase under torch.profiler and
+settings, rollout memory, device memory cap) and carry the command and date of their call. --profile-dir puts the last step's training phase under torch.profiler and
 writes its kernel table there (those rows are marked "profiled": their times carry the profiler's
 overhead, keep them out of the evidence).
 Both files are rewritten after every configuration, so a call cut short keeps what it measured.
@@ -113,7 +113,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
     from qerl.nn.lora import LoraSettings
     from qerl.rl.grpo import GRPOSettings, group_advantages
     from qerl.rl.rollout import RolloutSettings
-    from qerl.rl.memory_plan import CheckpointPlan, RolloutMemoryPlan
+    from qerl.rl.memory_plan import CheckpointPlan, RolloutMemoryPlan, cap_device_memory
     from qerl.rl.trainer import (PhaseTimer, make_optimizer, optimise_planned, plan_next_step_memory, prepare_policy,
                                  run_rollout, shares_prompt_in_training)
     from qerl.rollout.engine import engine_rollouts
@@ -149,7 +149,10 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
         # GRPOSettings.checkpoint_layers; uncheckpointed_layers: how many layers the reported step ran
         # without checkpointing (auto plans them from the previous step's measured peak)
         "checkpoint_layers": args.checkpoint_layers,
+        # GRPOSettings.device_memory_gib: the allocator capped there, the memory plans sized to it (None: the card)
+        "device_memory_gib": args.device_memory_gib,
     }
+    cap_device_memory(device, args.device_memory_gib)  # before the build, so the weights count under the cap
     mem = _Memory(device)
     phase = "build"
     try:
@@ -168,6 +171,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
             logprob_chunk_tokens=args.chunk_tokens,
             release_rollout_memory=ROLLOUT_MEMORY[args.rollout_memory], bf16_autocast=args.bf16_autocast,
             fused_training_ops=not args.no_fused_training_ops, checkpoint_layers=args.checkpoint_layers,
+            device_memory_gib=args.device_memory_gib,
         )
         share_train = shares_prompt_in_training(settings)  # as train() does
         row["share_prompt"] = share_train
@@ -276,7 +280,7 @@ def _row_copies(row: dict) -> int:
 # value of the time before the field existed (rows of older calls)
 SETUP_DEFAULTS = {"gpu": None, "bf16_autocast": False, "alloc_conf": "", "rollout_memory": "release",
                   "gradient_checkpointing": True, "fused_training_ops": False, "fused_rope": False,
-                  "checkpoint_layers": "all"}
+                  "checkpoint_layers": "all", "device_memory_gib": None}
 
 
 def _setup_fields(row: dict) -> dict:
@@ -458,6 +462,10 @@ def main(argv=None) -> None:
                     help="GRPOSettings.checkpoint_layers: every decoder layer recomputes in the backward (all: the smallest "
                          "peak, what the 32B memory goal is measured with), or the layers that fit in the memory a measured "
                          "step leaves free keep their activations (auto, the trainer's default)")
+    ap.add_argument("--device-memory-gib", type=float, default=None,
+                    help="GRPOSettings.device_memory_gib: run as on a card of this many GiB (the allocator raises "
+                         "out-of-memory beyond it, the memory plans size to it); 79 stands for the paper's 80 GB H100 "
+                         "on a larger card")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--time-budget-s", type=float, default=540)
     ap.add_argument("--min-config-s", type=float, default=20, help="start no configuration with less of the budget left")
@@ -488,6 +496,7 @@ def main(argv=None) -> None:
     child += ["--gradient-checkpointing", args.gradient_checkpointing, "--checkpoint-layers", args.checkpoint_layers]
     child += ["--keep-checkpoint-layout"] * args.keep_checkpoint_layout + ["--bf16-autocast"] * args.bf16_autocast
     child += ["--no-fused-training-ops"] * args.no_fused_training_ops
+    child += ["--device-memory-gib", str(args.device_memory_gib)] if args.device_memory_gib else []
     child += ["--profile-dir", os.path.abspath(args.profile_dir)] if args.profile_dir else []
     args.child_args = child
     sweep(args)

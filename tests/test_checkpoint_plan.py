@@ -248,3 +248,26 @@ def test_checkpointing_gives_the_gradients_of_no_checkpointing_under_aqn(tiny_mo
     assert len(g0) > 0 and g0.keys() == g1.keys()
     for k in g0:
         torch.testing.assert_close(g1[k], g0[k], rtol=1e-5, atol=1e-7)
+
+
+def test_a_device_memory_cap_is_what_the_plans_size_against():
+    """GRPOSettings.device_memory_gib: the plans read the allocator's per-process fraction as the card's size
+    (allowed_bytes); off a CUDA device, or without a value, nothing is capped; a cap must be positive. That the
+    allocator then refuses more is tests/test_memory_plan_gpu.py."""
+    from pydantic import ValidationError
+
+    from qerl.rl.grpo import GRPOSettings
+    from qerl.rl.memory_plan import allowed_bytes, cap_device_memory, fits_with_rollout_memory
+
+    h200 = 150_754_820_096  # an H200's total_memory
+    assert allowed_bytes(h200, None) == allowed_bytes(h200, 1.0) == h200
+    capped = allowed_bytes(h200, 79 * 2**30 / h200)
+    assert abs(capped - 79 * 2**30) <= 1 and allowed_bytes(h200, 1.7) == h200
+    # a step that fits the whole H200 with its KV cache held no longer fits the capped one
+    base, peak, held = 40 * 2**30, 66 * 2**30, 6 * 2**30
+    assert fits_with_rollout_memory(base, peak, held, h200) and not fits_with_rollout_memory(base, peak, held, capped)
+    assert cap_device_memory("cpu", 79) is None and cap_device_memory("cpu", None) is None
+    assert GRPOSettings(device_memory_gib=79).device_memory_gib == 79.0 and GRPOSettings().device_memory_gib is None
+    for bad in (0, -1):
+        with pytest.raises(ValidationError):
+            GRPOSettings(device_memory_gib=bad)

@@ -49,3 +49,26 @@ def test_probe_matches_the_allocator(fmt, qwen3b_policy):
     # never low by more than the allocator's rounding
     assert measured > 0
     assert 0.95 * measured <= per_token <= 1.3 * measured, (per_token, measured)
+
+
+def test_a_device_memory_cap_makes_the_allocator_refuse_beyond_it():
+    """cap_device_memory: the plans' view of the card (_CudaMemory.total) becomes the cap, and an allocation
+    that would take the allocator's reserved memory past it raises out-of-memory, while one under it succeeds.
+    The process's fraction is restored afterwards (the other tests share the worker)."""
+    from qerl.rl.memory_plan import _CudaMemory, cap_device_memory
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(dev).total_memory
+    torch.cuda.empty_cache()  # no cached free blocks that the allocator could give back to make room
+    gib = (torch.cuda.memory_reserved(dev) + 4 * 2**30) / 2**30
+    try:
+        cap = cap_device_memory(dev, gib)
+        assert cap == int(gib * 2**30) and abs(_CudaMemory(dev).total - cap) <= 1
+        x = torch.empty(2 * 2**30, dtype=torch.uint8, device=dev)  # 2 GiB: fits
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(3 * 2**30, dtype=torch.uint8, device=dev)  # 5 GiB more than before: does not
+        del x
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+        torch.cuda.empty_cache()
+    assert _CudaMemory(dev).total == total

@@ -289,6 +289,11 @@ def test_bench_pairs_baselines_and_combines_calls(tmp_path):
     assert got["nvfp4", False]["speedup"] is None and got["nvfp4", True]["speedup"] == 1.25
     got = bench.step_rows(rows + off + [dict(row("bf16", 12.0), gradient_checkpointing=False)])
     assert [r["speedup"] for r in got if not r["gradient_checkpointing"] and r["format"] == "nvfp4"] == [1.5]
+    # a row run under a device-memory cap pairs only with a bf16 row under the same cap
+    capped = [dict(row("nvfp4", 10.0), device_memory_gib=79.0)]
+    got = bench.step_rows(rows + capped + [dict(row("bf16", 25.0), device_memory_gib=79.0)])
+    assert [r["speedup"] for r in got if r.get("device_memory_gib") and r["format"] == "nvfp4"] == [2.5]
+    assert [r["speedup"] for r in bench.step_rows(rows + capped) if r.get("device_memory_gib")] == [None]
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps({"gpu": "g", "command": "first", "date": "d1", "rows": [row("bf16", 20.0), row("nvfp4", 16.0)]}))
     b.write_text(json.dumps({"gpu": "g", "command": "second", "date": "d2", "rows": [row("nvfp4", 15.0)]}))

@@ -127,6 +127,10 @@ class GRPOSettings(BaseModel):
     # "auto": free after the first rollout, then keep them while the measured training peak leaves
     # room for them (qerl/rl/memory_plan.py); true: always free; false: never
     release_rollout_memory: bool | Literal["auto"] = "auto"
+    # treat the GPU as one of this many GiB: PyTorch's allocator raises out-of-memory beyond it and the memory
+    # plans above size against it (qerl/rl/memory_plan.py cap_device_memory), so a larger card reproduces a
+    # smaller one's run, e.g. 79 for the paper's one 80 GB GPU on a 141 GB H200. None: the whole card
+    device_memory_gib: float | None = Field(None, gt=0)
     # run the training forwards (and so their backward) under torch.autocast(bfloat16), as TRL /
     # accelerate do with bf16=True: the LoRA matmuls and adds run in bf16 over the fp32 adapter
     # weights, which stay the optimiser's master copy, and the adapters take their bf16 input

@@ -50,12 +50,39 @@ def fits_with_rollout_memory(base: int, train_peak: int, held: int, total: int, 
     return grown_peak(base, train_peak, length_ratio) + max(0, held) <= (1.0 - headroom) * total
 
 
+def cap_device_memory(device: torch.device | str, gib: float | None) -> int | None:
+    """Make a CUDA device behave as one of `gib` GiB for this process: PyTorch's caching allocator raises
+    out-of-memory beyond it (torch.cuda.set_per_process_memory_fraction), and the memory plans below size
+    themselves against it (they read the allocator's fraction). E.g. 79 reproduces an 80 GB H100's budget on a
+    141 GB H200 (the H100 shows 79.6 GiB; the CUDA context's ~0.5 GiB lies outside the allocator). Returns the
+    cap in bytes; None where nothing is capped (gib None, not a CUDA device). A cap at or above the card's
+    memory leaves the whole card. GRPOSettings.device_memory_gib."""
+    device = torch.device(device)
+    if gib is None or device.type != "cuda":
+        return None
+    if gib <= 0:
+        raise ValueError(f"device_memory_gib must be > 0, not {gib}")
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = min(int(gib * 2**30), total)
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    return cap
+
+
+def allowed_bytes(total: int, fraction: float | None) -> int:
+    """What the allocator may hold of a device of `total` bytes under a per-process `fraction` (None: all)."""
+    return total if fraction is None else int(total * min(1.0, max(0.0, float(fraction))))
+
+
 class _CudaMemory:
-    """The caching allocator's numbers, as the plan reads them (tests give the plan their own)."""
+    """The caching allocator's numbers, as the plan reads them (tests give the plan their own). `total` is
+    what this process may use: the card's memory times the allocator's per-process fraction
+    (cap_device_memory)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.total = torch.cuda.get_device_properties(device).total_memory
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        self.total = allowed_bytes(torch.cuda.get_device_properties(device).total_memory,
+                                   get_fraction(device) if get_fraction else None)
 
     def reserved(self) -> int:
         return int(torch.cuda.memory_reserved(self.device))

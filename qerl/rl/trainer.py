@@ -65,7 +65,7 @@ from qerl.rl.grpo import (
     overlong_penalty,
     zero_variance_groups,
 )
-from qerl.rl.memory_plan import CheckpointPlan, RolloutMemoryPlan, layer_bytes_per_token
+from qerl.rl.memory_plan import CheckpointPlan, RolloutMemoryPlan, cap_device_memory, layer_bytes_per_token
 from qerl.rl.rewards import NUMBER_TASKS
 from qerl.rl.rollout import RolloutBatch, RolloutSettings, policy_logprobs, sample_rollouts
 
@@ -458,6 +458,7 @@ def train(
     random.seed(settings.seed)
     model = prepare_policy(model, settings, lora_settings)
     device = _device(model)
+    cap_device_memory(device, settings.device_memory_gib)  # before the optimiser state and the engine's buffers
     share_train = shares_prompt_in_training(settings)
     optimizer, scheduler = make_optimizer(model, settings)
     stream = _PromptStream(len(problems), settings.seed)
