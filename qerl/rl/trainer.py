@@ -647,7 +647,9 @@ def train(
         except torch.OutOfMemoryError as e:
             if isinstance(e, TrainingOOM):
                 raise
-            raise TrainingOOM(OOM_HINT) from e
+            cap = settings.device_memory_gib
+            raise TrainingOOM(OOM_HINT + (f"; the GPU is capped at {cap:g} GiB (device_memory_gib): raise or remove it"
+                                          if cap and device.type == "cuda" else "")) from e
         metrics["step"] = step + 1
         history.append(metrics)
         if log_fn is not None:
