@@ -62,3 +62,17 @@ def memory_report(model: nn.Module) -> dict:
 def checkpoint_bytes(path: str | Path) -> int:
     """Size of the weight files (*.safetensors) of a saved checkpoint."""
     return sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
+
+
+def device_name(device: str) -> str:
+    """What a run's numbers were measured on, for its MLflow tags and the report: the accelerator's name and
+    memory ("NVIDIA H200, 140 GiB") for a CUDA device, "cpu" otherwise. Speed and memory results differ between
+    accelerators (an H200's bandwidth is 1.4x an H100's), so a table regenerated from runs needs it. Call it
+    where the device is already in use: for CUDA it reads the device's properties."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return dev.type
+    props = torch.cuda.get_device_properties(dev.index if dev.index is not None else torch.cuda.current_device())
+    return f"{props.name}, {props.total_memory / 2**30:.0f} GiB"

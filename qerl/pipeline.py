@@ -264,7 +264,7 @@ def evaluate_step(
     from qerl.data import load_benchmark
     from qerl.eval.evaluate import to_jsonl
     from qerl.eval.harness import evaluate_with_harness
-    from qerl.memory import memory_report
+    from qerl.memory import device_name, memory_report
     from qerl.model import ModelError
 
     variant = trained["variant"] if trained else None
@@ -299,7 +299,8 @@ def evaluate_step(
 
             model = load_lora(model, adapter)  # unmerged: the 4-bit base stays as it was
             model.eval()
-        tracker.set_tags(run_id, {"compute_dtype": compute_dtype, "device": recipe.resolved_device()})
+        tracker.set_tags(run_id, {"compute_dtype": compute_dtype, "device": recipe.resolved_device(),
+                                  "device_name": device_name(recipe.resolved_device())})
         tracker.log_metrics(
             run_id,
             {"bits_per_weight": mem["bits_per_weight"], "linear_bytes": mem["linear_bytes"], "total_bytes": mem["total_bytes"]},
@@ -415,6 +416,7 @@ def train_step(
     from qerl.checkpoint import load_quantized
     from qerl.data import load_train
     from qerl.recipe import VARIANTS, flatten
+    from qerl.memory import device_name
     from qerl.rl.rewards import accuracy, format_reward
     from qerl.rl.trainer import train
 
@@ -443,7 +445,8 @@ def train_step(
         with _LOAD_LOCK:
             model, tokenizer = load_quantized(checkpoint, device=recipe.resolved_device())
         compute_dtype = set_compute_dtype(model, recipe.resolved_compute_dtype())
-        tracker.set_tags(run_id, {"compute_dtype": compute_dtype, "device": recipe.resolved_device()})
+        tracker.set_tags(run_id, {"compute_dtype": compute_dtype, "device": recipe.resolved_device(),
+                                  "device_name": device_name(recipe.resolved_device())})
         logged: set[int] = set()
         t0 = time.perf_counter()
 

@@ -130,6 +130,7 @@ def collect_rows(recipe: Recipe, parent_run_id: str, tracker: Tracker | None = N
                 bits_per_weight=m.get("bits_per_weight"),
                 compute_dtype=run.data.tags.get("compute_dtype"),
                 device=run.data.tags.get("device"),
+                device_name=run.data.tags.get("device_name"),
             )
             for b in recipe.benchmark_names():
                 row[b] = {
@@ -263,7 +264,11 @@ def _context_lines(recipe: Recipe, parent_run_id: str, tracker: Tracker, rows: l
 
 
 def _compute(rows: list[dict]) -> str:
-    seen = sorted({(r.get("device") or "?", r.get("compute_dtype") or "?") for r in rows if r.get("status") == "ok"})
+    def where(r: dict) -> str:  # "cuda (NVIDIA H200, 140 GiB)"; runs from before the device_name tag: the device
+        dev, name = r.get("device") or "?", r.get("device_name")
+        return f"{dev} ({name})" if name and name != dev else dev
+
+    seen = sorted({(where(r), r.get("compute_dtype") or "?") for r in rows if r.get("status") == "ok"})
     if not seen:
         return "-"
     return "; ".join(f"{dt} activations on {dev}" for dev, dt in seen) + " (weights hold their format's exact values)"

@@ -127,6 +127,7 @@ def test_flow_on_smoke_recipe(prefect_harness, tmp_path, gsm8k_dir):
         assert run.data.tags["format"] == fmt
         assert run.data.tags["aqn"] == ("true" if variant == "qerl-nvfp4-aqn" else "false")
         assert run.data.tags["model"] == "random:tiny-llama" and run.data.tags["seed"] == "0"
+        assert run.data.tags["device"] == run.data.tags["device_name"] == "cpu"  # on a GPU: its name and memory
         assert run.data.params["format"] == fmt and run.data.params["generation.max_new_tokens"] == "16"
         assert ("adapter" in run.data.params) == (not variant.startswith("base-"))
         m = run.data.metrics
@@ -148,6 +149,7 @@ def test_flow_on_smoke_recipe(prefect_harness, tmp_path, gsm8k_dir):
         m = run.data.metrics
         assert m["steps"] == 2 and "reward_first_fifth" in m and "reward_last_fifth" in m
         assert run.data.params["grpo.max_steps"] == "2" and run.data.params["lora.r"] == "4"
+        assert run.data.tags["device_name"] == "cpu"
         assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", "train_history.json"} <= artifact_paths(client, run.info.run_id)
     bits = {f: r.data.metrics["bits_per_weight"] for f, r in by_step["quantize"].items()}
     assert bits["bf16"] == 16 and bits["mxfp4"] < bits["nf4"] < bits["bf16"]
@@ -300,3 +302,20 @@ def test_cli_ablation_refuses_bad_seeds_in_one_line(tmp_path, seeds):
     out = CliRunner().invoke(app, ["ablation", SMOKE, "--seeds", seeds, "--set", f"output_dir={tmp_path / 'out'}"])
     assert out.exit_code == 2 and out.output.strip().startswith("error: --seeds") and len(out.output.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_report_names_the_accelerator_its_runs_used():
+    """The report's compute line names each device with the accelerator its runs recorded (the device_name
+    tag: an H100's and an H200's speeds differ); runs from before the tag show the bare device."""
+    from qerl.memory import device_name
+    from qerl.report import _compute
+
+    assert device_name("cpu") == "cpu"
+    rows = [{"status": "ok", "device": "cuda", "device_name": "NVIDIA H200, 140 GiB", "compute_dtype": "bfloat16"},
+            {"status": "ok", "device": "cuda", "device_name": "NVIDIA H100 80GB HBM3, 80 GiB", "compute_dtype": "bfloat16"},
+            {"status": "ok", "device": "cpu", "device_name": "cpu", "compute_dtype": "float32"},
+            {"status": "ok", "device": "cuda", "compute_dtype": "bfloat16"},
+            {"status": "failed", "device": "cuda", "device_name": "other"}]
+    assert _compute(rows).split(" (weights")[0].split("; ") == [
+        "float32 activations on cpu", "bfloat16 activations on cuda",
+        "bfloat16 activations on cuda (NVIDIA H100 80GB HBM3, 80 GiB)", "bfloat16 activations on cuda (NVIDIA H200, 140 GiB)"]
