@@ -54,7 +54,7 @@ def test_probe_matches_the_allocator(fmt, qwen3b_policy):
 def test_a_device_memory_cap_makes_the_allocator_refuse_beyond_it():
     """cap_device_memory: the plans' view of the card (_CudaMemory.total) becomes the cap, and an allocation
     that would take the allocator's reserved memory past it raises out-of-memory, while one under it succeeds.
-    The process's fraction is restored afterwards (the other tests share the worker)."""
+    A later call without a cap lifts it (the other tests share the worker)."""
     from qerl.rl.memory_plan import _CudaMemory, cap_device_memory
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -68,7 +68,8 @@ def test_a_device_memory_cap_makes_the_allocator_refuse_beyond_it():
         with pytest.raises(torch.OutOfMemoryError):
             torch.empty(3 * 2**30, dtype=torch.uint8, device=dev)  # 5 GiB more than before: does not
         del x
+        assert cap_device_memory(dev, None) is None  # a later uncapped run in the same process: lifted
+        assert _CudaMemory(dev).total == total
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, dev)
         torch.cuda.empty_cache()
-    assert _CudaMemory(dev).total == total

@@ -56,16 +56,27 @@ def cap_device_memory(device: torch.device | str, gib: float | None) -> int | No
     themselves against it (they read the allocator's fraction). E.g. 79 reproduces an 80 GB H100's budget on a
     141 GB H200 (the H100 shows 79.6 GiB; the CUDA context's ~0.5 GiB lies outside the allocator). Returns the
     cap in bytes; None where nothing is capped (gib None, not a CUDA device). A cap at or above the card's
-    memory leaves the whole card. GRPOSettings.device_memory_gib."""
+    memory leaves the whole card. gib None lifts a cap this function set earlier in the process (a worker that
+    runs a capped recipe and then an uncapped one), and leaves a fraction set by anyone else alone.
+    GRPOSettings.device_memory_gib."""
     device = torch.device(device)
-    if gib is None or device.type != "cuda":
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if gib is None:
+        if _CAPPED.pop(index, None) is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0, index)
         return None
     if gib <= 0:
         raise ValueError(f"device_memory_gib must be > 0, not {gib}")
-    total = torch.cuda.get_device_properties(device).total_memory
+    total = torch.cuda.get_device_properties(index).total_memory
     cap = min(int(gib * 2**30), total)
-    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    torch.cuda.set_per_process_memory_fraction(cap / total, index)
+    _CAPPED[index] = cap
     return cap
+
+
+_CAPPED: dict[int, int] = {}  # device index -> the cap cap_device_memory set there
 
 
 def allowed_bytes(total: int, fraction: float | None) -> int:
