@@ -65,8 +65,8 @@ def checkpoint_bytes(path: str | Path) -> int:
 
 
 def device_name(device: str) -> str:
-    """What a run's numbers were measured on, for its MLflow tags and the report: the accelerator's name and
-    memory ("NVIDIA H200, 140 GiB") for a CUDA device, "cpu" otherwise. Speed and memory results differ between
+    """What a run's numbers were measured on, for its MLflow tags, the report and the demo's summary: the
+    accelerator's name ("NVIDIA H200") for a CUDA device, "cpu" otherwise. Speed and memory results differ between
     accelerators (an H200's bandwidth is 1.4x an H100's), so a table regenerated from runs needs it. Call it
     where the device is already in use: for CUDA it reads the device's properties."""
     import torch
@@ -74,5 +74,4 @@ def device_name(device: str) -> str:
     dev = torch.device(device)
     if dev.type != "cuda" or not torch.cuda.is_available():
         return dev.type
-    props = torch.cuda.get_device_properties(dev.index if dev.index is not None else torch.cuda.current_device())
-    return f"{props.name}, {props.total_memory / 2**30:.0f} GiB"
+    return torch.cuda.get_device_name(dev)

@@ -415,8 +415,8 @@ def train_step(
     """
     from qerl.checkpoint import load_quantized
     from qerl.data import load_train
-    from qerl.recipe import VARIANTS, flatten
     from qerl.memory import device_name
+    from qerl.recipe import VARIANTS, flatten
     from qerl.rl.rewards import accuracy, format_reward
     from qerl.rl.trainer import train
 

@@ -264,7 +264,7 @@ def _context_lines(recipe: Recipe, parent_run_id: str, tracker: Tracker, rows: l
 
 
 def _compute(rows: list[dict]) -> str:
-    def where(r: dict) -> str:  # "cuda (NVIDIA H200, 140 GiB)"; runs from before the device_name tag: the device
+    def where(r: dict) -> str:  # "cuda (NVIDIA H200)"; runs from before the device_name tag: the device
         dev, name = r.get("device") or "?", r.get("device_name")
         return f"{dev} ({name})" if name and name != dev else dev
 

@@ -662,7 +662,7 @@ def test_rwg_launch_constexprs_match_the_kernel(cfg):
     from qerl.kernels import w4a16_rwg as R
 
     consts, cfg_ = R.kernel_args(32, cfg)
-    kernel = R._rwg_kp_kernel if cfg_["KP"] == 2 else R._rwg_kernel
+    kernel = R.kernel_for(cfg_["KP"])
     assert {p.name for p in kernel.params if p.is_constexpr} == set(consts) | {"HAS_BIAS"}
 
 

@@ -352,6 +352,11 @@ def _rwg_kp_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, l
     ], [4, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
 
 
+def kernel_for(kp) -> object:
+    """The rwg kernel a config's KP selects: _rwg_kp_kernel for 2, else _rwg_kernel."""
+    return _rwg_kp_kernel if int(kp) == 2 else _rwg_kernel
+
+
 DEFAULT = dict(BM=None, R=2, NSW=4, NSX=3, XREL=0, LOAD_REGS=24, PER_SM=None, maxnreg=None, PDL=None, S=None, PWA=None,
                KP=1, MMA_REGS=160)
 # Per-warp release of the weight and activation stages (qerl/kernels/ptx_pwa.py): no CTA barrier in
@@ -443,7 +448,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     x_desc, w_desc, s_desc = WG.descriptors(x, state, bm)
     c, locks, ws = WG.launch_buffers(x, state, out, tiles, s, rows * bm)
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
-    kernel = (_rwg_kp_kernel if kp == 2 else _rwg_kernel)[(tiles * s,)](
+    kernel = kernel_for(kp)[(tiles * s,)](
         x_desc, w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws, locks, m, n, kb, s, mt,
         int(state.get("exp_bias", 0)), HAS_BIAS=bias is not None, launch_pdl=consts["PDL"], **consts, **extra,
     )
@@ -456,5 +461,4 @@ def compile_offline(m: int = 64, n: int = 7168, k: int = 5120, config: dict | No
                     sbits: bool = False, fmt: str = "nvfp4"):
     """Compile for sm_90a without a GPU (ptxas included) -> triton CompiledKernel."""
     consts, cfg = kernel_args(m, config, fmt)
-    kernel = _rwg_kp_kernel if int(cfg["KP"]) == 2 else _rwg_kernel
-    return WG.compile_gemm_offline(kernel, fmt, m, n, k, consts, cfg, bias, sbits)
+    return WG.compile_gemm_offline(kernel_for(cfg["KP"]), fmt, m, n, k, consts, cfg, bias, sbits)

@@ -105,6 +105,7 @@ def run_variant(
     resume: bool = False,
 ) -> dict:
     """Train one variant on the arithmetic task and return its summary dict."""
+    from qerl.memory import device_name
     from qerl.rl.arith import make_problems
     from qerl.rl.rewards import format_reward, gsm8k_accuracy
     from qerl.rl.trainer import train
@@ -146,7 +147,7 @@ def run_variant(
         "train_time_s": sum(h["step_time_s"] for h in result.history),
         "wall_time_s": time.perf_counter() - t0,
         "device": device,
-        "device_name": torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu",
+        "device_name": device_name(device),
         "seed": settings.seed,
         "bf16_autocast": autocast_enabled(settings.bf16_autocast, device),
         "rewards": [round(h["reward_mean"], 4) for h in result.history],
