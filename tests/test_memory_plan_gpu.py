@@ -54,11 +54,13 @@ def test_probe_matches_the_allocator(fmt, qwen3b_policy):
 def test_a_device_memory_cap_makes_the_allocator_refuse_beyond_it():
     """cap_device_memory: the plans' view of the card (_CudaMemory.total) becomes the cap, and an allocation
     that would take the allocator's reserved memory past it raises out-of-memory, while one under it succeeds.
-    A later call without a cap lifts it (the other tests share the worker)."""
+    A later call without a cap lifts it (the other tests share the worker). The device is a bare "cuda", as
+    the trainer and bench_grpo_step.py pass it (torch's fraction getter wants an index: session 43's first
+    32B call failed on that)."""
     from qerl.rl.memory_plan import _CudaMemory, cap_device_memory
 
-    dev = torch.device("cuda", torch.cuda.current_device())
-    total = torch.cuda.get_device_properties(dev).total_memory
+    dev = torch.device("cuda")
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     torch.cuda.empty_cache()  # no cached free blocks that the allocator could give back to make room
     gib = (torch.cuda.memory_reserved(dev) + 4 * 2**30) / 2**30
     try:
@@ -71,5 +73,5 @@ def test_a_device_memory_cap_makes_the_allocator_refuse_beyond_it():
         assert cap_device_memory(dev, None) is None  # a later uncapped run in the same process: lifted
         assert _CudaMemory(dev).total == total
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
         torch.cuda.empty_cache()

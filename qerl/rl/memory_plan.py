@@ -62,7 +62,7 @@ def cap_device_memory(device: torch.device | str, gib: float | None) -> int | No
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(device)
     if gib is None:
         if _CAPPED.pop(index, None) is not None:
             torch.cuda.set_per_process_memory_fraction(1.0, index)
@@ -79,6 +79,11 @@ def cap_device_memory(device: torch.device | str, gib: float | None) -> int | No
 _CAPPED: dict[int, int] = {}  # device index -> the cap cap_device_memory set there
 
 
+def _cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device; a bare "cuda" is the current device (torch's fraction getter refuses it)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def allowed_bytes(total: int, fraction: float | None) -> int:
     """What the allocator may hold of a device of `total` bytes under a per-process `fraction` (None: all)."""
     return total if fraction is None else int(total * min(1.0, max(0.0, float(fraction))))
@@ -91,9 +96,10 @@ class _CudaMemory:
 
     def __init__(self, device: torch.device):
         self.device = device
+        index = _cuda_index(device)
         get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        self.total = allowed_bytes(torch.cuda.get_device_properties(device).total_memory,
-                                   get_fraction(device) if get_fraction else None)
+        self.total = allowed_bytes(torch.cuda.get_device_properties(index).total_memory,
+                                   get_fraction(index) if get_fraction else None)
 
     def reserved(self) -> int:
         return int(torch.cuda.memory_reserved(self.device))
