@@ -438,7 +438,7 @@ GEMV_CANDS = [("v3", None),
               ("g16w2C32", dict(PATH="gemv", BN=16, num_warps=2, ACC2D=True, CH=32))]
 
 
-NVFP4_ONLY_PATHS = ("ws", "wsmma")  # the Gluon GEMVs read FP8 scale rows of 16 bytes
+NVFP4_ONLY_PATHS = ("ws",)  # the CUDA-core Gluon GEMV reads FP8 scale rows of 16 bytes (wsmma takes mxfp4 too)
 
 
 def gemv_explore(deadline: float, out_path: str | None, ms=(1,), cands=None, shapes=None, all_formats=("v3", "g32w4C32"),

@@ -38,10 +38,12 @@ from qerl.kernels import w4a16_gluon as G  # noqa: E402
 from qerl.kernels import w4a16_ws as WS  # noqa: E402
 
 
-def _signature(n: int, k: int, has_bias: bool, mt: int = 1, xs: bool = False, glu: bool = False):
+def _signature(n: int, k: int, has_bias: bool, mt: int = 1, xs: bool = False, glu: bool = False,
+               fmt: str = "nvfp4"):
     kb = k // 256
-    state = {"words": torch.zeros(triton.cdiv(n, 64), kb, 64, 32, dtype=torch.int32),
-             "scale": torch.zeros(triton.cdiv(n, 64), kb, 64, 16, dtype=torch.uint8), "n": n, "kb": kb}
+    state = {"words": torch.zeros(triton.cdiv(n, 64), kb, 64, 32, dtype=torch.int32), "fmt": fmt,
+             "scale": torch.zeros(triton.cdiv(n, 64), kb, 64, 16 if fmt == "nvfp4" else 8, dtype=torch.uint8), "n": n,
+             "kb": kb}
     w_desc, s_desc = G.glu_descriptors(state) if glu else WS.descriptors(state)
     return {
         "xw_ptr": "*i32", "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc),
@@ -50,19 +52,22 @@ def _signature(n: int, k: int, has_bias: bool, mt: int = 1, xs: bool = False, gl
         "bias_ptr": "*bf16", "c_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
         "stamp_ptr": "*i64", "h_ptr": "*bf16", "hout_ptr": "*bf16", "nw_ptr": "*bf16", "ss_ptr": "*fp32",
         "M": "i32", "N": "i32", "KB": "i32", "S": "i32", "NW": "i32", "CS": "i32", "NSS": "i32", "eps": "fp32",
-        "KN": "i32",
+        "KN": "i32", "EB": "i32",
     }
 
 
 def compile_kernel(n: int, k: int, stages: int, warps: int, maxnreg, producer_regs: int, bias: bool, pdl: bool,
                    mt: int = 1, xpf: bool = False, stamp: bool = False, epi: bool = G.EPI_SMEM, sk: bool = False, tail: bool = False,
-                   sbits: bool = False, pwa: bool = False, xs: bool = False, glu: bool = False, fold: int = 0):
+                   sbits: bool = False, pwa: bool = False, xs: bool = False, glu: bool = False, fold: int = 0,
+                   fmt: str = "nvfp4"):
     fn = G._gluon_gemv_kernel
-    sig = _signature(n, k, bias, mt, xs, glu)
+    sig = _signature(n, k, bias, mt, xs, glu, fmt)
     l5, l2w, l2s = G._layouts(warps)
+    if fmt == "mxfp4":
+        l2s = G._layouts_mx(warps)
     # SP: the fixup's unrolled partial count (the wrapper passes next_power_of_2(S); 8 covers S <= 8)
     constexprs = {"NUM_STAGES": stages, "HAS_BIAS": bias, "PDL": pdl, "MT": mt, "XPF": xpf, "STAMP": stamp, "SP": 8,
-                  "HOIST": True, "EPI": epi, "SK": sk, "TAIL": tail, "SBITS": sbits, "PWA": pwa, "XS": xs, "GLU": glu, "FOLD": fold, "SSP": 64, "LX": G._x_layout(warps, mt), "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
+                  "HOIST": True, "EPI": epi, "SK": sk, "TAIL": tail, "SBITS": sbits, "PWA": pwa, "XS": xs, "GLU": glu, "FOLD": fold, "SSP": 64, "MX": fmt == "mxfp4", "LX": G._x_layout(warps, mt), "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
     for name in constexprs:
         sig[name] = "constexpr"
     # pointers 16-byte aligned, as the JIT would specialise them on a GPU
@@ -163,7 +168,7 @@ def main_wgmma(a):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernel", choices=("gemv", "wgmma"), default="gemv")
-    ap.add_argument("--fmt", default="nvfp4", help="wgmma: nvfp4 or mxfp4")
+    ap.add_argument("--fmt", default="nvfp4", help="nvfp4 or mxfp4 (gemv: mxfp4 needs no --scale-bits / --glu)")
     ap.add_argument("--m", type=int, default=None, help="tokens (wgmma: default 64; gemv: 1, or 2..8)")
     ap.add_argument("--config", default=None, help="wgmma: JSON config (w4a16_wgmma.forward keys)")
     ap.add_argument("--n", type=int, default=7168)
@@ -190,7 +195,7 @@ def main():
     try:
         ck = compile_kernel(a.n, a.k, a.stages, a.warps, a.maxnreg, a.producer_regs, a.bias, a.pdl,
                             1 if (a.m or 1) == 1 else G.MAX_M, a.xpf, epi=not a.old_epi, sk=a.streamk, tail=a.tail, sbits=a.scale_bits,
-                            pwa=a.pwa, xs=a.xs, glu=a.glu, fold=a.fold)
+                            pwa=a.pwa, xs=a.xs, glu=a.glu, fold=a.fold, fmt=a.fmt)
     except Exception as e:  # noqa: BLE001
         print(f"compile FAILED: {type(e).__name__}: {e}")
         sys.exit(1)

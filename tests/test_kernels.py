@@ -922,7 +922,8 @@ def test_gluon_schedule_choice():
 def test_routes_to_gluon_tokens(monkeypatch):
     """The GLU launch's gate (`routes_to_gluon_tokens`) follows forward's routing: in a PDL chain every
     2..8-token nvfp4 layer runs on the Gluon GEMV, without one only wide layers (N >= 16384, K >=
-    4096), never M = 1 or 16 tokens, never mxfp4, and nothing off sm_90 (here: _wsmma_ok)."""
+    4096), never M = 1 or 16 tokens, mxfp4 only where WSMMA_FORMATS names it, and nothing off sm_90 (here:
+    _wsmma_ok)."""
     from qerl.kernels import w4a16_triton as W
 
     x = lambda m, k: torch.zeros(m, k, dtype=torch.bfloat16)  # noqa: E731
@@ -933,9 +934,63 @@ def test_routes_to_gluon_tokens(monkeypatch):
     monkeypatch.setattr(W, "CHAIN_ROUTING", True)
     assert [W.routes_to_gluon_tokens(x(m, 3584), gate_up) for m in (1, 2, 5, 8, 16)] == [False, True, True, True, False]
     assert not W.routes_to_gluon_tokens(x(8, 3584), {**gate_up, "fmt": "mxfp4"})
+    monkeypatch.setattr(W, "WSMMA_FORMATS", ("nvfp4", "mxfp4"))  # ablate_rollout.py's `wsmx`
+    assert W.routes_to_gluon_tokens(x(8, 3584), {**gate_up, "fmt": "mxfp4"})
+    assert W._fused_route(1, {**wide, "fmt": "mxfp4"}, torch.device("cpu"), None)[0] == "wsmma"
+    monkeypatch.setattr(W, "WSMMA_FORMATS", ("nvfp4",))
+    assert W._fused_route(1, {**wide, "fmt": "mxfp4"}, torch.device("cpu"), None)[0] != "wsmma"
     monkeypatch.setattr(W, "CHAIN_ROUTING", False)
     assert not W.routes_to_gluon_tokens(x(8, 3584), gate_up)  # K 3584 < 4096 without the chain
     assert W.routes_to_gluon_tokens(x(8, 5120), wide)
+
+
+def test_mxfp4_scale_bits():
+    """prepare's mxfp4 `scale_bits` (the Gluon GEMV's integer E8M0 conversion, bits (e + exp_bias) << 7): equal
+    to the float path's bf16 (exp2(e + exp_bias - 127), w4a16_triton._scales) for every exponent byte when the
+    flag is set, i.e. whenever e + exp_bias stays in 1..254; the flag drops when a wide exponent spread (J > 8)
+    sends the smallest groups below bf16's normal range."""
+    from qerl.kernels import prepare
+
+    t = quantize_weight(torch.randn(64, 256) * 0.02, "mxfp4")
+    st = prepare("mxfp4", t)
+    assert st["scale_bits"] is True and st["exp_bias"] == 118
+    e = t["weight_scale"].view(torch.uint8).int()
+    f = torch.exp2((e + st["exp_bias"] - 127).double()).to(torch.bfloat16).view(torch.int16).int() & 0xFFFF
+    assert torch.equal(f, (e + st["exp_bias"]) << 7)
+    every = torch.arange(0, 256, dtype=torch.int32)  # J = 8: every byte converts exactly
+    f = torch.exp2((every + 118 - 127).double()).to(torch.bfloat16).view(torch.int16).int() & 0xFFFF
+    assert torch.equal(f[:137], (every[:137] + 118) << 7)  # e_max <= 136 keeps J = 8
+    wide = dict(t)
+    s = t["weight_scale"].view(torch.uint8).clone()
+    s[0, 0], s[0, 1] = 254, 0  # J = 126: exp_bias 0, and e = 0's multiplier 2^-127 is no normal bf16
+    wide["weight_scale"] = s.view(t["weight_scale"].dtype)
+    st = prepare("mxfp4", wide)
+    assert st["exp_bias"] == 0 and st["scale_bits"] is False
+    s[0, 1] = 1  # now the smallest e has e + exp_bias = 1
+    st = prepare("mxfp4", wide)
+    assert st["scale_bits"] is True
+
+
+@pytest.mark.parametrize("mt,sched,warps,sbits", [(1, "split", 4, True), (8, "split", 4, True), (8, "sk", 4, True),
+                                                  (8, "tail", 4, False), (1, "tail", 4, False), (8, "split", 8, True)])
+def test_gluon_gemv_mxfp4_builds(mt, sched, warps, sbits):
+    """Offline sm_90a build of the Gluon GEMV on mxfp4 (MX): the E8M0 scales' [32, 16] box and its register
+    layout (`_layouts_mx`) convert trivially into the decode's [4, 2, 8, 8, 4] view (assert_trivial fails the
+    build otherwise), no spills at nvfp4's 64 registers, as many MMAs and bf16x2 multiplies as nvfp4's build,
+    a 512-byte scale stage (nvfp4: 1 KB), and with `scale_bits` no exp2 left in the PTX."""
+    pytest.importorskip("triton.experimental.gluon")
+    cg = _compile_gluon()
+    ck = cg.compile_kernel(27648, 5120, 3, warps, 64, 24, True, True, mt, False, sk=sched == "sk",
+                           tail=sched == "tail", sbits=sbits, pwa=mt > 1, xs=mt > 1, fmt="mxfp4")
+    nv = cg.compile_kernel(27648, 5120, 3, warps, 64, 24, True, True, mt, False, sk=sched == "sk",
+                           tail=sched == "tail", sbits=sbits, pwa=mt > 1, xs=mt > 1)
+    regs, spills = cg._resources(ck.asm["cubin"])
+    assert spills == 0 and regs <= 64
+    ptx = ck.asm["ptx"]
+    for op in ("mma.sync", "mul.rn.bf16x2"):
+        assert ptx.count(op) == nv.asm["ptx"].count(op) > 0, op
+    assert (ptx.count("ex2.approx") == 0) == sbits
+    assert nv.metadata.shared - ck.metadata.shared == 3 * 512  # three stages of 512 scale bytes fewer
 
 
 def test_scale_bits_exact_flag():

@@ -72,8 +72,9 @@ def prepare(fmt: str, tensors: dict[str, torch.Tensor], locks: int | None = None
     both tiled [N/64, K/256, 64, .] as layout.py describes; `kb` = K/256 blocks; `alpha`
     float32 [1] on the device (the per-tensor factor applied to the fp32 accumulator: 2^8 / g
     for nvfp4, 2^J for mxfp4); `exp_bias`
-    (python int, mxfp4 only), `scale_bits` (nvfp4: every scale converts by integer arithmetic,
-    scale_bits_exact), and two int32 counter arrays for the split-reduction path.
+    (python int, mxfp4 only), `scale_bits` (every scale converts by integer arithmetic: nvfp4 by
+    scale_bits_exact, mxfp4 where every exponent's multiplier is a normal bf16), and two int32 counter
+    arrays for the split-reduction path.
     nf4 and bf16: the checkpoint tensors themselves (torch backend only).
 
     This costs one host sync (mxfp4 exponent range, nvfp4 scale check); do it before CUDA-graph capture.
@@ -106,10 +107,14 @@ def prepare(fmt: str, tensors: dict[str, torch.Tensor], locks: int | None = None
         # W' = q_sub * 2^(e + 126 - J - 127) must stay a normal bf16 and the multiplier
         # 2^(e - 1 - J) must not overflow: J = max(8, e_max - 128) covers any exponent spread
         # up to ~240 binades (groups below 2^(J+2-127) are ~0 anyway).
-        e_max = int(scale_u8.max().item()) if scale_u8.numel() else 127
+        e_min, e_max = (torch.stack(torch.aminmax(scale_u8.flatten())).tolist() if scale_u8.numel()
+                        else (127, 127))  # one host sync
         j = max(8, e_max - 128)
         state["alpha"] = torch.full((1,), 2.0**j, dtype=torch.float32, device=device)
         state["exp_bias"] = 126 - j
+        # every multiplier 2^(e + exp_bias - 127) a normal bf16 (e + exp_bias <= 254 holds by J's choice), so
+        # its bits are (e + exp_bias) << 7: the Gluon GEMV's integer conversion (w4a16_gluon._decode_mx)
+        state["scale_bits"] = e_min + state["exp_bias"] >= 1
     count = locks if locks is not None else 2048
     state["locks"] = torch.zeros(count, dtype=torch.int32, device=device)
     state["locks_bwd"] = torch.zeros(count, dtype=torch.int32, device=device)

@@ -1,5 +1,10 @@
-"""Warp-specialised GEMV for nvfp4 on Hopper (Gluon), tensor-core reduction, M = 1..8:
+"""Warp-specialised GEMV for nvfp4 (and mxfp4) on Hopper (Gluon), tensor-core reduction, M = 1..8:
 y[M, N] = x[M, K] @ dequant(W)[N, K]^T, bf16 in / out, fp32 accumulate.
+
+mxfp4 (MX, since session 43; w4a16_triton.WSMMA_FORMATS routes it only where asked until it is timed): the
+same ring and MMAs; a tile's 64 x 8 E8M0 bytes travel as one [32, 16] TMA box (TMA wants >= 16-byte rows),
+read in `_layouts_mx` so that the lanes sharing a 32-weight group read the same byte, and `_decode_mx`
+multiplies the words viewed [4, 2, 8, 8, 4] (four word columns per scale) by 2^(e + exp_bias - 127).
 
 Sibling of `w4a16_ws.py` (same ring, same schedule and fixup); `benchmarks/compile_gluon.py`
 compiles it offline. The default for M = 1 nvfp4 on Hopper layers with N*K >= WSMMA_MIN_NK
@@ -94,6 +99,19 @@ def _layouts(num_warps: int):
     regs_s = [[8, 0]] + ([[32, 0]] if wm == 2 else [[16, 0], [32, 0]])
     l2s = gl.DistributedLinearLayout(regs_s, lanes_s, warps_s, [], [64, 16])
     return l5, l2w, l2s
+
+
+@functools.lru_cache(maxsize=None)
+def _layouts_mx(num_warps: int):
+    """mxfp4's L2S: the 2-D [32, 16] layout of a tile's E8M0 scales (64 rows x 8 bytes, read as 16-byte rows
+    because TMA's inner box must be >= 16 bytes: byte 8r + j at [r // 2, 8 (r % 2) + j]) such that thread
+    (g, t) of warp w holds the scale j = 2w + t // 2 of rows 16m + 8h + g: the SliceLayout(4, .) of the
+    words viewed [4, 2, 8, 8 j, 4] (`_decode_mx`), lanes t and t ^ 1 reading the same byte."""
+    wm = num_warps // 4
+    lanes = [[0, 0], [0, 1], [0, 8], [1, 0], [2, 0]]  # t0 (none), t1 (j + 1), g (r + 1, 2, 4)
+    warps = [[0, 2], [0, 4]] + ([[8, 0]] if wm == 2 else [])  # w (j + 2, 4), WM = 2: m bit 0 (r + 16)
+    regs = [[4, 0]] + ([[16, 0]] if wm == 2 else [[8, 0], [16, 0]])  # h (r + 8), m (r + 16, 32)
+    return gl.DistributedLinearLayout(regs, lanes, warps, [], [32, 16])
 
 
 @functools.lru_cache(maxsize=None)
@@ -346,7 +364,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
               EPI: gl.constexpr, SK: gl.constexpr, red, L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr,
               SBITS: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, GLU: gl.constexpr, glu_buf,
               h_ptr, hout_ptr, nw_ptr, ss_ptr, NSS, eps, KN, FOLD: gl.constexpr, SSP: gl.constexpr,
-              num_warps: gl.constexpr):
+              EB, MX: gl.constexpr, num_warps: gl.constexpr):
     # activations: x as int32 pairs, element (sc, i) of the 5-D tile needs word column c = 2 sc + i
     LSC: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4, L5))))
     LI: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L5))))
@@ -406,7 +424,8 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
                     if FOLD == 2:
                         alpha = alpha * inv
             acc0, acc1, acc2, acc3 = _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, s0, s1, f - k0, xoff,
-                                               xmask, zero5, cz, NUM_STAGES, MT, XPF, L5, L2W, L2S, SBITS, XS, LX, GLU)
+                                               xmask, zero5, cz, NUM_STAGES, MT, XPF, L5, L2W, L2S, SBITS, XS, LX, GLU,
+                                               EB, MX)
             if STAMP:
                 _stamp(stamp_ptr, p, 2, "clock64")
             if MT == 1:
@@ -420,7 +439,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
             f = sblk * KB + s1
     else:
         acc0, acc1, acc2, acc3 = _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, k0, k1, 0, xoff, xmask, zero5,
-                                           cz, NUM_STAGES, MT, XPF, L5, L2W, L2S, SBITS, XS, LX, GLU)
+                                           cz, NUM_STAGES, MT, XPF, L5, L2W, L2S, SBITS, XS, LX, GLU, EB, MX)
         _block_epilogue(alpha_ptr, bias_ptr, alpha, b_lo, b_hi, red, c_ptr, ws_ptr, lock_ptr, stamp_ptr, acc0, acc1,
                         acc2, acc3, p, blk, M, N, k0, k1, S, NW, SP, HAS_BIAS, MT, STAMP, HOIST, EPI, rows, sc5, zero5,
                         LR, LR3, LRED, LRED1, GLU, glu_buf, FOLD, h_ptr, hout_ptr, nw_ptr, ss_ptr)
@@ -432,10 +451,12 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
 @gluon.jit
 def _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, k0, k1, i0, xoff, xmask, zero5, cz,
               NUM_STAGES: gl.constexpr, MT: gl.constexpr, XPF: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr,
-              L2S: gl.constexpr, SBITS: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, GLU: gl.constexpr = False):
+              L2S: gl.constexpr, SBITS: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, GLU: gl.constexpr = False,
+              EB=0, MX: gl.constexpr = False):
     """Reduction steps [k0, k1) of one row block, the ring's stage counter starting at i0 ->
     the four [4, 8, 16, 2] MMA accumulators (rows g / g + 8 x B columns 2t / 2t + 1). XS: x comes
-    with the stage (`_xs_producer`), else from global memory (XPF: one step ahead)."""
+    with the stage (`_xs_producer`), else from global memory (XPF: one step ahead). MX: mxfp4 weights
+    (`_decode_mx`; EB = the tensor's exp_bias)."""
     acc0 = cz
     acc1 = cz
     acc2 = cz
@@ -470,17 +491,10 @@ def _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, k0, k1, i0, xoff, xm
             x01, x23, x45, x67 = x01 + zero5, x23 + zero5, x45 + zero5, x67 + zero5
         words = gl.convert_layout(gl.reshape(w2, [4, 2, 8, 16, 2]), L5, assert_trivial=True).to(gl.uint32,
                                                                                                    bitcast=True)
-        sraw = gl.convert_layout(gl.reshape(s2d, [4, 2, 8, 16]), gl.SliceLayout(4, L5), assert_trivial=True)
-        if SBITS:  # the layer's scales are all normal (prepare: scale_bits): bf16 bits (b << 4) + 0x7700, twice
-            s2 = gl.expand_dims(((sraw.to(gl.uint8, bitcast=True).to(gl.uint32) << 4) + 0x7700) * 0x10001, 4)
+        if MX:
+            p0, p1, p2, p3 = _decode_mx(words, s2d, EB, L5, SBITS)
         else:
-            s = (sraw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_MUL).to(gl.bfloat16)
-            s16 = s.to(gl.uint16, bitcast=True).to(gl.uint32)
-            s2 = gl.expand_dims(s16 | (s16 << 16), 4)  # [4, 2, 8, 16, 1]: the scale in both halves
-        p0 = _mul2((words & _KM) | (_rotr(words, _S0) & _KS), s2)
-        p1 = _mul2(_rotr(words, _R1) & _KA, s2)
-        p2 = _mul2(_rotr(words, _R2) & _KA, s2)
-        p3 = _mul2((_rotr(words, _R3) & _KM) | (_rotr(words, _S3) & _KS), s2)
+            p0, p1, p2, p3 = _decode_nv(words, s2d, L5, SBITS)
         p0g, p0h = _halves(p0.to(gl.int32, bitcast=True))
         p1g, p1h = _halves(p1.to(gl.int32, bitcast=True))
         p2g, p2h = _halves(p2.to(gl.int32, bitcast=True))
@@ -497,6 +511,56 @@ def _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, k0, k1, i0, xoff, xm
             acc0, acc1, acc2, acc3 = _mma(acc0, acc1, acc2, acc3, p2g, p2h, p3g, p3h, b23, b67)
 
     return acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _decode_nv(words, s2d, L5: gl.constexpr, SBITS: gl.constexpr):
+    """nvfp4: a stage's words [4, 2, 8, 16, 2] (in L5) and FP8 scales [64, 16] (L2S) -> P0..P3 = q * s * 2^-J
+    as bf16x2 (one FP8 scale per two words of a thread)."""
+    sraw = gl.convert_layout(gl.reshape(s2d, [4, 2, 8, 16]), gl.SliceLayout(4, L5), assert_trivial=True)
+    if SBITS:  # the layer's scales are all normal (prepare: scale_bits): bf16 bits (b << 4) + 0x7700, twice
+        s2 = gl.expand_dims(((sraw.to(gl.uint8, bitcast=True).to(gl.uint32) << 4) + 0x7700) * 0x10001, 4)
+    else:
+        s = (sraw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_MUL).to(gl.bfloat16)
+        s16 = s.to(gl.uint16, bitcast=True).to(gl.uint32)
+        s2 = gl.expand_dims(s16 | (s16 << 16), 4)  # [4, 2, 8, 16, 1]: the scale in both halves
+    p0 = _mul2((words & _KM) | (_rotr(words, _S0) & _KS), s2)
+    p1 = _mul2(_rotr(words, _R1) & _KA, s2)
+    p2 = _mul2(_rotr(words, _R2) & _KA, s2)
+    p3 = _mul2((_rotr(words, _R3) & _KM) | (_rotr(words, _S3) & _KS), s2)
+    return p0, p1, p2, p3
+
+
+@gluon.jit
+def _mx_mul(q, s2, L5: gl.constexpr):
+    """mxfp4: q [4, 2, 8, 16 sc, 2 i] times its E8M0 multiplier s2 [4, 2, 8, 8, 1], which word column
+    c = 2 sc + i shares with the three others of its 32 weights (scale j = c // 4 = sc // 2): q viewed as
+    [4, 2, 8, 8 j, 4 (sc % 2, i)] (a register rename), multiplied, viewed back in L5."""
+    p = _mul2(gl.reshape(q, [4, 2, 8, 8, 4]), s2)
+    return gl.convert_layout(gl.reshape(p, [4, 2, 8, 16, 2]), L5, assert_trivial=True)
+
+
+@gluon.jit
+def _decode_mx(words, s2d, EB, L5: gl.constexpr, SBITS: gl.constexpr):
+    """mxfp4: a stage's words [4, 2, 8, 16, 2] (in L5) and E8M0 scales (the tile's 64 x 8 bytes as the [32, 16]
+    TMA box, read in `_layouts_mx`'s layout: lanes t and t ^ 1 read the same byte) -> P0..P3 = q * s * 2^-J as
+    bf16x2, s * 2^(126 - J) = 2^(e + EB - 127) as w4a16_triton._scales computes it (exp2 of an exact integer), or
+    with SBITS (prepare's mxfp4 `scale_bits`: every e + EB in 1..254) as the bf16 bits (e + EB) << 7."""
+    q0 = (words & _KM) | (_rotr(words, _S0) & _KS)
+    q8 = gl.reshape(q0, [4, 2, 8, 8, 4])
+    e = gl.convert_layout(gl.reshape(s2d, [4, 2, 8, 8]), gl.SliceLayout(4, q8.type.layout), assert_trivial=True)
+    if SBITS:
+        s2 = gl.expand_dims((((e.to(gl.uint8, bitcast=True).to(gl.int32) + EB) << 7) * 0x10001).to(gl.uint32,
+                                                                                                      bitcast=True), 4)
+    else:
+        s = gl.exp2(e.to(gl.uint8, bitcast=True).to(gl.float32) + (EB - 127)).to(gl.bfloat16)
+        s16 = s.to(gl.uint16, bitcast=True).to(gl.uint32)
+        s2 = gl.expand_dims(s16 | (s16 << 16), 4)  # [4, 2, 8, 8, 1]: the scale in both halves
+    p0 = _mx_mul(q0, s2, L5)
+    p1 = _mx_mul(_rotr(words, _R1) & _KA, s2, L5)
+    p2 = _mx_mul(_rotr(words, _R2) & _KA, s2, L5)
+    p3 = _mx_mul((_rotr(words, _R3) & _KM) | (_rotr(words, _S3) & _KS), s2, L5)
+    return p0, p1, p2, p3
 
 
 @gluon.jit
@@ -786,13 +850,13 @@ def _store_tokens(c_ptr, b, v, tok, n, M, N, HAS_BIAS: gl.constexpr):
 
 @gluon.jit
 def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, x_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr,
-                       h_ptr, hout_ptr, nw_ptr, ss_ptr, M, N, KB, S, NW, CS, NSS, eps, KN,
+                       h_ptr, hout_ptr, nw_ptr, ss_ptr, M, N, KB, S, NW, CS, NSS, eps, KN, EB,
                        SP: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
                        MT: gl.constexpr, XPF: gl.constexpr, STAMP: gl.constexpr, HOIST: gl.constexpr,
                        EPI: gl.constexpr, PRODUCER_REGS: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr,
                        L2S: gl.constexpr, SK: gl.constexpr, TAIL: gl.constexpr, SBITS: gl.constexpr,
                        PWA: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, GLU: gl.constexpr,
-                       FOLD: gl.constexpr, SSP: gl.constexpr, num_warps: gl.constexpr):
+                       FOLD: gl.constexpr, SSP: gl.constexpr, MX: gl.constexpr, num_warps: gl.constexpr):
     # PWA: each consumer warp frees a stage itself (empty barriers of num_warps arrivals, qerl/kernels/ptx_pwa.py)
     p, blk, k0, k1, trow0, w_bufs, s_bufs, ready, empty = _setup(w_desc, s_desc, KB, S, NUM_STAGES, PDL,
                                                                  num_warps if PWA else 1)
@@ -833,7 +897,7 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, x_desc, alpha_ptr, bias_ptr, c_pt
         (_consumer, (xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w_bufs, s_bufs, x_bufs, ready,
                      empty, p, blk, M, N, KB, k0, k1, S, NW, SP, NUM_STAGES, HAS_BIAS, PDL, MT, XPF, STAMP, HOIST, EPI,
                      SK, red, L5, L2W, L2S, SBITS, XS, LX, GLU, glu_buf, h_ptr, hout_ptr, nw_ptr, ss_ptr, NSS, eps,
-                     KN, FOLD, SSP, num_warps)),
+                     KN, FOLD, SSP, EB, MX, num_warps)),
         (_gluon_producer, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, trow0, k0, k1, KB, stamp_ptr,
                            p, NUM_STAGES, STAMP, XS, PDL, GLU)),
     ], [1], [PRODUCER_REGS])
@@ -1010,7 +1074,7 @@ def glu_usable(x: torch.Tensor, state: dict, bias=None) -> bool:
 
 def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | None = None,
             glu: bool = False, fold: tuple | None = None) -> torch.Tensor:
-    """y = x @ dequant(W)^T (+ bias) for x [M, K] bf16 (contiguous, M <= 8) and an nvfp4 `state`
+    """y = x @ dequant(W)^T (+ bias) for x [M, K] bf16 (contiguous, M <= 8) and an nvfp4 or mxfp4 `state`
     (qerl.kernels.prepare). M = 1 puts x in every column of the MMA's B; M = 2..8 puts token g in
     column g (MT = 8), at the same MMA count per weight.
 
@@ -1033,8 +1097,9 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     ("scale", ss, blocks, eps, k): x is such a bf16(h_out * w), and each token's products are scaled by
     1 / sqrt(sum of its `blocks` partial sums / k + eps) before alpha and bias (and GLU). With one
     rounding fewer than bf16(w * bf16(h_out * scale)) in the norm kernel, so not bit-equal to it."""
-    if state["fmt"] != "nvfp4":
-        raise ValueError(f"the Gluon GEMV takes nvfp4 weights, got {state['fmt']}")
+    if state["fmt"] not in ("nvfp4", "mxfp4"):
+        raise ValueError(f"the Gluon GEMV takes nvfp4 or mxfp4 weights, got {state['fmt']}")
+    mx = state["fmt"] == "mxfp4"
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_M:
         raise ValueError(f"the Gluon GEMV takes 1 <= M <= {MAX_M}, got x of shape {tuple(x.shape)}")
     n, k, kb = state["n"], state["k"], state["kb"]
@@ -1067,7 +1132,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         xs = xs_auto(mt, triton.cdiv(n, 64), per_sm * W._num_sms(x.device.index or 0))
     x = x.contiguous()
     xs = bool(xs) and x.data_ptr() % 16 == 0  # TMA: a 16-byte aligned base
-    key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM, pwa, xs, glu, kind_fold)  # (occupancy; SBITS keeps it)
+    key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM, pwa, xs, glu, kind_fold, mx)  # (occupancy; SBITS keeps it)
     fits = min(_RESIDENT.get(key, per_sm), per_sm)
     s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), fits, mt,
                                                   glu_descriptors(state) if glu else None)
@@ -1084,6 +1149,8 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     elif kind == "tail":  # workspace slot = program (the whole blocks' slots go unused)
         ws = torch.empty(grid * 64 * mt, device=x.device, dtype=torch.float32)
     l5, l2w, l2s = _layouts(nw)
+    if mx:
+        l2s = _layouts_mx(nw)
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
     stamps = W.stamp_slice(grid, n, k, s, m, "gluon")  # instrumentation, None when off (w4a16_triton.STAMP)
     h_in = h_out = w_norm = ss = c
@@ -1096,7 +1163,8 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     kernel = _gluon_gemv_kernel[(grid,)](
         x.view(torch.int32), w_desc, s_desc, x_descriptor(x, mt) if xs else w_desc, state["alpha"], bias if bias is not None else c, c, ws,
         locks, stamps if stamps is not None else ws, h_in, h_out, w_norm, ss, m, n, kb, s, nw_whole, cs, int(nss),
-        float(eps), int(kn), FOLD={"res": 1, "scale": 2}.get(kind_fold, 0), SSP=ssp, SP=sp, NUM_STAGES=ns,
+        float(eps), int(kn), int(state.get("exp_bias", 0)), FOLD={"res": 1, "scale": 2}.get(kind_fold, 0), SSP=ssp,
+        SP=sp, NUM_STAGES=ns, MX=mx,
         HAS_BIAS=bias is not None, PDL=pdl, MT=mt, XPF=xpf,
         STAMP=stamps is not None, HOIST=HOIST_CONSTS, EPI=EPI_SMEM, PRODUCER_REGS=preg, SK=kind == "sk", TAIL=kind == "tail",
         SBITS=SCALE_BITS and bool(state.get("scale_bits", False)), PWA=pwa, XS=xs, LX=_x_layout(nw, mt),

@@ -113,6 +113,11 @@ WSMMA_TOKENS_MIN_K = 4096
 # section 11). With the old epilogue the same routing lost 16%. 0 disables it.
 WSMMA_TOKENS_MIN_N_PDL = env_int("QERL_W4A16_WSMMA_TOKENS_MIN_N_PDL", 1 if WSMMA_TOKENS_MIN_N else 0)
 WSMMA_TOKENS_MIN_K_PDL = 0
+# The formats the four rules above send to the Gluon GEMV. mxfp4 runs there too since session 43 (its E8M0
+# scales in [32, 16] TMA boxes, w4a16_gluon._decode_mx; offline build 317 SASS per main-loop step at M = 8
+# against nvfp4's 310), but it has not been timed on a GPU yet, so only nvfp4 is routed; ablate_rollout.py's
+# flag `wsmx` and `bench_w4a16.py --cands '[["gluon", {"PATH": "wsmma"}]]' --formats mxfp4` try it.
+WSMMA_FORMATS: tuple = ("nvfp4",)
 # Forward with WGMMA_SMALL_M <= M < WGMMA_MIN_M on Hopper: the wgmma GEMM where it beat the fused
 # Triton kernel on the H100 (_small_m_wgmma; NOTES_w4a16.md section 15). 0 disables it.
 WGMMA_SMALL_M = env_int("QERL_W4A16_WGMMA_SMALL_M", 17)
@@ -1033,11 +1038,12 @@ def _fused_route(m: int, state: dict, device: torch.device, config: dict | None)
     chain = PDL if CHAIN_ROUTING is None else CHAIN_ROUTING
     min_nk, tok_min_n, tok_min_k = ((WSMMA_MIN_NK_PDL, WSMMA_TOKENS_MIN_N_PDL, WSMMA_TOKENS_MIN_K_PDL) if chain
                                     else (WSMMA_MIN_NK, WSMMA_TOKENS_MIN_N, WSMMA_TOKENS_MIN_K))
-    if m == 1 and state["fmt"] == "nvfp4" and 0 < min_nk <= nk and _wsmma_ok(device, state):
+    gluon_fmt = state["fmt"] in WSMMA_FORMATS
+    if m == 1 and gluon_fmt and 0 < min_nk <= nk and _wsmma_ok(device, state):
         path = "wsmma"  # (checked first: with PDL its threshold may be below GEMV_MAX_NK)
     elif m <= GEMV_MAX_M and nk <= GEMV_MAX_NK:
         path = "gemv"
-    elif (2 <= m <= 8 and state["fmt"] == "nvfp4" and 0 < tok_min_n <= state["n"]
+    elif (2 <= m <= 8 and gluon_fmt and 0 < tok_min_n <= state["n"]
           and state["k"] >= tok_min_k and _wsmma_ok(device, state)):
         path = "wsmma"
     elif 0 < RWG_MIN_M <= m <= max(RWG_MAX_M, RWG_WIDE_MAX_M) and _wsmma_ok(device, state):

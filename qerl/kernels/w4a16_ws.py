@@ -69,9 +69,14 @@ def _gdc(op: gl.constexpr):
 @gluon.jit
 def _copy_tile(w_desc, s_desc, w_bufs, s_bufs, ready, idx, row):
     """TMA copies of one 64-row weight tile (words and scales at tiled row `row`) into stage idx,
-    completing on ready[idx]."""
+    completing on ready[idx]. mxfp4's scale boxes are [32, 16] (a tile's 64 x 8 bytes, `descriptors`): their
+    row is half the words' row."""
     tma.async_copy_global_to_shared(w_desc, [row, 0], ready.index(idx), w_bufs.index(idx))
-    tma.async_copy_global_to_shared(s_desc, [row, 0], ready.index(idx), s_bufs.index(idx))
+    SROWS: gl.constexpr = s_desc.block_type.shape[0]
+    if SROWS == 64:
+        tma.async_copy_global_to_shared(s_desc, [row, 0], ready.index(idx), s_bufs.index(idx))
+    else:
+        tma.async_copy_global_to_shared(s_desc, [row // (64 // SROWS), 0], ready.index(idx), s_bufs.index(idx))
 
 
 @gluon.jit
@@ -225,11 +230,13 @@ def forward(x: torch.Tensor, state: dict, bias=None, config: dict | None = None,
 
 
 def descriptors(state: dict):
-    """TMA descriptors of the tiled words / scales viewed as 2-D [N/64*KB*64, 32] / [.., 16]."""
+    """TMA descriptors of the tiled words / scales viewed as 2-D [N/64*KB*64, 32] / [.., 16]: boxes of one
+    64 x 256 tile; an mxfp4 tile's 64 x 8 scale bytes (under TMA's 16-byte minimum row) as one [32, 16] box."""
+    srows = 32 if state.get("fmt") == "mxfp4" else 64
     wl = gl.NVMMASharedLayout.get_default_for([64, 32], gl.int32)
-    sl = gl.NVMMASharedLayout.get_default_for([64, 16], gl.uint8)
+    sl = gl.NVMMASharedLayout.get_default_for([srows, 16], gl.uint8)
     return (TensorDescriptor.from_tensor(state["words"].view(-1, 32), [64, 32], wl),
-            TensorDescriptor.from_tensor(state["scale"].view(-1, 16), [64, 16], sl))
+            TensorDescriptor.from_tensor(state["scale"].view(-1, 16), [srows, 16], sl))
 
 
 def _plan(x: torch.Tensor, state: dict, out, s_forced, per_sm: int, tokens: int = 1, descs=None):
