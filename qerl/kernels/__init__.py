@@ -107,7 +107,7 @@ def prepare(fmt: str, tensors: dict[str, torch.Tensor], locks: int | None = None
         # W' = q_sub * 2^(e + 126 - J - 127) must stay a normal bf16 and the multiplier
         # 2^(e - 1 - J) must not overflow: J = max(8, e_max - 128) covers any exponent spread
         # up to ~240 binades (groups below 2^(J+2-127) are ~0 anyway).
-        e_min, e_max = (torch.stack(torch.aminmax(scale_u8.flatten())).tolist() if scale_u8.numel()
+        e_min, e_max = (torch.stack([scale_u8.min(), scale_u8.max()]).tolist() if scale_u8.numel()
                         else (127, 127))  # one host sync
         j = max(8, e_max - 128)
         state["alpha"] = torch.full((1,), 2.0**j, dtype=torch.float32, device=device)
