@@ -971,25 +971,29 @@ def test_mxfp4_scale_bits():
     assert st["scale_bits"] is True
 
 
-@pytest.mark.parametrize("mt,sched,warps,sbits", [(1, "split", 4, True), (8, "split", 4, True), (8, "sk", 4, True),
-                                                  (8, "tail", 4, False), (1, "tail", 4, False), (8, "split", 8, True)])
-def test_gluon_gemv_mxfp4_builds(mt, sched, warps, sbits):
+@pytest.mark.parametrize("mt,sched,warps,sbits,glu,fold", [
+    (1, "split", 4, True, False, 0), (8, "split", 4, True, False, 0), (8, "sk", 4, True, False, 0),
+    (8, "tail", 4, False, False, 0), (1, "tail", 4, False, False, 0), (8, "split", 8, True, False, 0),
+    (8, "split", 4, True, True, 0), (8, "sk", 4, False, True, 2), (8, "split", 4, True, False, 1)])
+def test_gluon_gemv_mxfp4_builds(mt, sched, warps, sbits, glu, fold):
     """Offline sm_90a build of the Gluon GEMV on mxfp4 (MX): the E8M0 scales' [32, 16] box and its register
     layout (`_layouts_mx`) convert trivially into the decode's [4, 2, 8, 8, 4] view (assert_trivial fails the
     build otherwise), no spills at nvfp4's 64 registers, as many MMAs and bf16x2 multiplies as nvfp4's build,
-    a 512-byte scale stage (nvfp4: 1 KB), and with `scale_bits` no exp2 left in the PTX."""
+    a 512-byte scale stage (nvfp4: 1 KB; GLU's [2, 16, 16] boxes too), and with `scale_bits` no exp2 beyond
+    nvfp4's build; plain, GLU and both NORM_FOLD ends."""
     pytest.importorskip("triton.experimental.gluon")
     cg = _compile_gluon()
-    ck = cg.compile_kernel(27648, 5120, 3, warps, 64, 24, True, True, mt, False, sk=sched == "sk",
-                           tail=sched == "tail", sbits=sbits, pwa=mt > 1, xs=mt > 1, fmt="mxfp4")
-    nv = cg.compile_kernel(27648, 5120, 3, warps, 64, 24, True, True, mt, False, sk=sched == "sk",
-                           tail=sched == "tail", sbits=sbits, pwa=mt > 1, xs=mt > 1)
+    kw = dict(sk=sched == "sk", tail=sched == "tail", sbits=sbits, pwa=mt > 1, xs=mt > 1, glu=glu, fold=fold)
+    bias = not (glu or fold)  # (GLU and NORM_FOLD launches carry no bias)
+    ck = cg.compile_kernel(27648, 5120, 3, warps, 64, 24, bias, True, mt, False, fmt="mxfp4", **kw)
+    nv = cg.compile_kernel(27648, 5120, 3, warps, 64, 24, bias, True, mt, False, **kw)
     regs, spills = cg._resources(ck.asm["cubin"])
     assert spills == 0 and regs <= 64
     ptx = ck.asm["ptx"]
     for op in ("mma.sync", "mul.rn.bf16x2"):
         assert ptx.count(op) == nv.asm["ptx"].count(op) > 0, op
-    assert (ptx.count("ex2.approx") == 0) == sbits
+    extra_ex2 = ptx.count("ex2.approx") - nv.asm["ptx"].count("ex2.approx")  # (GLU's silu has its own)
+    assert (extra_ex2 == 0) == sbits and extra_ex2 >= 0
     assert nv.metadata.shared - ck.metadata.shared == 3 * 512  # three stages of 512 scale bytes fewer
 
 

@@ -735,27 +735,29 @@ def test_gluon_gemv_mxfp4(n, k, cfg, monkeypatch):
     assert not bad, f"(M, worst rel err per token, launches differing, rel diff to the default, exp2 path equal) {bad}"
 
 
-GLU_CASES = [(4096, 1024, {}), (8192, 2048, {"XS": True}), (8192, 2048, {"XS": False, "S": 4}),
-             (37888, 3584, {"STREAMK": True, "XS": True}), (37888, 3584, {"TAIL_SPLIT": True}),
-             (4096, 1024, {"num_warps": 8, "PDL": True}), (27648, 5120, {"XS": False})]
+GLU_CASES = [(4096, 1024, {}, "nvfp4"), (8192, 2048, {"XS": True}, "nvfp4"), (8192, 2048, {"XS": False, "S": 4}, "nvfp4"),
+             (37888, 3584, {"STREAMK": True, "XS": True}, "nvfp4"), (37888, 3584, {"TAIL_SPLIT": True}, "nvfp4"),
+             (4096, 1024, {"num_warps": 8, "PDL": True}, "nvfp4"), (27648, 5120, {"XS": False}, "nvfp4"),
+             (8192, 2048, {"XS": True}, "mxfp4"), (37888, 3584, {"STREAMK": True, "XS": True}, "mxfp4"),
+             (4096, 1024, {"num_warps": 8, "PDL": True, "S": 3}, "mxfp4")]
 
 
-@pytest.mark.parametrize("n,k,cfg", GLU_CASES,
-                         ids=[f"{n}x{k}-" + "-".join(f"{key}{v}" for key, v in c.items()) for n, k, c in GLU_CASES])
-def test_gluon_gemv_glu(n, k, cfg):
+@pytest.mark.parametrize("n,k,cfg,fmt", GLU_CASES,
+                         ids=[f"{f}-{n}x{k}-" + "-".join(f"{key}{v}" for key, v in c.items()) for n, k, c, f in GLU_CASES])
+def test_gluon_gemv_glu(n, k, cfg, fmt):
     """GLU on a [gate; up] layer (N = 2 I): silu(gate) * up [M, I] from one launch, at M = 2 / 5 / 8 in
     the split, forced-S, stream-K and split-tail schedules, XS on and off, 8 warps, PDL: within 1e-2
     of the fp32 reference per token on a NaN-poisoned output; equal to decode_ops.silu_mul of the
     plain launch's [M, N] product (bit for bit in the split schedules, where every row sums its K
     slices in the same order; within 1e-2 in stream-K and split tail, whose segments fall
-    elsewhere); 5 relaunches bit-identical, counters back at 0."""
+    elsewhere); 5 relaunches bit-identical, counters back at 0. mxfp4: its [2, 16, 16] scale boxes."""
     pytest.importorskip("triton.experimental.gluon")
     from qerl.kernels import decode_ops
     from qerl.kernels import w4a16_gluon as G
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("needs Hopper (TMA, warp specialisation)")
-    t, st, w32 = _layer("nvfp4", n, k, seed=n + 5 * k)
+    t, st, w32 = _layer(fmt, n, k, seed=n + 5 * k)
     exact = "STREAMK" not in cfg and "TAIL_SPLIT" not in cfg
     bad = []
     for m in (2, 5, 8):
@@ -778,12 +780,13 @@ def test_gluon_gemv_glu(n, k, cfg):
         G.forward(torch.randn(1, k, device="cuda").to(torch.bfloat16), st, glu=True)  # one token: no GLU
 
 
-def test_gluon_gemv_norm_fold():
+@pytest.mark.parametrize("fmt", ("nvfp4", "mxfp4"))
+def test_gluon_gemv_norm_fold(fmt):
     """NORM_FOLD (w4a16_gluon.forward fold): the producer's epilogue ("res") writes r = bf16(h + y) and
     bf16(r w) bit-equal to those roundings of its plain output y, and per 64-column block the sums of
     r^2 (fp32, to 1e-5); the consumer ("scale", plain with a bias, and GLU) multiplies each token by
     1 / sqrt(mean r^2 + eps): within 1e-2 per token of the fp32 reference and of the unfused path
-    (the RMSNorm reference, then the plain launch), at M = 2 / 5 / 8, NaN-poisoned outputs."""
+    (the RMSNorm reference, then the plain launch), at M = 2 / 5 / 8, NaN-poisoned outputs; nvfp4 and mxfp4."""
     pytest.importorskip("triton.experimental.gluon")
     from qerl.kernels import decode_ops
     from qerl.kernels import w4a16_gluon as G
@@ -791,9 +794,9 @@ def test_gluon_gemv_norm_fold():
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("needs Hopper (TMA, warp specialisation)")
     hid, k_in, eps = 1024, 2048, 1e-6
-    _t, st_o, w_o = _layer("nvfp4", hid, k_in, seed=11)
-    _t, st_q, w_q = _layer("nvfp4", 1536, hid, seed=12)
-    _t, st_g, w_g = _layer("nvfp4", 4096, hid, seed=13)
+    _t, st_o, w_o = _layer(fmt, hid, k_in, seed=11)
+    _t, st_q, w_q = _layer(fmt, 1536, hid, seed=12)
+    _t, st_g, w_g = _layer(fmt, 4096, hid, seed=13)
     g = torch.Generator(device="cuda").manual_seed(14)
     bias = (torch.randn(1536, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
     bad = []

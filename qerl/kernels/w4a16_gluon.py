@@ -215,11 +215,15 @@ def _glu_tile(w_desc, s_desc, w_bufs, s_bufs, ready, idx, f, KB):
     """GLU: the stage of flat step f (pair block f // KB, K step f % KB) = the 32 gate rows and the 32
     up rows of that pair, one 3-D box each for words and scales (`glu_descriptors`: [2 (gate, up),
     rows, .], the up rows a fixed row distance behind the gate rows): rows 0..31 / 32..63 of the
-    stage, the byte order of a 64-row box."""
+    stage, the byte order of a 64-row box (mxfp4's scale boxes [2, 16, 16]: half the rows, `glu_descriptors`)."""
     j = f // KB
     row = ((j // 2) * KB + (f - j * KB)) * 64 + (j % 2) * 32
     tma.async_copy_global_to_shared(w_desc, [0, row, 0], ready.index(idx), w_bufs.index(idx))
-    tma.async_copy_global_to_shared(s_desc, [0, row, 0], ready.index(idx), s_bufs.index(idx))
+    SROWS: gl.constexpr = s_desc.block_type.shape[1]
+    if SROWS == 32:
+        tma.async_copy_global_to_shared(s_desc, [0, row, 0], ready.index(idx), s_bufs.index(idx))
+    else:
+        tma.async_copy_global_to_shared(s_desc, [0, row // 2, 0], ready.index(idx), s_bufs.index(idx))
 
 
 @gluon.jit
@@ -475,7 +479,7 @@ def _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, k0, k1, i0, xoff, xm
         mbarrier.wait(ready.index(idx), (i // NUM_STAGES) & 1)
         if GLU:  # [2 (gate, up), 32, .] stages: the byte order of a 64-row one
             w2 = w_bufs.index(idx).reshape([64, 32]).load(L2W)
-            s2d = s_bufs.index(idx).reshape([64, 16]).load(L2S)
+            s2d = s_bufs.index(idx).reshape([32 if MX else 64, 16]).load(L2S)
         else:
             w2 = w_bufs.index(idx).load(L2W)
             s2d = s_bufs.index(idx).load(L2S)
@@ -1056,19 +1060,21 @@ def glu_descriptors(state: dict):
     """GLU: TMA descriptors of a fused [gate; up] layer's tiled words / scales as 3-D [2 (gate, up),
     D, 32] / [2, D, 16] (D = the gate half's tiled rows: the up rows sit D rows behind the gate
     rows), boxes [2, 32, .]: one copy brings a pair block's 32 gate rows and 32 up rows of a K step
-    (`_glu_tile`), in the byte order (and 128-byte swizzle) of a 64-row box."""
+    (`_glu_tile`), in the byte order (and 128-byte swizzle) of a 64-row box. mxfp4's scales (8 bytes a
+    row) as [2, D / 2, 16] with boxes [2, 16, 16]: the same 32 + 32 rows, as `descriptors` views them."""
     d = (state["n"] // 2 // 64) * state["kb"] * 64
     words, scale = state["words"].view(-1, 32), state["scale"].view(-1, 16)
+    ds, srows = (d // 2, 16) if state.get("fmt") == "mxfp4" else (d, 32)
     wl = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3)
     sl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
     return (TensorDescriptor(words, [2, d, 32], [d * 32, 32, 1], [2, 32, 32], wl),
-            TensorDescriptor(scale, [2, d, 16], [d * 16, 16, 1], [2, 32, 16], sl))
+            TensorDescriptor(scale, [2, ds, 16], [ds * 16, 16, 1], [2, srows, 16], sl))
 
 
 def glu_usable(x: torch.Tensor, state: dict, bias=None) -> bool:
-    """`forward(..., glu=True)` takes this launch: nvfp4 [gate; up] with each half whole 64-row
+    """`forward(..., glu=True)` takes this launch: nvfp4 or mxfp4 [gate; up] with each half whole 64-row
     blocks, 2..8 tokens, no bias."""
-    return (state.get("fmt") == "nvfp4" and bias is None and x.dim() == 2 and 2 <= x.shape[0] <= MAX_M
+    return (state.get("fmt") in ("nvfp4", "mxfp4") and bias is None and x.dim() == 2 and 2 <= x.shape[0] <= MAX_M
             and state["n"] % 128 == 0 and state["k"] == state["kb"] * 256)
 
 

@@ -87,7 +87,7 @@ if LENGTH_BUCKET < 64 or LENGTH_BUCKET % 64:
 # ~35 ms of GPU work), a larger one is not and would hold more graph memory.
 PROMPT_BUCKET = 64
 PREFILL_GRAPH_TOKENS = 2048
-# SiLU MLPs whose gate/up group has no LoRA delta and runs on the Gluon GEMV (nvfp4, 2..8 rows):
+# SiLU MLPs whose gate/up group has no LoRA delta and runs on the Gluon GEMV (nvfp4 or routed mxfp4, 2..8 rows):
 # one launch gives silu(gate) * up (w4a16_gluon GLU: the epilogue pairs each gate row with its up
 # row), instead of the gate/up product and the silu_mul kernel after it. False: the two launches.
 GLU = os.environ.get("QERL_ROLLOUT_GLU", "1") == "1"
@@ -152,7 +152,7 @@ PREFILL_GQA = os.environ.get("QERL_ROLLOUT_PREFILL_GQA", "1") == "1"
 # (w4a16_gluon.forward fold): the o / down GEMV adds the residual and writes bf16(r * weight) and
 # per-block sums of r^2, the q/k/v or gate/up GEMV after it scales each token by the norm's
 # 1 / rms. No norm launch; one rounding fewer than the norm kernel (not bit-equal). Where every
-# product involved is nvfp4 without LoRA on the Gluon GEMV (2..8 rows); the first and final norms
+# product involved is nvfp4 (or routed mxfp4) without LoRA on the Gluon GEMV (2..8 rows); the first and final norms
 # stay kernels. Same process, batch 8 (NOTES_rollout.md section 25): 7B step 2.564 -> 2.529 ms,
 # whole generate calls 2960.9 -> 3010.1 tok/s; 14B step 4.740 -> 4.651 ms. QERL_ROLLOUT_NORM_FOLD=0
 # (ablation flag `nofold`): the norm kernels.

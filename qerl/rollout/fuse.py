@@ -33,6 +33,7 @@ from qerl.nn.quant_linear import QuantLinear, _outside_inference_mode
 
 __all__ = ["LinearGroup", "base_layer"]
 
+_GLUON_FORMATS = ("nvfp4", "mxfp4")  # what the Gluon GEMV's GLU / NORM_FOLD epilogues take (routing decides)
 _ROW_TENSORS = {"nvfp4": ("weight_packed", "weight_scale"), "mxfp4": ("weight_packed", "weight_scale"),
                 "nf4": ("weight_packed", "weight_absmax")}
 
@@ -217,10 +218,11 @@ class LinearGroup:
         return self(x) if self._per_module else bf16_gemv.dense(self.base, x)
 
     def fold_usable(self, rows: int) -> bool:
-        """NORM_FOLD can take this group's product at `rows` tokens: one nvfp4 QuantLinear (fused or
-        single) without a LoRA delta whose 2..8-token launch the 4-bit dispatch runs on the Gluon GEMV."""
+        """NORM_FOLD can take this group's product at `rows` tokens: one nvfp4 / mxfp4 QuantLinear (fused or
+        single) without a LoRA delta whose 2..8-token launch the 4-bit dispatch runs on the Gluon GEMV (mxfp4
+        only where w4a16_triton.WSMMA_FORMATS routes it there)."""
         base = self.base
-        if (self._per_module or self.has_lora or not isinstance(base, QuantLinear) or base.fmt != "nvfp4"
+        if (self._per_module or self.has_lora or not isinstance(base, QuantLinear) or base.fmt not in _GLUON_FORMATS
                 or not 2 <= rows <= 8 or base.storage_device.type != "cuda"):
             return False
         probe = torch.empty(rows, self.in_features, dtype=torch.bfloat16, device=base.storage_device)
@@ -258,10 +260,10 @@ class LinearGroup:
     def glu_forward(self, x: torch.Tensor, scale: tuple | None = None) -> torch.Tensor | None:
         """silu(gate) * up of a fused [gate; up] group in one Gluon GEMV launch (w4a16_gluon GLU), or
         None where that launch does not apply: a LoRA delta to add first, weights not fused into one
-        nvfp4 QuantLinear without bias, or a launch the 4-bit dispatch would not run on the Gluon GEMV
-        (off the GPU among them)."""
+        nvfp4 / mxfp4 QuantLinear without bias, or a launch the 4-bit dispatch would not run on the Gluon GEMV
+        (off the GPU among them; mxfp4 unless w4a16_triton.WSMMA_FORMATS names it)."""
         base = self.fused
-        if (self._per_module or self.has_lora or not isinstance(base, QuantLinear) or base.fmt != "nvfp4"
+        if (self._per_module or self.has_lora or not isinstance(base, QuantLinear) or base.fmt not in _GLUON_FORMATS
                 or base.bias is not None or base._resolved_backend(x) != "triton"):
             return None
         from qerl.kernels import w4a16_gluon, w4a16_triton
