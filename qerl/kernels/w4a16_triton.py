@@ -116,8 +116,13 @@ WSMMA_TOKENS_MIN_K_PDL = 0
 # The formats the four rules above send to the Gluon GEMV. mxfp4 runs there too since session 43 (its E8M0
 # scales in [32, 16] TMA boxes, w4a16_gluon._decode_mx; offline build 317 SASS per main-loop step at M = 8
 # against nvfp4's 310), but it has not been timed on a GPU yet, so only nvfp4 is routed; ablate_rollout.py's
-# flag `wsmx` and `bench_w4a16.py --cands '[["gluon", {"PATH": "wsmma"}]]' --formats mxfp4` try it.
-WSMMA_FORMATS: tuple = ("nvfp4",)
+# flag `wsmx`, `bench_w4a16.py --cands '[["gluon", {"PATH": "wsmma"}]]' --formats mxfp4` and, for any command,
+# QERL_W4A16_WSMMA_FORMATS=nvfp4,mxfp4 try it.
+_WSMMA_FORMATS_ENV = os.environ.get("QERL_W4A16_WSMMA_FORMATS", "").strip()
+WSMMA_FORMATS: tuple = tuple(f.strip() for f in _WSMMA_FORMATS_ENV.split(",") if f.strip()) or ("nvfp4",)
+if not set(WSMMA_FORMATS) <= {"nvfp4", "mxfp4"}:
+    raise ValueError(f"QERL_W4A16_WSMMA_FORMATS={_WSMMA_FORMATS_ENV!r}: expected a comma list of nvfp4, mxfp4 "
+                     "(unset it for the default, nvfp4)")
 # Forward with WGMMA_SMALL_M <= M < WGMMA_MIN_M on Hopper: the wgmma GEMM where it beat the fused
 # Triton kernel on the H100 (_small_m_wgmma; NOTES_w4a16.md section 15). 0 disables it.
 WGMMA_SMALL_M = env_int("QERL_W4A16_WGMMA_SMALL_M", 17)
