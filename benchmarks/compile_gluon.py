@@ -62,9 +62,7 @@ def compile_kernel(n: int, k: int, stages: int, warps: int, maxnreg, producer_re
                    fmt: str = "nvfp4"):
     fn = G._gluon_gemv_kernel
     sig = _signature(n, k, bias, mt, xs, glu, fmt)
-    l5, l2w, l2s = G._layouts(warps)
-    if fmt == "mxfp4":
-        l2s = G._layouts_mx(warps)
+    l5, l2w, l2s = G._layouts(warps, fmt)
     # SP: the fixup's unrolled partial count (the wrapper passes next_power_of_2(S); 8 covers S <= 8)
     constexprs = {"NUM_STAGES": stages, "HAS_BIAS": bias, "PDL": pdl, "MT": mt, "XPF": xpf, "STAMP": stamp, "SP": 8,
                   "HOIST": True, "EPI": epi, "SK": sk, "TAIL": tail, "SBITS": sbits, "PWA": pwa, "XS": xs, "GLU": glu, "FOLD": fold, "SSP": 64, "MX": fmt == "mxfp4", "LX": G._x_layout(warps, mt), "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}

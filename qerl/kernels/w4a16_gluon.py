@@ -81,11 +81,11 @@ _SCALE_MUL = gl.constexpr(3.3230699894622897e35)  # 2^118
 
 
 @functools.lru_cache(maxsize=None)
-def _layouts(num_warps: int):
+def _layouts(num_warps: int, fmt: str = "nvfp4"):
     """(L5, L2W, L2S): the consumer's 5-D register layout of a tile and the 2-D layouts of the
     shared-memory reads that reshape into it without data movement (checked at compile time with
     convert_layout(assert_trivial=True)). WM = num_warps // 4 warps split the four 16-row MMA
-    tiles; the other factor 4 of the warps splits the word columns."""
+    tiles; the other factor 4 of the warps splits the word columns. L2S for `fmt` (mxfp4: `_layouts_mx`)."""
     wm = num_warps // 4
     l5 = gl.BlockedLayout([1, 1, 1, 1, 2], [1, 1, 8, 4, 1], [wm, 1, 1, 4, 1], [4, 3, 2, 1, 0])
     # 2-D [64 rows, 32 words]: row = 16m + 8h + g (bits: g 0-2, h 3, m 4-5), col = 8w + 2t + i
@@ -98,7 +98,7 @@ def _layouts(num_warps: int):
     warps_s = [[0, 4], [0, 8]] + ([[16, 0]] if wm == 2 else [])
     regs_s = [[8, 0]] + ([[32, 0]] if wm == 2 else [[16, 0], [32, 0]])
     l2s = gl.DistributedLinearLayout(regs_s, lanes_s, warps_s, [], [64, 16])
-    return l5, l2w, l2s
+    return l5, l2w, (_layouts_mx(num_warps) if fmt == "mxfp4" else l2s)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1154,9 +1154,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         ws = torch.empty(2 * grid * 64 * mt, device=x.device, dtype=torch.float32)
     elif kind == "tail":  # workspace slot = program (the whole blocks' slots go unused)
         ws = torch.empty(grid * 64 * mt, device=x.device, dtype=torch.float32)
-    l5, l2w, l2s = _layouts(nw)
-    if mx:
-        l2s = _layouts_mx(nw)
+    l5, l2w, l2s = _layouts(nw, state["fmt"])
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
     stamps = W.stamp_slice(grid, n, k, s, m, "gluon")  # instrumentation, None when off (w4a16_triton.STAMP)
     h_in = h_out = w_norm = ss = c

@@ -33,7 +33,6 @@ from qerl.nn.quant_linear import QuantLinear, _outside_inference_mode
 
 __all__ = ["LinearGroup", "base_layer"]
 
-_GLUON_FORMATS = ("nvfp4", "mxfp4")  # what the Gluon GEMV's GLU / NORM_FOLD epilogues take (routing decides)
 _ROW_TENSORS = {"nvfp4": ("weight_packed", "weight_scale"), "mxfp4": ("weight_packed", "weight_scale"),
                 "nf4": ("weight_packed", "weight_absmax")}
 
@@ -222,14 +221,16 @@ class LinearGroup:
         single) without a LoRA delta whose 2..8-token launch the 4-bit dispatch runs on the Gluon GEMV (mxfp4
         only where w4a16_triton.WSMMA_FORMATS routes it there)."""
         base = self.base
-        if (self._per_module or self.has_lora or not isinstance(base, QuantLinear) or base.fmt not in _GLUON_FORMATS
-                or not 2 <= rows <= 8 or base.storage_device.type != "cuda"):
+        if (self._per_module or self.has_lora or not isinstance(base, QuantLinear) or not 2 <= rows <= 8
+                or base.storage_device.type != "cuda"):
+            return False
+        from qerl.kernels import w4a16_triton
+
+        if base.fmt not in w4a16_triton.WSMMA_FORMATS:  # the formats the routing sends to the Gluon GEMV
             return False
         probe = torch.empty(rows, self.in_features, dtype=torch.bfloat16, device=base.storage_device)
         if base._resolved_backend(probe) != "triton":
             return False
-        from qerl.kernels import w4a16_triton
-
         state = base.kernel_state()
         return state["n"] % 64 == 0 and w4a16_triton.routes_to_gluon_tokens(probe, state)
 
@@ -263,10 +264,14 @@ class LinearGroup:
         nvfp4 / mxfp4 QuantLinear without bias, or a launch the 4-bit dispatch would not run on the Gluon GEMV
         (off the GPU among them; mxfp4 unless w4a16_triton.WSMMA_FORMATS names it)."""
         base = self.fused
-        if (self._per_module or self.has_lora or not isinstance(base, QuantLinear) or base.fmt not in _GLUON_FORMATS
-                or base.bias is not None or base._resolved_backend(x) != "triton"):
+        if (self._per_module or self.has_lora or not isinstance(base, QuantLinear) or base.bias is not None
+                or x.device.type != "cuda"):
             return None
         from qerl.kernels import w4a16_gluon, w4a16_triton
+
+        # the formats the routing sends to the Gluon GEMV (checked first: the backend of another may refuse)
+        if base.fmt not in w4a16_triton.WSMMA_FORMATS or base._resolved_backend(x) != "triton":
+            return None
 
         x2 = x.reshape(-1, x.shape[-1])
         state = base.kernel_state()
