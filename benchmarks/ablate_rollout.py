@@ -24,7 +24,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   the Gluon GEMV at 9..16 tokens and its flags tok8 / m16all / m16n5k come with
                   benchmarks/patches/gluon_gemv_16_tokens_narrow.patch, NOTES_rollout.md sections 16-17),
                   wsmma20m (in the decode chain, M = 1 layers from 20M weights on the Gluon GEMV),
-                  wsmx (mxfp4 on the Gluon GEMV by the nvfp4 rules, w4a16_triton.WSMMA_FORMATS),
+                  wsmx (mxfp4 on the Gluon GEMV by the nvfp4 rules, w4a16_triton.WSMMA_FORMATS; the default
+                  since session 44), nowsmx (mxfp4 off it, the route before),
                   norwg (no w4a16_rwg: 17..128 tokens back on the fused / wgmma kernels), rwg9 (rwg from
                   9 tokens), norwgw (no 128-token rwg tiles: 65..128 tokens on the wgmma GEMM), norwg2
                   (no two-per-SM rwg form), noxrel (that form without XREL), norwg3 / rwg3all
@@ -165,6 +166,7 @@ def _switches() -> dict:
         "tokall": [(w4a16_triton, "WSMMA_TOKENS_MIN_N_PDL", 1), (w4a16_triton, "WSMMA_TOKENS_MIN_K_PDL", 4096)],
         "tok0": [(w4a16_triton, "WSMMA_TOKENS_MIN_N_PDL", 1), (w4a16_triton, "WSMMA_TOKENS_MIN_K_PDL", 0)],
         "wsmx": [(w4a16_triton, "WSMMA_FORMATS", ("nvfp4", "mxfp4"))],
+        "nowsmx": [(w4a16_triton, "WSMMA_FORMATS", ("nvfp4",))],
         "tokold": [(w4a16_triton, "WSMMA_TOKENS_MIN_N_PDL", 16384), (w4a16_triton, "WSMMA_TOKENS_MIN_K_PDL", 4096)],
         "norwg": [(w4a16_triton, "RWG_MIN_M", 0)],
         "rwg9": [(w4a16_triton, "RWG_MIN_M", 9)],

@@ -46,14 +46,15 @@ def test_switches_prefix_lists_the_set_qerl_switches_sorted_and_leaves_paths_out
 
 
 def test_gluon_formats_switch_reads_a_list_and_refuses_an_unknown_format():
-    """QERL_W4A16_WSMMA_FORMATS: the formats w4a16_triton routes to the Gluon GEMV (default nvfp4 alone; mxfp4
-    is opt-in until timed), read at import; an unknown name stops the import with one line naming it."""
+    """QERL_W4A16_WSMMA_FORMATS: the formats w4a16_triton routes to the Gluon GEMV (default both, since
+    mxfp4 was timed there in session 44; a list narrows it), read at import; an unknown name stops the import with one line naming it."""
     import subprocess
     import sys
 
     show = "import qerl.kernels.w4a16_triton as W; print(','.join(W.WSMMA_FORMATS))"
     base = {k: v for k, v in os.environ.items() if k != "QERL_W4A16_WSMMA_FORMATS"}
-    for value, want in ((None, "nvfp4"), ("nvfp4, mxfp4", "nvfp4,mxfp4"), ("mxfp4", "mxfp4"), ("", "nvfp4")):
+    for value, want in ((None, "nvfp4,mxfp4"), ("nvfp4, mxfp4", "nvfp4,mxfp4"), ("mxfp4", "mxfp4"), ("nvfp4", "nvfp4"),
+                        ("", "nvfp4,mxfp4")):
         env = base if value is None else dict(base, QERL_W4A16_WSMMA_FORMATS=value)
         out = subprocess.run([sys.executable, "-c", show], env=env, capture_output=True, text=True)
         assert out.returncode == 0 and out.stdout.strip() == want, (value, out.stderr[-300:])
@@ -62,4 +63,4 @@ def test_gluon_formats_switch_reads_a_list_and_refuses_an_unknown_format():
     assert out.returncode != 0
     assert out.stderr.strip().splitlines()[-1] == (
         "ValueError: QERL_W4A16_WSMMA_FORMATS='nvfp4,nf4': expected a comma list of nvfp4, mxfp4 (unset it for the "
-        "default, nvfp4)")
+        "default, nvfp4,mxfp4)")

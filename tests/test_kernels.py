@@ -933,12 +933,13 @@ def test_routes_to_gluon_tokens(monkeypatch):
     monkeypatch.setattr(W, "_wsmma_ok", lambda device, state: True)
     monkeypatch.setattr(W, "CHAIN_ROUTING", True)
     assert [W.routes_to_gluon_tokens(x(m, 3584), gate_up) for m in (1, 2, 5, 8, 16)] == [False, True, True, True, False]
-    assert not W.routes_to_gluon_tokens(x(8, 3584), {**gate_up, "fmt": "mxfp4"})
-    monkeypatch.setattr(W, "WSMMA_FORMATS", ("nvfp4", "mxfp4"))  # ablate_rollout.py's `wsmx`
+    assert W.WSMMA_FORMATS == ("nvfp4", "mxfp4")  # the default since session 44
     assert W.routes_to_gluon_tokens(x(8, 3584), {**gate_up, "fmt": "mxfp4"})
     assert W._fused_route(1, {**wide, "fmt": "mxfp4"}, torch.device("cpu"), None)[0] == "wsmma"
-    monkeypatch.setattr(W, "WSMMA_FORMATS", ("nvfp4",))
+    monkeypatch.setattr(W, "WSMMA_FORMATS", ("nvfp4",))  # ablate_rollout.py's `nowsmx`
+    assert not W.routes_to_gluon_tokens(x(8, 3584), {**gate_up, "fmt": "mxfp4"})
     assert W._fused_route(1, {**wide, "fmt": "mxfp4"}, torch.device("cpu"), None)[0] != "wsmma"
+    assert W.routes_to_gluon_tokens(x(8, 3584), gate_up)
     monkeypatch.setattr(W, "CHAIN_ROUTING", False)
     assert not W.routes_to_gluon_tokens(x(8, 3584), gate_up)  # K 3584 < 4096 without the chain
     assert W.routes_to_gluon_tokens(x(8, 5120), wide)

@@ -113,16 +113,16 @@ WSMMA_TOKENS_MIN_K = 4096
 # section 11). With the old epilogue the same routing lost 16%. 0 disables it.
 WSMMA_TOKENS_MIN_N_PDL = env_int("QERL_W4A16_WSMMA_TOKENS_MIN_N_PDL", 1 if WSMMA_TOKENS_MIN_N else 0)
 WSMMA_TOKENS_MIN_K_PDL = 0
-# The formats the four rules above send to the Gluon GEMV. mxfp4 runs there too since session 43 (its E8M0
-# scales in [32, 16] TMA boxes, w4a16_gluon._decode_mx; offline build 317 SASS per main-loop step at M = 8
-# against nvfp4's 310), but it has not been timed on a GPU yet, so only nvfp4 is routed; ablate_rollout.py's
-# flag `wsmx`, `bench_w4a16.py --cands '[["gluon", {"PATH": "wsmma"}]]' --formats mxfp4` and, for any command,
-# QERL_W4A16_WSMMA_FORMATS=nvfp4,mxfp4 try it.
+# The formats the four rules above send to the Gluon GEMV: nvfp4, and mxfp4 since session 44 (its E8M0 scales in
+# [32, 16] TMA boxes, w4a16_gluon._decode_mx). Timed on the H200 against the route mxfp4 had before (the fused Triton
+# kernel / CUDA-core GEMV): 55296x5120 M = 1 75.9 -> 47.5 us, 37888x3584 38.8 -> 27.1, 7168x5120 15.1 -> 12.8; the
+# 32B mxfp4 decode step 9.69 -> 6.56 ms at batch 1, 10.43 -> 6.98 ms at batch 8 (NOTES_w4a16.md section 34).
+# QERL_W4A16_WSMMA_FORMATS=nvfp4 takes mxfp4 back off it.
 _WSMMA_FORMATS_ENV = os.environ.get("QERL_W4A16_WSMMA_FORMATS", "").strip()
-WSMMA_FORMATS: tuple = tuple(f.strip() for f in _WSMMA_FORMATS_ENV.split(",") if f.strip()) or ("nvfp4",)
+WSMMA_FORMATS: tuple = tuple(f.strip() for f in _WSMMA_FORMATS_ENV.split(",") if f.strip()) or ("nvfp4", "mxfp4")
 if not set(WSMMA_FORMATS) <= {"nvfp4", "mxfp4"}:
     raise ValueError(f"QERL_W4A16_WSMMA_FORMATS={_WSMMA_FORMATS_ENV!r}: expected a comma list of nvfp4, mxfp4 "
-                     "(unset it for the default, nvfp4)")
+                     "(unset it for the default, nvfp4,mxfp4)")
 # Forward with WGMMA_SMALL_M <= M < WGMMA_MIN_M on Hopper: the wgmma GEMM where it beat the fused
 # Triton kernel on the H100 (_small_m_wgmma; NOTES_w4a16.md section 15). 0 disables it.
 WGMMA_SMALL_M = env_int("QERL_W4A16_WGMMA_SMALL_M", 17)
