@@ -381,24 +381,31 @@ def summary(result: dict) -> None:
 def combine(paths: list[str], out: str) -> None:
     parts = [json.load(open(p)) for p in paths]
     result = {k: v for k, v in parts[0].items() if k != "rows"}
-    result["command"] = [p["command"] for p in parts]
-    result["date"] = [p["date"] for p in parts]
+    # A combined file can be combined again: its commands and dates are spliced in, and its rows'
+    # `run` indices shifted to match, so `run` always indexes the flat command list.
+    listed = lambda v: v if isinstance(v, list) else [v]  # noqa: E731
+    result["command"] = [c for p in parts for c in listed(p["command"])]
+    result["date"] = [d for p in parts for d in listed(p["date"])]
     # A later file's measurement of a configuration replaces an earlier one, except that a plain
     # (no-LoRA) row without an in-process bf16 baseline never replaces one with it. LoRA rows
-    # carry the throughput without LoRA from their own file (same process).
+    # carry the throughput without LoRA from their own run (same process).
     rows: dict[tuple, dict] = {}
-    for i, p in enumerate(parts):
-        plain = {(r["model"], r["format"], r.get("batch")): r["tokens_per_s"] for r in p["rows"]
-                 if r.get("lora_rank") == 0 and "tokens_per_s" in r}
+    offset = 0
+    for p in parts:
+        nested = isinstance(p["command"], list)
+        plain = {(r["model"], r["format"], r.get("batch"), r.get("run", 0) if nested else 0): r["tokens_per_s"]
+                 for r in p["rows"] if r.get("lora_rank") == 0 and "tokens_per_s" in r}
         for r in p["rows"]:
-            r = dict(r, run=i)
+            run_in_part = r.get("run", 0) if nested else 0
+            r = dict(r, run=offset + run_in_part)
             key = (r["model"], r["format"], r.get("batch"), r.get("lora_rank"))
             if r.get("lora_rank"):
-                r["lora0_tokens_per_s"] = plain.get(key[:3])
+                r["lora0_tokens_per_s"] = plain.get(key[:3] + (run_in_part,))
             old = rows.get(key)
             if old is not None and not r.get("lora_rank") and old.get("bf16_tokens_per_s") and not r.get("bf16_tokens_per_s"):
                 continue
             rows[key] = r
+        offset += len(listed(p["command"]))
     result["rows"] = list(rows.values())
     for p in parts:
         if "check" in p:

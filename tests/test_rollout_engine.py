@@ -262,3 +262,40 @@ def test_gpu_prompt_width_buckets_within_the_cache():
     assert prompt_width(70, 954, 1024) == 70
     assert prompt_width(1, 1, 2) == 1
 
+
+
+def test_bench_rollout_combines_a_combined_file_again(tmp_path):
+    """bench_rollout.py --combine on a file that is itself combined: the command and date lists come out flat,
+    every row's `run` indexes that flat list, a later run replaces the same configuration, and a LoRA row's
+    no-LoRA throughput comes from its own run."""
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_rollout.py")
+    spec = importlib.util.spec_from_file_location("bench_rollout_for_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def row(model, fmt, tps, rank=0, batch=8):
+        return {"model": model, "format": fmt, "batch": batch, "lora_rank": rank, "prompt_len": 256,
+                "completion_len": 512, "tokens_per_s": tps, "bf16_tokens_per_s": 100.0}
+
+    parts = [{"gpu": "g", "command": "c1", "date": "d1", "rows": [row("7b", "nvfp4", 200.0), row("7b", "bf16", 100.0)]},
+             {"gpu": "g", "command": "c2", "date": "d2", "rows": [row("14b", "nvfp4", 150.0), row("14b", "nvfp4", 120.0, 32)]},
+             {"gpu": "g", "command": "c3", "date": "d3", "rows": [row("7b", "nvfp4", 210.0), row("7b", "nvfp4", 180.0, 16)]}]
+    files = []
+    for i, p in enumerate(parts):
+        files.append(str(tmp_path / f"p{i}.json"))
+        with open(files[-1], "w") as f:
+            json.dump(p, f)
+    bench.combine(files[:2], str(tmp_path / "ab.json"))
+    bench.combine([str(tmp_path / "ab.json"), files[2]], str(tmp_path / "abc.json"))
+    out = json.load(open(tmp_path / "abc.json"))
+    assert out["command"] == ["c1", "c2", "c3"] and out["date"] == ["d1", "d2", "d3"]
+    got = {(r["model"], r["format"], r["lora_rank"]): r for r in out["rows"]}
+    assert len(out["rows"]) == 5
+    assert got["7b", "nvfp4", 0]["tokens_per_s"] == 210.0 and got["7b", "nvfp4", 0]["run"] == 2
+    assert got["7b", "bf16", 0]["run"] == 0
+    assert got["14b", "nvfp4", 32]["run"] == 1 and got["14b", "nvfp4", 32]["lora0_tokens_per_s"] == 150.0
+    assert got["7b", "nvfp4", 16]["lora0_tokens_per_s"] == 210.0

@@ -1,13 +1,13 @@
 """Warp-specialised GEMV for nvfp4 (and mxfp4) on Hopper (Gluon), tensor-core reduction, M = 1..8:
 y[M, N] = x[M, K] @ dequant(W)[N, K]^T, bf16 in / out, fp32 accumulate.
 
-mxfp4 (MX, since session 43; w4a16_triton.WSMMA_FORMATS routes it only where asked until it is timed): the
+mxfp4 (MX, since session 43; routed by w4a16_triton.WSMMA_FORMATS, by default since session 44): the
 same ring and MMAs; a tile's 64 x 8 E8M0 bytes travel as one [32, 16] TMA box (TMA wants >= 16-byte rows),
 read in `_layouts_mx` so that the lanes sharing a 32-weight group read the same byte, and `_decode_mx`
 multiplies the words viewed [4, 2, 8, 8, 4] (four word columns per scale) by 2^(e + exp_bias - 127).
 
 Sibling of `w4a16_ws.py` (same ring, same schedule and fixup); `benchmarks/compile_gluon.py`
-compiles it offline. The default for M = 1 nvfp4 on Hopper layers with N*K >= WSMMA_MIN_NK
+compiles it offline. The default for M = 1 nvfp4 / mxfp4 on Hopper layers with N*K >= WSMMA_MIN_NK
 (w4a16_triton), where it beat the other kernels on the H100 (NOTES_w4a16.md section 12), and for
 M = 2..8 on layers with N >= WSMMA_TOKENS_MIN_N and K >= 4096 (section 15); PATH="wsmma" forces it.
 M = 1 puts x in all 8 columns of the MMA's B (MT = 1); M = 2..8 puts token g in column g (MT = 8,

@@ -82,7 +82,7 @@ OVERLAP_CHUNKS = env_int("QERL_W4A16_CHUNKS", 0)
 # PATH="fused" or a tile config (BO key) the tensor-core kernel.
 GEMV_MAX_M = env_int("QERL_W4A16_GEMV_MAX_M", 1)
 GEMV_MAX_NK = env_int("QERL_W4A16_GEMV_MAX_NK", 40000000)
-# Forward with M = 1, nvfp4, on Hopper (sm_90) layers with N*K >= WSMMA_MIN_NK: the warp-specialised
+# Forward with M = 1, nvfp4 / mxfp4 (WSMMA_FORMATS), on Hopper (sm_90) layers with N*K >= WSMMA_MIN_NK: the warp-specialised
 # Gluon GEMV with the reduction on the tensor cores (w4a16_gluon.py): on the H100 5-14% faster
 # than the GEMV / fused kernel on the four layers with N*K >= 67M it was timed on (55296x5120
 # 65.7 vs 77.5 us), slower below ~40M (NOTES_w4a16.md section 12). 0 disables it.

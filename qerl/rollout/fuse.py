@@ -218,8 +218,8 @@ class LinearGroup:
 
     def fold_usable(self, rows: int) -> bool:
         """NORM_FOLD can take this group's product at `rows` tokens: one nvfp4 / mxfp4 QuantLinear (fused or
-        single) without a LoRA delta whose 2..8-token launch the 4-bit dispatch runs on the Gluon GEMV (mxfp4
-        only where w4a16_triton.WSMMA_FORMATS routes it there)."""
+        single) without a LoRA delta whose 2..8-token launch the 4-bit dispatch runs on the Gluon GEMV (the formats
+        w4a16_triton.WSMMA_FORMATS routes there)."""
         base = self.base
         if (self._per_module or self.has_lora or not isinstance(base, QuantLinear) or not 2 <= rows <= 8
                 or base.storage_device.type != "cuda"):
@@ -262,7 +262,7 @@ class LinearGroup:
         """silu(gate) * up of a fused [gate; up] group in one Gluon GEMV launch (w4a16_gluon GLU), or
         None where that launch does not apply: a LoRA delta to add first, weights not fused into one
         nvfp4 / mxfp4 QuantLinear without bias, or a launch the 4-bit dispatch would not run on the Gluon GEMV
-        (off the GPU among them; mxfp4 unless w4a16_triton.WSMMA_FORMATS names it)."""
+        (off the GPU among them; a format w4a16_triton.WSMMA_FORMATS does not name)."""
         base = self.fused
         if (self._per_module or self.has_lora or not isinstance(base, QuantLinear) or base.bias is not None
                 or x.device.type != "cuda"):
