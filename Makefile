@@ -8,6 +8,7 @@
 #   make server      Prefect server on http://127.0.0.1:4200; then (other shells) make deploy, make worker,
 #                    prefect deployment run reproduce-table/smoke --watch   (docs/deployments.md)
 #   make gpu-workers one Prefect worker per GPU (CUDA_VISIBLE_DEVICES=i, --limit 1) on pool qerl-gpu
+#   make plots       figures of the committed GPU evidence -> benchmarks/results/plots/ (no GPU needed)
 # Variables: PY (python to create the venv), VENV, TORCH_SPEC / PIP_TORCH_ARGS (which torch build),
 # RECIPE and ARGS (what `make reproduce` runs, e.g. ARGS="--set benchmarks.0.limit=8").
 
@@ -25,10 +26,10 @@ UI_URI ?= sqlite:///mlflow.db
 UI_PORT ?= 5000
 STAMP := $(VENV)/.qerl-setup.stamp
 
-.PHONY: help setup reproduce test test-fast test-gpu ui clean server work-pools deploy worker gpu-workers test-deployment
+.PHONY: help setup reproduce test test-fast test-gpu plots ui clean server work-pools deploy worker gpu-workers test-deployment
 
 help:
-	@sed -n '2,11p' Makefile
+	@sed -n '2,12p' Makefile
 
 setup: $(STAMP)
 
@@ -56,6 +57,9 @@ SHARD ?=
 JOBS ?=
 test-gpu: setup
 	$(PYTHON) -m pytest -q $(GPU_TESTS) $(if $(SHARD),--shard $(SHARD)) $(if $(JOBS),-n $(JOBS))
+
+plots: setup
+	$(PYTHON) benchmarks/plot_results.py
 
 ui: setup
 	$(PYTHON) -m qerl.cli ui --uri $(UI_URI) --port $(UI_PORT)

@@ -1,0 +1,212 @@
+"""Plots of the committed speed evidence, one figure per issue, every GPU's file side by side.
+
+    python benchmarks/plot_results.py                 # the default evidence files -> results/plots/
+    python benchmarks/plot_results.py --w4a16 a.json b.json --rollout r.json --grpo g.json --out DIR
+
+- w4a16_speedup.png (issue 4): the median over layer shapes of bf16_us / us by M, forward and
+  backward, one line per format and GPU, the issue's goals as marks.
+- rollout_ratio.png (issue 6): tok/s over the bf16 engine's in the same run, per model and batch,
+  one bar per format, a panel per GPU; the goal (1.7) as a line.
+- grpo_step.png (issue 9): GRPO step time over bf16 LoRA's in the same process, per model and
+  batch, the newest pair in each file; the goal (1.5) as a line.
+
+Every number is read from the files (the same fields RESULTS.md quotes); nothing is measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from collections import defaultdict
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+DEFAULTS = {
+    "w4a16": ["w4a16.json", "h200/w4a16.json"],
+    "rollout": ["rollout.json", "h200/rollout.json", "h200/rollout_32b.json"],
+    "grpo": ["grpo_step.json", "h200/grpo_step_cap79_b2_7b.json", "h200/grpo_step_cap79_b2_14b.json",
+             "h200/grpo_step_cap79_b4.json"],
+}
+FORMATS = ("nvfp4", "mxfp4", "nf4")
+COLORS = {"nvfp4": "tab:green", "mxfp4": "tab:blue", "nf4": "tab:red", "bf16": "tab:gray"}
+# issue 4's goals, forward: (M values it covers, ratio)
+W4A16_GOALS = [((1, 2, 4, 8, 16), 3.0), ((64,), 2.0), ((256,), 1.0), ((1024, 4096), 0.85)]
+
+
+def short_gpu(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'H100'; unknown names pass through."""
+    for tag in ("H200", "H100", "A100", "L40S", "B200"):
+        if tag in (name or ""):
+            return tag
+    return name or "?"
+
+
+def load(path: str) -> dict:
+    if not os.path.exists(path):
+        raise SystemExit(f"plot_results: no such evidence file: {path}")
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise SystemExit(f"plot_results: {path} is not a benchmark file (a JSON object with a 'rows' list)")
+    return data
+
+
+def row_gpu(data: dict, row: dict) -> str:
+    return short_gpu(row.get("gpu") or data.get("gpu", ""))
+
+
+def w4a16_medians(rows: list[dict]) -> dict[tuple[str, str], dict[int, float]]:
+    """{(format, op): {M: median speedup over the shapes}}, bf16's own rows left out."""
+    cells: dict[tuple[str, str, int], list[float]] = defaultdict(list)
+    for r in rows:
+        if r.get("format") in FORMATS and r.get("speedup"):
+            cells[r["format"], r.get("op", "forward"), int(r["m"])].append(float(r["speedup"]))
+    out: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
+    for (fmt, op, m), v in sorted(cells.items()):
+        out[fmt, op][m] = statistics.median(v)
+    return dict(out)
+
+
+def rollout_ratios(rows: list[dict]) -> dict[tuple[str, int, str], float]:
+    """{(model, batch, format): tok/s over bf16's in the same run}, no-LoRA rows with a baseline."""
+    out = {}
+    for r in rows:
+        if r.get("lora_rank", 0) == 0 and r.get("format") in FORMATS and r.get("bf16_tokens_per_s"):
+            out[r["model"], int(r["batch"]), r["format"]] = r["tokens_per_s"] / r["bf16_tokens_per_s"]
+    return out
+
+
+def grpo_speedups(rows: list[dict]) -> dict[tuple[str, int, str], float]:
+    """{(model, batch, format): step speedup over bf16}, the newest paired row of each (by its date)."""
+    best: dict[tuple[str, int, str], tuple[str, float]] = {}
+    for r in rows:
+        if r.get("format") in FORMATS and r.get("speedup"):
+            key = (r["model"], int(r["batch"]), r["format"])
+            date = r.get("date") or ""
+            if key not in best or date >= best[key][0]:
+                best[key] = (date, float(r["speedup"]))
+    return {k: v for k, (_, v) in best.items()}
+
+
+def _by_gpu(datas: list[dict]) -> dict[str, list[dict]]:
+    rows: dict[str, list[dict]] = defaultdict(list)
+    for data in datas:
+        for r in data["rows"]:
+            rows[row_gpu(data, r)].append(r)
+    return dict(rows)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_w4a16(datas: list[dict], path: str) -> str:
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), gridspec_kw={"width_ratios": [3, 1]})
+    styles = ["-", "--", ":", "-."]
+    for i, (gpu, rows) in enumerate(sorted(_by_gpu(datas).items())):
+        for (fmt, op), by_m in sorted(w4a16_medians(rows).items()):
+            ax = axes[0] if op == "forward" else axes[1]
+            ms = sorted(by_m)
+            ax.plot(ms, [by_m[m] for m in ms], styles[i % len(styles)], marker="o", ms=3.5, color=COLORS[fmt],
+                    label=f"{fmt} {gpu}")
+    for ms, goal in W4A16_GOALS:
+        axes[0].plot(ms, [goal] * len(ms), "k_", ms=14, mew=2)
+    axes[0].plot([], [], "k_", ms=14, mew=2, label="goal (issue 4)")
+    axes[1].plot([4096], [0.85], "k_", ms=14, mew=2)
+    for ax, title in ((axes[0], "forward: y = x @ W^T"), (axes[1], "backward: grad_x = grad_y @ W")):
+        ax.set_xscale("log", base=2)
+        ax.axhline(1.0, color="0.6", lw=0.8)
+        ax.set_xlabel("M (tokens)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("median speedup over bf16 (same process)")
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.suptitle("4-bit x bf16 GEMM, median over the Qwen2.5 layer shapes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _size(model: str) -> float:
+    """'qwen2.5-14b' -> 14.0 (the sort key of the bar groups); a name without a size sorts last."""
+    tail = model.rsplit("-", 1)[-1].lower().rstrip("b")
+    try:
+        return float(tail)
+    except ValueError:
+        return float("inf")
+
+
+def _bars(ax, values: dict[tuple[str, int, str], float], formats, goal: float, ylabel: str):
+    groups = sorted({k[:2] for k in values}, key=lambda g: (_size(g[0]), g))
+    width = 0.8 / max(1, len(formats))
+    for j, fmt in enumerate(formats):
+        xs = [i + (j - (len(formats) - 1) / 2) * width for i, g in enumerate(groups) if (*g, fmt) in values]
+        ys = [values[(*g, fmt)] for g in groups if (*g, fmt) in values]
+        bars = ax.bar(xs, ys, width, color=COLORS[fmt], label=fmt)
+        for b, y in zip(bars, ys):
+            ax.text(b.get_x() + b.get_width() / 2, y, f"{y:.2f}", ha="center", va="bottom", fontsize=6)
+    ax.axhline(goal, color="k", ls="--", lw=1, label=f"goal {goal}")
+    ax.axhline(1.0, color="0.6", lw=0.8)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{m.replace('qwen2.5-', '')}\nb{b}" for m, b in groups], fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def plot_panels(datas: list[dict], path: str, values_of, formats, goal: float, ylabel: str, title: str) -> str:
+    plt = _pyplot()
+    per_gpu = {gpu: values_of(rows) for gpu, rows in sorted(_by_gpu(datas).items())}
+    per_gpu = {gpu: v for gpu, v in per_gpu.items() if v}
+    if not per_gpu:
+        raise SystemExit(f"plot_results: no rows to plot for {os.path.basename(path)}")
+    fig, axes = plt.subplots(1, len(per_gpu), figsize=(6.5 * len(per_gpu), 4.2), squeeze=False, sharey=True)
+    caps = {gpu: sorted({r["device_memory_gib"] for r in rows if r.get("device_memory_gib")})
+            for gpu, rows in _by_gpu(datas).items()}
+    for ax, (gpu, values) in zip(axes[0], per_gpu.items()):
+        _bars(ax, values, [f for f in formats if any(k[2] == f for k in values)], goal, ylabel)
+        cap = caps.get(gpu)  # rows run under --device-memory-gib (an 80 GB card's budget on a larger one)
+        ax.set_title(gpu + (f" (memory capped at {', '.join(f'{c:g}' for c in cap)} GiB)" if cap else ""))
+        ax.legend(fontsize=7, loc="upper center", ncol=4)
+    top = max(goal, *(v for values in per_gpu.values() for v in values.values()))
+    axes[0][0].set_ylim(0, top * 1.25)  # room for the legend above the bars (the panels share the axis)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> list[str]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for key, files in DEFAULTS.items():
+        ap.add_argument(f"--{key}", nargs="+", default=[os.path.join(RESULTS, f) for f in files],
+                        help=f"evidence files (default: results/{', results/'.join(files)})")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "plots"))
+    args = ap.parse_args(argv)
+    loaded = {key: [load(p) for p in getattr(args, key)] for key in DEFAULTS}
+    os.makedirs(args.out, exist_ok=True)
+    written = [
+        plot_w4a16(loaded["w4a16"], os.path.join(args.out, "w4a16_speedup.png")),
+        plot_panels(loaded["rollout"], os.path.join(args.out, "rollout_ratio.png"), rollout_ratios,
+                    ("nvfp4", "mxfp4", "nf4"), 1.7, "tok/s over the bf16 engine (same run)",
+                    "Rollout engine, no LoRA (issue 6)"),
+        plot_panels(loaded["grpo"], os.path.join(args.out, "grpo_step.png"), grpo_speedups, ("nvfp4", "nf4"), 1.5,
+                    "GRPO step speedup over bf16 LoRA (same process)", "GRPO step, 8 x 2048 tokens (issue 9)"),
+    ]
+    for p in written:
+        print(p)
+    return written
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

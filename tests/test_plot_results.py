@@ -1,0 +1,86 @@
+"""benchmarks/plot_results.py: the numbers it plots come from the evidence files' own fields, and it
+writes one figure per issue (matplotlib Agg, no display)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def plots():
+    spec = importlib.util.spec_from_file_location("plot_results", os.path.join(ROOT, "benchmarks", "plot_results.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _w4a16_rows():
+    rows = []
+    for fmt, scale in (("bf16", 1.0), ("nvfp4", 2.0), ("mxfp4", 1.5)):
+        for i, n in enumerate((1024, 2048, 4096)):
+            for m in (1, 64):
+                rows.append({"model": "x", "layer": str(n), "n": n, "k": 1024, "m": m, "format": fmt, "op": "forward",
+                             "us": 1.0, "bf16_us": 1.0, "speedup": scale * (i + 1) / m ** 0.5, "gbps": 1.0})
+        rows.append({"model": "x", "layer": "b", "n": 1024, "k": 1024, "m": 4096, "format": fmt, "op": "backward",
+                     "us": 1.0, "bf16_us": 1.0, "speedup": 0.9 * scale, "gbps": 1.0})
+    return rows
+
+
+def test_medians_ratios_and_newest_pairs(plots):
+    med = plots.w4a16_medians(_w4a16_rows())
+    assert set(med) == {("nvfp4", "forward"), ("mxfp4", "forward"), ("nvfp4", "backward"), ("mxfp4", "backward")}
+    assert med["nvfp4", "forward"] == {1: 4.0, 64: pytest.approx(0.5)}  # median of 2, 4, 6 (and of those / 8)
+    assert med["mxfp4", "backward"] == {4096: pytest.approx(1.35)}
+
+    rollout = [{"model": "qwen2.5-7b", "format": "nvfp4", "batch": 8, "lora_rank": 0, "tokens_per_s": 300.0,
+                "bf16_tokens_per_s": 150.0},
+               {"model": "qwen2.5-7b", "format": "nvfp4", "batch": 8, "lora_rank": 32, "tokens_per_s": 250.0,
+                "bf16_tokens_per_s": 150.0},
+               {"model": "qwen2.5-7b", "format": "mxfp4", "batch": 1, "lora_rank": 0, "tokens_per_s": 90.0,
+                "bf16_tokens_per_s": None},
+               {"model": "qwen2.5-7b", "format": "bf16", "batch": 8, "lora_rank": 0, "tokens_per_s": 150.0,
+                "bf16_tokens_per_s": 150.0}]
+    assert plots.rollout_ratios(rollout) == {("qwen2.5-7b", 8, "nvfp4"): 2.0}
+
+    grpo = [{"model": "m", "format": "nvfp4", "batch": 2, "speedup": 1.3, "date": "2026-11-25 08:30 UTC"},
+            {"model": "m", "format": "nvfp4", "batch": 2, "speedup": 1.6, "date": "2026-11-27 10:00 UTC"},
+            {"model": "m", "format": "nvfp4", "batch": 2, "speedup": None, "date": "2026-11-28 10:00 UTC"},
+            {"model": "m", "format": "nf4", "batch": 2, "speedup": 0.7, "date": "2026-11-26 10:00 UTC"}]
+    assert plots.grpo_speedups(grpo) == {("m", 2, "nvfp4"): 1.6, ("m", 2, "nf4"): 0.7}
+    assert plots.short_gpu("NVIDIA H100 80GB HBM3") == "H100" and plots.short_gpu("NVIDIA H200") == "H200"
+    assert sorted(["qwen2.5-32b", "qwen2.5-7b", "other"], key=plots._size) == ["qwen2.5-7b", "qwen2.5-32b", "other"]
+
+
+def test_writes_the_three_figures_and_refuses_bad_input(plots, tmp_path):
+    def write(name, gpu, rows):
+        path = tmp_path / name
+        path.write_text(json.dumps({"gpu": gpu, "command": "c", "date": "d", "rows": rows}))
+        return str(path)
+
+    w4a16 = [write("w_h100.json", "NVIDIA H100 80GB HBM3", _w4a16_rows()), write("w_h200.json", "NVIDIA H200", _w4a16_rows())]
+    rollout = write("r.json", "NVIDIA H200", [{"model": "qwen2.5-7b", "format": f, "batch": 8, "lora_rank": 0,
+                                                "tokens_per_s": t, "bf16_tokens_per_s": 100.0}
+                                               for f, t in (("nvfp4", 200.0), ("mxfp4", 190.0), ("nf4", 50.0))])
+    grpo = write("g.json", "NVIDIA H200", [{"model": "qwen2.5-7b", "format": "nvfp4", "batch": 2, "speedup": 1.4,
+                                             "date": "d", "device_memory_gib": 79.0}])
+    out = tmp_path / "plots"
+    written = plots.main(["--w4a16", *w4a16, "--rollout", rollout, "--grpo", grpo, "--out", str(out)])
+    assert sorted(os.path.basename(p) for p in written) == ["grpo_step.png", "rollout_ratio.png", "w4a16_speedup.png"]
+    for p in written:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+    with pytest.raises(SystemExit, match="no such evidence file: .*missing.json"):
+        plots.main(["--w4a16", str(tmp_path / "missing.json"), "--out", str(out)])
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="not a benchmark file"):
+        plots.main(["--rollout", str(tmp_path / "list.json"), "--out", str(out)])
+    empty = write("e.json", "NVIDIA H200", [{"model": "m", "format": "nvfp4", "batch": 2, "speedup": None}])
+    with pytest.raises(SystemExit, match="no rows to plot for grpo_step.png"):
+        plots.main(["--w4a16", *w4a16, "--rollout", rollout, "--grpo", empty, "--out", str(out)])
