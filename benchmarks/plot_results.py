@@ -7,6 +7,8 @@
   backward, one line per format and GPU, the issue's goals as marks.
 - rollout_ratio.png (issue 6): tok/s over the bf16 engine's in the same run, per model and batch,
   one bar per format, a panel per GPU; the goal (1.7) as a line.
+- lora_cost.png (issue 6): tok/s with LoRA rank 16 / 32 / 64 over the same run's no-LoRA tok/s;
+  the goal (0.9, "LoRA costs <= 10%") as a line.
 - grpo_step.png (issue 9): GRPO step time over bf16 LoRA's in the same process, per model and
   batch, the newest pair in each file; the goal (1.5) as a line.
 
@@ -31,7 +33,9 @@ DEFAULTS = {
              "h200/grpo_step_cap79_b4.json"],
 }
 FORMATS = ("nvfp4", "mxfp4", "nf4")
-COLORS = {"nvfp4": "tab:green", "mxfp4": "tab:blue", "nf4": "tab:red", "bf16": "tab:gray"}
+COLORS = {"nvfp4": "tab:green", "mxfp4": "tab:blue", "nf4": "tab:red", "bf16": "tab:gray",
+          "r16": "tab:olive", "r32": "tab:orange", "r64": "tab:brown"}
+LORA_RANKS = ("r16", "r32", "r64")
 # issue 4's goals, forward: (M values it covers, ratio)
 W4A16_GOALS = [((1, 2, 4, 8, 16), 3.0), ((64,), 2.0), ((256,), 1.0), ((1024, 4096), 0.85)]
 
@@ -77,6 +81,12 @@ def rollout_ratios(rows: list[dict]) -> dict[tuple[str, int, str], float]:
         if r.get("lora_rank", 0) == 0 and r.get("format") in FORMATS and r.get("bf16_tokens_per_s"):
             out[r["model"], int(r["batch"]), r["format"]] = r["tokens_per_s"] / r["bf16_tokens_per_s"]
     return out
+
+
+def lora_ratios(rows: list[dict]) -> dict[tuple[str, int, str], float]:
+    """{(model, batch, 'r<rank>'): tok/s with LoRA over the same run's tok/s without}."""
+    return {(r["model"], int(r["batch"]), f"r{r['lora_rank']}"): r["tokens_per_s"] / r["lora0_tokens_per_s"]
+            for r in rows if r.get("lora_rank") and r.get("lora0_tokens_per_s")}
 
 
 def grpo_speedups(rows: list[dict]) -> dict[tuple[str, int, str], float]:
@@ -200,6 +210,8 @@ def main(argv=None) -> list[str]:
         plot_panels(loaded["rollout"], os.path.join(args.out, "rollout_ratio.png"), rollout_ratios,
                     ("nvfp4", "mxfp4", "nf4"), 1.7, "tok/s over the bf16 engine (same run)",
                     "Rollout engine, no LoRA (issue 6)"),
+        plot_panels(loaded["rollout"], os.path.join(args.out, "lora_cost.png"), lora_ratios, LORA_RANKS, 0.9,
+                    "tok/s with LoRA over without (same run)", "Rollout engine, nvfp4 with unmerged LoRA (issue 6)"),
         plot_panels(loaded["grpo"], os.path.join(args.out, "grpo_step.png"), grpo_speedups, ("nvfp4", "nf4"), 1.5,
                     "GRPO step speedup over bf16 LoRA (same process)", "GRPO step, 8 x 2048 tokens (issue 9)"),
     ]

@@ -47,6 +47,8 @@ def test_medians_ratios_and_newest_pairs(plots):
                {"model": "qwen2.5-7b", "format": "bf16", "batch": 8, "lora_rank": 0, "tokens_per_s": 150.0,
                 "bf16_tokens_per_s": 150.0}]
     assert plots.rollout_ratios(rollout) == {("qwen2.5-7b", 8, "nvfp4"): 2.0}
+    rollout[1]["lora0_tokens_per_s"] = 300.0
+    assert plots.lora_ratios(rollout) == {("qwen2.5-7b", 8, "r32"): pytest.approx(250 / 300)}
 
     grpo = [{"model": "m", "format": "nvfp4", "batch": 2, "speedup": 1.3, "date": "2026-11-25 08:30 UTC"},
             {"model": "m", "format": "nvfp4", "batch": 2, "speedup": 1.6, "date": "2026-11-27 10:00 UTC"},
@@ -66,12 +68,15 @@ def test_writes_the_three_figures_and_refuses_bad_input(plots, tmp_path):
     w4a16 = [write("w_h100.json", "NVIDIA H100 80GB HBM3", _w4a16_rows()), write("w_h200.json", "NVIDIA H200", _w4a16_rows())]
     rollout = write("r.json", "NVIDIA H200", [{"model": "qwen2.5-7b", "format": f, "batch": 8, "lora_rank": 0,
                                                 "tokens_per_s": t, "bf16_tokens_per_s": 100.0}
-                                               for f, t in (("nvfp4", 200.0), ("mxfp4", 190.0), ("nf4", 50.0))])
+                                               for f, t in (("nvfp4", 200.0), ("mxfp4", 190.0), ("nf4", 50.0))]
+                    + [{"model": "qwen2.5-7b", "format": "nvfp4", "batch": 8, "lora_rank": 16, "tokens_per_s": 180.0,
+                        "bf16_tokens_per_s": 100.0, "lora0_tokens_per_s": 200.0}])
     grpo = write("g.json", "NVIDIA H200", [{"model": "qwen2.5-7b", "format": "nvfp4", "batch": 2, "speedup": 1.4,
                                              "date": "d", "device_memory_gib": 79.0}])
     out = tmp_path / "plots"
     written = plots.main(["--w4a16", *w4a16, "--rollout", rollout, "--grpo", grpo, "--out", str(out)])
-    assert sorted(os.path.basename(p) for p in written) == ["grpo_step.png", "rollout_ratio.png", "w4a16_speedup.png"]
+    assert sorted(os.path.basename(p) for p in written) == ["grpo_step.png", "lora_cost.png", "rollout_ratio.png",
+                                                                "w4a16_speedup.png"]
     for p in written:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
