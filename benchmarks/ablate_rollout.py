@@ -26,6 +26,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   wsmma20m (in the decode chain, M = 1 layers from 20M weights on the Gluon GEMV),
                   wsmx (mxfp4 on the Gluon GEMV by the nvfp4 rules, w4a16_triton.WSMMA_FORMATS; the default
                   since session 44), nowsmx (mxfp4 off it, the route before),
+                  wsplit (rwg's wide forms split K in two where that fills the last wave better,
+                  w4a16_triton.RWG_WAVE_SPLIT = 0.1; prepared in session 44, not timed),
                   norwg (no w4a16_rwg: 17..128 tokens back on the fused / wgmma kernels), rwg9 (rwg from
                   9 tokens), norwgw (no 128-token rwg tiles: 65..128 tokens on the wgmma GEMM), norwg2
                   (no two-per-SM rwg form), noxrel (that form without XREL), norwg3 / rwg3all
@@ -169,6 +171,7 @@ def _switches() -> dict:
         "nowsmx": [(w4a16_triton, "WSMMA_FORMATS", ("nvfp4",))],
         "tokold": [(w4a16_triton, "WSMMA_TOKENS_MIN_N_PDL", 16384), (w4a16_triton, "WSMMA_TOKENS_MIN_K_PDL", 4096)],
         "norwg": [(w4a16_triton, "RWG_MIN_M", 0)],
+        "wsplit": [(w4a16_triton, "RWG_WAVE_SPLIT", 0.1)],
         "rwg9": [(w4a16_triton, "RWG_MIN_M", 9)],
         "norwgw": [(w4a16_triton, "RWG_WIDE_MAX_M", 0)],
         "pwa": [(w4a16_gluon, "PER_WARP_ARRIVE", True), (w4a16_rwg, "PER_WARP_ARRIVE", True)],

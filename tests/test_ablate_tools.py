@@ -87,6 +87,25 @@ def test_rwg_kp_flags_apply_and_restore(ablate):
     assert w4a16_triton.RWG_KP == form and w4a16_triton._rwg_kp_wins is rule
 
 
+def test_rwg_wave_split_flag_and_rule(ablate):
+    """wsplit turns RWG_WAVE_SPLIT on (off by default): a wide layer's form gets S = 2 where two K halves fill
+    the last wave of its slots (3 or 2 programs per SM x 132 SMs) better by >= 0.1 and each half keeps >= 4
+    steps; the narrow layers' routes are untouched, and the default comes back after the variant."""
+    engine = _Engine()
+    route = w4a16_triton._rwg_config
+    assert w4a16_triton.RWG_WAVE_SPLIT == 0 and "S" not in route(37888, 3584, 32, 132)
+    with ablate.variant_of(engine, "base@wsplit"):
+        # 592 tiles on 396 slots: 0.75 of the two waves filled; split, 1184 on 3 waves: 0.997
+        assert route(37888, 3584, 32, 132) == {"R": 1, **w4a16_triton.RWG_THREE_PER_SM, "S": 2}
+        # 432 tiles: 0.545 at three per SM -> 0.727 split; at two per SM (264 slots) 0.818 either way
+        assert route(27648, 5120, 32, 132)["S"] == 2 and "S" not in route(27648, 5120, 64, 132)
+        # 344 tiles: one wave of 396 either way at three per SM; at two per SM 0.65 -> 0.87 with 4-step halves
+        assert "S" not in route(22016, 2048, 32, 132) and route(22016, 2048, 17, 132)["S"] == 2
+        assert "S" not in route(22016, 1024, 17, 132)  # halves of 2 steps: too short
+        assert route(7168, 5120, 32, 132) == {"R": 1, **w4a16_triton.RWG_KP_FORM}  # fits one wave: KP, no split
+    assert w4a16_triton.RWG_WAVE_SPLIT == 0 and route(37888, 3584, 32, 132) == {"R": 1, **w4a16_triton.RWG_THREE_PER_SM}
+
+
 def test_gluon_flags_apply_per_kind_and_restore(ablate):
     before = dict(w4a16_gluon.DEFAULT)
     engine = _Engine()

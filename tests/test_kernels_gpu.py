@@ -583,10 +583,13 @@ WG_CASES = [{}, {"NSW": 2, "NSD": 2, "NSX": 2}, {"S": 1}, {"S": 3}, {"BM": 16}, 
                                  {"BM": 128, "NSX": 2, "PWA": 1}, {"BM": 128, "R": 1, "NSX": 2, "XREL": 1, "PWA": 1},
                                  {"BM": 32, "R": 1, "NSW": 2, "NSX": 2, "maxnreg": 80, "XREL": 1, "PWA": 1},
                                  {"R": 1, "KP": 2, "XREL": 1, "NSX": 4}, {"R": 1, "KP": 2, "NSX": 4, "S": 3, "PDL": True},
-                                 {"BM": 32, "R": 1, "KP": 2, "NSX": 4, "XREL": 1}],
+                                 {"BM": 32, "R": 1, "KP": 2, "NSX": 4, "XREL": 1},
+                                 {"BM": 32, "R": 1, "NSW": 2, "NSX": 2, "maxnreg": 80, "XREL": 1, "S": 2},
+                                 {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1, "PDL": True, "S": 2}],
                          ids=["default", "R1", "BM64", "shallow", "pdl", "R1-two-per-SM", "xrel", "R1-two-xrel-pdl",
                               "BM128", "BM128-R1-xrel-pdl", "pwa", "R1-two-xrel-pdl-pwa", "BM128-pwa", "BM128-R1-xrel-pwa",
-                              "BM32-R1-three-per-SM", "R1-KP2-xrel", "R1-KP2-S3-pdl", "BM32-R1-KP2-xrel"])
+                              "BM32-R1-three-per-SM", "R1-KP2-xrel", "R1-KP2-S3-pdl", "BM32-R1-KP2-xrel",
+                              "BM32-R1-three-per-SM-S2", "R1-two-xrel-pdl-S2"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_rwg_kernel(fmt, cfg):
     """The register-operand wgmma GEMM (PATH="rwg", nvfp4 and mxfp4), M from 1 to 300, through
@@ -607,7 +610,8 @@ def test_rwg_kernel(fmt, cfg):
             WG.SCALE_BITS = old
 
     # M per token tile; BM 32 is the three-per-SM form (w4a16_triton.RWG_THREE_PER_SM): 17..32 tokens in
-    # one tile, 64 in two. KP 2 (two MMA warpgroups on alternate K steps): S 3 makes odd-length slices
+    # one tile, 64 in two. KP 2 (two MMA warpgroups on alternate K steps): S 3 makes odd-length slices.
+    # S 2 on the wide forms: RWG_WAVE_SPLIT's K halves
     tokens = {128: (65, 128, 300), 32: (17, 32, 64)}
     ms = (1, 5, 16, 17, 33, 64, 100) if not cfg else tokens.get(cfg.get("BM"), (16, 64))
     _check_gluon_gemm(fmt, dict(cfg, PATH="rwg"), ms, 1, float_scales_equal)

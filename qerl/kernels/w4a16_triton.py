@@ -153,6 +153,14 @@ RWG_TWO_PER_SM = {32: {"NSW": 4, "NSX": 3, "maxnreg": 104, "XREL": 1},
 RWG_THREE_PER_SM = {"NSW": 2, "NSX": 2, "maxnreg": 80, "XREL": 1}
 RWG_THREE_MIN_M = 24
 RWG_THREE_FORMATS = ("nvfp4", "mxfp4")
+# A K split in two for those wide forms where it fills the last wave better: S = 2 when the programs' share of the
+# slots of their last wave (tiles x S / (waves x slots), slots = programs per SM x SMs) grows by >= RWG_WAVE_SPLIT
+# and each half still runs >= RWG_WAVE_SPLIT_MIN_STEPS 256-K steps. Why: Nsight on the H200 (NOTES_w4a16.md
+# section 34) found rwg at 32 tokens latency-bound (DRAM 39%, L2 46% of peak on 37888x3584) with its 592 tiles on
+# 396 slots, 1.49 waves; S = 2 makes that 2.99, at 2 x M x N x 4 bytes of fp32 partials. Prepared, not timed:
+# 0 (the default) turns it off; ablate_rollout.py's flag `wsplit` sets 0.1.
+RWG_WAVE_SPLIT = 0.0
+RWG_WAVE_SPLIT_MIN_STEPS = 4
 # Its KP form (R = 1 with two MMA warpgroups on alternate 256-K steps of one tile, one program per SM, the split
 # summed in shared memory) for 17..64 tokens on the layers whose 64-row tiles fit one wave, where its slices run
 # >= RWG_KP_MIN_STEPS steps and, against R = 2, a time model fitted on the H100 at M = 32 (us: KP 3.4 + 0.57 per
@@ -970,12 +978,26 @@ def _rwg_config(n: int, k: int, m: int, slots: int, fmt: str = "nvfp4") -> dict:
         return {"BM": 128, "NSX": 2, **({"R": 2} if long_slices else {"R": 1, "XREL": 1})}
     wide = -(-n // 64) > slots  # the 64-row tiles overrun one program per SM
     if wide and RWG_THREE_PER_SM and RWG_THREE_MIN_M <= m <= 32 and fmt in RWG_THREE_FORMATS:
-        return {"R": 1, **RWG_THREE_PER_SM}
+        return {"R": 1, **RWG_THREE_PER_SM, **_rwg_wave_split(n, k, 3 * slots)}
     two = RWG_TWO_PER_SM.get(32 if m <= 32 else 64) if wide else None
     if two:
-        return {"R": 1, **two}
+        return {"R": 1, **two, **_rwg_wave_split(n, k, 2 * slots)}
     r = _rwg_rows(n, k, slots)
     return {"R": 1, **RWG_KP} if not wide and RWG_KP and _rwg_kp_wins(n, k, slots, r) else {"R": r}
+
+
+def _rwg_wave_split(n: int, k: int, slots: int) -> dict:
+    """{"S": 2} where RWG_WAVE_SPLIT's rule splits K for this wide layer on `slots` program slots, else {}."""
+    if RWG_WAVE_SPLIT <= 0:
+        return {}
+    kb, tiles = -(-k // 256), -(-n // 64)
+
+    def fill(s: int) -> float:  # the programs' share of the slots of the waves they take
+        return tiles * s / (-(-tiles * s // slots) * slots)
+
+    if kb // 2 >= RWG_WAVE_SPLIT_MIN_STEPS and fill(2) >= fill(1) + RWG_WAVE_SPLIT:
+        return {"S": 2}
+    return {}
 
 
 def _rwg_kp_wins(n: int, k: int, slots: int, r: int) -> bool:
