@@ -65,7 +65,8 @@ def test_writes_the_three_figures_and_refuses_bad_input(plots, tmp_path):
         path.write_text(json.dumps({"gpu": gpu, "command": "c", "date": "d", "rows": rows}))
         return str(path)
 
-    w4a16 = [write("w_h100.json", "NVIDIA H100 80GB HBM3", _w4a16_rows()), write("w_h200.json", "NVIDIA H200", _w4a16_rows())]
+    w4a16 = [write("w_h100.json", "NVIDIA H100 80GB HBM3", _w4a16_rows()),
+             write("w_h200.json", "NVIDIA H200", _w4a16_rows())]
     rollout = write("r.json", "NVIDIA H200", [{"model": "qwen2.5-7b", "format": f, "batch": 8, "lora_rank": 0,
                                                 "tokens_per_s": t, "bf16_tokens_per_s": 100.0}
                                                for f, t in (("nvfp4", 200.0), ("mxfp4", 190.0), ("nf4", 50.0))]

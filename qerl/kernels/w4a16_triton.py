@@ -82,8 +82,8 @@ OVERLAP_CHUNKS = env_int("QERL_W4A16_CHUNKS", 0)
 # PATH="fused" or a tile config (BO key) the tensor-core kernel.
 GEMV_MAX_M = env_int("QERL_W4A16_GEMV_MAX_M", 1)
 GEMV_MAX_NK = env_int("QERL_W4A16_GEMV_MAX_NK", 40000000)
-# Forward with M = 1, nvfp4 / mxfp4 (WSMMA_FORMATS), on Hopper (sm_90) layers with N*K >= WSMMA_MIN_NK: the warp-specialised
-# Gluon GEMV with the reduction on the tensor cores (w4a16_gluon.py): on the H100 5-14% faster
+# Forward with M = 1, nvfp4 / mxfp4 (WSMMA_FORMATS), on Hopper (sm_90) layers with N*K >= WSMMA_MIN_NK: the
+# warp-specialised Gluon GEMV with the reduction on the tensor cores (w4a16_gluon.py): on the H100 5-14% faster
 # than the GEMV / fused kernel on the four layers with N*K >= 67M it was timed on (55296x5120
 # 65.7 vs 77.5 us), slower below ~40M (NOTES_w4a16.md section 12). 0 disables it.
 WSMMA_MIN_NK = env_int("QERL_W4A16_WSMMA_MIN_NK", 60000000)
@@ -967,7 +967,8 @@ def _rwg_rows(n: int, k: int, slots: int) -> int:
 def _rwg_config(n: int, k: int, m: int, slots: int, fmt: str = "nvfp4") -> dict:
     """w4a16_rwg's config for M = RWG_MIN_M..RWG_WIDE_MAX_M tokens. Up to RWG_MAX_M, where the 64-row tiles
     overrun one program per SM: R = 1 at three programs per SM for RWG_THREE_MIN_M..32 tokens
-    (RWG_THREE_PER_SM, RWG_THREE_FORMATS), else at two (RWG_TWO_PER_SM); elsewhere the KP form where
+    (RWG_THREE_PER_SM, RWG_THREE_FORMATS), else at two (RWG_TWO_PER_SM), either with K split in two where
+    RWG_WAVE_SPLIT says; elsewhere the KP form where
     _rwg_kp_wins, else R by _rwg_rows. Above:
     128-token tiles, R = 2 where its K slices are long (RWG_WIDE_R2_STEPS), else R = 1."""
     if m > RWG_MAX_M:
