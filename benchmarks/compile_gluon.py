@@ -166,7 +166,7 @@ def main_wgmma(a):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernel", choices=("gemv", "wgmma"), default="gemv")
-    ap.add_argument("--fmt", default="nvfp4", help="nvfp4 or mxfp4 (gemv: --scale-bits is either format's integer scale conversion; --glu is nvfp4 only)")
+    ap.add_argument("--fmt", default="nvfp4", help="nvfp4 or mxfp4 (gemv: --scale-bits is either format's integer scale conversion; --glu and --fold take both)")
     ap.add_argument("--m", type=int, default=None, help="tokens (wgmma: default 64; gemv: 1, or 2..8)")
     ap.add_argument("--config", default=None, help="wgmma: JSON config (w4a16_wgmma.forward keys)")
     ap.add_argument("--n", type=int, default=7168)

@@ -175,13 +175,14 @@ def _bars(ax, values: dict[tuple[str, int, str], float], formats, goal: float, y
 
 def plot_panels(datas: list[dict], path: str, values_of, formats, goal: float, ylabel: str, title: str) -> str:
     plt = _pyplot()
-    per_gpu = {gpu: values_of(rows) for gpu, rows in sorted(_by_gpu(datas).items())}
+    rows_by_gpu = _by_gpu(datas)
+    per_gpu = {gpu: values_of(rows) for gpu, rows in sorted(rows_by_gpu.items())}
     per_gpu = {gpu: v for gpu, v in per_gpu.items() if v}
     if not per_gpu:
         raise SystemExit(f"plot_results: no rows to plot for {os.path.basename(path)}")
     fig, axes = plt.subplots(1, len(per_gpu), figsize=(6.5 * len(per_gpu), 4.2), squeeze=False, sharey=True)
     caps = {gpu: sorted({r["device_memory_gib"] for r in rows if r.get("device_memory_gib")})
-            for gpu, rows in _by_gpu(datas).items()}
+            for gpu, rows in rows_by_gpu.items()}
     for ax, (gpu, values) in zip(axes[0], per_gpu.items()):
         _bars(ax, values, [f for f in formats if any(k[2] == f for k in values)], goal, ylabel)
         cap = caps.get(gpu)  # rows run under --device-memory-gib (an 80 GB card's budget on a larger one)

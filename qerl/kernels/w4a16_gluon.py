@@ -921,6 +921,7 @@ HOIST_CONSTS = True
 # `_epilogue_smem1`, MT = 1); False: per-accumulator reductions and layout changes (the A/B switch)
 EPI_SMEM = True
 MAX_M = 8  # tokens per launch: the 8 columns of an m16n8k16 MMA
+FORMATS = ("nvfp4", "mxfp4")  # what the kernel decodes (w4a16_triton.WSMMA_FORMATS: what the routing sends it)
 # Schedules for layers with more 64-row blocks than program slots and a partial last wave (where
 # `tail_plan` finds a split tail; e.g. the 7B gate/up GEMV on an H100), instead of the plain split:
 # - split tail: the blocks of the last wave are cut into K slices, so they spread over all slots as
@@ -1074,7 +1075,7 @@ def glu_descriptors(state: dict):
 def glu_usable(x: torch.Tensor, state: dict, bias=None) -> bool:
     """`forward(..., glu=True)` takes this launch: nvfp4 or mxfp4 [gate; up] with each half whole 64-row
     blocks, 2..8 tokens, no bias."""
-    return (state.get("fmt") in ("nvfp4", "mxfp4") and bias is None and x.dim() == 2 and 2 <= x.shape[0] <= MAX_M
+    return (state.get("fmt") in FORMATS and bias is None and x.dim() == 2 and 2 <= x.shape[0] <= MAX_M
             and state["n"] % 128 == 0 and state["k"] == state["kb"] * 256)
 
 
@@ -1103,7 +1104,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     ("scale", ss, blocks, eps, k): x is such a bf16(h_out * w), and each token's products are scaled by
     1 / sqrt(sum of its `blocks` partial sums / k + eps) before alpha and bias (and GLU). With one
     rounding fewer than bf16(w * bf16(h_out * scale)) in the norm kernel, so not bit-equal to it."""
-    if state["fmt"] not in ("nvfp4", "mxfp4"):
+    if state["fmt"] not in FORMATS:
         raise ValueError(f"the Gluon GEMV takes nvfp4 or mxfp4 weights, got {state['fmt']}")
     mx = state["fmt"] == "mxfp4"
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_M:
