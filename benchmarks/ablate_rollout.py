@@ -23,13 +23,17 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   picks it / on every layer at one / two programs per SM, not the fused Triton kernel;
                   the Gluon GEMV at 9..16 tokens and its flags tok8 / m16all / m16n5k come with
                   benchmarks/patches/gluon_gemv_16_tokens_narrow.patch, NOTES_rollout.md sections 16-17),
-                  wsmma20m (in the decode chain, M = 1 layers from 20M weights on the Gluon GEMV),
+                  wsmma20m (in the decode chain, M = 1 layers from 20M weights on the Gluon GEMV, the rule before
+                  session 45),
                   wsmx (mxfp4 on the Gluon GEMV by the nvfp4 rules, w4a16_triton.WSMMA_FORMATS; the default
                   since session 44), nowsmx (mxfp4 off it, the route before),
+                  gluon44 (the Gluon GEMV's thresholds before session 45: M = 1 from 60M weights, 20M in the
+                  decode chain; 2..8 tokens standalone only on N >= 16384 and K >= 4096),
                   wsplit (rwg's wide forms split K in two where that fills the last wave better,
-                  w4a16_triton.RWG_WAVE_SPLIT = 0.1; prepared in session 44, not timed),
+                  w4a16_triton.RWG_WAVE_SPLIT = 0.1; lost 3.9% at 7B batch 32 on the H200, off),
                   norwg (no w4a16_rwg: 17..128 tokens back on the fused / wgmma kernels), rwg9 (rwg from
-                  9 tokens), norwgw (no 128-token rwg tiles: 65..128 tokens on the wgmma GEMM), norwg2
+                  9 tokens; on the H200 +8.5% on the 14B 16-row base step, -1% on the GRPO batch-2 rollouts),
+                  norwgw (no 128-token rwg tiles: 65..128 tokens on the wgmma GEMM), norwg2
                   (no two-per-SM rwg form), noxrel (that form without XREL), norwg3 / rwg3all
                   (17..32 tokens at three rwg programs per SM, w4a16_triton.RWG_THREE_PER_SM: nowhere /
                   on every layer, not only the wide ones), rwg3b32 (rwg3all, and 33..64 tokens as
@@ -194,6 +198,8 @@ def _switches() -> dict:
                    (w4a16_triton, "_small_m_wgmma", lambda n, k, m: dict(w4a16_triton.WGMMA_TWO_PER_SM))],
         "lw8": [(lora_ops, "SHRINK_WARPS", 8)],
         "wsmma20m": [(w4a16_triton, "WSMMA_MIN_NK_PDL", 20_000_000)],
+        "gluon44": [(w4a16_triton, "WSMMA_MIN_NK", 60_000_000), (w4a16_triton, "WSMMA_MIN_NK_PDL", 20_000_000),
+                    (w4a16_triton, "WSMMA_TOKENS_MIN_N", 16384), (w4a16_triton, "WSMMA_TOKENS_MIN_K", 4096)],
         "earlyv": [(decode_ops, "ATTN_EARLY_V", True)],
         "xpf": [(w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "XPF": True})],
         "noxpf": [(w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "XPF": False})],

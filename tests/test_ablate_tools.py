@@ -106,6 +106,17 @@ def test_rwg_wave_split_flag_and_rule(ablate):
     assert w4a16_triton.RWG_WAVE_SPLIT == 0 and route(37888, 3584, 32, 132) == {"R": 1, **w4a16_triton.RWG_THREE_PER_SM}
 
 
+def test_gluon44_flag_restores_the_old_thresholds(ablate):
+    """gluon44 puts the Gluon GEMV's thresholds back to those before session 45 (M = 1 from 60M weights, 20M in
+    the decode chain; 2..8 tokens standalone only on N >= 16384 and K >= 4096) and the defaults come back."""
+    names = ("WSMMA_MIN_NK", "WSMMA_MIN_NK_PDL", "WSMMA_TOKENS_MIN_N", "WSMMA_TOKENS_MIN_K")
+    before = [getattr(w4a16_triton, n) for n in names]
+    assert before == [8_000_000, 8_000_000, 1, 0]
+    with ablate.variant_of(_Engine(), "base@gluon44"):
+        assert [getattr(w4a16_triton, n) for n in names] == [60_000_000, 20_000_000, 16384, 4096]
+    assert [getattr(w4a16_triton, n) for n in names] == before
+
+
 def test_gluon_flags_apply_per_kind_and_restore(ablate):
     before = dict(w4a16_gluon.DEFAULT)
     engine = _Engine()

@@ -920,10 +920,10 @@ def test_gluon_schedule_choice():
 
 
 def test_routes_to_gluon_tokens(monkeypatch):
-    """The GLU launch's gate (`routes_to_gluon_tokens`) follows forward's routing: in a PDL chain every
-    2..8-token nvfp4 layer runs on the Gluon GEMV, without one only wide layers (N >= 16384, K >=
-    4096), never M = 1 or 16 tokens, mxfp4 only where WSMMA_FORMATS names it, and nothing off sm_90 (here:
-    _wsmma_ok)."""
+    """The GLU launch's gate (`routes_to_gluon_tokens`) follows forward's routing: with or without a PDL chain
+    every 2..8-token layer runs on the Gluon GEMV (since session 45; the standalone thresholds still apply
+    when set, e.g. the old N >= 16384 and K >= 4096), never M = 1 or 16 tokens, mxfp4 only where
+    WSMMA_FORMATS names it, and nothing off sm_90 (here: _wsmma_ok)."""
     from qerl.kernels import w4a16_triton as W
 
     x = lambda m, k: torch.zeros(m, k, dtype=torch.bfloat16)  # noqa: E731
@@ -941,8 +941,36 @@ def test_routes_to_gluon_tokens(monkeypatch):
     assert W._fused_route(1, {**wide, "fmt": "mxfp4"}, torch.device("cpu"), None)[0] != "wsmma"
     assert W.routes_to_gluon_tokens(x(8, 3584), gate_up)
     monkeypatch.setattr(W, "CHAIN_ROUTING", False)
+    assert W.routes_to_gluon_tokens(x(8, 3584), gate_up)  # standalone too since session 45
+    assert W.routes_to_gluon_tokens(x(2, 2048), {"n": 2048, "k": 2048, "kb": 8, "fmt": "nvfp4"})
+    monkeypatch.setattr(W, "WSMMA_TOKENS_MIN_N", 16384)  # ablate_rollout.py's `gluon44`
+    monkeypatch.setattr(W, "WSMMA_TOKENS_MIN_K", 4096)
     assert not W.routes_to_gluon_tokens(x(8, 3584), gate_up)  # K 3584 < 4096 without the chain
     assert W.routes_to_gluon_tokens(x(8, 5120), wide)
+    monkeypatch.setattr(W, "CHAIN_ROUTING", True)
+    assert W.routes_to_gluon_tokens(x(8, 3584), gate_up)  # the chain keeps its own rule
+
+
+def test_gluon_gemv_m1_threshold(monkeypatch):
+    """M = 1 goes to the Gluon GEMV from WSMMA_MIN_NK weights (8M since session 45), the same threshold with or
+    without a PDL chain; below it the CUDA-core GEMV; nf4 never; nothing off sm_90."""
+    from qerl.kernels import w4a16_triton as W
+
+    cpu = torch.device("cpu")
+    layer = lambda n, k, fmt="nvfp4": {"n": n, "k": k, "kb": k // 256, "fmt": fmt}  # noqa: E731
+    assert W._fused_route(1, layer(3584, 3584), cpu, None)[0] == "gemv"  # CPU: no Gluon kernels
+    monkeypatch.setattr(W, "_wsmma_ok", lambda device, state: True)
+    assert W.WSMMA_MIN_NK == W.WSMMA_MIN_NK_PDL == 8_000_000
+    for chain in (False, True):
+        monkeypatch.setattr(W, "CHAIN_ROUTING", chain)
+        routes = [W._fused_route(1, layer(n, k), cpu, None)[0] for n, k in ((2048, 2048), (2560, 2048), (3584, 3584),
+                                                                            (7168, 5120), (55296, 5120))]
+        assert routes == ["gemv", "gemv", "wsmma", "wsmma", "wsmma"], (chain, routes)
+        assert W._fused_route(1, layer(3584, 3584, "mxfp4"), cpu, None)[0] == "wsmma"
+        assert W._fused_route(1, layer(3584, 3584, "nf4"), cpu, None)[0] != "wsmma"
+    monkeypatch.setattr(W, "WSMMA_MIN_NK", 60_000_000)  # `gluon44`, standalone
+    monkeypatch.setattr(W, "CHAIN_ROUTING", False)
+    assert W._fused_route(1, layer(7168, 5120), cpu, None)[0] == "gemv"
 
 
 def test_mxfp4_scale_bits():

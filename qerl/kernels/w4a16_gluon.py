@@ -8,8 +8,8 @@ multiplies the words viewed [4, 2, 8, 8, 4] (four word columns per scale) by 2^(
 
 Sibling of `w4a16_ws.py` (same ring, same schedule and fixup); `benchmarks/compile_gluon.py`
 compiles it offline. The default for M = 1 nvfp4 / mxfp4 on Hopper layers with N*K >= WSMMA_MIN_NK
-(w4a16_triton), where it beat the other kernels on the H100 (NOTES_w4a16.md section 12), and for
-M = 2..8 on layers with N >= WSMMA_TOKENS_MIN_N and K >= 4096 (section 15); PATH="wsmma" forces it.
+(w4a16_triton; 8M since it beat the other kernels there on the H200, NOTES_w4a16.md section 35) and for
+M = 2..8 on every layer (section 35; WSMMA_TOKENS_MIN_N); PATH="wsmma" forces it.
 M = 1 puts x in all 8 columns of the MMA's B (MT = 1); M = 2..8 puts token g in column g (MT = 8,
 rows of x past M read as zeros), which costs the same MMAs and 4 more instructions per step.
 

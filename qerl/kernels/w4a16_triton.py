@@ -83,34 +83,36 @@ OVERLAP_CHUNKS = env_int("QERL_W4A16_CHUNKS", 0)
 GEMV_MAX_M = env_int("QERL_W4A16_GEMV_MAX_M", 1)
 GEMV_MAX_NK = env_int("QERL_W4A16_GEMV_MAX_NK", 40000000)
 # Forward with M = 1, nvfp4 / mxfp4 (WSMMA_FORMATS), on Hopper (sm_90) layers with N*K >= WSMMA_MIN_NK: the
-# warp-specialised Gluon GEMV with the reduction on the tensor cores (w4a16_gluon.py): on the H100 5-14% faster
-# than the GEMV / fused kernel on the four layers with N*K >= 67M it was timed on (55296x5120
-# 65.7 vs 77.5 us), slower below ~40M (NOTES_w4a16.md section 12). 0 disables it.
-WSMMA_MIN_NK = env_int("QERL_W4A16_WSMMA_MIN_NK", 60000000)
-# The same threshold with PDL on (the rollout engine's decode step, a PDL chain). There the Gluon GEMV's
-# loader warps stream weights while the previous kernels finish; with 20M it beat the CUDA-core
-# GEMV on 7168x5120 and 5120x5120 too: step time at batch 1 +2.9% (32B) and +2.7% (14B), while 7B's
-# 4608x3584 / 3584x3584 (below 20M, unaffected) would lose 1.6% (benchmarks/NOTES_rollout.md
-# sections 7 and 9; bench_rollout.py: 32B decode 4.57 -> 4.52 s for 512 tokens).
-# QERL_W4A16_WSMMA_MIN_NK=0 turns both off.
-WSMMA_MIN_NK_PDL = env_int("QERL_W4A16_WSMMA_MIN_NK_PDL", 20000000 if WSMMA_MIN_NK else 0)
+# warp-specialised Gluon GEMV with the reduction on the tensor cores (w4a16_gluon.py). Fitted on the H100 before
+# its later epilogues at 60M (5-14% faster than the CUDA-core GEMV / fused kernel from 67M, slower below ~40M,
+# NOTES_w4a16.md section 12); retaken on the H200 in session 45 with today's kernel (section 35): faster than
+# the old route on every layer from 13M weights (3584x3584 8.2 -> 7.8 us, 7168x5120 14.6 -> 13.1, 22016x2048
+# 16.2 -> 12.4), 4-6% slower on the two under 6M (2048x2048, 2560x2048); hence 8M. 0 disables it.
+WSMMA_MIN_NK = env_int("QERL_W4A16_WSMMA_MIN_NK", 8000000)
+# The same threshold with PDL on (the rollout engine's decode step, a PDL chain), where the Gluon GEMV's loader
+# warps stream weights while the previous kernels finish. It was 20M, below the standalone 60M (H100: 32B / 14B
+# batch-1 step +2.9% / +2.7%; 7B's 4608x3584 / 3584x3584 moved too lost 1.6% then, NOTES_rollout.md sections 7
+# and 9). On the H200 moving those two gains 1.3% on the 7B batch-1 step and moving 3B's 4-5M layers loses 1.7%
+# (NOTES_rollout.md section 40), so it now equals WSMMA_MIN_NK. QERL_W4A16_WSMMA_MIN_NK=0 turns both off.
+WSMMA_MIN_NK_PDL = env_int("QERL_W4A16_WSMMA_MIN_NK_PDL", WSMMA_MIN_NK)
 # Forward with WGMMA_MIN_M <= M < DEQUANT_MIN_M, nvfp4 / mxfp4, on Hopper with K % 256 == 0: the
 # warp-specialised Gluon GEMM (w4a16_wgmma.py: TMA loaders, decoder warps, async wgmma), which
 # overlaps decoding with the tensor cores; on the H100 1.6-2x faster than the fused Triton kernel
 # at M = 128 / 256 and even with it at M = 64 (NOTES_w4a16.md section 13). 0 disables it.
 WGMMA_MIN_M = env_int("QERL_W4A16_WGMMA_MIN_M", 65)
-# Forward with 2 <= M <= 8, nvfp4, on Hopper layers with N >= WSMMA_TOKENS_MIN_N and K >= WSMMA_TOKENS_MIN_K: the
-# same Gluon GEMV with one token per column of its MMA (w4a16_gluon MT = 8) in place of the fused
-# Triton kernel. On the H100 it won only on the two layers of that kind (27648x5120 44.7 -> 39.7 us,
-# 55296x5120 78.3 -> 71.8 at M = 2) and lost 4-66% on the other 12 (NOTES_w4a16.md section 15).
-# 0 disables it.
-WSMMA_TOKENS_MIN_N = env_int("QERL_W4A16_WSMMA_TOKENS_MIN_N", 16384)
-WSMMA_TOKENS_MIN_K = 4096
-# The same with PDL on (the rollout engine's decode chain): every 2..8-token nvfp4 layer. There its
-# producer warp copies the weights before the wait (the fused kernel loads only after it), and with
-# the shared-memory epilogue (w4a16_gluon.EPI_SMEM) the 7B batch-8 step went 3.232 -> 2.941 ms
-# (+9.9%; q/k/v 11.2 -> 5.5 us after the wait, o 11.2 -> 8.4, down 24.7 -> 17.8; NOTES_rollout.md
-# section 11). With the old epilogue the same routing lost 16%. 0 disables it.
+# Forward with 2 <= M <= 8, nvfp4 / mxfp4, on Hopper layers with N >= WSMMA_TOKENS_MIN_N and K >=
+# WSMMA_TOKENS_MIN_K: the same Gluon GEMV with one token per column of its MMA (w4a16_gluon MT = 8) in place of
+# the fused Triton kernel. Fitted on the H100 before the MT = 8 shared-memory epilogue (w4a16_gluon.EPI_SMEM) as
+# N >= 16384 and K >= 4096: it won only on 27648x5120 and 55296x5120 then and lost 4-66% on the other 12
+# (NOTES_w4a16.md sections 15 and 17). Retaken on the H200 in session 45: it wins on all 14 layers at M = 2..8,
+# both formats, by 5-38% (37888x3584 M = 2 39.4 -> 30.9 us, 5120x27648 40.9 -> 30.1, 2048x2048 6.6 -> 6.2;
+# section 35), so every layer now. 0 disables it.
+WSMMA_TOKENS_MIN_N = env_int("QERL_W4A16_WSMMA_TOKENS_MIN_N", 1)
+WSMMA_TOKENS_MIN_K = 0
+# The same with PDL on (the rollout engine's decode chain): every 2..8-token layer (NOTES_w4a16.md section 17).
+# There its producer warp copies the weights before the wait (the fused kernel loads only after it), and with
+# the shared-memory epilogue the 7B batch-8 step went 3.232 -> 2.941 ms on the H100 (+9.9%; NOTES_rollout.md
+# section 11). 0 disables it.
 WSMMA_TOKENS_MIN_N_PDL = env_int("QERL_W4A16_WSMMA_TOKENS_MIN_N_PDL", 1 if WSMMA_TOKENS_MIN_N else 0)
 WSMMA_TOKENS_MIN_K_PDL = 0
 # The formats the four rules above send to the Gluon GEMV: nvfp4, and mxfp4 since session 44 (its E8M0 scales in
@@ -157,8 +159,10 @@ RWG_THREE_FORMATS = ("nvfp4", "mxfp4")
 # slots of their last wave (tiles x S / (waves x slots), slots = programs per SM x SMs) grows by >= RWG_WAVE_SPLIT
 # and each half still runs >= RWG_WAVE_SPLIT_MIN_STEPS 256-K steps. Why: Nsight on the H200 (NOTES_w4a16.md
 # section 34) found rwg at 32 tokens latency-bound (DRAM 39%, L2 46% of peak on 37888x3584) with its 592 tiles on
-# 396 slots, 1.49 waves; S = 2 makes that 2.99, at 2 x M x N x 4 bytes of fp32 partials. Prepared, not timed:
-# 0 (the default) turns it off; ablate_rollout.py's flag `wsplit` sets 0.1.
+# 396 slots, 1.49 waves; S = 2 makes that 2.99, at 2 x M x N x 4 bytes of fp32 partials. Timed in session 45
+# (section 35): slower than the unsplit form on 37888x3584 (M = 32 43.4 -> 48.3 us), 55296x5120 and 22016x2048,
+# 1-3% faster only on 27648x5120 at 17..32 tokens; the 7B batch-32 step lost 3.9%. So 0 (off) stays the default;
+# ablate_rollout.py's flag `wsplit` sets 0.1.
 RWG_WAVE_SPLIT = 0.0
 RWG_WAVE_SPLIT_MIN_STEPS = 4
 # Its KP form (R = 1 with two MMA warpgroups on alternate 256-K steps of one tile, one program per SM, the split
