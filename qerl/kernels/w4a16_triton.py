@@ -104,9 +104,10 @@ WGMMA_MIN_M = env_int("QERL_W4A16_WGMMA_MIN_M", 65)
 # WSMMA_TOKENS_MIN_K: the same Gluon GEMV with one token per column of its MMA (w4a16_gluon MT = 8) in place of
 # the fused Triton kernel. Fitted on the H100 before the MT = 8 shared-memory epilogue (w4a16_gluon.EPI_SMEM) as
 # N >= 16384 and K >= 4096: it won only on 27648x5120 and 55296x5120 then and lost 4-66% on the other 12
-# (NOTES_w4a16.md sections 15 and 17). Retaken on the H200 in session 45: it wins on all 14 layers at M = 2..8,
-# both formats, by 5-38% (37888x3584 M = 2 39.4 -> 30.9 us, 5120x27648 40.9 -> 30.1, 2048x2048 6.6 -> 6.2;
-# section 35), so every layer now. 0 disables it.
+# (NOTES_w4a16.md sections 15 and 17). Retaken on the H200 in session 45: at M = 2..8, both formats, it beats the
+# old route on all 12 layers that rule kept off it, by 5-38% (37888x3584 M = 2 39.4 -> 30.9 us, 5120x27648 40.9 ->
+# 30.1, 2048x2048 6.6 -> 6.2; the same kernel timed twice reads ~2% apart; section 35), so every layer now.
+# 0 disables it.
 WSMMA_TOKENS_MIN_N = env_int("QERL_W4A16_WSMMA_TOKENS_MIN_N", 1)
 WSMMA_TOKENS_MIN_K = 0
 # The same with PDL on (the rollout engine's decode chain): every 2..8-token layer (NOTES_w4a16.md section 17).
