@@ -91,7 +91,7 @@ GEMV_MAX_NK = env_int("QERL_W4A16_GEMV_MAX_NK", 40000000)
 WSMMA_MIN_NK = env_int("QERL_W4A16_WSMMA_MIN_NK", 8000000)
 # The same threshold with PDL on (the rollout engine's decode step, a PDL chain), where the Gluon GEMV's loader
 # warps stream weights while the previous kernels finish. It was 20M, below the standalone 60M (H100: 32B / 14B
-# batch-1 step +2.9% / +2.7%; 7B's 4608x3584 / 3584x3584 moved too lost 1.6% then, NOTES_rollout.md sections 7
+# batch-1 step +2.9% / +2.7%; moving 7B's 4608x3584 / 3584x3584 too lost 1.6% then, NOTES_rollout.md sections 7
 # and 9). On the H200 moving those two gains 1.3% on the 7B batch-1 step and moving 3B's 4-5M layers loses 1.7%
 # (NOTES_rollout.md section 40), so it now equals WSMMA_MIN_NK. QERL_W4A16_WSMMA_MIN_NK=0 turns both off.
 WSMMA_MIN_NK_PDL = env_int("QERL_W4A16_WSMMA_MIN_NK_PDL", WSMMA_MIN_NK)
