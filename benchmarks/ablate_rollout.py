@@ -31,6 +31,7 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   decode chain; 2..8 tokens standalone only on N >= 16384 and K >= 4096),
                   wsplit (rwg's wide forms split K in two where that fills the last wave better,
                   w4a16_triton.RWG_WAVE_SPLIT = 0.1; lost 3.9% at 7B batch 32 on the H200, off),
+                  r9:KIND+KIND (rwg from 9 tokens only for those kinds' products),
                   norwg (no w4a16_rwg: 17..128 tokens back on the fused / wgmma kernels), rwg9 (rwg from
                   9 tokens; on the H200 +8.5% on the 14B 16-row base step, -1% on the GRPO batch-2 rollouts),
                   norwgw (no 128-token rwg tiles: 65..128 tokens on the wgmma GEMM), norwg2
@@ -317,6 +318,12 @@ def variant_of(engine: RolloutEngine, name: str):
             per_sm_kind.update(engine_mod._kind_values(",".join(f"{kind}={n}" for kind in kinds_.split("+"))))
         except ValueError:
             raise SystemExit(f"bad flag {f!r} in {name!r}: lsmk:KIND+KIND=N, KIND in {', '.join(KINDS)}") from None
+    rwg9_kinds = ()  # r9:KIND+KIND: rwg from 9 rows (w4a16_triton.RWG_MIN_M = 9) only for those kinds' products
+    for f in [f for f in flags if f.startswith("r9:")]:
+        flags.remove(f)
+        rwg9_kinds = tuple(f[3:].split("+"))
+        if set(rwg9_kinds) - set(KINDS):
+            raise SystemExit(f"bad flag {f!r} in {name!r}: r9:KIND+KIND, KIND in {', '.join(KINDS)}")
     for f in [f for f in flags if f.startswith("g:")]:
         flags.remove(f)
         kinds_, _, spec = f[2:].partition(":")
@@ -353,10 +360,12 @@ def variant_of(engine: RolloutEngine, name: str):
     saved_side = engine._side
     original = engine._linear
 
-    from qerl.kernels import w4a16_gemv, w4a16_gluon
+    from qerl.kernels import w4a16_gemv, w4a16_gluon, w4a16_triton
 
     def linear(group, x, kind, scale=None):
-        before, gluon_before = w4a16_gemv.PDL_LATE, w4a16_gluon.DEFAULT
+        before, gluon_before, rwg_before = w4a16_gemv.PDL_LATE, w4a16_gluon.DEFAULT, w4a16_triton.RWG_MIN_M
+        if kind in rwg9_kinds:
+            w4a16_triton.RWG_MIN_M = 9
         if late_kinds is not None:
             w4a16_gemv.PDL_LATE = kind in late_kinds
         if kind in gluon_cfg:
@@ -366,7 +375,7 @@ def variant_of(engine: RolloutEngine, name: str):
                 return original(group, x, kind, scale)
             return original(group, x, kind) if kind in kinds else (group.base_forward(x), None)
         finally:
-            w4a16_gemv.PDL_LATE, w4a16_gluon.DEFAULT = before, gluon_before
+            w4a16_gemv.PDL_LATE, w4a16_gluon.DEFAULT, w4a16_triton.RWG_MIN_M = before, gluon_before, rwg_before
 
     def reset():
         engine._graphs.clear()

@@ -136,6 +136,25 @@ def test_gluon_flags_apply_per_kind_and_restore(ablate):
                 pass
 
 
+def test_rwg9_per_kind_flag(ablate):
+    """r9:KIND+KIND routes 9..16-token products to rwg (RWG_MIN_M = 9) only while those kinds' linears run; the
+    other kinds and the default afterwards keep RWG_MIN_M = 17; an unknown kind is refused."""
+    class Group:
+        def base_forward(self, x):
+            return w4a16_triton.RWG_MIN_M
+
+    before = w4a16_triton.RWG_MIN_M
+    engine = _Engine()
+    with ablate.variant_of(engine, "base@r9:qkv+o+down"):
+        seen = {kind: engine._linear(Group(), None, kind)[0] for kind in ablate.KINDS}
+        assert w4a16_triton.RWG_MIN_M == before
+    assert seen == {"qkv": 9, "o": 9, "gate_up": before, "down": 9} and before == 17
+    assert w4a16_triton.RWG_MIN_M == before
+    with pytest.raises(SystemExit):
+        with ablate.variant_of(_Engine(), "base@r9:attn"):
+            pass
+
+
 def test_stamp_slices_and_summary(ablate, monkeypatch):
     monkeypatch.setattr(w4a16_triton, "STAMP", {"buf": torch.empty(64, dtype=torch.int64), "used": 0, "calls": []})
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
