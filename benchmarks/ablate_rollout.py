@@ -641,15 +641,34 @@ def main() -> None:
             for shape, v in row["stamps"].items():
                 print(f"  {shape}: {json.dumps(v)}")
             save(result, a.out)
-    summarise(result, a.rounds, a.out)
     for r in result["rows"]:
         if "timeline" in r and "streams" in r["timeline"]:
-            print(f"  timeline, batch {r['batch']}, {r['variant']}:")
-            for s, e in r["timeline"]["streams"].items():
-                top = list(e["by_kernel_us"].items())[:6]
-                print(f"    {s}: {e['kernels']} kernels, busy {e['busy_us']} us; top {top}")
-                if "adds_us" in e:
-                    print(f"      critical-path adds: {list(e['adds_us'].items())[:10]}")
+            print("\n".join(timeline_lines(r["timeline"], f"timeline, batch {r['batch']}, {r['variant']}")))
+    summarise(result, a.rounds, a.out)  # last, so a log's tail holds the table
+
+
+def timeline_lines(tl: dict, title: str, top: int = 8) -> list[str]:
+    """A few lines per timeline: its span, busy time per kernel summed over every stream, and what each kernel
+    adds to the critical path. A replayed graph runs its branches on streams of its own (one per LoRA fork),
+    so the streams are summed here, not listed; the JSON keeps them."""
+    busy: dict = defaultdict(lambda: [0, 0.0])
+    adds: dict = defaultdict(lambda: [0, 0.0])
+    for e in tl["streams"].values():
+        for name, (n, us) in e["by_kernel_us"].items():
+            busy[name][0] += n
+            busy[name][1] += us
+        for name, (n, us) in e.get("adds_us", {}).items():
+            key = name.removeprefix("side: ")
+            adds[key][0] += n
+            adds[key][1] += us
+
+    def fmt(d: dict) -> str:
+        rows = sorted(d.items(), key=lambda kv: -kv[1][1])[:top]
+        return ", ".join(f"{name[:32]} {n}x {us:.0f}" for name, (n, us) in rows)
+
+    kernels = sum(e["kernels"] for e in tl["streams"].values())
+    return [f"  {title}: span {tl['span_us']} us, {kernels} kernels on {len(tl['streams'])} streams",
+            f"    busy us: {fmt(busy)}", f"    critical-path adds us: {fmt(adds)}"]
 
 
 if __name__ == "__main__":

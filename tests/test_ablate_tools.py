@@ -155,6 +155,20 @@ def test_rwg9_per_kind_flag(ablate):
             pass
 
 
+def test_timeline_lines_sum_the_streams(ablate):
+    """A replayed graph puts each LoRA branch on a stream of its own: the printed summary sums busy time and
+    critical-path adds per kernel over every stream ("side: " prefixes merged), largest first."""
+    tl = {"span_us": 100.0, "streams": {
+        "main": {"kernels": 3, "busy_us": 60.0, "by_kernel_us": {"gemm": [2, 50.0], "norm": [1, 10.0]},
+                 "adds_us": {"gemm": [2, 40.0], "side: shrink": [2, 30.0], "norm": [1, 5.0]}},
+        "side7": {"kernels": 1, "busy_us": 20.0, "by_kernel_us": {"shrink": [1, 20.0]}},
+        "side8": {"kernels": 2, "busy_us": 45.0, "by_kernel_us": {"shrink": [1, 25.0], "gemm": [1, 20.0]}}}}
+    head, busy, adds = ablate.timeline_lines(tl, "t")
+    assert head == "  t: span 100.0 us, 6 kernels on 3 streams"
+    assert busy == "    busy us: gemm 3x 70, shrink 2x 45, norm 1x 10"
+    assert adds == "    critical-path adds us: gemm 2x 40, shrink 2x 30, norm 1x 5"
+
+
 def test_stamp_slices_and_summary(ablate, monkeypatch):
     monkeypatch.setattr(w4a16_triton, "STAMP", {"buf": torch.empty(64, dtype=torch.int64), "used": 0, "calls": []})
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
