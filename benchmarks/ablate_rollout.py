@@ -33,7 +33,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   w4a16_triton.RWG_WAVE_SPLIT = 0.1; lost 3.9% at 7B batch 32 on the H200, off),
                   r9:KIND+KIND (rwg from 9 tokens only for those kinds' products),
                   norwg (no w4a16_rwg: 17..128 tokens back on the fused / wgmma kernels), rwg9 (rwg from
-                  9 tokens; on the H200 +8.5% on the 14B 16-row base step, -1% on the GRPO batch-2 rollouts),
+                  9 tokens; on the H200 +8.5% on the 14B 16-row base step, -1% on the GRPO batch-2 rollouts,
+                  whose LoRA side stream it starves: NOTES_rollout.md section 41),
                   norwgw (no 128-token rwg tiles: 65..128 tokens on the wgmma GEMM), norwg2
                   (no two-per-SM rwg form), noxrel (that form without XREL), norwg3 / rwg3all
                   (17..32 tokens at three rwg programs per SM, w4a16_triton.RWG_THREE_PER_SM: nowhere /
@@ -104,9 +105,10 @@ differed that much), so single back-to-back timings of two variants mislead.
 Triton kernel and prints, per kernel and layer shape (medians over the layers), when its programs
 got past the PDL wait and how long the main loop, the epilogue and the kernel's tail took
 (stamp_summary).
-`--timeline V` profiles one graph replay of variant V and reports, per stream, the kernels'
-summed durations, and what each kernel adds to the critical path (its end minus the latest end
-before it, grouped by kernel; with PDL durations include the wait for the predecessor). Random-initialised weights.
+`--timeline V` profiles one graph replay of variant V and reports the kernels' summed durations
+and what each kernel adds to the critical path (its end minus the latest end before it, grouped
+by kernel; with PDL durations include the wait for the predecessor): summed over the replay's
+streams in the printout, per stream and per launch in the JSON. Random-initialised weights.
 """
 
 from __future__ import annotations
