@@ -918,6 +918,11 @@ def _hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
+def _wave_fill(programs: int, slots: int) -> float:
+    """The share of the program slots of the waves that `programs` take which they fill (1.0: whole waves)."""
+    return programs / (-(-programs // slots) * slots)
+
+
 def _large_m_wgmma(n: int, m: int, slots: int) -> dict | None:
     """The wgmma GEMM's config for a large-M forward (DEQUANT_MIN_M <= M < WGMMA_MAX_M), or None
     for dequant + cuBLAS: the wave fill of a layer's tiles decides (a tile is BN weight rows x 256
@@ -925,8 +930,7 @@ def _large_m_wgmma(n: int, m: int, slots: int) -> dict | None:
     mt = -(-m // 256)
 
     def fill(bn: int) -> float:
-        tiles = -(-n // bn) * mt
-        return tiles / (-(-tiles // slots) * slots)
+        return _wave_fill(-(-n // bn) * mt, slots)
 
     if fill(128) >= 0.84:
         return dict(WGMMA_BN128)
@@ -960,8 +964,7 @@ def _rwg_rows(n: int, k: int, slots: int) -> int:
 
     def fill(r: int) -> float:
         tiles = -(-n // (64 * r))
-        programs = tiles * split(tiles, kb, slots)
-        return programs / (-(-programs // slots) * slots)
+        return _wave_fill(tiles * split(tiles, kb, slots), slots)
 
     f1, f2 = fill(1), fill(2)
     if abs(f1 - f2) > 0.01:
@@ -997,11 +1000,7 @@ def _rwg_wave_split(n: int, k: int, slots: int) -> dict:
     if RWG_WAVE_SPLIT <= 0:
         return {}
     kb, tiles = -(-k // 256), -(-n // 64)
-
-    def fill(s: int) -> float:  # the programs' share of the slots of the waves they take
-        return tiles * s / (-(-tiles * s // slots) * slots)
-
-    if kb // 2 >= RWG_WAVE_SPLIT_MIN_STEPS and fill(2) >= fill(1) + RWG_WAVE_SPLIT:
+    if kb // 2 >= RWG_WAVE_SPLIT_MIN_STEPS and _wave_fill(2 * tiles, slots) >= _wave_fill(tiles, slots) + RWG_WAVE_SPLIT:
         return {"S": 2}
     return {}
 
