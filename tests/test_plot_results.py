@@ -59,7 +59,7 @@ def test_medians_ratios_and_newest_pairs(plots):
     assert sorted(["qwen2.5-32b", "qwen2.5-7b", "other"], key=plots._size) == ["qwen2.5-7b", "qwen2.5-32b", "other"]
 
 
-def test_writes_the_three_figures_and_refuses_bad_input(plots, tmp_path):
+def test_writes_the_four_figures_and_refuses_bad_input(plots, tmp_path):
     def write(name, gpu, rows):
         path = tmp_path / name
         path.write_text(json.dumps({"gpu": gpu, "command": "c", "date": "d", "rows": rows}))
