@@ -282,3 +282,23 @@ def test_lora_gemv_plan_applies_per_sm_inside_only(monkeypatch):
     with pytest.raises(RuntimeError), w4a16_gluon.defaults(PER_SM=2):
         raise RuntimeError  # restored on the way out of a failed launch too
     assert w4a16_gluon.DEFAULT == before
+
+
+def test_attention_probe_candidates_and_copies():
+    """probe_attention.py: a typo in a setting name stops with one line naming the known ones; enough
+    cache copies that a pass overruns the L2 four times, at least two, bounded by the byte cap."""
+    bench = os.path.join(HERE, "..", "benchmarks")
+    spec = importlib.util.spec_from_file_location("probe_attention", os.path.join(bench, "probe_attention.py"))
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert probe.parse_cands('[["w8", {"ATTN_WARPS": 8}], ["d", null]]') == [("w8", {"ATTN_WARPS": 8}), ("d", {})]
+    with pytest.raises(SystemExit, match="ATTN_WARP.*known: ATTN_PROGRAMS"):
+        probe.parse_cands('[["typo", {"ATTN_WARP": 8}]]')
+    assert probe.kv_bytes(32, 4, 1280) == 32 * 4 * 1280 * 128 * 4
+    l2 = 60 << 20
+    assert probe.copies_for(32, 4, 1280, l2) == 3  # 84 MB each: 3 x 84 >= 4 x 63
+    assert probe.copies_for(8, 4, 512, l2) * probe.kv_bytes(8, 4, 512) >= 4 * l2
+    assert probe.copies_for(64, 8, 4096, l2) == 2
+    assert probe.copies_for(8, 4, 512, l2, cap_bytes=probe.kv_bytes(8, 4, 512) * 5) == 5
+    for name in probe.SETTINGS:
+        assert hasattr(__import__("qerl.kernels.decode_ops", fromlist=["x"]), name)

@@ -66,9 +66,14 @@ _SCRIPT = textwrap.dedent(
     # attention reference, with and without the prefetch. The combine inside it (ATTN_COMBINE) is
     # covered on the GPU only (test_rollout_kernels_gpu): Triton's interpreter cannot run its loop
     # over the runtime split count. With it off, counters passed in must stay untouched.
+    # ATTN_SLOT_FIRST off: the slot's key and value selected into the loaded blocks (the form before)
     ops.ATTN_BLOCK_SMALL, ops.ATTN_COMBINE = 32, False
-    for prefetch, with_counters in ((False, False), (True, True), (False, True)):
-        ops.ATTN_PREFETCH = prefetch
+    # ATTN_PROGRAMS 2: chunks of several blocks, so the slot can sit in a block after the prefetched one
+    for prefetch, with_counters, slot_first, programs in ((False, False, True, 264), (True, True, True, 264),
+                                                          (False, True, True, 264), (False, False, False, 264),
+                                                          (True, False, False, 264), (True, False, True, 2),
+                                                          (False, False, True, 2)):
+        ops.ATTN_PREFETCH, ops.ATTN_SLOT_FIRST, ops.ATTN_PROGRAMS = prefetch, slot_first, programs
         for b, heads, kv, dim, length, keys in cases:
             qkv = torch.randn(b, (heads + 2 * kv) * dim)
             extra = torch.randn_like(qkv) * 0.1 if heads == 6 else None
@@ -86,8 +91,9 @@ _SCRIPT = textwrap.dedent(
             q = ops.rope_to_cache_reference(qkv, cos, sin, kc_r[:b], vc_r[:b], slot, heads, kv, extra)
             ref = ops.decode_attention_reference(q, kc_r[:b], vc_r[:b], valid[:b], keys, dim ** -0.5)
             zero = 0.0 if cnt is None or not cnt.any() else 1.0
-            out.append(("attention_rope", b, heads, keys, prefetch, with_counters,
-                        max(err(got, ref), err(kc_t, kc_r), err(vc_t, vc_r), zero)))
+            out.append(("attention_rope", b, heads, keys, prefetch, with_counters, slot_first, programs,
+                        ops.attention_splits(b, kv, keys)[1], max(err(got, ref), err(kc_t, kc_r), err(vc_t, vc_r), zero)))
+    ops.ATTN_SLOT_FIRST, ops.ATTN_PROGRAMS = True, 264
     # the same with cos / sin as whole tables read at each row's position (pos)
     for b, heads, kv, dim, length, keys in cases[:2]:
         qkv = torch.randn(b, (heads + 2 * kv) * dim)
@@ -165,7 +171,7 @@ _SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize("seed", [0, 1])
 def test_triton_decode_ops_under_interpreter(seed):
     results = run_interpreted(_SCRIPT, seed)
-    assert len(results) == 50
+    assert len(results) == 62
     bad = [r for r in results if not r[-1] <= 1e-5]
     assert not bad, bad
 

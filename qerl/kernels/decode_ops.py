@@ -292,7 +292,7 @@ def _triton_kernels():
                             KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                             PDL: tl.constexpr = False, EARLY_V: tl.constexpr = False, PREFETCH: tl.constexpr = False,
                             ROPE: tl.constexpr = False, HAS_EXTRA: tl.constexpr = False, COMBINE: tl.constexpr = False,
-                            POS: tl.constexpr = False, LEAD: tl.constexpr = False):
+                            POS: tl.constexpr = False, LEAD: tl.constexpr = False, SLOT_FIRST: tl.constexpr = False):
         # one (row, KV head, key chunk): the G query heads of that KV head against CHUNK keys,
         # online softmax; partial output, max and sum per query head to po / pm / pl.
         # ROPE (decode_attention_rope): q_ptr is the qkv projection [B, (KV G + 2 KV) D]; the
@@ -304,7 +304,10 @@ def _triton_kernels():
         # LEAD (the engine's SHARE_PROMPT_KEYS): key blocks wholly below shared[0] are read from
         # row lead[b]'s cache, not b's: rows that sample the same prompt hold the same K / V there,
         # and reading one copy lets L2 serve the group's other programs (launched next to it: b
-        # varies fastest).
+        # varies fastest). SLOT_FIRST (ATTN_SLOT_FIRST, `slot` given): the step's new key is the online
+        # softmax's first key (its score and value start m, l and acc before the block loop, which masks
+        # its slot), so with ROPE the loaded K / V blocks go to the dots as loaded and Triton pipelines
+        # their loads (a select between a load and its dot stopped that).
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -315,7 +318,7 @@ def _triton_kernels():
         stop = tl.minimum(start + CHUNK, keys)
         if PDL:  # see decode_ops.PDL
             tl.extra.cuda.gdc_launch_dependents()
-        if PREFETCH or ROPE:
+        if PREFETCH or ROPE or SLOT_FIRST:
             slot = tl.load(slot_ptr)
         if POS:
             crow = tl.load(pos_ptr + b).to(tl.int64)
@@ -362,6 +365,17 @@ def _triton_kernels():
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
+        if SLOT_FIRST:  # the slot as the first key, where it lies in this chunk and is valid
+            if (slot >= start) & (slot < stop):
+                if tl.load(valid_ptr + b * valid_b + slot) != 0:
+                    if ROPE:  # the program's own new key and value
+                        k_first, v_first = k_new, v_new
+                    else:  # the cache's (rope_to_cache wrote them: the same bits)
+                        k_first = tl.load(k_ptr + b * kc_b + h * kc_h + slot * kc_l + d)
+                        v_first = tl.load(v_ptr + b * vc_b + h * vc_h + slot * vc_l + d)
+                    m_i = tl.sum(q.to(tl.float32) * k_first.to(tl.float32)[None, :], axis=1) * scale
+                    l_i = tl.full([GP], 1.0, tl.float32)
+                    acc = tl.zeros([GP, D], tl.float32) + v_first.to(tl.float32)[None, :]
         for n0 in range(0, CHUNK, BLOCK):
             n = start + n0 + tl.arange(0, BLOCK)
             nm = n < stop
@@ -383,11 +397,15 @@ def _triton_kernels():
             k = tl.load(k_ptr + rk * kc_b + h * kc_h + n[:, None] * kc_l + d[None, :], mask=fresh[:, None], other=0.0)
             if EARLY_V or PREFETCH:
                 v = tl.load(v_ptr + rk * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=fresh[:, None], other=0.0)
-            if PREFETCH:
-                k = tl.where(fresh[:, None], k, k_pre)
-                v = tl.where(fresh[:, None], v, v_pre)
-            if ROPE:
+            if PREFETCH:  # the first block's rows come from the prefetch; a later block's unread rows (the
+                # slot's, past the chunk) stay the masked loads' zeros
+                keep = fresh | (n0 > 0)
+                k = tl.where(keep[:, None], k, k_pre)
+                v = tl.where(keep[:, None], v, v_pre)
+            if ROPE and not SLOT_FIRST:
                 k = tl.where(mine[:, None], k_new[None, :], k)
+            if SLOT_FIRST:  # taken before the loop
+                ok = ok & (n != slot)
             sc = tl.dot(q, tl.trans(k)) * scale
             sc = tl.where(ok[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
@@ -397,7 +415,7 @@ def _triton_kernels():
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if not (EARLY_V or PREFETCH):
                 v = tl.load(v_ptr + rk * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=fresh[:, None], other=0.0)
-            if ROPE:
+            if ROPE and not SLOT_FIRST:
                 v = tl.where(mine[:, None], v_new[None, :], v)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
@@ -631,6 +649,22 @@ NORM_W_EARLY = True
 # switches).
 ATTN_ROPE = True
 ATTN_COMBINE = os.environ.get("QERL_ATTN_COMBINE", "0") == "1"
+# Warps per attention program, and Triton's software-pipelining depth for its key loop (None: Triton's
+# default, 3 on Hopper). Two stages measured (H200, the attention alone with ATTN_SLOT_FIRST,
+# benchmarks/probe_attention.py, 7B / 14B at 8 / 32 / 64 rows x 512 / 1280 / 2048 keys): never more than
+# 1% slower than three, 17-24% less time at 2048 keys from 32 rows (14B 32 rows 92.0 -> 71.5 us). In the 7B
+# 32-row decode step: +1.3% at 1280 keys, -0.8% at 2048 (one round) (NOTES_rollout.md section 42). Not
+# measured on the H100.
+ATTN_WARPS = 4
+ATTN_STAGES: int | None = 2
+# The step's new key (its cache slot given) taken as the online softmax's first key, before the block loop,
+# instead of (with RoPE inside the attention, ATTN_ROPE) selected into its loaded K / V block: that select
+# between load and dot kept Triton from pipelining the block loads. The launch without RoPE takes the slot
+# first too (reading it from the cache), so both launches still give the same bits. Measured (H200, the
+# attention alone, benchmarks/probe_attention.py, NOTES_rollout.md section 42): 7B 32 rows x 1280 keys
+# 42.7 -> 37.3 us, 14B 8 rows x 1280 keys 29.4 -> 20.1 us; the 7B 32-row decode step +3.6%. False: the
+# select (the form before session 47).
+ATTN_SLOT_FIRST = True
 
 
 def attention_splits(rows: int, kv: int, keys: int) -> tuple[int, int, int]:
@@ -702,17 +736,20 @@ def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: 
     if not use_lead:  # placeholders the kernel does not read
         lead = shared = valid
     sp = max(2, _next_pow2(splits))
-    partial[(b, kv, splits)](qkv, k_cache, v_cache, valid, slot if (prefetch or rope is not None) else valid, po, pm, pl,
+    slot_first = ATTN_SLOT_FIRST and (rope is not None or slot is not None)
+    partial[(b, kv, splits)](qkv, k_cache, v_cache, valid, slot if (prefetch or rope is not None or slot_first) else valid,
+                             po, pm, pl,
                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), valid.stride(0),
                              keys, splits, float(scale), e if e is not None else qkv, cos, sin,
                              counters if counters is not None else valid, out, pos if pos is not None else valid,
                              lead, shared,
                              CHUNK=chunk, KV=kv, G=group, GP=max(16, _next_pow2(group)), D=d,
-                             BLOCK=block, num_warps=4, PDL=pdl_on(q), EARLY_V=ATTN_EARLY_V, PREFETCH=prefetch,
+                             BLOCK=block, num_warps=ATTN_WARPS, PDL=pdl_on(q), EARLY_V=ATTN_EARLY_V, PREFETCH=prefetch,
                              ROPE=rope is not None, HAS_EXTRA=e is not None, COMBINE=counters is not None,
                              POS=rope is not None and pos is not None, LEAD=use_lead,
-                             launch_pdl=pdl_on(q))
+                             SLOT_FIRST=slot_first, launch_pdl=pdl_on(q),
+                             **({} if ATTN_STAGES is None else {"num_stages": ATTN_STAGES}))
     if counters is None:
         combine[(b, heads)](po, pm, pl, out, splits, KV=kv, G=group, D=d, SP=sp, num_warps=1,
                             PDL=pdl_on(q), launch_pdl=pdl_on(q))

@@ -1,0 +1,186 @@
+"""The decode attention alone (RoPE + split attention + combine, as the engine launches it), timed against
+the device's copy bandwidth, for settings of qerl.kernels.decode_ops.
+
+    python benchmarks/probe_attention.py --models qwen2.5-7b qwen2.5-14b --rows 8 32 64 --keys 512 1280 2048 \
+        --cands '[["default", {}], ["w8", {"ATTN_WARPS": 8}], ["st2", {"ATTN_STAGES": 2}]]' --out attn.json
+
+Per (model shape, rows, keys): one K and one V cache per layer copy, [rows, KV heads, keys, 128] bf16 as the
+engine allocates them, enough copies that a pass over them is >= 4x the L2 (so every launch reads DRAM, as a
+decode step does). One CUDA graph per candidate launches the attention once per copy (the step's slot the last
+key, every key valid); the median of --replays replays over the copies gives us per launch. GB/s counts the
+K / V bytes the kernel must read (rows x KV x keys x 128 x 2 x 2 B), against a 1 GiB device copy timed in the
+same process. PDL is off unless --pdl (back-to-back attention launches would otherwise overlap each other's
+start, which no decode step does). Each candidate's output is checked against the torch reference first.
+Keys are read whole: the kernel does not skip invalid slots (valid only masks scores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from qerl.kernels import decode_ops  # noqa: E402
+from qerl.model import QWEN_PRESETS  # noqa: E402
+
+SETTINGS = ("ATTN_PROGRAMS", "ATTN_BLOCK", "ATTN_BLOCK_SMALL", "ATTN_MAX_BLOCKS", "ATTN_SHORT_KEYS", "ATTN_EARLY_V",
+            "ATTN_PREFETCH", "ATTN_WARPS", "ATTN_STAGES", "ATTN_COMBINE", "ATTN_ROPE", "ATTN_SLOT_FIRST")
+HEAD_DIM = 128
+
+
+def parse_cands(text: str) -> list[tuple[str, dict]]:
+    """[[name, {SETTING: value}], ...] -> list; SystemExit on an unknown setting (one line)."""
+    cands = [(str(n), dict(c or {})) for n, c in json.loads(text)]
+    for name, conf in cands:
+        bad = sorted(set(conf) - set(SETTINGS))
+        if bad:
+            raise SystemExit(f"candidate {name!r}: unknown settings {bad}; known: {', '.join(SETTINGS)}")
+    return cands
+
+
+def kv_bytes(rows: int, kv: int, keys: int) -> int:
+    """K and V bytes one attention launch reads (bf16)."""
+    return rows * kv * keys * HEAD_DIM * 2 * 2
+
+
+def copies_for(rows: int, kv: int, keys: int, l2_bytes: int, cap_bytes: int = 8 << 30) -> int:
+    """Cache copies such that a pass is >= 4x the L2 (at least 2), within cap_bytes."""
+    per = kv_bytes(rows, kv, keys)
+    return max(2, min(-(-4 * l2_bytes // per), max(2, cap_bytes // per)))
+
+
+def copy_gbps() -> float:
+    src = torch.randn(1 << 28, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / _median_ms(lambda: dst.copy_(src), 50) / 1e6
+
+
+def _median_ms(fn, reps: int) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+class Case:
+    """Caches, inputs and the launch of one (shape, rows, keys)."""
+
+    def __init__(self, model: str, rows: int, keys: int, l2_bytes: int, seed: int = 0):
+        cfg = QWEN_PRESETS[model]
+        self.heads, self.kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        self.rows, self.keys = rows, keys
+        self.copies = copies_for(rows, self.kv, keys, l2_bytes)
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        shape = (rows, self.kv, keys, HEAD_DIM)
+        self.k = [torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16) for _ in range(self.copies)]
+        self.v = [torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16) for _ in range(self.copies)]
+        width = (self.heads + 2 * self.kv) * HEAD_DIM
+        self.qkv = torch.randn(rows, width, device="cuda", generator=g).to(torch.bfloat16)
+        ang = torch.rand(keys, HEAD_DIM // 2, device="cuda", generator=g) * 6.28
+        ang = torch.cat([ang, ang], -1)
+        self.cos, self.sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+        self.pos = torch.full((rows,), keys - 1, dtype=torch.long, device="cuda")
+        self.slot = torch.tensor([keys - 1], dtype=torch.long, device="cuda")
+        self.valid = torch.ones(rows, keys, dtype=torch.bool, device="cuda")
+        self.scale = HEAD_DIM ** -0.5
+
+    def launch(self, i: int) -> torch.Tensor:
+        return decode_ops.decode_attention_rope(self.qkv, self.cos, self.sin, self.k[i], self.v[i], self.slot,
+                                                self.valid, self.keys, self.scale, self.heads, self.kv, pos=self.pos)
+
+    def reference(self, i: int) -> torch.Tensor:
+        k, v = self.k[i].clone(), self.v[i].clone()
+        q = decode_ops.rope_to_cache_reference(self.qkv, self.cos[self.pos], self.sin[self.pos], k, v, self.slot,
+                                               self.heads, self.kv)
+        return decode_ops.decode_attention_reference(q, k, v, self.valid, self.keys, self.scale)
+
+
+def run_case(case: Case, cands: list[tuple[str, dict]], replays: int, gbps: float) -> list[dict]:
+    rows = []
+    ref = case.reference(0).float()
+    for name, conf in cands:
+        saved = {key: getattr(decode_ops, key) for key in conf}
+        try:
+            for key, value in conf.items():
+                setattr(decode_ops, key, value)
+            out = case.launch(0).float()
+            err = ((out - ref).norm() / ref.norm()).item()
+            graph = torch.cuda.CUDAGraph()
+            case.launch(1)
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                for i in range(case.copies):
+                    case.launch(i)
+            ms = _median_ms(graph.replay, replays)
+        finally:
+            for key, value in saved.items():
+                setattr(decode_ops, key, value)
+        us = ms * 1e3 / case.copies
+        plan = decode_ops.attention_splits(case.rows, case.kv, case.keys)
+        with_conf = {key: getattr(decode_ops, key) for key in SETTINGS}
+        for key, value in conf.items():
+            with_conf[key] = value
+        got = kv_bytes(case.rows, case.kv, case.keys) / us / 1e3
+        rows.append({"cand": name, "config": conf, "rows": case.rows, "kv_heads": case.kv, "heads": case.heads,
+                     "keys": case.keys, "copies": case.copies, "us": round(us, 2), "gbps": round(got, 1),
+                     "of_copy": round(got / gbps, 3), "rel_err": float(f"{err:.3g}"), "plan_default": list(plan)})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["qwen2.5-7b", "qwen2.5-14b"], choices=sorted(QWEN_PRESETS))
+    ap.add_argument("--rows", nargs="+", type=int, default=[8, 32, 64])
+    ap.add_argument("--keys", nargs="+", type=int, default=[512, 1280, 2048])
+    ap.add_argument("--cands", default='[["default", {}]]')
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--pdl", action="store_true", help="launch with PDL, as the engine does")
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    cands = parse_cands(a.cands)
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_attention.py needs a CUDA GPU")
+    decode_ops.PDL = bool(a.pdl)
+    props = torch.cuda.get_device_properties(0)
+    l2 = int(getattr(props, "L2_cache_size", 50 << 20))
+    gbps = copy_gbps()
+    print(f"{torch.cuda.get_device_name(0)}: copy {gbps:.0f} GB/s, L2 {l2 >> 20} MB, PDL {'on' if a.pdl else 'off'}",
+          flush=True)
+    import triton
+    res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "command": "python benchmarks/probe_attention.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "copy_gbps": round(gbps, 1), "pdl": bool(a.pdl), "rows": []}
+    print("| model | rows | keys | cand | us | GB/s | of copy | rel err |")
+    for model in a.models:
+        for r in a.rows:
+            for keys in a.keys:
+                case = Case(model, r, keys, l2)
+                for row in run_case(case, cands, a.replays, gbps):
+                    row["model"] = model
+                    res["rows"].append(row)
+                    print(f"| {model} | {r} | {keys} | {row['cand']} | {row['us']} | {row['gbps']} | {row['of_copy']} | "
+                          f"{row['rel_err']:.1e} |", flush=True)
+                del case
+                torch.cuda.empty_cache()
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
