@@ -7,7 +7,8 @@ the device's copy bandwidth, for settings of qerl.kernels.decode_ops.
 Per (model shape, rows, keys): one K and one V cache per layer copy, [rows, KV heads, keys, 128] bf16 as the
 engine allocates them, enough copies that a pass over them is >= 4x the L2 (so every launch reads DRAM, as a
 decode step does). One CUDA graph per candidate launches the attention once per copy (the step's slot the last
-key, every key valid); the median of --replays replays over the copies gives us per launch. GB/s counts the
+key, every key valid), timed as bench_w4a16.py times its kernels (`time_per_call`: the median of 5-30 replays,
+per launch). GB/s counts the
 K / V bytes the kernel must read (rows x KV x keys x 128 x 2 x 2 B), against a 1 GiB device copy timed in the
 same process. PDL is off unless --pdl (back-to-back attention launches would otherwise overlap each other's
 start, which no decode step does). Each candidate's output is checked against the torch reference first.
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
+from bench_w4a16 import time_per_call  # noqa: E402
 from qerl.kernels import decode_ops  # noqa: E402
 from qerl.model import QWEN_PRESETS  # noqa: E402
 
@@ -59,20 +60,7 @@ def copies_for(rows: int, kv: int, keys: int, l2_bytes: int, cap_bytes: int = 8 
 def copy_gbps() -> float:
     src = torch.randn(1 << 28, device="cuda")  # 1 GiB
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / _median_ms(lambda: dst.copy_(src), 50) / 1e6
-
-
-def _median_ms(fn, reps: int) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return 2 * src.numel() * 4 / time_per_call(lambda i: dst.copy_(src), 1) / 1e3
 
 
 class Case:
@@ -108,7 +96,7 @@ class Case:
         return decode_ops.decode_attention_reference(q, k, v, self.valid, self.keys, self.scale)
 
 
-def run_case(case: Case, cands: list[tuple[str, dict]], replays: int, gbps: float) -> list[dict]:
+def run_case(case: Case, cands: list[tuple[str, dict]], gbps: float) -> list[dict]:
     rows = []
     ref = case.reference(0).float()
     for name, conf in cands:
@@ -118,21 +106,11 @@ def run_case(case: Case, cands: list[tuple[str, dict]], replays: int, gbps: floa
                 setattr(decode_ops, key, value)
             out = case.launch(0).float()
             err = ((out - ref).norm() / ref.norm()).item()
-            graph = torch.cuda.CUDAGraph()
-            case.launch(1)
-            torch.cuda.synchronize()
-            with torch.cuda.graph(graph):
-                for i in range(case.copies):
-                    case.launch(i)
-            ms = _median_ms(graph.replay, replays)
+            us = time_per_call(case.launch, case.copies)
         finally:
             for key, value in saved.items():
                 setattr(decode_ops, key, value)
-        us = ms * 1e3 / case.copies
-        plan = decode_ops.attention_splits(case.rows, case.kv, case.keys)
-        with_conf = {key: getattr(decode_ops, key) for key in SETTINGS}
-        for key, value in conf.items():
-            with_conf[key] = value
+        plan = decode_ops.attention_splits(case.rows, case.kv, case.keys)  # with the default settings
         got = kv_bytes(case.rows, case.kv, case.keys) / us / 1e3
         rows.append({"cand": name, "config": conf, "rows": case.rows, "kv_heads": case.kv, "heads": case.heads,
                      "keys": case.keys, "copies": case.copies, "us": round(us, 2), "gbps": round(got, 1),
@@ -146,7 +124,6 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", nargs="+", type=int, default=[8, 32, 64])
     ap.add_argument("--keys", nargs="+", type=int, default=[512, 1280, 2048])
     ap.add_argument("--cands", default='[["default", {}]]')
-    ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--pdl", action="store_true", help="launch with PDL, as the engine does")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
@@ -169,7 +146,7 @@ def main(argv=None) -> int:
         for r in a.rows:
             for keys in a.keys:
                 case = Case(model, r, keys, l2)
-                for row in run_case(case, cands, a.replays, gbps):
+                for row in run_case(case, cands, gbps):
                     row["model"] = model
                     res["rows"].append(row)
                     print(f"| {model} | {r} | {keys} | {row['cand']} | {row['us']} | {row['gbps']} | {row['of_copy']} | "
