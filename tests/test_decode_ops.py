@@ -10,6 +10,7 @@ fp32 arithmetic with a different summation order in the norm.
 
 from __future__ import annotations
 
+import os
 import textwrap
 
 import pytest
@@ -284,3 +285,17 @@ def test_the_decode_step_starts_its_pdl_chain(monkeypatch):
     monkeypatch.setattr(ops, "add_rms_norm_triton", lambda *a, **kw: calls.append(kw))
     ops.embed_rms_norm(torch.tensor([1]), table, w, 1e-6)
     assert calls == [{"ids": calls[0]["ids"], "chain_start": True}]
+
+
+def test_attention_switches_from_the_environment():
+    """QERL_ATTN_STAGES (0: Triton's default depth) and QERL_ATTN_SLOT_FIRST=0 (the select inside the loop)
+    reach decode_ops at import; unset, two stages and the slot first."""
+    import subprocess
+    import sys
+
+    code = "from qerl.kernels import decode_ops as d; print(d.ATTN_STAGES, d.ATTN_SLOT_FIRST)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QERL_ATTN_")}
+    for extra, want in (({}, "2 True"), ({"QERL_ATTN_STAGES": "0"}, "None True"),
+                        ({"QERL_ATTN_STAGES": "4", "QERL_ATTN_SLOT_FIRST": "0"}, "4 False")):
+        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True)
+        assert out.stdout.strip() == want, out.stderr

@@ -649,22 +649,22 @@ NORM_W_EARLY = True
 # switches).
 ATTN_ROPE = True
 ATTN_COMBINE = os.environ.get("QERL_ATTN_COMBINE", "0") == "1"
-# Warps per attention program, and Triton's software-pipelining depth for its key loop (None: Triton's
-# default, 3 on Hopper). Two stages measured (H200, the attention alone with ATTN_SLOT_FIRST,
+# Warps per attention program, and Triton's software-pipelining depth for its key loop (QERL_ATTN_STAGES;
+# None or 0: Triton's default, 3 on Hopper). Two stages measured (H200, the attention alone with ATTN_SLOT_FIRST,
 # benchmarks/probe_attention.py, 7B / 14B at 8 / 32 / 64 rows x 512 / 1280 / 2048 keys): never more than
 # 1% slower than three, 17-24% less time at 2048 keys from 32 rows (14B 32 rows 92.0 -> 71.5 us). In the 7B
 # 32-row decode step: +1.3% at 1280 keys, -0.8% at 2048 (one round) (NOTES_rollout.md section 42). Not
 # measured on the H100.
 ATTN_WARPS = 4
-ATTN_STAGES: int | None = 2
+ATTN_STAGES: int | None = env_int("QERL_ATTN_STAGES", 2) or None
 # The step's new key (its cache slot given) taken as the online softmax's first key, before the block loop,
 # instead of (with RoPE inside the attention, ATTN_ROPE) selected into its loaded K / V block: that select
 # between load and dot kept Triton from pipelining the block loads. The launch without RoPE takes the slot
 # first too (reading it from the cache), so both launches still give the same bits. Measured (H200, the
 # attention alone, benchmarks/probe_attention.py, NOTES_rollout.md section 42): 7B 32 rows x 1280 keys
 # 42.7 -> 37.3 us, 14B 8 rows x 1280 keys 29.4 -> 20.1 us; the 7B 32-row decode step +3.6%. False: the
-# select (the form before session 47).
-ATTN_SLOT_FIRST = True
+# select (the form before session 47; QERL_ATTN_SLOT_FIRST=0).
+ATTN_SLOT_FIRST = os.environ.get("QERL_ATTN_SLOT_FIRST", "1") == "1"
 
 
 def attention_splits(rows: int, kv: int, keys: int) -> tuple[int, int, int]:
