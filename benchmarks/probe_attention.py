@@ -13,6 +13,12 @@ per launch). GB/s counts the K / V bytes the kernel must read (rows x KV x keys 
 otherwise overlap each other's start, which no decode step does). Each candidate's output is compared with the
 torch reference first (rel_err; the table marks one over 1e-2, bf16 level). Keys are read whole: the kernel
 does not skip invalid slots (valid only masks scores).
+
+    python benchmarks/probe_attention.py --compile-only [--models ...] [--rows ...] [--keys ...] [--cands ...]
+
+needs no GPU: it compiles the partial kernel each candidate would launch for sm_90 (ptxas included) and prints
+its shared memory and registers, the programs per SM those leave (232448 B and 65536 registers per SM), the
+programs launched, and PTX counts (cp.async copies, shared-memory loads and stores).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from qerl.kernels import decode_ops  # noqa: E402
 from qerl.model import QWEN_PRESETS  # noqa: E402
 
 SETTINGS = ("ATTN_PROGRAMS", "ATTN_BLOCK", "ATTN_BLOCK_SMALL", "ATTN_MAX_BLOCKS", "ATTN_SHORT_KEYS", "ATTN_EARLY_V",
-            "ATTN_PREFETCH", "ATTN_WARPS", "ATTN_STAGES", "ATTN_COMBINE", "ATTN_ROPE", "ATTN_SLOT_FIRST")
+            "ATTN_PREFETCH", "ATTN_WARPS", "ATTN_STAGES", "ATTN_MAXNREG", "ATTN_COMBINE", "ATTN_ROPE", "ATTN_SLOT_FIRST")
 HEAD_DIM = 128
 
 
@@ -119,6 +125,74 @@ def run_case(case: Case, cands: list[tuple[str, dict]], gbps: float) -> list[dic
     return rows
 
 
+def compile_stats(model: str, rows: int, keys: int, conf: dict) -> dict:
+    """The partial kernel's sm_90 build under `conf` for this shape (as _attention_launch would launch it,
+    slot given, no LEAD): shared memory, programs per SM by shared memory, programs, PTX counts."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cfg = QWEN_PRESETS[model]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    saved = {key: getattr(decode_ops, key) for key in conf}
+    try:
+        for key, value in conf.items():
+            setattr(decode_ops, key, value)
+        block, chunk, splits = decode_ops.attention_splits(rows, kv, keys)
+        rope = bool(decode_ops.ATTN_ROPE)
+        consts = dict(CHUNK=chunk, KV=kv, G=heads // kv, GP=max(16, 1 << (heads // kv - 1).bit_length()), D=HEAD_DIM,
+                      BLOCK=block, PDL=True, EARLY_V=bool(decode_ops.ATTN_EARLY_V),
+                      PREFETCH=bool(decode_ops.attention_prefetch(block, keys)), ROPE=rope, HAS_EXTRA=False,
+                      COMBINE=False, POS=rope, LEAD=False, SLOT_FIRST=bool(decode_ops.ATTN_SLOT_FIRST))
+        opts = {"num_warps": decode_ops.ATTN_WARPS, **decode_ops.attention_launch_options()}
+    finally:
+        for key, value in saved.items():
+            setattr(decode_ops, key, value)
+    partial = decode_ops._triton_kernels()[3]
+    sig = {name: "*bf16" for name in partial.arg_names}
+    sig.update({name: "*fp32" for name in ("po_ptr", "pm_ptr", "pl_ptr")})
+    sig.update({"valid_ptr": "*i1", "slot_ptr": "*i64", "cnt_ptr": "*i32", "pos_ptr": "*i64", "lead_ptr": "*i32",
+                "shared_ptr": "*i64", "scale": "fp32"})
+    sig.update({name: "i32" for name in ("kc_b", "kc_h", "kc_l", "vc_b", "vc_h", "vc_l", "valid_b", "keys", "splits")})
+    sig.update({name: "constexpr" for name in consts})
+    aligned = ("q_ptr", "k_ptr", "v_ptr", "kc_b", "kc_h", "kc_l", "vc_b", "vc_h", "vc_l")  # as the JIT specialises
+    attrs = {(partial.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    kernel = triton.compile(ASTSource(partial, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+    from compile_gluon import _resources  # cuobjdump's register count (CompiledKernel.n_regs needs a GPU)
+
+    ptx = kernel.asm["ptx"]
+    smem = int(kernel.metadata.shared)
+    regs, stack = _resources(kernel.asm["cubin"])
+    by_regs = 65536 // (-(-max(regs, 1) // 8) * 8 * 32 * opts["num_warps"])  # allocated in 8s per thread
+    return {"smem_bytes": smem, "regs": regs, "stack_bytes": stack, "per_sm": min(232448 // max(smem, 1), by_regs),
+            "programs": rows * kv * splits,
+            "block": block, "blocks_per_program": chunk // block, "stages": opts.get("num_stages"),
+            "cp_async": len(re.findall(r"cp\.async\.c[ag]", ptx)), "ld_shared": len(re.findall(r"ld\.shared", ptx)),
+            "st_shared": len(re.findall(r"st\.shared", ptx))}
+
+
+def compile_only(a, cands) -> int:
+    print("| model | rows | keys | cand | smem B | regs (stack B) | per SM | programs | blocks x block | cp.async | "
+          "ld / st.shared |")
+    res = {"target": "sm_90", "command": "python benchmarks/probe_attention.py " + shlex.join(a.argv), "rows": []}
+    for model in a.models:
+        for r in a.rows:
+            for keys in a.keys:
+                for name, conf in cands:
+                    row = {"model": model, "rows": r, "keys": keys, "cand": name, "config": conf,
+                           **compile_stats(model, r, keys, conf)}
+                    res["rows"].append(row)
+                    print(f"| {model} | {r} | {keys} | {name} | {row['smem_bytes']} | {row['regs']} ({row['stack_bytes']}) | {row['per_sm']} | "
+                          f"{row['programs']} | {row['blocks_per_program']} x {row['block']} | {row['cp_async']} | "
+                          f"{row['ld_shared']} / {row['st_shared']} |", flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["qwen2.5-7b", "qwen2.5-14b"], choices=sorted(QWEN_PRESETS))
@@ -126,9 +200,13 @@ def main(argv=None) -> int:
     ap.add_argument("--keys", nargs="+", type=int, default=[512, 1280, 2048])
     ap.add_argument("--cands", default='[["default", {}]]')
     ap.add_argument("--pdl", action="store_true", help="launch with PDL, as the engine does")
+    ap.add_argument("--compile-only", action="store_true", help="no GPU: the sm_90 build of each candidate")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
+    a.argv = list(argv if argv is not None else sys.argv[1:])
     cands = parse_cands(a.cands)
+    if a.compile_only:
+        return compile_only(a, cands)
     if not torch.cuda.is_available():
         raise SystemExit("probe_attention.py needs a CUDA GPU")
     decode_ops.PDL = bool(a.pdl)

@@ -284,17 +284,22 @@ def test_lora_gemv_plan_applies_per_sm_inside_only(monkeypatch):
     assert w4a16_gluon.DEFAULT == before
 
 
-def test_attention_probe_candidates_and_copies():
-    """probe_attention.py: a typo in a setting name stops with one line naming the known ones; enough
-    cache copies that a pass overruns the L2 four times, at least two, bounded by the byte cap."""
+@pytest.fixture(scope="module")
+def probe():
     bench = os.path.join(HERE, "..", "benchmarks")
     spec = importlib.util.spec_from_file_location("probe_attention", os.path.join(bench, "probe_attention.py"))
-    probe = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, bench)  # it times with bench_w4a16's time_per_call
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, bench)  # it times with bench_w4a16's time_per_call, counts registers with compile_gluon's
     try:
-        spec.loader.exec_module(probe)
+        spec.loader.exec_module(mod)
+        yield mod
     finally:
         sys.path.remove(bench)
+
+
+def test_attention_probe_candidates_and_copies(probe):
+    """probe_attention.py: a typo in a setting name stops with one line naming the known ones; enough
+    cache copies that a pass overruns the L2 four times, at least two, bounded by the byte cap."""
     assert probe.parse_cands('[["w8", {"ATTN_WARPS": 8}], ["d", null]]') == [("w8", {"ATTN_WARPS": 8}), ("d", {})]
     with pytest.raises(SystemExit, match="ATTN_WARP.*known: ATTN_PROGRAMS"):
         probe.parse_cands('[["typo", {"ATTN_WARP": 8}]]')
@@ -306,3 +311,19 @@ def test_attention_probe_candidates_and_copies():
     assert probe.copies_for(8, 4, 512, l2, cap_bytes=probe.kv_bytes(8, 4, 512) * 5) == 5
     for name in probe.SETTINGS:
         assert hasattr(__import__("qerl.kernels.decode_ops", fromlist=["x"]), name)
+
+
+def test_attention_slot_first_build_holds_more_programs_per_sm(probe):
+    """Offline sm_90 builds of the decode attention (no GPU): the slot-first form at two stages (the default)
+    takes less shared memory and fewer registers than the select form at Triton's three, so more of its
+    programs fit an SM (the reason it reads K / V faster, NOTES_rollout.md section 42); its loads are
+    cp.async copies either way; a register cap is honoured (the switch the probe offers)."""
+    pytest.importorskip("triton")
+    old = probe.compile_stats("qwen2.5-7b", 32, 1280, {"ATTN_SLOT_FIRST": False, "ATTN_STAGES": None})
+    new = probe.compile_stats("qwen2.5-7b", 32, 1280, {})
+    capped = probe.compile_stats("qwen2.5-7b", 32, 1280, {"ATTN_MAXNREG": 128})
+    assert new["smem_bytes"] < old["smem_bytes"] and new["regs"] < old["regs"]
+    assert new["per_sm"] > old["per_sm"] >= 1
+    assert old["cp_async"] > 0 and new["cp_async"] > 0
+    assert capped["regs"] <= 128 and capped["stack_bytes"] == 0 and capped["per_sm"] >= new["per_sm"]
+    assert new["programs"] == 512 and new["blocks_per_program"] == 5

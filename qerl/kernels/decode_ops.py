@@ -306,8 +306,8 @@ def _triton_kernels():
         # and reading one copy lets L2 serve the group's other programs (launched next to it: b
         # varies fastest). SLOT_FIRST (ATTN_SLOT_FIRST, `slot` given): the step's new key is the online
         # softmax's first key (its score and value start m, l and acc before the block loop, which masks
-        # its slot), so with ROPE the loaded K / V blocks go to the dots as loaded and Triton pipelines
-        # their loads (a select between a load and its dot stopped that).
+        # its slot), so with ROPE the loaded K / V blocks go to the dots as loaded: selecting the new key
+        # into them cost a shared-memory round trip per block, more shared memory and more registers.
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -650,21 +650,36 @@ NORM_W_EARLY = True
 ATTN_ROPE = True
 ATTN_COMBINE = os.environ.get("QERL_ATTN_COMBINE", "0") == "1"
 # Warps per attention program, and Triton's software-pipelining depth for its key loop (QERL_ATTN_STAGES;
-# None or 0: Triton's default, 3 on Hopper). Two stages measured (H200, the attention alone with ATTN_SLOT_FIRST,
+# None or 0: Triton's default, 3 on Hopper). Two stages hold 38 KB of shared memory instead of 70 KB and
+# 128-138 registers instead of 143-148 (sm_90 builds, `probe_attention.py --compile-only`), so 3-4 programs
+# fit an SM instead of 3. Measured (H200, the attention alone with ATTN_SLOT_FIRST,
 # benchmarks/probe_attention.py, 7B / 14B at 8 / 32 / 64 rows x 512 / 1280 / 2048 keys): never more than
 # 1% slower than three, 17-24% less time at 2048 keys from 32 rows (14B 32 rows 92.0 -> 71.5 us). In the 7B
 # 32-row decode step: +1.3% at 1280 keys, -0.8% at 2048 (one round) (NOTES_rollout.md section 42). Not
 # measured on the H100.
 ATTN_WARPS = 4
 ATTN_STAGES: int | None = env_int("QERL_ATTN_STAGES", 2) or None
+# A register cap for the attention's programs (None: ptxas's choice). Residency is what the attention's
+# speed follows (benchmarks/probe_attention.py --compile-only, NOTES_rollout.md section 42): at 4 warps the
+# RoPE form takes 128 registers (4 programs per SM) where its key loop runs 4 / 8 / 16 / 32 blocks, 138 (3 per
+# SM) at 3 / 5 / 10 / 20. Not measured yet: a switch for the probe (QERL_ATTN_MAXNREG).
+ATTN_MAXNREG: int | None = env_int("QERL_ATTN_MAXNREG", 0) or None
 # The step's new key (its cache slot given) taken as the online softmax's first key, before the block loop,
-# instead of (with RoPE inside the attention, ATTN_ROPE) selected into its loaded K / V block: that select
-# between load and dot kept Triton from pipelining the block loads. The launch without RoPE takes the slot
-# first too (reading it from the cache), so both launches still give the same bits. Measured (H200, the
+# instead of (with RoPE inside the attention, ATTN_ROPE) selected into its loaded K / V block. That select
+# between load and dot took each block through registers and back to shared memory: 16 KB more shared memory
+# and 185 registers instead of 143-148 (sm_90 builds at three stages), 2 programs per SM instead of 3, so
+# fewer K / V loads in flight. The launch without RoPE takes the slot first too (reading it from the cache),
+# so both launches still give the same bits. Measured (H200, the
 # attention alone, benchmarks/probe_attention.py, NOTES_rollout.md section 42): 7B 32 rows x 1280 keys
 # 42.7 -> 37.3 us, 14B 8 rows x 1280 keys 29.4 -> 20.1 us; the 7B 32-row decode step +3.6%. False: the
 # select (the form before session 47; QERL_ATTN_SLOT_FIRST=0).
 ATTN_SLOT_FIRST = os.environ.get("QERL_ATTN_SLOT_FIRST", "1") == "1"
+
+
+def attention_launch_options() -> dict:
+    """Triton launch options of the attention's partial kernel beyond num_warps (ATTN_STAGES, ATTN_MAXNREG)."""
+    opts = {} if ATTN_STAGES is None else {"num_stages": ATTN_STAGES}
+    return opts if ATTN_MAXNREG is None else {**opts, "maxnreg": ATTN_MAXNREG}
 
 
 def attention_splits(rows: int, kv: int, keys: int) -> tuple[int, int, int]:
@@ -748,8 +763,7 @@ def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: 
                              BLOCK=block, num_warps=ATTN_WARPS, PDL=pdl_on(q), EARLY_V=ATTN_EARLY_V, PREFETCH=prefetch,
                              ROPE=rope is not None, HAS_EXTRA=e is not None, COMBINE=counters is not None,
                              POS=rope is not None and pos is not None, LEAD=use_lead,
-                             SLOT_FIRST=slot_first, launch_pdl=pdl_on(q),
-                             **({} if ATTN_STAGES is None else {"num_stages": ATTN_STAGES}))
+                             SLOT_FIRST=slot_first, launch_pdl=pdl_on(q), **attention_launch_options())
     if counters is None:
         combine[(b, heads)](po, pm, pl, out, splits, KV=kv, G=group, D=d, SP=sp, num_warps=1,
                             PDL=pdl_on(q), launch_pdl=pdl_on(q))
