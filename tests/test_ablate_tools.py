@@ -327,3 +327,18 @@ def test_attention_slot_first_build_holds_more_programs_per_sm(probe):
     assert old["cp_async"] > 0 and new["cp_async"] > 0
     assert capped["regs"] <= 128 and capped["stack_bytes"] == 0 and capped["per_sm"] >= new["per_sm"]
     assert new["programs"] == 512 and new["blocks_per_program"] == 5
+
+
+def test_attention_flags_apply_and_restore(ablate):
+    """The attention switches of session 47 (oldslot, ast*, anr*, aw8) set decode_ops for one variant and
+    put the defaults back; the launch options follow them."""
+    from qerl.kernels import decode_ops
+
+    engine = _Engine()
+    before = (decode_ops.ATTN_SLOT_FIRST, decode_ops.ATTN_STAGES, decode_ops.ATTN_MAXNREG, decode_ops.ATTN_WARPS)
+    assert decode_ops.attention_launch_options() == {"num_stages": 2}
+    with ablate.variant_of(engine, "base@oldslot@ast3@anr128@aw8"):
+        assert (decode_ops.ATTN_SLOT_FIRST, decode_ops.ATTN_STAGES, decode_ops.ATTN_MAXNREG,
+                decode_ops.ATTN_WARPS) == (False, 3, 128, 8)
+        assert decode_ops.attention_launch_options() == {"num_stages": 3, "maxnreg": 128}
+    assert (decode_ops.ATTN_SLOT_FIRST, decode_ops.ATTN_STAGES, decode_ops.ATTN_MAXNREG, decode_ops.ATTN_WARPS) == before
