@@ -11,6 +11,8 @@
   the goal (0.9, "LoRA costs <= 10%") as a line.
 - grpo_step.png (issue 9): GRPO step time over bf16 LoRA's in the same process, per model and
   batch, the newest pair in each file; the goal (1.5) as a line.
+- attention_bandwidth.png (issues 6 / 9): the decode attention alone (benchmarks/probe_attention.py), its K / V
+  read rate over the same run's copy bandwidth per shape (model, rows x keys), one bar per candidate.
 
 Every number is read from the files (the same fields RESULTS.md quotes); nothing is measured here.
 """
@@ -31,6 +33,7 @@ DEFAULTS = {
     "rollout": ["rollout.json", "h200/rollout.json", "h200/rollout_32b.json"],
     "grpo": ["grpo_step.json", "h200/grpo_step_cap79_b2_7b.json", "h200/grpo_step_cap79_b2_14b.json",
              "h200/grpo_step_cap79_b4.json"],
+    "attention": ["h200/attention_probe_5_default.json"],
 }
 FORMATS = ("nvfp4", "mxfp4", "nf4")
 COLORS = {"nvfp4": "tab:green", "mxfp4": "tab:blue", "nf4": "tab:red", "bf16": "tab:gray",
@@ -197,6 +200,44 @@ def plot_panels(datas: list[dict], path: str, values_of, formats, goal: float, y
     return path
 
 
+def attention_fractions(rows: list[dict]) -> dict[tuple[str, int, int], dict[str, float]]:
+    """(model, rows, keys) -> {candidate: of_copy} from probe_attention.py rows, candidates in file order."""
+    out: dict = defaultdict(dict)
+    for r in rows:
+        if r.get("of_copy") is not None:
+            out[(r["model"], int(r["rows"]), int(r["keys"]))][r["cand"]] = float(r["of_copy"])
+    return dict(out)
+
+
+def plot_attention(datas: list[dict], path: str) -> str:
+    plt = _pyplot()
+    per_gpu = {gpu: attention_fractions(rows) for gpu, rows in sorted(_by_gpu(datas).items())}
+    per_gpu = {gpu: v for gpu, v in per_gpu.items() if v}
+    if not per_gpu:
+        raise SystemExit(f"plot_results: no rows to plot for {os.path.basename(path)}")
+    fig, axes = plt.subplots(len(per_gpu), 1, figsize=(13, 4.2 * len(per_gpu)), squeeze=False)
+    for ax, (gpu, values) in zip(axes[:, 0], per_gpu.items()):
+        groups = sorted(values, key=lambda g: (_size(g[0]), g))
+        cands = list(dict.fromkeys(c for g in groups for c in values[g]))
+        width = 0.8 / len(cands)
+        for j, cand in enumerate(cands):
+            xs = [i + (j - (len(cands) - 1) / 2) * width for i, g in enumerate(groups) if cand in values[g]]
+            ax.bar(xs, [values[g][cand] for g in groups if cand in values[g]], width, label=cand)
+        ax.axhline(1.0, color="k", ls="--", lw=1, label="copy bandwidth")
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels([f"{m.replace('qwen2.5-', '')}\n{r}x{k}" for m, r, k in groups], fontsize=7)
+        ax.set_ylabel("K / V read rate over copy")
+        ax.set_ylim(0, 1.15)
+        ax.set_title(gpu + " (shape: model, rows x keys)")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7, ncol=len(cands) + 1, loc="upper left")
+    fig.suptitle("Decode attention alone (probe_attention.py)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> list[str]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for key, files in DEFAULTS.items():
@@ -215,6 +256,7 @@ def main(argv=None) -> list[str]:
                     "tok/s with LoRA over without (same run)", "Rollout engine, nvfp4 with unmerged LoRA (issue 6)"),
         plot_panels(loaded["grpo"], os.path.join(args.out, "grpo_step.png"), grpo_speedups, ("nvfp4", "nf4"), 1.5,
                     "GRPO step speedup over bf16 LoRA (same process)", "GRPO step, 8 x 2048 tokens (issue 9)"),
+        plot_attention(loaded["attention"], os.path.join(args.out, "attention_bandwidth.png")),
     ]
     for p in written:
         print(p)

@@ -57,9 +57,13 @@ def test_medians_ratios_and_newest_pairs(plots):
     assert plots.grpo_speedups(grpo) == {("m", 2, "nvfp4"): 1.6, ("m", 2, "nf4"): 0.7}
     assert plots.short_gpu("NVIDIA H100 80GB HBM3") == "H100" and plots.short_gpu("NVIDIA H200") == "H200"
     assert sorted(["qwen2.5-32b", "qwen2.5-7b", "other"], key=plots._size) == ["qwen2.5-7b", "qwen2.5-32b", "other"]
+    probe = [{"model": "qwen2.5-7b", "rows": 32, "keys": 1280, "cand": "old", "of_copy": 0.46},
+             {"model": "qwen2.5-7b", "rows": 32, "keys": 1280, "cand": "new", "of_copy": 0.57},
+             {"model": "qwen2.5-7b", "rows": 8, "keys": 512, "cand": "old", "of_copy": None}]
+    assert plots.attention_fractions(probe) == {("qwen2.5-7b", 32, 1280): {"old": 0.46, "new": 0.57}}
 
 
-def test_writes_the_four_figures_and_refuses_bad_input(plots, tmp_path):
+def test_writes_the_five_figures_and_refuses_bad_input(plots, tmp_path):
     def write(name, gpu, rows):
         path = tmp_path / name
         path.write_text(json.dumps({"gpu": gpu, "command": "c", "date": "d", "rows": rows}))
@@ -74,9 +78,14 @@ def test_writes_the_four_figures_and_refuses_bad_input(plots, tmp_path):
                         "bf16_tokens_per_s": 100.0, "lora0_tokens_per_s": 200.0}])
     grpo = write("g.json", "NVIDIA H200", [{"model": "qwen2.5-7b", "format": "nvfp4", "batch": 2, "speedup": 1.4,
                                              "date": "d", "device_memory_gib": 79.0}])
+    attention = write("a.json", "NVIDIA H200", [{"model": "qwen2.5-7b", "rows": 32, "keys": k, "cand": c,
+                                                  "of_copy": f} for k in (1280, 2048)
+                                                 for c, f in (("old", 0.5), ("new", 0.8))])
     out = tmp_path / "plots"
-    written = plots.main(["--w4a16", *w4a16, "--rollout", rollout, "--grpo", grpo, "--out", str(out)])
-    assert sorted(os.path.basename(p) for p in written) == ["grpo_step.png", "lora_cost.png", "rollout_ratio.png",
+    written = plots.main(["--w4a16", *w4a16, "--rollout", rollout, "--grpo", grpo, "--attention", attention,
+                          "--out", str(out)])
+    assert sorted(os.path.basename(p) for p in written) == ["attention_bandwidth.png", "grpo_step.png",
+                                                                "lora_cost.png", "rollout_ratio.png",
                                                                 "w4a16_speedup.png"]
     for p in written:
         with open(p, "rb") as f:
@@ -89,4 +98,5 @@ def test_writes_the_four_figures_and_refuses_bad_input(plots, tmp_path):
         plots.main(["--rollout", str(tmp_path / "list.json"), "--out", str(out)])
     empty = write("e.json", "NVIDIA H200", [{"model": "m", "format": "nvfp4", "batch": 2, "speedup": None}])
     with pytest.raises(SystemExit, match="no rows to plot for grpo_step.png"):
-        plots.main(["--w4a16", *w4a16, "--rollout", rollout, "--grpo", empty, "--out", str(out)])
+        plots.main(["--w4a16", *w4a16, "--rollout", rollout, "--grpo", empty, "--attention", attention,
+                    "--out", str(out)])
