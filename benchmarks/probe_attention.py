@@ -24,11 +24,13 @@ programs launched, and PTX counts (cp.async copies, shared-memory loads and stor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
 import sys
 import time
+from unittest import mock
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -51,6 +53,11 @@ def parse_cands(text: str) -> list[tuple[str, dict]]:
         if bad:
             raise SystemExit(f"candidate {name!r}: unknown settings {bad}; known: {', '.join(SETTINGS)}")
     return cands
+
+
+def _settings(conf: dict):
+    """The candidate's decode_ops settings for a with-block, restored after."""
+    return mock.patch.multiple(decode_ops, **conf) if conf else contextlib.nullcontext()
 
 
 def kv_bytes(rows: int, kv: int, keys: int) -> int:
@@ -107,16 +114,10 @@ def run_case(case: Case, cands: list[tuple[str, dict]], gbps: float) -> list[dic
     rows = []
     ref = case.reference(0).float()
     for name, conf in cands:
-        saved = {key: getattr(decode_ops, key) for key in conf}
-        try:
-            for key, value in conf.items():
-                setattr(decode_ops, key, value)
+        with _settings(conf):
             out = case.launch(0).float()
             err = ((out - ref).norm() / ref.norm()).item()
             us = time_per_call(case.launch, case.copies)
-        finally:
-            for key, value in saved.items():
-                setattr(decode_ops, key, value)
         plan = decode_ops.attention_splits(case.rows, case.kv, case.keys)  # with the default settings
         got = kv_bytes(case.rows, case.kv, case.keys) / us / 1e3
         rows.append({"cand": name, "config": conf, "rows": case.rows, "kv_heads": case.kv, "heads": case.heads,
@@ -136,20 +137,11 @@ def compile_stats(model: str, rows: int, keys: int, conf: dict) -> dict:
 
     cfg = QWEN_PRESETS[model]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    saved = {key: getattr(decode_ops, key) for key in conf}
-    try:
-        for key, value in conf.items():
-            setattr(decode_ops, key, value)
-        block, chunk, splits = decode_ops.attention_splits(rows, kv, keys)
+    with _settings(conf):  # the launch's own constexprs under the candidate's settings
         rope = bool(decode_ops.ATTN_ROPE)
-        consts = dict(CHUNK=chunk, KV=kv, G=heads // kv, GP=max(16, 1 << (heads // kv - 1).bit_length()), D=HEAD_DIM,
-                      BLOCK=block, PDL=True, EARLY_V=bool(decode_ops.ATTN_EARLY_V),
-                      PREFETCH=bool(decode_ops.attention_prefetch(block, keys)), ROPE=rope, HAS_EXTRA=False,
-                      COMBINE=False, POS=rope, LEAD=False, SLOT_FIRST=bool(decode_ops.ATTN_SLOT_FIRST))
-        opts = {"num_warps": decode_ops.ATTN_WARPS, **decode_ops.attention_launch_options()}
-    finally:
-        for key, value in saved.items():
-            setattr(decode_ops, key, value)
+        splits, consts = decode_ops.partial_constexprs(rows, kv, heads // kv, HEAD_DIM, keys, True, rope=rope,
+                                                       pos=rope, pdl=True)
+    opts = {key: consts.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in consts}
     partial = decode_ops._triton_kernels()[3]
     sig = {name: "*bf16" for name in partial.arg_names}
     sig.update({name: "*fp32" for name in ("po_ptr", "pm_ptr", "pl_ptr")})
@@ -168,7 +160,8 @@ def compile_stats(model: str, rows: int, keys: int, conf: dict) -> dict:
     by_regs = 65536 // (-(-max(regs, 1) // 8) * 8 * 32 * opts["num_warps"])  # allocated in 8s per thread
     return {"smem_bytes": smem, "regs": regs, "stack_bytes": stack, "per_sm": min(232448 // max(smem, 1), by_regs),
             "programs": rows * kv * splits,
-            "block": block, "blocks_per_program": chunk // block, "stages": opts.get("num_stages"),
+            "block": consts["BLOCK"], "blocks_per_program": consts["CHUNK"] // consts["BLOCK"],
+            "stages": opts.get("num_stages"),
             "cp_async": len(re.findall(r"cp\.async\.c[ag]", ptx)), "ld_shared": len(re.findall(r"ld\.shared", ptx)),
             "st_shared": len(re.findall(r"st\.shared", ptx))}
 

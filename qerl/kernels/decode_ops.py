@@ -397,11 +397,9 @@ def _triton_kernels():
             k = tl.load(k_ptr + rk * kc_b + h * kc_h + n[:, None] * kc_l + d[None, :], mask=fresh[:, None], other=0.0)
             if EARLY_V or PREFETCH:
                 v = tl.load(v_ptr + rk * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=fresh[:, None], other=0.0)
-            if PREFETCH:  # the first block's rows come from the prefetch; a later block's unread rows (the
-                # slot's, past the chunk) stay the masked loads' zeros
-                keep = fresh | (n0 > 0)
-                k = tl.where(keep[:, None], k, k_pre)
-                v = tl.where(keep[:, None], v, v_pre)
+            if PREFETCH:
+                k = tl.where(fresh[:, None], k, k_pre)
+                v = tl.where(fresh[:, None], v, v_pre)
             if ROPE and not SLOT_FIRST:
                 k = tl.where(mine[:, None], k_new[None, :], k)
             if SLOT_FIRST:  # taken before the loop
@@ -669,10 +667,9 @@ ATTN_MAXNREG: int | None = env_int("QERL_ATTN_MAXNREG", 0) or None
 # between load and dot took each block through registers and back to shared memory: 16 KB more shared memory
 # and 185 registers instead of 143-148 (sm_90 builds at three stages), 2 programs per SM instead of 3, so
 # fewer K / V loads in flight. The launch without RoPE takes the slot first too (reading it from the cache),
-# so both launches still give the same bits. Measured (H200, the
-# attention alone, benchmarks/probe_attention.py, NOTES_rollout.md section 42): 7B 32 rows x 1280 keys
-# 42.7 -> 37.3 us, 14B 8 rows x 1280 keys 29.4 -> 20.1 us; the 7B 32-row decode step +3.6%. False: the
-# select (the form before session 47; QERL_ATTN_SLOT_FIRST=0).
+# so both launches still give the same bits. Measured (H200, the attention alone, benchmarks/probe_attention.py,
+# NOTES_rollout.md section 42): 7B 32 rows x 1280 keys 42.7 -> 37.3 us, 14B 8 rows x 1280 keys 29.4 -> 20.1 us;
+# the 7B 32-row decode step +3.6%. False: the select (the form before session 47; QERL_ATTN_SLOT_FIRST=0).
 ATTN_SLOT_FIRST = os.environ.get("QERL_ATTN_SLOT_FIRST", "1") == "1"
 
 
@@ -680,6 +677,20 @@ def attention_launch_options() -> dict:
     """Triton launch options of the attention's partial kernel beyond num_warps (ATTN_STAGES, ATTN_MAXNREG)."""
     opts = {} if ATTN_STAGES is None else {"num_stages": ATTN_STAGES}
     return opts if ATTN_MAXNREG is None else {**opts, "maxnreg": ATTN_MAXNREG}
+
+
+def partial_constexprs(rows: int, kv: int, group: int, d: int, keys: int, slot_given: bool, rope: bool = False,
+                       extra: bool = False, combine: bool = False, pos: bool = False, lead: bool = False,
+                       pdl: bool = False) -> tuple[int, dict]:
+    """(splits, the constexpr arguments and launch options of the attention's partial kernel) for one launch:
+    attention_splits' plan and this module's switches. benchmarks/probe_attention.py --compile-only builds
+    from the same dict."""
+    block, chunk, splits = attention_splits(rows, kv, keys)
+    return splits, dict(CHUNK=chunk, KV=kv, G=group, GP=max(16, _next_pow2(group)), D=d, BLOCK=block,
+                        num_warps=ATTN_WARPS, PDL=pdl, EARLY_V=ATTN_EARLY_V,
+                        PREFETCH=slot_given and attention_prefetch(block, keys), ROPE=rope, HAS_EXTRA=extra,
+                        COMBINE=combine, POS=rope and pos, LEAD=lead, SLOT_FIRST=slot_given and ATTN_SLOT_FIRST,
+                        **attention_launch_options())
 
 
 def attention_splits(rows: int, kv: int, keys: int) -> tuple[int, int, int]:
@@ -739,31 +750,26 @@ def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: 
     b, d = q.shape[0], q.shape[2]
     kv = k_cache.shape[1]
     group = heads // kv
-    block, chunk, splits = attention_splits(b, kv, keys)
     q = q.contiguous()
-    po = torch.empty(b, kv, splits, group, d, dtype=torch.float32, device=q.device)
-    pm = torch.empty(b, kv, splits, group, dtype=torch.float32, device=q.device)
-    pl = torch.empty_like(pm)
-    out = torch.empty(b, heads * d, dtype=q.dtype, device=q.device)
-    prefetch = attention_prefetch(block, keys) and slot is not None
     qkv, e, cos, sin = rope if rope is not None else (q, None, q, q)
     use_lead = lead is not None and shared is not None
     if not use_lead:  # placeholders the kernel does not read
         lead = shared = valid
+    splits, consts = partial_constexprs(b, kv, group, d, keys, slot is not None, rope=rope is not None,
+                                        extra=e is not None, combine=counters is not None, pos=pos is not None,
+                                        lead=use_lead, pdl=pdl_on(q))
+    po = torch.empty(b, kv, splits, group, d, dtype=torch.float32, device=q.device)
+    pm = torch.empty(b, kv, splits, group, dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    out = torch.empty(b, heads * d, dtype=q.dtype, device=q.device)
     sp = max(2, _next_pow2(splits))
-    slot_first = ATTN_SLOT_FIRST and (rope is not None or slot is not None)
-    partial[(b, kv, splits)](qkv, k_cache, v_cache, valid, slot if (prefetch or rope is not None or slot_first) else valid,
-                             po, pm, pl,
+    # (the RoPE launch always has its slot; a placeholder where none is given, which the kernel then does not read)
+    partial[(b, kv, splits)](qkv, k_cache, v_cache, valid, slot if slot is not None else valid, po, pm, pl,
                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), valid.stride(0),
                              keys, splits, float(scale), e if e is not None else qkv, cos, sin,
                              counters if counters is not None else valid, out, pos if pos is not None else valid,
-                             lead, shared,
-                             CHUNK=chunk, KV=kv, G=group, GP=max(16, _next_pow2(group)), D=d,
-                             BLOCK=block, num_warps=ATTN_WARPS, PDL=pdl_on(q), EARLY_V=ATTN_EARLY_V, PREFETCH=prefetch,
-                             ROPE=rope is not None, HAS_EXTRA=e is not None, COMBINE=counters is not None,
-                             POS=rope is not None and pos is not None, LEAD=use_lead,
-                             SLOT_FIRST=slot_first, launch_pdl=pdl_on(q), **attention_launch_options())
+                             lead, shared, launch_pdl=pdl_on(q), **consts)
     if counters is None:
         combine[(b, heads)](po, pm, pl, out, splits, KV=kv, G=group, D=d, SP=sp, num_warps=1,
                             PDL=pdl_on(q), launch_pdl=pdl_on(q))
