@@ -50,7 +50,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   no short-bucket rule, decode_ops.ATTN_SHORT_KEYS = 0, and no prefetch),
                   ap528 / ap1056 (attention programs to aim for), aw8 (8 warps per attention program),
                   ast1 / ast2 / ast3 / ast4 (the attention's key loop pipelined that deep; default 2),
-                  anr96 / anr128 (the attention's registers capped: decode_ops.ATTN_MAXNREG),
+                  anr0 / anr96 / anr128 (the attention's register cap off the prefetch path: none / 96 / 128, the
+                  default; decode_ops.ATTN_MAXNREG),
                   oldslot (the step's new key / value selected into its loaded block, not taken as the first key:
                   decode_ops.ATTN_SLOT_FIRST off, the form before session 47), amb0 / amb2 / amb8 (key blocks per
                   attention program at most: off / 2 / 8, not ATTN_MAX_BLOCKS), ab16 / ab32 (attention key block),
@@ -233,8 +234,8 @@ def _switches() -> dict:
     }
     for n in (1, 2, 3, 4):
         table[f"ast{n}"] = [(decode_ops, "ATTN_STAGES", n)]
-    for n in (96, 128):
-        table[f"anr{n}"] = [(decode_ops, "ATTN_MAXNREG", n)]
+    for n in (0, 96, 128):
+        table[f"anr{n}"] = [(decode_ops, "ATTN_MAXNREG", n or None)]
     for name, regs, per_sm in (("gr56", 56, 4), ("gr48p4", 48, 4), ("gr48", 48, 5), ("gr40", 40, 6)):
         table[name] = [
             (w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "maxnreg": regs, "PER_SM": per_sm})]

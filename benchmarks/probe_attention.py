@@ -10,7 +10,8 @@ decode step does). One CUDA graph per candidate launches the attention once per 
 key, every key valid), timed as bench_w4a16.py times its kernels (`time_per_call`: the median of 5-30 replays,
 per launch). GB/s counts the K / V bytes the kernel must read (rows x KV x keys x 128 x 2 x 2 B), against a
 1 GiB device copy timed in the same process. PDL is off unless --pdl (back-to-back attention launches would
-otherwise overlap each other's start, which no decode step does). Each candidate's output is compared with the
+otherwise overlap each other's start, which no decode step does). The launch carries the engine's LEAD arguments
+(SHARE_PROMPT_KEYS; with no shared prefix, so every row reads its own keys): they change the build's registers. Each candidate's output is compared with the
 torch reference first (rel_err; the table marks one over 1e-2, bf16 level). Keys are read whole: the kernel
 does not skip invalid slots (valid only masks scores).
 
@@ -39,6 +40,7 @@ import torch  # noqa: E402
 from bench_w4a16 import time_per_call  # noqa: E402
 from qerl.kernels import decode_ops  # noqa: E402
 from qerl.model import QWEN_PRESETS  # noqa: E402
+from qerl.rollout.engine import SHARE_PROMPT_KEYS  # noqa: E402
 
 SETTINGS = ("ATTN_PROGRAMS", "ATTN_BLOCK", "ATTN_BLOCK_SMALL", "ATTN_MAX_BLOCKS", "ATTN_SHORT_KEYS", "ATTN_EARLY_V",
             "ATTN_PREFETCH", "ATTN_WARPS", "ATTN_STAGES", "ATTN_MAXNREG", "ATTN_COMBINE", "ATTN_ROPE", "ATTN_SLOT_FIRST")
@@ -98,10 +100,14 @@ class Case:
         self.slot = torch.tensor([keys - 1], dtype=torch.long, device="cuda")
         self.valid = torch.ones(rows, keys, dtype=torch.bool, device="cuda")
         self.scale = HEAD_DIM ** -0.5
+        # the engine's LEAD arguments (SHARE_PROMPT_KEYS) with no shared prefix: its build, every row's own keys
+        self.shared = (torch.arange(rows, dtype=torch.int32, device="cuda"),
+                       torch.zeros(1, dtype=torch.long, device="cuda")) if SHARE_PROMPT_KEYS else (None, None)
 
     def launch(self, i: int) -> torch.Tensor:
         return decode_ops.decode_attention_rope(self.qkv, self.cos, self.sin, self.k[i], self.v[i], self.slot,
-                                                self.valid, self.keys, self.scale, self.heads, self.kv, pos=self.pos)
+                                                self.valid, self.keys, self.scale, self.heads, self.kv, pos=self.pos,
+                                                lead=self.shared[0], shared=self.shared[1])
 
     def reference(self, i: int) -> torch.Tensor:
         k, v = self.k[i].clone(), self.v[i].clone()
@@ -128,7 +134,7 @@ def run_case(case: Case, cands: list[tuple[str, dict]], gbps: float) -> list[dic
 
 def compile_stats(model: str, rows: int, keys: int, conf: dict) -> dict:
     """The partial kernel's sm_90 build under `conf` for this shape (as _attention_launch would launch it,
-    slot given, no LEAD): shared memory, programs per SM by shared memory, programs, PTX counts."""
+    slot given, LEAD as the engine's SHARE_PROMPT_KEYS): shared memory, programs per SM by shared memory, programs, PTX counts."""
     import re
 
     import triton
@@ -140,7 +146,7 @@ def compile_stats(model: str, rows: int, keys: int, conf: dict) -> dict:
     with _settings(conf):  # the launch's own constexprs under the candidate's settings
         rope = bool(decode_ops.ATTN_ROPE)
         splits, consts = decode_ops.partial_constexprs(rows, kv, heads // kv, HEAD_DIM, keys, True, rope=rope,
-                                                       pos=rope, pdl=True)
+                                                       pos=rope, lead=SHARE_PROMPT_KEYS, pdl=True)
     opts = {key: consts.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in consts}
     partial = decode_ops._triton_kernels()[3]
     sig = {name: "*bf16" for name in partial.arg_names}
@@ -169,7 +175,7 @@ def compile_stats(model: str, rows: int, keys: int, conf: dict) -> dict:
 def compile_only(a, cands) -> int:
     print("| model | rows | keys | cand | smem B | regs (stack B) | per SM | programs | blocks x block | cp.async | "
           "ld / st.shared |")
-    res = {"target": "sm_90", "command": "python benchmarks/probe_attention.py " + shlex.join(a.argv), "rows": []}
+    res = {"target": "sm_90", "lead": SHARE_PROMPT_KEYS, "command": "python benchmarks/probe_attention.py " + shlex.join(a.argv), "rows": []}
     for model in a.models:
         for r in a.rows:
             for keys in a.keys:
@@ -212,7 +218,7 @@ def main(argv=None) -> int:
     res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "command": "python benchmarks/probe_attention.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
-           "copy_gbps": round(gbps, 1), "pdl": bool(a.pdl), "rows": []}
+           "copy_gbps": round(gbps, 1), "pdl": bool(a.pdl), "lead": SHARE_PROMPT_KEYS, "rows": []}
     print("| model | rows | keys | cand | us | GB/s | of copy | rel err |")
     for model in a.models:
         for r in a.rows:

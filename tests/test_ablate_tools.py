@@ -319,14 +319,20 @@ def test_attention_slot_first_build_holds_more_programs_per_sm(probe):
     programs fit an SM (the reason it reads K / V faster, NOTES_rollout.md section 42); its loads are
     cp.async copies either way; a register cap is honoured (the switch the probe offers)."""
     pytest.importorskip("triton")
-    old = probe.compile_stats("qwen2.5-7b", 32, 1280, {"ATTN_SLOT_FIRST": False, "ATTN_STAGES": None})
+    old = probe.compile_stats("qwen2.5-7b", 32, 1280, {"ATTN_SLOT_FIRST": False, "ATTN_STAGES": None,
+                                                      "ATTN_MAXNREG": None})
+    uncapped = probe.compile_stats("qwen2.5-7b", 32, 1280, {"ATTN_MAXNREG": None})
     new = probe.compile_stats("qwen2.5-7b", 32, 1280, {})
-    capped = probe.compile_stats("qwen2.5-7b", 32, 1280, {"ATTN_MAXNREG": 128})
-    assert new["smem_bytes"] < old["smem_bytes"] and new["regs"] < old["regs"]
-    assert new["per_sm"] > old["per_sm"] >= 1
-    assert old["cp_async"] > 0 and new["cp_async"] > 0
-    assert capped["regs"] <= 128 and capped["stack_bytes"] == 0 and capped["per_sm"] >= new["per_sm"]
+    assert uncapped["smem_bytes"] < old["smem_bytes"] and uncapped["regs"] < old["regs"]
+    assert uncapped["per_sm"] > old["per_sm"] >= 1
+    assert old["cp_async"] > 0 and uncapped["cp_async"] > 0
+    # the default caps the 64-key-block plans at 128 registers: 4 programs per SM, at most 16 B of stack
+    assert new["regs"] <= 128 and new["stack_bytes"] <= 16 and new["per_sm"] == 4 > uncapped["per_sm"]
     assert new["programs"] == 512 and new["blocks_per_program"] == 5
+    short = probe.compile_stats("qwen2.5-14b", 8, 512, {})  # the prefetch path stays uncapped: no stack
+    assert short["block"] == 32 and short["regs"] > 128 and short["stack_bytes"] == 0
+    one = probe.compile_stats("qwen2.5-7b", 1, 1280, {})  # batch 1's 32-key blocks: uncapped, 7 per SM
+    assert one["block"] == 32 and one["regs"] < 96 and one["per_sm"] > 4
 
 
 def test_attention_flags_apply_and_restore(ablate):
@@ -336,9 +342,13 @@ def test_attention_flags_apply_and_restore(ablate):
 
     engine = _Engine()
     before = (decode_ops.ATTN_SLOT_FIRST, decode_ops.ATTN_STAGES, decode_ops.ATTN_MAXNREG, decode_ops.ATTN_WARPS)
-    assert decode_ops.attention_launch_options() == {"num_stages": 2}
-    with ablate.variant_of(engine, "base@oldslot@ast3@anr128@aw8"):
+    assert decode_ops.attention_launch_options() == {"num_stages": 2, "maxnreg": 128}
+    assert decode_ops.attention_launch_options(decode_ops.ATTN_BLOCK, prefetch=True) == {"num_stages": 2}
+    assert decode_ops.attention_launch_options(decode_ops.ATTN_BLOCK_SMALL) == {"num_stages": 2}
+    with ablate.variant_of(engine, "base@oldslot@ast3@anr96@aw8"):
         assert (decode_ops.ATTN_SLOT_FIRST, decode_ops.ATTN_STAGES, decode_ops.ATTN_MAXNREG,
-                decode_ops.ATTN_WARPS) == (False, 3, 128, 8)
-        assert decode_ops.attention_launch_options() == {"num_stages": 3, "maxnreg": 128}
+                decode_ops.ATTN_WARPS) == (False, 3, 96, 8)
+        assert decode_ops.attention_launch_options() == {"num_stages": 3, "maxnreg": 96}
+    with ablate.variant_of(engine, "base@anr0"):
+        assert decode_ops.ATTN_MAXNREG is None and decode_ops.attention_launch_options() == {"num_stages": 2}
     assert (decode_ops.ATTN_SLOT_FIRST, decode_ops.ATTN_STAGES, decode_ops.ATTN_MAXNREG, decode_ops.ATTN_WARPS) == before

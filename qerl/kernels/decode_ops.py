@@ -657,11 +657,17 @@ ATTN_COMBINE = os.environ.get("QERL_ATTN_COMBINE", "0") == "1"
 # measured on the H100.
 ATTN_WARPS = 4
 ATTN_STAGES: int | None = env_int("QERL_ATTN_STAGES", 2) or None
-# A register cap for the attention's programs (None: ptxas's choice). Residency is what the attention's
-# speed follows (benchmarks/probe_attention.py --compile-only, NOTES_rollout.md section 42): at 4 warps the
-# RoPE form takes 128 registers (4 programs per SM) where its key loop runs 4 / 8 / 16 / 32 blocks, 138 (3 per
-# SM) at 3 / 5 / 10 / 20. Not measured yet: a switch for the probe (QERL_ATTN_MAXNREG).
-ATTN_MAXNREG: int | None = env_int("QERL_ATTN_MAXNREG", 0) or None
+# A register cap for the attention's programs on the plans of ATTN_BLOCK-key blocks without the prefetch (None
+# or 0: ptxas's choice everywhere). Residency is what the attention's speed follows (benchmarks/
+# probe_attention.py --compile-only, NOTES_rollout.md section 43): at 4 warps, with the engine's LEAD
+# (SHARE_PROMPT_KEYS), the RoPE form takes 141-144 registers on those plans (3 programs per SM); capped at 128,
+# 4 per SM, with no stack or 16 B of it (at 3 / 5 / 10 / 20 blocks per program). Left uncapped: the 32-key-block
+# plans (batch 1: 72-124 registers, which the cap would raise to ~100; the prefetch path: 168-217, where the
+# cap spills 64-128 B and the attention alone ran 11-13% slower at 8 rows x 512 keys). Measured (H200): the
+# attention alone up to 30% less time (14B 64 rows x 1280 keys 116.7 -> 89.8 us, 7B 32 rows x 1280 35.6 ->
+# 30.4, built without LEAD); the decode step (benchmarks/ablate_rollout.py, `anr128`) 7B 32 rows x 1280 keys
+# +3.9% (LoRA on +4.3%), 14B 32 rows x 2048 keys +13.3%. Not measured on the H100. QERL_ATTN_MAXNREG=0: off.
+ATTN_MAXNREG: int | None = env_int("QERL_ATTN_MAXNREG", 128) or None
 # The step's new key (its cache slot given) taken as the online softmax's first key, before the block loop,
 # instead of (with RoPE inside the attention, ATTN_ROPE) selected into its loaded K / V block. That select
 # between load and dot took each block through registers and back to shared memory: 16 KB more shared memory
@@ -673,10 +679,12 @@ ATTN_MAXNREG: int | None = env_int("QERL_ATTN_MAXNREG", 0) or None
 ATTN_SLOT_FIRST = os.environ.get("QERL_ATTN_SLOT_FIRST", "1") == "1"
 
 
-def attention_launch_options() -> dict:
-    """Triton launch options of the attention's partial kernel beyond num_warps (ATTN_STAGES, ATTN_MAXNREG)."""
+def attention_launch_options(block: int | None = None, prefetch: bool = False) -> dict:
+    """Triton launch options of the attention's partial kernel beyond num_warps: ATTN_STAGES, and ATTN_MAXNREG
+    on plans of ATTN_BLOCK-key blocks (block None: ATTN_BLOCK) without the prefetch."""
     opts = {} if ATTN_STAGES is None else {"num_stages": ATTN_STAGES}
-    return opts if ATTN_MAXNREG is None else {**opts, "maxnreg": ATTN_MAXNREG}
+    capped = ATTN_MAXNREG is not None and (block is None or block == ATTN_BLOCK) and not prefetch
+    return {**opts, "maxnreg": ATTN_MAXNREG} if capped else opts
 
 
 def partial_constexprs(rows: int, kv: int, group: int, d: int, keys: int, slot_given: bool, rope: bool = False,
@@ -686,11 +694,12 @@ def partial_constexprs(rows: int, kv: int, group: int, d: int, keys: int, slot_g
     attention_splits' plan and this module's switches. benchmarks/probe_attention.py --compile-only builds
     from the same dict."""
     block, chunk, splits = attention_splits(rows, kv, keys)
+    prefetch = slot_given and attention_prefetch(block, keys)
     return splits, dict(CHUNK=chunk, KV=kv, G=group, GP=max(16, _next_pow2(group)), D=d, BLOCK=block,
                         num_warps=ATTN_WARPS, PDL=pdl, EARLY_V=ATTN_EARLY_V,
-                        PREFETCH=slot_given and attention_prefetch(block, keys), ROPE=rope, HAS_EXTRA=extra,
+                        PREFETCH=prefetch, ROPE=rope, HAS_EXTRA=extra,
                         COMBINE=combine, POS=rope and pos, LEAD=lead, SLOT_FIRST=slot_given and ATTN_SLOT_FIRST,
-                        **attention_launch_options())
+                        **attention_launch_options(block, prefetch))
 
 
 def attention_splits(rows: int, kv: int, keys: int) -> tuple[int, int, int]:
