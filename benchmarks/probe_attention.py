@@ -9,10 +9,11 @@ engine allocates them, enough copies that a pass over them is >= 4x the L2 (so e
 decode step does). One CUDA graph per candidate launches the attention once per copy (the step's slot the last
 key, every key valid), timed as bench_w4a16.py times its kernels (`time_per_call`: the median of 5-30 replays,
 per launch). GB/s counts the K / V bytes the kernel must read (rows x KV x keys x 128 x 2 x 2 B), against a
-1 GiB device copy timed in the same process. PDL is off unless --pdl (back-to-back attention launches would
-otherwise overlap each other's start, which no decode step does). The launch carries the engine's LEAD arguments
-(SHARE_PROMPT_KEYS; with no shared prefix, so every row reads its own keys): they change the build's registers. Each candidate's output is compared with the
-torch reference first (rel_err; the table marks one over 1e-2, bf16 level). Keys are read whole: the kernel
+1 GiB device copy (an elementwise kernel) timed in the same process. PDL is off unless --pdl (back-to-back
+attention launches would otherwise overlap each other's start, which no decode step does). The launch carries
+the engine's LEAD arguments (SHARE_PROMPT_KEYS, with no shared prefix: every row reads its own keys), which
+change the build's registers. Each candidate's output is compared with the torch reference first (rel_err; the
+table marks one over 1e-2, bf16 level). Keys are read whole: the kernel
 does not skip invalid slots (valid only masks scores).
 
     python benchmarks/probe_attention.py --compile-only [--models ...] [--rows ...] [--keys ...] [--cands ...]
@@ -76,7 +77,10 @@ def copies_for(rows: int, kv: int, keys: int, l2_bytes: int, cap_bytes: int = 8 
 def copy_gbps() -> float:
     src = torch.randn(1 << 28, device="cuda")  # 1 GiB
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / time_per_call(lambda i: dst.copy_(src), 1) / 1e3
+    # an elementwise kernel, not dst.copy_(src): timed that way in time_per_call's CUDA graph the copy read 2.69 /
+    # 2.75 TB/s on the H200 (session 48) against 4.17 eager (session 47). A captured same-dtype copy_ is a memcpy
+    # node, the likely cause; this form not yet run on a GPU.
+    return 2 * src.numel() * 4 / time_per_call(lambda i: torch.mul(src, 1.0, out=dst), 1) / 1e3
 
 
 class Case:

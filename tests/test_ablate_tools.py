@@ -333,6 +333,8 @@ def test_attention_slot_first_build_holds_more_programs_per_sm(probe):
     assert short["block"] == 32 and short["regs"] > 128 and short["stack_bytes"] == 0
     one = probe.compile_stats("qwen2.5-7b", 1, 1280, {})  # batch 1's 32-key blocks: uncapped, 7 per SM
     assert one["block"] == 32 and one["regs"] < 96 and one["per_sm"] > 4
+    eight = probe.compile_stats("qwen2.5-7b", 8, 1280, {})  # 224 programs fit one wave at 3 per SM: uncapped
+    assert eight["block"] == 64 and eight["programs"] == 224 and eight["regs"] > 128
 
 
 def test_attention_flags_apply_and_restore(ablate):
@@ -345,6 +347,10 @@ def test_attention_flags_apply_and_restore(ablate):
     assert decode_ops.attention_launch_options() == {"num_stages": 2, "maxnreg": 128}
     assert decode_ops.attention_launch_options(decode_ops.ATTN_BLOCK, prefetch=True) == {"num_stages": 2}
     assert decode_ops.attention_launch_options(decode_ops.ATTN_BLOCK_SMALL) == {"num_stages": 2}
+    # one wave at 3 programs per SM holds the launch: no cap (7B 8 rows x 1280 keys: 224 programs)
+    assert decode_ops.attention_launch_options(decode_ops.ATTN_BLOCK, programs=396) == {"num_stages": 2}
+    assert decode_ops.attention_launch_options(decode_ops.ATTN_BLOCK, programs=397)["maxnreg"] == 128
+    assert decode_ops.attention_launch_options(decode_ops.ATTN_BLOCK, programs=200, sms=66)["maxnreg"] == 128
     with ablate.variant_of(engine, "base@oldslot@ast3@anr96@aw8"):
         assert (decode_ops.ATTN_SLOT_FIRST, decode_ops.ATTN_STAGES, decode_ops.ATTN_MAXNREG,
                 decode_ops.ATTN_WARPS) == (False, 3, 96, 8)

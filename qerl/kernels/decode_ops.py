@@ -657,17 +657,21 @@ ATTN_COMBINE = os.environ.get("QERL_ATTN_COMBINE", "0") == "1"
 # measured on the H100.
 ATTN_WARPS = 4
 ATTN_STAGES: int | None = env_int("QERL_ATTN_STAGES", 2) or None
-# A register cap for the attention's programs on the plans of ATTN_BLOCK-key blocks without the prefetch (None
-# or 0: ptxas's choice everywhere). Residency is what the attention's speed follows (benchmarks/
-# probe_attention.py --compile-only, NOTES_rollout.md section 43): at 4 warps, with the engine's LEAD
-# (SHARE_PROMPT_KEYS), the RoPE form takes 141-144 registers on those plans (3 programs per SM); capped at 128,
-# 4 per SM, with no stack or 16 B of it (at 3 / 5 / 10 / 20 blocks per program). Left uncapped: the 32-key-block
-# plans (batch 1: 72-124 registers, which the cap would raise to ~100; the prefetch path: 168-217, where the
-# cap spills 64-128 B and the attention alone ran 11-13% slower at 8 rows x 512 keys). Measured (H200): the
-# attention alone up to 30% less time (14B 64 rows x 1280 keys 116.7 -> 89.8 us, 7B 32 rows x 1280 35.6 ->
-# 30.4, built without LEAD); the decode step (benchmarks/ablate_rollout.py, `anr128`) 7B 32 rows x 1280 keys
-# +3.9% (LoRA on +4.3%), 14B 32 rows x 2048 keys +13.3%. Not measured on the H100. QERL_ATTN_MAXNREG=0: off.
+# A register cap for the attention's programs on the plans of ATTN_BLOCK-key blocks without the prefetch that
+# launch more programs than one wave holds at ATTN_UNCAPPED_PER_SM per SM (None or 0: ptxas's choice everywhere).
+# Residency is what the attention's speed follows (benchmarks/probe_attention.py --compile-only,
+# NOTES_rollout.md section 43): at 4 warps, with the engine's LEAD (SHARE_PROMPT_KEYS), the RoPE form takes
+# 141-144 registers on those plans (3 programs per SM); capped at 128, 4 per SM, with no stack or 16 B of it (at
+# 3 / 5 / 10 / 20 blocks per program). Where the launch fits one wave at 3 per SM the cap only costs (the
+# attention alone 2-4% slower at 7B 8 rows x 1280 / 2048 keys, 224 / 256 programs; the 7B 8-row step -3.7%).
+# Left uncapped: the 32-key-block plans (batch 1: 72-124 registers, which the cap would raise to ~100; the
+# prefetch path: 168-217, where the cap spills 64-128 B and the attention alone ran 11-13% slower at 8 rows x
+# 512 keys). Measured (H200, 512 programs): the attention alone 18-37% less time (14B 64 rows x 1280 keys 115.5
+# -> 88.5 us, 7B 32 rows x 1280 36.2 -> 30.5); the decode step (benchmarks/ablate_rollout.py, `anr0` is the
+# uncapped form) 7B 32 rows x 1280 keys +4.9% (LoRA on +4.2%), 14B 32 rows x 2048 keys +14.2%. Not measured on
+# the H100. QERL_ATTN_MAXNREG=0: off.
 ATTN_MAXNREG: int | None = env_int("QERL_ATTN_MAXNREG", 128) or None
+ATTN_UNCAPPED_PER_SM = 3  # the uncapped builds' programs per SM on those plans (sm_90, 4 warps, 38 KB)
 # The step's new key (its cache slot given) taken as the online softmax's first key, before the block loop,
 # instead of (with RoPE inside the attention, ATTN_ROPE) selected into its loaded K / V block. That select
 # between load and dot took each block through registers and back to shared memory: 16 KB more shared memory
@@ -679,27 +683,30 @@ ATTN_MAXNREG: int | None = env_int("QERL_ATTN_MAXNREG", 128) or None
 ATTN_SLOT_FIRST = os.environ.get("QERL_ATTN_SLOT_FIRST", "1") == "1"
 
 
-def attention_launch_options(block: int | None = None, prefetch: bool = False) -> dict:
+def attention_launch_options(block: int | None = None, prefetch: bool = False, programs: int | None = None,
+                             sms: int = 132) -> dict:
     """Triton launch options of the attention's partial kernel beyond num_warps: ATTN_STAGES, and ATTN_MAXNREG
-    on plans of ATTN_BLOCK-key blocks (block None: ATTN_BLOCK) without the prefetch."""
+    on plans of ATTN_BLOCK-key blocks (block None: ATTN_BLOCK) without the prefetch whose programs (None: many)
+    overrun one wave of ATTN_UNCAPPED_PER_SM per SM on `sms` SMs."""
     opts = {} if ATTN_STAGES is None else {"num_stages": ATTN_STAGES}
-    capped = ATTN_MAXNREG is not None and (block is None or block == ATTN_BLOCK) and not prefetch
+    capped = (ATTN_MAXNREG is not None and (block is None or block == ATTN_BLOCK) and not prefetch
+              and (programs is None or programs > ATTN_UNCAPPED_PER_SM * sms))
     return {**opts, "maxnreg": ATTN_MAXNREG} if capped else opts
 
 
 def partial_constexprs(rows: int, kv: int, group: int, d: int, keys: int, slot_given: bool, rope: bool = False,
                        extra: bool = False, combine: bool = False, pos: bool = False, lead: bool = False,
-                       pdl: bool = False) -> tuple[int, dict]:
-    """(splits, the constexpr arguments and launch options of the attention's partial kernel) for one launch:
-    attention_splits' plan and this module's switches. benchmarks/probe_attention.py --compile-only builds
-    from the same dict."""
+                       pdl: bool = False, sms: int = 132) -> tuple[int, dict]:
+    """(splits, the constexpr arguments and launch options of the attention's partial kernel) for one launch on
+    a device of `sms` SMs: attention_splits' plan and this module's switches. benchmarks/probe_attention.py
+    --compile-only builds from the same dict."""
     block, chunk, splits = attention_splits(rows, kv, keys)
     prefetch = slot_given and attention_prefetch(block, keys)
     return splits, dict(CHUNK=chunk, KV=kv, G=group, GP=max(16, _next_pow2(group)), D=d, BLOCK=block,
                         num_warps=ATTN_WARPS, PDL=pdl, EARLY_V=ATTN_EARLY_V,
                         PREFETCH=prefetch, ROPE=rope, HAS_EXTRA=extra,
                         COMBINE=combine, POS=rope and pos, LEAD=lead, SLOT_FIRST=slot_given and ATTN_SLOT_FIRST,
-                        **attention_launch_options(block, prefetch))
+                        **attention_launch_options(block, prefetch, rows * kv * splits, sms))
 
 
 def attention_splits(rows: int, kv: int, keys: int) -> tuple[int, int, int]:
@@ -755,6 +762,8 @@ def decode_attention_rope_triton(qkv, cos, sin, k_cache, v_cache, slot, valid, k
 
 def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: float, slot=None, rope=None,
                       counters=None, pos=None, lead=None, shared=None):
+    from qerl.kernels.w4a16_triton import _num_sms
+
     partial, combine = _triton_kernels()[3:5]
     b, d = q.shape[0], q.shape[2]
     kv = k_cache.shape[1]
@@ -766,7 +775,7 @@ def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: 
         lead = shared = valid
     splits, consts = partial_constexprs(b, kv, group, d, keys, slot is not None, rope=rope is not None,
                                         extra=e is not None, combine=counters is not None, pos=pos is not None,
-                                        lead=use_lead, pdl=pdl_on(q))
+                                        lead=use_lead, pdl=pdl_on(q), sms=_num_sms(q.device.index or 0))
     po = torch.empty(b, kv, splits, group, d, dtype=torch.float32, device=q.device)
     pm = torch.empty(b, kv, splits, group, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
