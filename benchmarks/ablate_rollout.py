@@ -50,8 +50,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   no short-bucket rule, decode_ops.ATTN_SHORT_KEYS = 0, and no prefetch),
                   ap528 / ap1056 (attention programs to aim for), aw8 (8 warps per attention program),
                   ast1 / ast2 / ast3 / ast4 (the attention's key loop pipelined that deep; default 2),
-                  anr0 / anr96 / anr128 (the attention's register cap off the prefetch path: none / 96 / 128, the
-                  default; decode_ops.ATTN_MAXNREG),
+                  anr0 / anr96 / anr128 (the attention's register cap on its launches of over 3 x SMs programs in
+                  64-key blocks: none / 96 / 128, the default; decode_ops.ATTN_MAXNREG),
                   oldslot (the step's new key / value selected into its loaded block, not taken as the first key:
                   decode_ops.ATTN_SLOT_FIRST off, the form before session 47), amb0 / amb2 / amb8 (key blocks per
                   attention program at most: off / 2 / 8, not ATTN_MAX_BLOCKS), ab16 / ab32 (attention key block),

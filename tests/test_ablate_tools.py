@@ -335,6 +335,8 @@ def test_attention_slot_first_build_holds_more_programs_per_sm(probe):
     assert one["block"] == 32 and one["regs"] < 96 and one["per_sm"] > 4
     eight = probe.compile_stats("qwen2.5-7b", 8, 1280, {})  # 224 programs fit one wave at 3 per SM: uncapped
     assert eight["block"] == 64 and eight["programs"] == 224 and eight["regs"] > 128
+    plain = probe.compile_stats("qwen2.5-7b", 32, 2048, {"ATTN_ROPE": False})  # without RoPE: uncapped, 5 per SM
+    assert plain["regs"] < 100 and plain["per_sm"] == 5
 
 
 def test_attention_flags_apply_and_restore(ablate):
@@ -351,6 +353,7 @@ def test_attention_flags_apply_and_restore(ablate):
     assert decode_ops.attention_launch_options(decode_ops.ATTN_BLOCK, programs=396) == {"num_stages": 2}
     assert decode_ops.attention_launch_options(decode_ops.ATTN_BLOCK, programs=397)["maxnreg"] == 128
     assert decode_ops.attention_launch_options(decode_ops.ATTN_BLOCK, programs=200, sms=66)["maxnreg"] == 128
+    assert decode_ops.attention_launch_options(decode_ops.ATTN_BLOCK, rope=False) == {"num_stages": 2}
     with ablate.variant_of(engine, "base@oldslot@ast3@anr96@aw8"):
         assert (decode_ops.ATTN_SLOT_FIRST, decode_ops.ATTN_STAGES, decode_ops.ATTN_MAXNREG,
                 decode_ops.ATTN_WARPS) == (False, 3, 96, 8)

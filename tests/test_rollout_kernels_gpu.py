@@ -218,12 +218,15 @@ def test_engine_prefill_graph_replays_the_eager_prefill(fmt):
         assert torch.equal(g.logprobs, w.logprobs)
 
 
-@pytest.mark.parametrize("rows,heads,kv,keys", [(1, 28, 4, 300), (8, 28, 4, 512), (8, 40, 8, 1000), (3, 64, 8, 70)])
+@pytest.mark.parametrize("rows,heads,kv,keys", [(1, 28, 4, 300), (8, 28, 4, 512), (8, 40, 8, 1000), (3, 64, 8, 70),
+                                               (32, 28, 4, 1280)])
 def test_attention_rope_kernel_matches_three_launches(rows, heads, kv, keys, monkeypatch):
     """decode_attention_rope on the GPU (bf16, RoPE in the attention kernel, with and without the
     combine in it, a LoRA `extra`): the caches get the very bits rope_to_cache writes; the output
     equals the three launches' bit for bit without the in-kernel combine, and within bf16 rounding
-    with it (another summation order); the counters are back at zero, also after a second call."""
+    with it (another summation order); the counters are back at zero, also after a second call.
+    32 rows x 1280 keys launch 512 programs: the RoPE form register-capped (decode_ops.ATTN_MAXNREG),
+    the launch without RoPE not."""
     from qerl.kernels import decode_ops as ops
 
     gen = torch.Generator(device="cuda").manual_seed(rows * 1000 + keys)

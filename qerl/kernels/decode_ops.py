@@ -657,8 +657,8 @@ ATTN_COMBINE = os.environ.get("QERL_ATTN_COMBINE", "0") == "1"
 # measured on the H100.
 ATTN_WARPS = 4
 ATTN_STAGES: int | None = env_int("QERL_ATTN_STAGES", 2) or None
-# A register cap for the attention's programs on the plans of ATTN_BLOCK-key blocks without the prefetch that
-# launch more programs than one wave holds at ATTN_UNCAPPED_PER_SM per SM (None or 0: ptxas's choice everywhere).
+# A register cap for the RoPE form's programs (ATTN_ROPE) on the plans of ATTN_BLOCK-key blocks without the
+# prefetch that launch more programs than one wave holds at ATTN_UNCAPPED_PER_SM per SM (None or 0: ptxas's choice everywhere).
 # Residency is what the attention's speed follows (benchmarks/probe_attention.py --compile-only,
 # NOTES_rollout.md section 43): at 4 warps, with the engine's LEAD (SHARE_PROMPT_KEYS), the RoPE form takes
 # 141-144 registers on those plans (3 programs per SM); capped at 128, 4 per SM, with no stack or 16 B of it (at
@@ -684,12 +684,13 @@ ATTN_SLOT_FIRST = os.environ.get("QERL_ATTN_SLOT_FIRST", "1") == "1"
 
 
 def attention_launch_options(block: int | None = None, prefetch: bool = False, programs: int | None = None,
-                             sms: int = 132) -> dict:
+                             sms: int = 132, rope: bool = True) -> dict:
     """Triton launch options of the attention's partial kernel beyond num_warps: ATTN_STAGES, and ATTN_MAXNREG
-    on plans of ATTN_BLOCK-key blocks (block None: ATTN_BLOCK) without the prefetch whose programs (None: many)
-    overrun one wave of ATTN_UNCAPPED_PER_SM per SM on `sms` SMs."""
+    for the RoPE form on plans of ATTN_BLOCK-key blocks (block None: ATTN_BLOCK) without the prefetch whose
+    programs (None: many) overrun one wave of ATTN_UNCAPPED_PER_SM per SM on `sms` SMs. (The launch without
+    RoPE builds at 87-110 registers there, 4-5 per SM; capped, ptxas takes all 128.)"""
     opts = {} if ATTN_STAGES is None else {"num_stages": ATTN_STAGES}
-    capped = (ATTN_MAXNREG is not None and (block is None or block == ATTN_BLOCK) and not prefetch
+    capped = (ATTN_MAXNREG is not None and rope and (block is None or block == ATTN_BLOCK) and not prefetch
               and (programs is None or programs > ATTN_UNCAPPED_PER_SM * sms))
     return {**opts, "maxnreg": ATTN_MAXNREG} if capped else opts
 
@@ -706,7 +707,7 @@ def partial_constexprs(rows: int, kv: int, group: int, d: int, keys: int, slot_g
                         num_warps=ATTN_WARPS, PDL=pdl, EARLY_V=ATTN_EARLY_V,
                         PREFETCH=prefetch, ROPE=rope, HAS_EXTRA=extra,
                         COMBINE=combine, POS=rope and pos, LEAD=lead, SLOT_FIRST=slot_given and ATTN_SLOT_FIRST,
-                        **attention_launch_options(block, prefetch, rows * kv * splits, sms))
+                        **attention_launch_options(block, prefetch, rows * kv * splits, sms, rope))
 
 
 def attention_splits(rows: int, kv: int, keys: int) -> tuple[int, int, int]:
