@@ -171,13 +171,13 @@ def compile_stats(model: str, rows: int, keys: int, conf: dict) -> dict:
     return {"smem_bytes": smem, "regs": regs, "stack_bytes": stack, "per_sm": min(232448 // max(smem, 1), by_regs),
             "programs": rows * kv * splits,
             "block": consts["BLOCK"], "blocks_per_program": consts["CHUNK"] // consts["BLOCK"],
-            "stages": opts.get("num_stages"),
+            "stages": opts.get("num_stages"), "maxnreg": opts.get("maxnreg"),
             "cp_async": len(re.findall(r"cp\.async\.c[ag]", ptx)), "ld_shared": len(re.findall(r"ld\.shared", ptx)),
             "st_shared": len(re.findall(r"st\.shared", ptx))}
 
 
 def compile_only(a, cands) -> int:
-    print("| model | rows | keys | cand | smem B | regs (stack B) | per SM | programs | blocks x block | cp.async | "
+    print("| model | rows | keys | cand | smem B | regs (stack B) | cap | per SM | programs | blocks x block | cp.async | "
           "ld / st.shared |")
     res = {"target": "sm_90", "lead": SHARE_PROMPT_KEYS, "command": "python benchmarks/probe_attention.py " + shlex.join(a.argv), "rows": []}
     for model in a.models:
@@ -187,7 +187,7 @@ def compile_only(a, cands) -> int:
                     row = {"model": model, "rows": r, "keys": keys, "cand": name, "config": conf,
                            **compile_stats(model, r, keys, conf)}
                     res["rows"].append(row)
-                    print(f"| {model} | {r} | {keys} | {name} | {row['smem_bytes']} | {row['regs']} ({row['stack_bytes']}) | {row['per_sm']} | "
+                    print(f"| {model} | {r} | {keys} | {name} | {row['smem_bytes']} | {row['regs']} ({row['stack_bytes']}) | {row['maxnreg'] or '-'} | {row['per_sm']} | "
                           f"{row['programs']} | {row['blocks_per_program']} x {row['block']} | {row['cp_async']} | "
                           f"{row['ld_shared']} / {row['st_shared']} |", flush=True)
     if a.out:
