@@ -649,8 +649,8 @@ ATTN_ROPE = True
 ATTN_COMBINE = os.environ.get("QERL_ATTN_COMBINE", "0") == "1"
 # Warps per attention program, and Triton's software-pipelining depth for its key loop (QERL_ATTN_STAGES;
 # None or 0: Triton's default, 3 on Hopper). Two stages hold 38 KB of shared memory instead of 70 KB and
-# 128-138 registers instead of 143-148 (sm_90 builds, `probe_attention.py --compile-only`), so 3-4 programs
-# fit an SM instead of 3. Measured (H200, the attention alone with ATTN_SLOT_FIRST,
+# 128-138 registers instead of 143-148 (sm_90 builds without the engine's LEAD, `probe_attention.py
+# --compile-only`; with LEAD 141-144, hence ATTN_MAXNREG below), so 3-4 programs fit an SM instead of 3. Measured (H200, the attention alone with ATTN_SLOT_FIRST,
 # benchmarks/probe_attention.py, 7B / 14B at 8 / 32 / 64 rows x 512 / 1280 / 2048 keys): never more than
 # 1% slower than three, 17-24% less time at 2048 keys from 32 rows (14B 32 rows 92.0 -> 71.5 us). In the 7B
 # 32-row decode step: +1.3% at 1280 keys, -0.8% at 2048 (one round) (NOTES_rollout.md section 42). Not
@@ -658,7 +658,8 @@ ATTN_COMBINE = os.environ.get("QERL_ATTN_COMBINE", "0") == "1"
 ATTN_WARPS = 4
 ATTN_STAGES: int | None = env_int("QERL_ATTN_STAGES", 2) or None
 # A register cap for the RoPE form's programs (ATTN_ROPE) on the plans of ATTN_BLOCK-key blocks without the
-# prefetch that launch more programs than one wave holds at ATTN_UNCAPPED_PER_SM per SM (None or 0: ptxas's choice everywhere).
+# prefetch that launch more programs than one wave holds at ATTN_UNCAPPED_PER_SM per SM (None or 0: ptxas's
+# choice everywhere).
 # Residency is what the attention's speed follows (benchmarks/probe_attention.py --compile-only,
 # NOTES_rollout.md section 43): at 4 warps, with the engine's LEAD (SHARE_PROMPT_KEYS), the RoPE form takes
 # 141-144 registers on those plans (3 programs per SM); capped at 128, 4 per SM, with no stack or 16 B of it (at
