@@ -33,7 +33,7 @@ DEFAULTS = {
     "rollout": ["rollout.json", "h200/rollout.json", "h200/rollout_32b.json"],
     "grpo": ["grpo_step.json", "h200/grpo_step_cap79_b2_7b.json", "h200/grpo_step_cap79_b2_14b.json",
              "h200/grpo_step_cap79_b4.json"],
-    "attention": ["h200/attention_probe_5_default.json"],
+    "attention": ["h200/attention_probe_8_rule.json", "h200/attention_probe_9_rows16.json"],
 }
 FORMATS = ("nvfp4", "mxfp4", "nf4")
 COLORS = {"nvfp4": "tab:green", "mxfp4": "tab:blue", "nf4": "tab:red", "bf16": "tab:gray",
