@@ -260,6 +260,29 @@ def test_attention_short_buckets(monkeypatch):
     assert ops.attention_prefetch(64, 4096) is True
 
 
+def test_register_cap_follows_rows_and_key_buckets(monkeypatch):
+    """Which of the engine's attention launches take ATTN_MAXNREG (partial_constexprs, as the engine builds
+    them: RoPE inside, the slot given, LEAD, 132 SMs): on Qwen2.5-7B / 14B shapes, every key bucket from the
+    first one whose plan launches more programs than 3 per SM hold, never at batch 1. Measured on the H200
+    (NOTES_rollout.md sections 43-44): capped launches 14-27% shorter alone, the 7B 32-row step +4.9% at 1280
+    keys, the 14B 16-row GRPO step +4.7%; the 7B 8-row launches, one wave either way, lost 2-4% capped."""
+    monkeypatch.setattr(ops, "ATTN_MAXNREG", 128)
+    monkeypatch.setattr(ops, "ATTN_UNCAPPED_PER_SM", 3)
+    first_capped = {("qwen2.5-7b", 4, 7): {1: None, 8: 3328, 16: 1792, 32: 1024, 64: 256},
+                    ("qwen2.5-14b", 8, 5): {1: None, 8: 1792, 16: 1024, 32: 256, 64: 256}}
+    for (model, kv, group), by_rows in first_capped.items():
+        for rows, first in by_rows.items():
+            for keys in range(256, 4097, 256):
+                splits, opts = ops.partial_constexprs(rows, kv, group, 128, keys, True, rope=True, lead=True)
+                capped = first is not None and keys >= first
+                assert (opts.get("maxnreg") == 128) is capped, (model, rows, keys, splits)
+                if capped:
+                    assert rows * kv * splits > 3 * 132 and opts["BLOCK"] == ops.ATTN_BLOCK and not opts["PREFETCH"]
+    # the launch without RoPE and a device with more SMs keep ptxas's allocation
+    assert "maxnreg" not in ops.partial_constexprs(32, 4, 7, 128, 2048, True, rope=False)[1]
+    assert "maxnreg" not in ops.partial_constexprs(16, 8, 5, 128, 1024, True, rope=True, lead=True, sms=264)[1]
+
+
 def test_the_decode_step_starts_its_pdl_chain(monkeypatch):
     """decode_ops.PDL: the decode step's first kernel (embed_rms_norm) is launched without the PDL
     attribute, so the state the attention reads before its wait (slot, positions) is final; a norm
