@@ -667,10 +667,11 @@ ATTN_STAGES: int | None = env_int("QERL_ATTN_STAGES", 2) or None
 # attention alone 2-4% slower at 7B 8 rows x 1280 / 2048 keys, 224 / 256 programs; the 7B 8-row step -3.7%).
 # Left uncapped: the 32-key-block plans (batch 1: 72-124 registers, which the cap would raise to ~100; the
 # prefetch path: 168-217, where the cap spills 64-128 B and the attention alone ran 11-13% slower at 8 rows x
-# 512 keys). Measured (H200, the 512-program launches): the attention alone never slower, up to 27% less time (7B
-# 64 rows x 2048 keys 99.9 -> 72.8 us, 14B 64 rows x 1280 115.5 -> 88.5, 7B 32 rows x 1280 36.2 -> 30.5); the
-# decode step (benchmarks/ablate_rollout.py, `anr0` is the uncapped form) 7B 32 rows x 1280 keys +5.0% (LoRA on
-# +4.1%), 14B 32 rows x 2048 keys +14.0%. Not measured on the H100. QERL_ATTN_MAXNREG=0: off.
+# 512 keys). Measured (H200, the 512-program launches): the attention alone never slower beyond the probe's ~2.6%
+# noise, up to 27% less time (7B 64 rows x 2048 keys 99.9 -> 72.8 us, 14B 64 rows x 1280 115.5 -> 88.5, 7B 32 rows
+# x 1280 36.2 -> 30.5); the decode step (benchmarks/ablate_rollout.py, `anr0` is the uncapped form) 7B 32 rows x
+# 1280 keys +5.0% (LoRA on +4.1%), 14B 32 rows x 2048 keys +14.0%, 14B 16 rows x 1280 keys with LoRA +4.7%
+# (NOTES_rollout.md sections 43-44). Not measured on the H100. QERL_ATTN_MAXNREG=0: off.
 ATTN_MAXNREG: int | None = env_int("QERL_ATTN_MAXNREG", 128) or None
 ATTN_UNCAPPED_PER_SM = 3  # the uncapped builds' programs per SM on those plans (sm_90, 4 warps, 38 KB)
 # The step's new key (its cache slot given) taken as the online softmax's first key, before the block loop,
