@@ -39,7 +39,9 @@ Rows (memory.json): {"model", "format", "gpu", "generations", "completion_len", 
 "step_s"} plus "batch" (prompts per step), "completions", the peak of each phase and the build.
 peak_gib is the peak of memory reserved by PyTorch's allocator over the step (what the card must
 hold, fragmentation included; the CUDA context, ~0.5 GiB, comes on top); peak_allocated_gib is the
-peak of live tensors. grpo_step.json: {"model", "format", "batch", "step_s", "bf16_step_s",
+peak of live tensors. "oom_retries" (when any): [{"step", "gave_way"}] for each training phase that ran
+out of memory and trained again after a plan gave memory back ("checkpoint_layers" or "rollout_memory"),
+kept also when the retry ran out too (status "oom"). grpo_step.json: {"model", "format", "batch", "step_s", "bf16_step_s",
 "speedup"} with speedup = bf16 LoRA step time / this step time, same model, batch and micro-batch
 (and both steady-state steps, or both single warm-up steps).
 Rows are keyed by (model, format, batch, micro-batch, weight copies, GPU, bf16 autocast, allocator
@@ -60,6 +62,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 
 import torch
 
@@ -205,7 +208,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
             rewards = (rollout.completion_ids % 2 == 0).double().mul(rollout.completion_mask).sum(-1)
             rewards = rewards / rollout.completion_mask.sum(-1).clamp(min=1)
             adv = group_advantages(rewards, gens, settings.reward_scaling)
-            with _maybe_profile(args, step, f"{preset}_{fmt}_b{batch}"):
+            with _maybe_profile(args, step, f"{preset}_{fmt}_b{batch}"), _retries_noted(row, step + 1):
                 stats = optimise_planned(policy, [(rollout, rewards, adv)], settings, optimizer, scheduler, aqn, False,
                                          share_train, step + 1, timer, plan, layers_plan)
             row["profiled"] = bool(args.profile_dir)
@@ -236,6 +239,26 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
             row["peak_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 3)
         log(f"  {preset} {fmt} batch {batch}: out of memory in {phase}")
     return row
+
+
+@contextlib.contextmanager
+def _retries_noted(row: dict, step: int):
+    """Notes in row["oom_retries"] each time the trainer's plans gave memory back after the training phase
+    ran out and trained the step again (optimise_planned's RuntimeWarning), also when the retry itself
+    then ran out: which plan gave way, and in which step. Other warnings are shown as usual."""
+    caught: list = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            yield
+    finally:
+        for w in caught:
+            text = str(w.message)
+            if "trains again" in text:
+                what = "checkpoint_layers" if "checkpointing" in text else "rollout_memory"
+                row.setdefault("oom_retries", []).append({"step": step, "gave_way": what})
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def _fused_rope() -> bool:

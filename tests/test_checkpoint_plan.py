@@ -230,6 +230,67 @@ def test_an_oom_with_uncheckpointed_layers_checkpoints_them_again_and_retrains(t
     assert all(layer.gradient_checkpointing for layer in layers)
 
 
+class _FailOnceInBackward(torch.autograd.Function):
+    """Identity whose first backward raises out-of-memory, as an allocation inside a node's backward
+    does on a GPU; `raised` (a list) records it."""
+
+    @staticmethod
+    def forward(ctx, t, raised):
+        ctx.raised = raised
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.raised:
+            ctx.raised.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+        return grad, None
+
+
+def test_the_retry_after_an_oom_in_the_backward_starts_with_the_first_attempts_activations_freed(tiny_model):
+    """optimise_planned's fall-back after an out-of-memory error raised in the backward of the last layer's
+    MLP (run uncheckpointed), while the first layer (checkpointed) still waits for its gradient: the retry
+    starts with none of the first attempt's activations alive (here the first layer's output, which the
+    second layer saved; a GPU retry that still held them would run out again), runs every layer
+    checkpointed and trains to the gradients of a run that never failed."""
+    import weakref
+
+    from qerl.rl.memory_plan import CheckpointPlan
+
+    policy, settings = _policy(tiny_model)
+    layers = policy.base_model.model.model.layers
+    reference = _adapter_grads(policy, settings)
+    first_outputs, alive_at_retry, raised = [], [], []
+
+    def fail_inside(module, args, output):
+        return _FailOnceInBackward.apply(output, raised) if torch.is_grad_enabled() else output
+
+    def keep_ref(module, args, output):
+        if torch.is_grad_enabled() and not raised:
+            first_outputs.append(weakref.ref(output[0] if isinstance(output, tuple) else output))
+
+    def check_at_retry(module, args):
+        if raised and torch.is_grad_enabled() and not alive_at_retry:
+            alive_at_retry.append(any(r() is not None for r in first_outputs))
+
+    hooks = [layers[-1].mlp.register_forward_hook(fail_inside), layers[0].register_forward_hook(keep_ref),
+             layers[0].register_forward_pre_hook(check_at_retry)]
+    plan = CheckpointPlan("auto", torch.device("cpu"))
+    plan.free_layers = 1
+    try:
+        with pytest.warns(RuntimeWarning, match="ran out of memory with decoder layers kept from checkpointing"):
+            loss, grads = _adapter_grads(policy, settings, plan=plan)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert raised and first_outputs and alive_at_retry == [False]
+    assert all(layer.gradient_checkpointing for layer in layers)
+    assert loss == pytest.approx(reference[0], rel=1e-6, abs=1e-7)
+    assert grads.keys() == reference[1].keys()
+    for k in reference[1]:
+        torch.testing.assert_close(grads[k], reference[1][k], rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("place", ["rollout", "both"])
 def test_checkpointing_gives_the_gradients_of_no_checkpointing_under_aqn(tiny_model, place):
     """With AQN noise in training (place "both") the checkpointed layers' recomputation in the

@@ -315,6 +315,36 @@ def test_nf4_baseline_dequant_kernel():
         assert _rel(nf4_triton.dequant_matmul(x, t), reference.matmul_ref(x, t, "nf4")) < TOL
 
 
+@pytest.mark.parametrize("autocast", (False, True))
+def test_nf4_quantlinear_on_the_gpu_keeps_only_the_packed_weight_for_the_backward(autocast):
+    """The QLoRA baseline's layer on the GPU (one Triton dequantisation, cuBLAS, as bitsandbytes runs it):
+    output and input gradient equal F.linear on the dequantised weight bit for bit, under bf16 autocast too,
+    and autograd saves nothing for the backward (the weight is dequantised again there), so an
+    uncheckpointed decoder layer does not hold its weights in bf16 until the backward."""
+    import torch.nn.functional as F
+
+    from qerl.kernels import nf4_triton
+    from qerl.nn import QuantLinear
+
+    lin = torch.nn.Linear(1024, 768, bias=True).to(torch.bfloat16)
+    q = QuantLinear.from_linear(lin, "nf4").cuda()
+    x_dtype = torch.float32 if autocast else torch.bfloat16
+    x = torch.randn(3, 40, 1024, device="cuda", dtype=x_dtype)
+    dy = torch.randn(3, 40, 768, device="cuda", dtype=torch.bfloat16)
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    saved = []
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            y = q(xs[0])
+        w = nf4_triton.dequant_bf16(q.quant_tensors()).to(x_dtype)
+        want = F.linear(xs[1], w, q.bias.to(x_dtype))
+    assert sum(saved) == 0
+    assert y.dtype == want.dtype == torch.bfloat16 and torch.equal(y, want)
+    y.backward(dy)
+    want.backward(dy)
+    assert xs[0].grad.dtype == x_dtype and torch.equal(xs[0].grad, xs[1].grad)
+
+
 @pytest.mark.parametrize("m", (1, 4, 16, 64))
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_pdl_chain_waits_for_its_input(fmt, m):

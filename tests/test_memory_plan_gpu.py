@@ -1,8 +1,9 @@
 """The checkpoint plan's probe on the GPU (qerl/rl/memory_plan.py layer_bytes_per_token): what it
 says one decoder layer keeps per token, against what the caching allocator holds after a real
 training forward with every layer uncheckpointed minus the same forward with every layer
-checkpointed, for a Qwen2.5-3B-shaped LoRA policy in bf16 and nvfp4 under bf16 autocast and the
-fused training ops, as the trainer prepares it. Skipped without a CUDA GPU (CPU side:
+checkpointed, for a Qwen2.5-3B-shaped LoRA policy in bf16, nvfp4 and nf4 under bf16 autocast and the
+fused training ops, as the trainer prepares it (nf4 held each uncheckpointed layer's bf16 weights until
+quant_linear.DequantLinear, which the probe's per-token slope cannot see). Skipped without a CUDA GPU (CPU side:
 tests/test_checkpoint_plan.py)."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "nf4"])
 def test_probe_matches_the_allocator(fmt, qwen3b_policy):
     import functools
 

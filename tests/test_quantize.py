@@ -43,6 +43,41 @@ def test_gradient_reaches_input_and_nothing_else(fmt):
     assert all(b.grad is None for b in q.buffers())
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_dequant_linear_keeps_no_dense_weight_for_the_backward(autocast):
+    """DequantLinear (the GPU's nf4 / torch-backend path; a CPU QuantLinear caches its dense weight instead):
+    the output and the input and bias gradients of F.linear on the dequantised weight, also under bf16
+    autocast, while autograd saves nothing weight-sized: the weight is rebuilt in the backward (twice in all)."""
+    from qerl.nn.quant_linear import DequantLinear
+
+    q = QuantLinear.from_linear(torch.nn.Linear(128, 160, bias=True).float(), "nf4")
+    calls = []
+
+    def dequant():
+        calls.append(1)
+        return q.dequantized_weight(torch.float32)
+
+    saved = []
+    x = torch.randn(4, 5, 128)
+    bias = torch.randn(160)
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    bs = [bias.clone().requires_grad_(), bias.clone().requires_grad_()]
+    dy = torch.randn(4, 5, 160)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            y = DequantLinear.apply(xs[0], bs[0], dequant)
+        want = F.linear(xs[1], dequant(), bs[1])
+    assert y.dtype == want.dtype == (torch.bfloat16 if autocast else torch.float32)
+    assert torch.equal(y, want)
+    assert sum(saved) == 0  # the input is not needed (the weight is frozen) and the weight is rebuilt
+    y.backward(dy.to(y.dtype))
+    want.backward(dy.to(want.dtype))
+    assert len(calls) == 3  # forward, reference, backward
+    assert xs[0].grad.dtype == torch.float32 and bs[0].grad.dtype == torch.float32
+    assert torch.equal(xs[0].grad, xs[1].grad)
+    torch.testing.assert_close(bs[0].grad, bs[1].grad)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
 def test_quantize_replaces_decoder_linears_only(tiny, fmt):
     n_linears = len(decoder_linears(tiny))

@@ -431,3 +431,26 @@ def test_an_oom_with_nothing_to_free_or_after_an_update_stops_the_run(tiny_model
     with pytest.raises(TrainingOOM, match="release_rollout_memory"):
         _train_steps(tiny_model, tiny_tokenizer, tmp_path, release, steps=2)
     assert len(calls) == fail
+
+
+def test_bench_notes_each_oom_retry_of_the_training_phase():
+    """bench_grpo_step's rows say when a step's training ran out of memory and trained again after a plan
+    gave memory back (the trainer's RuntimeWarning), and which plan; kept when the retry then fails too;
+    other warnings pass through."""
+    import warnings
+
+    bench = _bench_module()
+    row = {}
+    with bench._retries_noted(row, 2):
+        warnings.warn("step 2: training ran out of memory with decoder layers kept from checkpointing "
+                      "(checkpoint_layers: auto); every layer is checkpointed from now on, and this step trains again",
+                      RuntimeWarning)
+    with pytest.raises(torch.OutOfMemoryError), bench._retries_noted(row, 3):
+        warnings.warn("step 3: training ran out of memory with the rollout engine's KV cache and CUDA graphs kept "
+                      "(release_rollout_memory: auto); they are freed after every rollout from now on, and this step "
+                      "trains again", RuntimeWarning)
+        raise torch.OutOfMemoryError("the retry ran out too")
+    assert row["oom_retries"] == [{"step": 2, "gave_way": "checkpoint_layers"}, {"step": 3, "gave_way": "rollout_memory"}]
+    with pytest.warns(UserWarning, match="something else"), bench._retries_noted(row, 4):
+        warnings.warn("something else", UserWarning)
+    assert len(row["oom_retries"]) == 2

@@ -60,6 +60,32 @@ _BUFFER_SPECS = {
 }
 
 
+class DequantLinear(torch.autograd.Function):
+    """y = x W^T + b for a frozen weight that `dequant()` rebuilds as a transient dense tensor in the
+    forward and again in the backward, as bitsandbytes' MatMul4Bit runs QLoRA. Autograd keeps no dense
+    copy: a plain F.linear on the dequantised weight would save it for the input gradient, so every
+    decoder layer that trains without activation checkpointing would hold its whole weight in bf16
+    until the backward (0.57 GiB a layer at 14B), which the checkpoint plan's per-token probe
+    cannot see. Under autocast the forward runs as F.linear would (bf16), and the backward repeats
+    its product in the output's dtype. The weight gets no gradient (frozen); the bias does if it asks."""
+
+    @staticmethod
+    def forward(ctx, x, bias, dequant):
+        y = F.linear(x, dequant().to(x.dtype), bias)
+        ctx.dequant, ctx.x_dtype, ctx.dtype = dequant, x.dtype, y.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        grad_x = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = dy.to(ctx.dtype).matmul(ctx.dequant().to(ctx.dtype)).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_b = dy.reshape(-1, dy.shape[-1]).sum(0).to(ctx.b_dtype)
+        return grad_x, grad_b, None
+
+
 class QuantLinear(nn.Module):
     def __init__(
         self,
@@ -249,22 +275,20 @@ class QuantLinear(nn.Module):
             from qerl import kernels
 
             return kernels.linear(x, self.kernel_state(), self.fmt, self.bias, backend="triton")
-        if x.device.type == "cuda" and self.fmt == "nf4" and self.backend != "torch" and _triton_ready():
-            # the QLoRA baseline as bitsandbytes runs it: one dequantisation pass to a transient
-            # bf16 weight, then cuBLAS (the multi-pass torch dequantisation is ~20x slower)
-            from qerl.kernels import nf4_triton
-
-            w = nf4_triton.dequant_bf16(self.quant_tensors()).to(x.dtype)
-            return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        bias = None if self.bias is None else self.bias.to(x.dtype)
         if x.device.type == "cpu":
             key = ("dense", x.dtype)
             if key not in self._cache:
                 with _outside_inference_mode():
                     self._cache[key] = self.dequantized_weight(x.dtype)
-            w = self._cache[key]
-        else:
-            w = self.dequantized_weight(x.dtype)
-        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+            return F.linear(x, self._cache[key], bias)
+        if self.fmt == "nf4" and self.backend != "torch" and _triton_ready():
+            # the QLoRA baseline as bitsandbytes runs it: one dequantisation pass to a transient
+            # bf16 weight, then cuBLAS (the multi-pass torch dequantisation is ~20x slower)
+            from qerl.kernels import nf4_triton
+
+            return DequantLinear.apply(x, bias, lambda: nf4_triton.dequant_bf16(self.quant_tensors()))
+        return DequantLinear.apply(x, bias, self.dequantized_weight)
 
     # ---- housekeeping -------------------------------------------------------------------
     def _apply(self, fn, recurse=True):
