@@ -53,9 +53,9 @@ def test_dequant_linear_keeps_no_dense_weight_for_the_backward(autocast):
     q = QuantLinear.from_linear(torch.nn.Linear(128, 160, bias=True).float(), "nf4")
     calls = []
 
-    def dequant():
-        calls.append(1)
-        return q.dequantized_weight(torch.float32)
+    def dequant(dtype):
+        calls.append(dtype)
+        return q.dequantized_weight(dtype)
 
     saved = []
     x = torch.randn(4, 5, 128)
@@ -66,13 +66,13 @@ def test_dequant_linear_keeps_no_dense_weight_for_the_backward(autocast):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
             y = DequantLinear.apply(xs[0], bs[0], dequant)
-        want = F.linear(xs[1], dequant(), bs[1])
+        want = F.linear(xs[1], dequant(torch.float32), bs[1])
     assert y.dtype == want.dtype == (torch.bfloat16 if autocast else torch.float32)
     assert torch.equal(y, want)
     assert sum(saved) == 0  # the input is not needed (the weight is frozen) and the weight is rebuilt
     y.backward(dy.to(y.dtype))
     want.backward(dy.to(want.dtype))
-    assert len(calls) == 3  # forward, reference, backward
+    assert calls == [torch.float32] * 3  # forward, reference, backward: in x's dtype (autocast casts after)
     assert xs[0].grad.dtype == torch.float32 and bs[0].grad.dtype == torch.float32
     assert torch.equal(xs[0].grad, xs[1].grad)
     torch.testing.assert_close(bs[0].grad, bs[1].grad)

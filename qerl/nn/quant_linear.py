@@ -7,8 +7,9 @@ inputs do, so LoRA adapters and anything before the layer train normally.
 Forward, by backend (`auto` | `torch` | `triton`):
 - torch (always on CPU): F.linear with the dequantised weight. On CPU the dequantised weight
   is cached (weights are frozen, CPU runs are small); on a GPU the weight is dequantised on
-  every call on purpose: for nf4 that is the honest QLoRA baseline, done as bitsandbytes does
-  it (one Triton pass to a transient bf16 weight, then cuBLAS) where triton is available.
+  every call on purpose, and again in the backward (`DequantLinear`: autograd keeps no dense
+  copy): for nf4 that is the honest QLoRA baseline, done as bitsandbytes does it (one Triton
+  pass to a transient bf16 weight, then cuBLAS) where triton is available.
 - triton (CUDA, nvfp4/mxfp4): the fused 4-bit x bf16 kernels of qerl.kernels, which read the
   packed weight and never build a bf16 copy, in forward or backward.
 
@@ -61,8 +62,8 @@ _BUFFER_SPECS = {
 
 
 class DequantLinear(torch.autograd.Function):
-    """y = x W^T + b for a frozen weight that `dequant()` rebuilds as a transient dense tensor in the
-    forward and again in the backward, as bitsandbytes' MatMul4Bit runs QLoRA. Autograd keeps no dense
+    """y = x W^T + b for a frozen weight that `dequant(dtype)` rebuilds as a transient dense tensor (in
+    x's dtype) in the forward and again in the backward, as bitsandbytes' MatMul4Bit runs QLoRA. Autograd keeps no dense
     copy: a plain F.linear on the dequantised weight would save it for the input gradient, so every
     decoder layer that trains without activation checkpointing would hold its whole weight in bf16
     until the backward (0.57 GiB a layer at 14B), which the checkpoint plan's per-token probe
@@ -71,7 +72,7 @@ class DequantLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bias, dequant):
-        y = F.linear(x, dequant().to(x.dtype), bias)
+        y = F.linear(x, dequant(x.dtype), bias)
         ctx.dequant, ctx.x_dtype, ctx.dtype = dequant, x.dtype, y.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
         return y
@@ -80,7 +81,7 @@ class DequantLinear(torch.autograd.Function):
     def backward(ctx, dy):
         grad_x = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = dy.to(ctx.dtype).matmul(ctx.dequant().to(ctx.dtype)).to(ctx.x_dtype)
+            grad_x = dy.to(ctx.dtype).matmul(ctx.dequant(ctx.x_dtype).to(ctx.dtype)).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             grad_b = dy.reshape(-1, dy.shape[-1]).sum(0).to(ctx.b_dtype)
         return grad_x, grad_b, None
@@ -287,7 +288,7 @@ class QuantLinear(nn.Module):
             # bf16 weight, then cuBLAS (the multi-pass torch dequantisation is ~20x slower)
             from qerl.kernels import nf4_triton
 
-            return DequantLinear.apply(x, bias, lambda: nf4_triton.dequant_bf16(self.quant_tensors()))
+            return DequantLinear.apply(x, bias, lambda dtype: nf4_triton.dequant_bf16(self.quant_tensors()).to(dtype))
         return DequantLinear.apply(x, bias, self.dequantized_weight)
 
     # ---- housekeeping -------------------------------------------------------------------
