@@ -345,6 +345,26 @@ def test_nf4_quantlinear_on_the_gpu_keeps_only_the_packed_weight_for_the_backwar
     assert xs[0].grad.dtype == x_dtype and torch.equal(xs[0].grad, xs[1].grad)
 
 
+@pytest.mark.parametrize("fmt", ("nvfp4", "mxfp4"))
+def test_torch_backend_on_the_gpu_dequantises_in_the_inputs_dtype_forward_and_backward(fmt):
+    """backend="torch" on a GPU (DequantLinear over dequantized_weight): float32 x meets the weight
+    dequantised straight to float32, in the forward and the backward, bit for bit as F.linear on it."""
+    import torch.nn.functional as F
+
+    from qerl.nn import QuantLinear
+
+    q = QuantLinear.from_linear(torch.nn.Linear(512, 384, bias=True).float(), fmt, backend="torch").cuda()
+    x = torch.randn(7, 512, device="cuda")
+    dy = torch.randn(7, 384, device="cuda")
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    y = q(xs[0])
+    want = F.linear(xs[1], q.dequantized_weight(torch.float32), q.bias)
+    assert y.dtype == torch.float32 and torch.equal(y, want)
+    y.backward(dy)
+    want.backward(dy)
+    assert torch.equal(xs[0].grad, xs[1].grad)
+
+
 @pytest.mark.parametrize("m", (1, 4, 16, 64))
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_pdl_chain_waits_for_its_input(fmt, m):
