@@ -8,6 +8,9 @@ For every linear layer of Qwen2.5-3B/7B/14B/32B-Instruct (q/k/v fused, o, gate/u
 down) and M in 1..4096, in one process: bf16 `x @ W^T` (cuBLAS), nvfp4 and mxfp4 through the
 fused kernels, and the QLoRA baseline nf4 = one-pass NF4 -> bf16 dequantisation kernel (as
 bitsandbytes does) + cuBLAS; forward, plus backward (grad_x = grad_y @ W) at M in 256/1024/4096.
+`--formats ...,nf4-fused` adds the fused NF4 kernel (nf4_triton.fused_matmul, one untuned config: what
+"a fused NF4 kernel, if cheap" costs), forward only, labelled apart from the baseline; the summary
+then also gives nvfp4 / mxfp4 against it.
 
 Timing (benchmarks/NOTES_w4a16.md has the details): fresh random data (never zeros); each
 format gets enough copies of its weight (and of x) that one sweep over them moves >= 192 MB,
@@ -185,7 +188,7 @@ class Layer:
             if fmt in ("nvfp4", "mxfp4"):
                 st = prepare(fmt, quantize_weight(w, fmt))
                 self.states[fmt] = [st] + [clone_state(st) for _ in range(copies(weight_bytes(fmt, n, k)) - 1)]
-            elif fmt == "nf4":
+            elif fmt in ("nf4", "nf4-fused") and not self.nf4:
                 t = quantize_weight(w, "nf4")
                 self.nf4 = [t] + [{a: b.clone() for a, b in t.items()} for _ in range(copies(weight_bytes("nf4", n, k)) - 1)]
         del w
@@ -205,6 +208,12 @@ def measure(layer: Layer, m: int, fmt: str, op: str, config: dict | None = None)
     from qerl.kernels import w4a16_triton as W
 
     n, k = layer.n, layer.k
+    if fmt == "nf4-fused":
+        if op != "forward":
+            raise ValueError("nf4-fused is timed forward only")
+        xs = activations(m, k, len(layer.nf4))
+        return time_per_call(lambda i: nf4_triton.fused_matmul(xs[i % len(xs)], layer.nf4[i % len(layer.nf4)]),
+                             max(len(layer.nf4), len(xs), 3))
     if fmt.endswith("-fused"):  # the fused kernel where the default dispatch takes the bf16 path
         fmt = fmt[: -len("-fused")]
         config = dict(config or {}, PATH="fused")
@@ -240,13 +249,15 @@ def moved_bytes(fmt: str, n: int, k: int, m: int) -> int:
 
 def summarize(rows: list[dict], copy_gbps: float) -> str:
     fwd = [r for r in rows if r["op"] == "forward" and r["format"] != "bf16" and r["us"] > 0]
-    fmts = [f for f in ("nvfp4", "mxfp4", "nf4", "nvfp4-fused", "mxfp4-fused") if any(r["format"] == f for r in fwd)]
+    fmts = [f for f in ("nvfp4", "mxfp4", "nf4", "nf4-fused", "nvfp4-fused", "mxfp4-fused") if any(r["format"] == f for r in fwd)]
+    fused_nf4 = "nf4-fused" in fmts
     ms = sorted({r["m"] for r in fwd})
     if not fwd:
         return "\n## w4a16 summary: no forward rows were measured"
     out = ["", "## w4a16 summary: median over shapes of speedup = bf16_us / us (forward)", ""]
-    out.append("| M | " + " | ".join(fmts) + " | nvfp4 vs nf4 | mxfp4 vs nf4 | nvfp4 GB/s (med) | shapes |")
-    out.append("|---|" + "---|" * (len(fmts) + 4))
+    versus = [("nvfp4", "nf4"), ("mxfp4", "nf4")] + ([("nvfp4", "nf4-fused"), ("mxfp4", "nf4-fused")] if fused_nf4 else [])
+    out.append("| M | " + " | ".join(fmts) + "".join(f" | {a} vs {b}" for a, b in versus) + " | nvfp4 GB/s (med) | shapes |")
+    out.append("|---|" + "---|" * (len(fmts) + len(versus) + 2))
     by = {(r["model"], r["layer"], r["m"], r["format"]): r for r in fwd}
     for m in ms:
         cells, n_shapes = [], 0
@@ -254,9 +265,9 @@ def summarize(rows: list[dict], copy_gbps: float) -> str:
             v = [r["speedup"] for r in fwd if r["m"] == m and r["format"] == f]
             n_shapes = max(n_shapes, len(v))
             cells.append(f"{statistics.median(v):.2f}" if v else "-")
-        for f in ("nvfp4", "mxfp4"):
-            v = [by[(a, b, m, "nf4")]["us"] / r["us"] for (a, b, mm, ff), r in by.items()
-                 if mm == m and ff == f and (a, b, m, "nf4") in by]
+        for f, base in versus:
+            v = [by[(a, b, m, base)]["us"] / r["us"] for (a, b, mm, ff), r in by.items()
+                 if mm == m and ff == f and (a, b, m, base) in by]
             cells.append(f"{statistics.median(v):.2f}" if v else "-")
         g = [r["gbps"] for r in fwd if r["m"] == m and r["format"] == "nvfp4"]
         cells.append(f"{statistics.median(g):.0f}" if g else "-")
@@ -288,13 +299,16 @@ def summarize(rows: list[dict], copy_gbps: float) -> str:
         if v:
             out.append(f"{f} M=1 on N*K >= 50M: median {statistics.median(v):.0f} GB/s = {statistics.median(v) / copy_gbps:.0%} of copy bandwidth")
     out += ["", "goals (H100): M<=16 nvfp4 >= 3.0, mxfp4 >= 3.1; M=64 >= 2.0; M=256 >= 1.0; M>=1024 >= 0.85; bwd M=4096 >= 0.85; vs nf4 at M<=16 >= 3"]
+    def vs(f, base):
+        v = [by[(a, b, mm, base)]["us"] / r["us"] for (a, b, mm, ff), r in by.items()
+             if ff == f and mm <= 16 and (a, b, mm, base) in by]
+        return statistics.median(v) if v else float("nan")
+
     for f in ("nvfp4", "mxfp4"):
-        vs_nf4 = [by[(a, b, mm, "nf4")]["us"] / r["us"] for (a, b, mm, ff), r in by.items()
-                  if ff == f and mm <= 16 and (a, b, mm, "nf4") in by]
         out.append(
             f"{f}: M<=16 {med(f, lambda m: m <= 16):.2f} | M=64 {med(f, lambda m: m == 64):.2f} | M=256 {med(f, lambda m: m == 256):.2f}"
             f" | M>=1024 {med(f, lambda m: m >= 1024):.2f} | bwd M=4096 {med(f, lambda m: m == 4096, src=bwd):.2f}"
-            f" | vs nf4 M<=16 {statistics.median(vs_nf4) if vs_nf4 else float('nan'):.2f}")
+            f" | vs nf4 M<=16 {vs(f, 'nf4'):.2f}" + (f" | vs nf4-fused M<=16 {vs(f, 'nf4-fused'):.2f}" if fused_nf4 else ""))
     return "\n".join(out)
 
 
@@ -782,7 +796,7 @@ def main(argv=None) -> int:
                     stopped = True
                     break
                 op, m = ("backward", item[1]) if isinstance(item, tuple) else ("forward", item)
-                fmts = ["bf16"] + [f for f in formats if op == "forward" or f != "nf4"]
+                fmts = ["bf16"] + [f for f in formats if op == "forward" or f not in ("nf4", "nf4-fused")]
                 if m >= DEQUANT_MIN_M:  # default dispatch = bf16 weight + cuBLAS; also time the fused kernel
                     fmts += [f + "-fused" for f in formats if f in ("nvfp4", "mxfp4")]
                 res = {}

@@ -315,6 +315,28 @@ def test_nf4_baseline_dequant_kernel():
         assert _rel(nf4_triton.dequant_matmul(x, t), reference.matmul_ref(x, t, "nf4")) < TOL
 
 
+@pytest.mark.parametrize("dq", (False, True))
+def test_fused_nf4_kernel_decodes_as_the_baseline_and_multiplies_within_tolerance(dq):
+    """nf4_triton.fused_matmul (issue 4's labelled fused NF4 kernel): one-hot rows of x pick columns of W out of
+    the product exactly, so its in-register decode must equal dequant_bf16's weight bit for bit (every column,
+    over several 16-row blocks); on fresh random x (M 1 / 7 / 16 / 40) it matches the fp32 reference within
+    the bf16 GEMMs' tolerance, as the baseline does."""
+    from qerl.kernels import nf4_triton
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    n, k = 192, 768
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    t = quantize_weight(w, "nf4", double_quant=dq)
+    dense = nf4_triton.dequant_bf16(t)
+    eye = torch.eye(k, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(nf4_triton.fused_matmul(eye, t), dense.T.contiguous())
+    for m in (1, 7, 16, 40):
+        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+        want = reference.matmul_ref(x, t, "nf4")
+        assert _rel(nf4_triton.fused_matmul(x, t), want) < TOL
+        assert _rel(nf4_triton.dequant_matmul(x, t), want) < TOL
+
+
 @pytest.mark.parametrize("autocast", (False, True))
 def test_nf4_quantlinear_on_the_gpu_keeps_only_the_packed_weight_for_the_backward(autocast):
     """The QLoRA baseline's layer on the GPU (one Triton dequantisation, cuBLAS, as bitsandbytes runs it):

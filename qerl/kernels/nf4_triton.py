@@ -5,6 +5,13 @@ in one kernel, then cuBLAS". `dequant_bf16` is that first kernel (reads 4.5 bits
 writes 16); the benchmark times it + torch.matmul as the `nf4` baseline, which is a fairer
 opponent than the multi-pass torch dequantisation in `reference.nf4_dequant_matmul` (the CPU
 reference). Not a fused GEMM. Imported only when triton is used.
+
+`fused_matmul` is the other NF4 column of issue 4's report, labelled as such (`nf4-fused` in
+benchmarks/bench_w4a16.py): a plain fused Triton GEMM that decodes NF4 tiles in registers (code
+book lookup, times the block's absmax, rounded to bf16 exactly as `dequant_bf16` rounds) and
+reduces them with tensor-core dots, so the bf16 weight never reaches memory. It is what "a fused
+NF4 kernel, if cheap" costs: one untuned tile config, no split-K, no GEMV path. Nothing routes
+to it; QuantLinear's nf4 stays the dequantise-then-cuBLAS baseline that QLoRA runs.
 """
 
 from __future__ import annotations
@@ -19,6 +26,10 @@ import triton.language as tl
 from qerl.formats import nf4
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRETED:
+    from qerl.kernels.w4a16_triton import _patch_interpreter
+
+    _patch_interpreter()  # numpy >= 2.4 and the interpreter's handling of scalar loop bounds
 
 
 @triton.jit
@@ -33,6 +44,36 @@ def _nf4_dequant_kernel(p_ptr, a_ptr, cb_ptr, o_ptr, n_bytes, BLOCK: tl.constexp
     out = tl.join(lo, hi).reshape(2 * BLOCK)
     offs2 = tl.program_id(0) * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
     tl.store(o_ptr + offs2, out.to(o_ptr.dtype.element_ty), mask=offs2 < 2 * n_bytes)
+
+
+@triton.jit
+def _nf4_fused_kernel(x_ptr, p_ptr, a_ptr, cb_ptr, y_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, INTERPRETED: tl.constexpr):
+    """y[BM rows, BN cols] of x [M, K] @ dequant(W)^T: per BK step, the packed bytes [BN, BK/2] decode to
+    bf16 [BN, BK] (low nibble = even k; absmax per 64 weights of a row) and meet x's [BM, BK] in a dot.
+    The interpreter's dot of bf16 operands is wrong, so there both stay float32 (as in w4a16_triton)."""
+    rm = tl.program_id(1) * BM + tl.arange(0, BM)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    row_ok = rn < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kb = k0 // 2 + tl.arange(0, BK // 2)
+        b = tl.load(p_ptr + rn[:, None] * (K // 2) + kb[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
+        kg = k0 // 64 + tl.arange(0, BK // 64)
+        amax = tl.load(a_ptr + rn[:, None] * (K // 64) + kg[None, :], mask=row_ok[:, None], other=0.0)
+        lo = tl.load(cb_ptr + (b & 0xF))
+        hi = tl.load(cb_ptr + (b >> 4))
+        w = tl.join(lo, hi).reshape(BN, BK // 64, 64) * amax[:, :, None]
+        w = w.reshape(BN, BK)
+        kx = k0 + tl.arange(0, BK)
+        xk = tl.load(x_ptr + rm[:, None] * K + kx[None, :], mask=(rm < M)[:, None], other=0.0)
+        if INTERPRETED:
+            xk = xk.to(tl.float32)
+        else:
+            w = w.to(tl.bfloat16)
+        acc += tl.dot(xk, tl.trans(w))
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm < M)[:, None] & row_ok[None, :])
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,6 +92,27 @@ def dequant_bf16(tensors: dict[str, torch.Tensor], out: torch.Tensor | None = No
     block = 1024
     _nf4_dequant_kernel[(triton.cdiv(packed.numel(), block),)](packed, absmax, cb, o, packed.numel(), BLOCK=block)
     return o
+
+
+# the one config (H100 / H200 are the targets; K of every Qwen2.5 layer is a multiple of 256)
+FUSED_BM, FUSED_BN, FUSED_BK = 16, 64, 256
+
+
+def fused_matmul(x: torch.Tensor, tensors: dict[str, torch.Tensor], absmax: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ dequant(W)^T for bf16 x [M, K] (any M) and NF4 checkpoint tensors of W [N, K], with K a multiple
+    of FUSED_BK, in one fused kernel (module docstring); `absmax` may hand in nf4.absmax_from(tensors) made once
+    (double quantisation otherwise costs a few torch kernels per call)."""
+    packed = tensors["weight_packed"]
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    if x.ndim != 2 or x.shape[1] != k or k % FUSED_BK:
+        raise ValueError(f"fused_matmul takes x [M, {k}] with K a multiple of {FUSED_BK}, got {tuple(x.shape)}")
+    absmax = (nf4.absmax_from(tensors) if absmax is None else absmax).to(torch.float32).contiguous()
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, FUSED_BN), triton.cdiv(x.shape[0], FUSED_BM))
+    _nf4_fused_kernel[grid](x, packed.contiguous(), absmax, _codebook(x.device), y, x.shape[0], n, k,
+                            BM=FUSED_BM, BN=FUSED_BN, BK=FUSED_BK, INTERPRETED=INTERPRETED, num_warps=4, num_stages=3)
+    return y
 
 
 def dequant_matmul(x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:

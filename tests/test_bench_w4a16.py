@@ -1,0 +1,42 @@
+"""benchmarks/bench_w4a16.py's summary on the CPU (the timings themselves need a GPU): with the fused NF4
+kernel's rows (`nf4-fused`) present, the table gets its column and nvfp4 / mxfp4 against it beside the
+dequantise-then-cuBLAS baseline's, and the goal line names both; without them, neither appears."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_w4a16", os.path.join(ROOT, "benchmarks", "bench_w4a16.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rows(with_fused: bool) -> list[dict]:
+    us = {"nvfp4": 10.0, "mxfp4": 12.5, "nf4": 40.0, "nf4-fused": 20.0}
+    rows = []
+    for m in (1, 16):
+        for f, t in us.items():
+            if f == "nf4-fused" and not with_fused:
+                continue
+            rows.append({"model": "7B", "layer": "o", "n": 3584, "k": 3584, "m": m, "format": f, "op": "forward",
+                         "us": t, "bf16_us": 30.0, "speedup": 30.0 / t, "gbps": 1000.0})
+    return rows
+
+
+def test_summary_compares_nvfp4_with_both_nf4_kernels():
+    bench = _bench()
+    text = bench.summarize(_rows(True), copy_gbps=3000.0)
+    header = next(line for line in text.splitlines() if line.startswith("| M |"))
+    assert header == ("| M | nvfp4 | mxfp4 | nf4 | nf4-fused | nvfp4 vs nf4 | mxfp4 vs nf4 | nvfp4 vs nf4-fused | "
+                      "mxfp4 vs nf4-fused | nvfp4 GB/s (med) | shapes |")
+    row1 = next(line for line in text.splitlines() if line.startswith("| 1 |"))
+    assert row1 == "| 1 | 3.00 | 2.40 | 0.75 | 1.50 | 4.00 | 3.20 | 2.00 | 1.60 | 1000 | 1 |"
+    assert "nvfp4: M<=16 3.00" in text and "vs nf4 M<=16 4.00 | vs nf4-fused M<=16 2.00" in text
+    plain = bench.summarize(_rows(False), copy_gbps=3000.0)
+    assert "nf4-fused" not in plain and "| 1 | 3.00 | 2.40 | 0.75 | 4.00 | 3.20 | 1000 | 1 |" in plain
