@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from qerl.formats import quantize_weight  # noqa: E402
+from qerl.formats import nf4, quantize_weight  # noqa: E402
 from qerl.env import switches_prefix  # noqa: E402
 from qerl.kernels import prepare  # noqa: E402
 from qerl.kernels.shapes import M_SWEEP, QWEN25, linear_shapes  # noqa: E402
@@ -53,6 +53,7 @@ except Exception:  # no triton
     DEQUANT_MIN_M, WGMMA_MAX_M = 512, 2048
 
 ROTATE_BYTES = 192 << 20
+NF4_FUSED_CANDS: dict[str, dict] = {}  # --nf4-fused-cands: name -> nf4_triton.fused_matmul config
 MAX_COPIES = 96
 BWD_MS = (256, 1024, 4096)
 KEY_MS = (1, 16, 64, 256, 1024, 4096)
@@ -154,7 +155,7 @@ def write_probe(path: str | None, rows: list, **extra) -> None:
 
 
 def weight_bytes(fmt: str, n: int, k: int) -> int:
-    fmt = fmt.replace("-fused", "")
+    fmt = fmt.split(":")[0].replace("-fused", "")
     return {"bf16": 2 * n * k, "nvfp4": n * k // 2 + n * k // 16 + 4, "mxfp4": n * k // 2 + n * k // 32,
             "nf4": n * k // 2 + n * k // 64 * 4}[fmt]
 
@@ -188,7 +189,7 @@ class Layer:
             if fmt in ("nvfp4", "mxfp4"):
                 st = prepare(fmt, quantize_weight(w, fmt))
                 self.states[fmt] = [st] + [clone_state(st) for _ in range(copies(weight_bytes(fmt, n, k)) - 1)]
-            elif fmt in ("nf4", "nf4-fused") and not self.nf4:
+            elif fmt.split(":")[0] in ("nf4", "nf4-fused") and not self.nf4:
                 t = quantize_weight(w, "nf4")
                 self.nf4 = [t] + [{a: b.clone() for a, b in t.items()} for _ in range(copies(weight_bytes("nf4", n, k)) - 1)]
         del w
@@ -208,11 +209,14 @@ def measure(layer: Layer, m: int, fmt: str, op: str, config: dict | None = None)
     from qerl.kernels import w4a16_triton as W
 
     n, k = layer.n, layer.k
-    if fmt == "nf4-fused":
+    if fmt.split(":")[0] == "nf4-fused":  # "nf4-fused" (FUSED_CONFIG) or "nf4-fused:<name>" (--nf4-fused-cands)
         if op != "forward":
             raise ValueError("nf4-fused is timed forward only")
+        cfg = NF4_FUSED_CANDS.get(fmt.partition(":")[2], {})
         xs = activations(m, k, len(layer.nf4))
-        return time_per_call(lambda i: nf4_triton.fused_matmul(xs[i % len(xs)], layer.nf4[i % len(layer.nf4)]),
+        absmax = [nf4.absmax_from(t).float().contiguous() for t in layer.nf4]
+        return time_per_call(lambda i: nf4_triton.fused_matmul(xs[i % len(xs)], layer.nf4[i % len(layer.nf4)],
+                                                               absmax[i % len(layer.nf4)], cfg),
                              max(len(layer.nf4), len(xs), 3))
     if fmt.endswith("-fused"):  # the fused kernel where the default dispatch takes the bf16 path
         fmt = fmt[: -len("-fused")]
@@ -250,6 +254,7 @@ def moved_bytes(fmt: str, n: int, k: int, m: int) -> int:
 def summarize(rows: list[dict], copy_gbps: float) -> str:
     fwd = [r for r in rows if r["op"] == "forward" and r["format"] != "bf16" and r["us"] > 0]
     fmts = [f for f in ("nvfp4", "mxfp4", "nf4", "nf4-fused", "nvfp4-fused", "mxfp4-fused") if any(r["format"] == f for r in fwd)]
+    fmts += sorted({r["format"] for r in fwd if r["format"].startswith("nf4-fused:")})
     fused_nf4 = "nf4-fused" in fmts
     ms = sorted({r["m"] for r in fwd})
     if not fwd:
@@ -719,6 +724,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cands", default=None, help='only time these configs: JSON [["name", {config} or null], ...]')
     ap.add_argument("--cand-shapes", default="37888x3584,7168x5120,3584x3584", help="NxK,... for --cands")
     ap.add_argument("--cand-ms", default="1,16", help="M values for --cands")
+    ap.add_argument("--nf4-fused-cands", default=None,
+                    help='with nf4-fused in --formats, also time these configs of the fused NF4 kernel as formats '
+                         '"nf4-fused:<name>": JSON [["name", {config}], ...] (keys of nf4_triton.FUSED_CONFIG)')
     ap.add_argument("--time-budget-s", type=float, default=330.0, help="stop starting new work after this")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "w4a16.json"))
     args = ap.parse_args(argv)
@@ -728,6 +736,11 @@ def main(argv=None) -> int:
     ms = [int(v) for v in args.ms.split(",") if v]
     bwd_ms = [int(v) for v in args.bwd_ms.split(",") if v]
     formats = [f for f in args.formats.split(",") if f]
+    if args.nf4_fused_cands:
+        if "nf4-fused" not in formats:
+            raise SystemExit("--nf4-fused-cands needs nf4-fused in --formats")
+        NF4_FUSED_CANDS.update({name: dict(cfg) for name, cfg in json.loads(args.nf4_fused_cands)})
+        formats += [f"nf4-fused:{name}" for name in NF4_FUSED_CANDS]
     if args.quick:
         models, ms, bwd_ms = ["7B"], [1, 16, 64, 256, 4096], [4096]
 
@@ -796,7 +809,7 @@ def main(argv=None) -> int:
                     stopped = True
                     break
                 op, m = ("backward", item[1]) if isinstance(item, tuple) else ("forward", item)
-                fmts = ["bf16"] + [f for f in formats if op == "forward" or f not in ("nf4", "nf4-fused")]
+                fmts = ["bf16"] + [f for f in formats if op == "forward" or not f.startswith("nf4")]
                 if m >= DEQUANT_MIN_M:  # default dispatch = bf16 weight + cuBLAS; also time the fused kernel
                     fmts += [f + "-fused" for f in formats if f in ("nvfp4", "mxfp4")]
                 res = {}

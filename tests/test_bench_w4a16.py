@@ -40,3 +40,18 @@ def test_summary_compares_nvfp4_with_both_nf4_kernels():
     assert "nvfp4: M<=16 3.00" in text and "vs nf4 M<=16 4.00 | vs nf4-fused M<=16 2.00" in text
     plain = bench.summarize(_rows(False), copy_gbps=3000.0)
     assert "nf4-fused" not in plain and "| 1 | 3.00 | 2.40 | 0.75 | 4.00 | 3.20 | 1000 | 1 |" in plain
+
+
+def test_candidate_configs_of_the_fused_nf4_kernel_get_their_own_columns():
+    """--nf4-fused-cands rows ("nf4-fused:<name>") are summarised as columns after the fixed formats, and their
+    weight bytes are nf4's (the GB/s column)."""
+    bench = _bench()
+    rows = _rows(True)
+    for m in (1, 16):
+        rows.append({"model": "7B", "layer": "o", "n": 3584, "k": 3584, "m": m, "format": "nf4-fused:split4",
+                     "op": "forward", "us": 15.0, "bf16_us": 30.0, "speedup": 2.0, "gbps": 1.0})
+    text = bench.summarize(rows, copy_gbps=3000.0)
+    header = next(line for line in text.splitlines() if line.startswith("| M |"))
+    assert header.startswith("| M | nvfp4 | mxfp4 | nf4 | nf4-fused | nf4-fused:split4 | nvfp4 vs nf4 |")
+    assert next(line for line in text.splitlines() if line.startswith("| 16 |")).startswith("| 16 | 3.00 | 2.40 | 0.75 | 1.50 | 2.00 |")
+    assert bench.weight_bytes("nf4-fused:split4", 64, 128) == bench.weight_bytes("nf4", 64, 128) == 64 * 128 // 2 + 64 * 128 // 64 * 4

@@ -1062,39 +1062,59 @@ _NF4_FUSED_SCRIPT = textwrap.dedent(
     from qerl.kernels import nf4_triton, reference
     seed = int(os.environ["SEED"])
     g = torch.Generator().manual_seed(seed)
+    configs = [{}, {"SPLIT": 2}, {"PAIR": True, "SPLIT": 3}, {"AMAX2D": True, "SPLIT": 2}, {"BN": 32, "BK": 128}]
     results = []
     for dq in (False, True):
-        for m, n, k in ((1, 96, 512), (5, 64, 256), (16, 130, 256), (19, 64, 768)):
+        for m, n, k in ((1, 96, 768), (5, 64, 256), (16, 130, 768), (19, 64, 768)):
             w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
             t = quantize_weight(w, "nf4", double_quant=dq)
             x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-            y = nf4_triton.fused_matmul(x, t)
             want = reference.matmul_ref(x, t, "nf4")
-            rel = ((y.float() - want).norm() / want.norm()).item()
-            results.append(dict(dq=dq, m=m, n=n, k=k, rel=rel, shape=list(y.shape), dtype=str(y.dtype)))
-    try:
-        nf4_triton.fused_matmul(torch.zeros(2, 200).to(torch.bfloat16), quantize_weight(torch.randn(64, 256), "nf4"))
-        results.append(dict(error=None))
-    except ValueError as e:
-        results.append(dict(error=str(e)))
+            for cfg in configs if m in (1, 19) else configs[:1]:
+                if k // cfg.get("BK", 256) < cfg.get("SPLIT", 1):
+                    continue
+                y = nf4_triton.fused_matmul(x, t, config=cfg)
+                rel = ((y.float() - want).norm() / want.norm()).item()
+                results.append(dict(dq=dq, m=m, n=n, k=k, cfg=cfg, rel=rel, shape=list(y.shape), dtype=str(y.dtype)))
+            # one-hot rows pick W's columns out exactly; with SPLIT > 1 the output is rounded to bf16 by torch
+            # (the interpreter's own bf16 cast truncates), so the decode must equal the reference bit for bit
+            eye = torch.eye(k).to(torch.bfloat16)
+            dense_t = reference.dequant("nf4", t, torch.bfloat16).T.contiguous()
+            for cfg in configs[1:4]:
+                if k // 256 < cfg["SPLIT"] or m != 1:
+                    continue
+                results.append(dict(dq=dq, n=n, k=k, cfg=cfg, exact=torch.equal(nf4_triton.fused_matmul(eye, t, config=cfg), dense_t)))
+    errors = []
+    for bad_x, cfg in ((torch.zeros(2, 200), {}), (torch.zeros(2, 256), {"SPLIT": 2}), (torch.zeros(2, 256), {"TILE": 1})):
+        try:
+            nf4_triton.fused_matmul(bad_x.to(torch.bfloat16), quantize_weight(torch.randn(64, 256), "nf4"), config=cfg)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    results.append(dict(errors=errors))
     print("RESULTS" + json.dumps(results))
     """
 )
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0])
 def test_fused_nf4_kernel_under_interpreter(seed):
-    """nf4_triton.fused_matmul (issue 4's labelled fused NF4 kernel, benchmarks only): x @ dequant(W)^T against the
-    fp32 reference on fresh random weights and inputs, absmax and double-quant, M below / at / past one 16-row
-    block, N past a partial 64-row block, K over one and several 256 steps (the interpreter's bf16 cast
-    truncates, so the weight differs from the GPU's by up to one bf16 ulp: a tolerance, not equality; the GPU
-    test compares exactly); and a K that is not a multiple of 256 is a clear error."""
+    """nf4_triton.fused_matmul (issue 4's labelled fused NF4 kernel, benchmarks only), in every config the bench
+    can time (split-K, the paired code book table, the 2-D absmax gather, smaller tiles): x @ dequant(W)^T against
+    the fp32 reference on fresh random weights and inputs, absmax and double-quant, M below / at / past one
+    16-row block, N past a partial block, K over several steps (the interpreter's bf16 cast truncates: a
+    tolerance); one-hot rows of x give the reference's bf16 weight bit for bit through the split-K path (torch
+    rounds its output); a K off the step, a SPLIT past the steps and an unknown key are clear errors."""
     from interpreted import run_interpreted
 
-    results = run_interpreted(_NF4_FUSED_SCRIPT, seed)
-    *cases, err = results
-    assert len(cases) == 8
-    for r in cases:
+    results = run_interpreted(_NF4_FUSED_SCRIPT, seed, timeout=600)
+    *cases, errs = results
+    products = [r for r in cases if "rel" in r]
+    decodes = [r for r in cases if "exact" in r]
+    assert len(products) == 24 and len(decodes) == 6
+    for r in products:
         assert r["shape"] == [r["m"], r["n"]] and r["dtype"] == "torch.bfloat16", r
         assert r["rel"] < 1e-2, r
-    assert err["error"] and "multiple of 256" in err["error"]
+    assert all(r["exact"] for r in decodes), [r for r in decodes if not r["exact"]]
+    bad_k, bad_split, bad_key = errs["errors"]
+    assert "multiple of BK = 256" in bad_k and "SPLIT must be 1..1" in bad_split and "TILE" in bad_key

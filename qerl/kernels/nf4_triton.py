@@ -47,24 +47,40 @@ def _nf4_dequant_kernel(p_ptr, a_ptr, cb_ptr, o_ptr, n_bytes, BLOCK: tl.constexp
 
 
 @triton.jit
-def _nf4_fused_kernel(x_ptr, p_ptr, a_ptr, cb_ptr, y_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, INTERPRETED: tl.constexpr):
+def _nf4_fused_kernel(x_ptr, p_ptr, a_ptr, cb_ptr, pair_ptr, y_ptr, M, N, K, STEPS, BM: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, PAIR: tl.constexpr,
+                      AMAX2D: tl.constexpr, INTERPRETED: tl.constexpr):
     """y[BM rows, BN cols] of x [M, K] @ dequant(W)^T: per BK step, the packed bytes [BN, BK/2] decode to
     bf16 [BN, BK] (low nibble = even k; absmax per 64 weights of a row) and meet x's [BM, BK] in a dot.
-    The interpreter's dot of bf16 operands is wrong, so there both stay float32 (as in w4a16_triton)."""
+    SPLIT > 1: program axis 2 takes its share of the STEPS = K / BK steps and writes fp32 partials to
+    y_ptr [SPLIT, M, N]. PAIR: one 8-byte load per packed byte from a 256-entry table of both nibbles'
+    fp32 code book values (pair_ptr) instead of two 4-byte loads. AMAX2D: the absmax gathered as
+    [BN, BK] by k // 64 instead of [BN, BK/64] and a 3-D reshape. The interpreter's dot of bf16
+    operands is wrong, so there both stay float32 (as in w4a16_triton)."""
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rn < N
+    s = tl.program_id(2)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for step in range(s * STEPS // SPLIT, (s + 1) * STEPS // SPLIT):
+        k0 = step * BK
         kb = k0 // 2 + tl.arange(0, BK // 2)
         b = tl.load(p_ptr + rn[:, None] * (K // 2) + kb[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
-        kg = k0 // 64 + tl.arange(0, BK // 64)
-        amax = tl.load(a_ptr + rn[:, None] * (K // 64) + kg[None, :], mask=row_ok[:, None], other=0.0)
-        lo = tl.load(cb_ptr + (b & 0xF))
-        hi = tl.load(cb_ptr + (b >> 4))
-        w = tl.join(lo, hi).reshape(BN, BK // 64, 64) * amax[:, :, None]
-        w = w.reshape(BN, BK)
+        if PAIR:
+            v = tl.load(pair_ptr + b)
+            lo = (v & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+            hi = ((v >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        else:
+            lo = tl.load(cb_ptr + (b & 0xF))
+            hi = tl.load(cb_ptr + (b >> 4))
+        if AMAX2D:
+            kw = k0 + tl.arange(0, BK)
+            amax = tl.load(a_ptr + rn[:, None] * (K // 64) + kw[None, :] // 64, mask=row_ok[:, None], other=0.0)
+            w = tl.join(lo, hi).reshape(BN, BK) * amax
+        else:
+            kg = k0 // 64 + tl.arange(0, BK // 64)
+            amax = tl.load(a_ptr + rn[:, None] * (K // 64) + kg[None, :], mask=row_ok[:, None], other=0.0)
+            w = (tl.join(lo, hi).reshape(BN, BK // 64, 64) * amax[:, :, None]).reshape(BN, BK)
         kx = k0 + tl.arange(0, BK)
         xk = tl.load(x_ptr + rm[:, None] * K + kx[None, :], mask=(rm < M)[:, None], other=0.0)
         if INTERPRETED:
@@ -72,8 +88,17 @@ def _nf4_fused_kernel(x_ptr, p_ptr, a_ptr, cb_ptr, y_ptr, M, N, K, BM: tl.conste
         else:
             w = w.to(tl.bfloat16)
         acc += tl.dot(xk, tl.trans(w))
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm < M)[:, None] & row_ok[None, :])
+    out = y_ptr + s * M * N + rm[:, None] * N + rn[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None] & row_ok[None, :])
+
+
+@functools.lru_cache(maxsize=None)
+def _pair_table(device: torch.device) -> torch.Tensor:
+    """[256] int64: byte b -> fp32 bits of code book[b & 15] (low word) and of code book[b >> 4] (high word)."""
+    bits = nf4.codebook(torch.device("cpu")).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    b = torch.arange(256)
+    with torch.inference_mode(False):
+        return (bits[b & 15] | (bits[b >> 4] << 32)).to(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,25 +119,41 @@ def dequant_bf16(tensors: dict[str, torch.Tensor], out: torch.Tensor | None = No
     return o
 
 
-# the one config (H100 / H200 are the targets; K of every Qwen2.5 layer is a multiple of 256)
-FUSED_BM, FUSED_BN, FUSED_BK = 16, 64, 256
+# the default config (H100 / H200 are the targets; K of every Qwen2.5 layer is a multiple of 256); `config`
+# overrides any of these (benchmarks/bench_w4a16.py --nf4-fused-cands times them)
+FUSED_CONFIG = {"BN": 64, "BK": 256, "SPLIT": 1, "PAIR": False, "AMAX2D": False, "num_warps": 4, "num_stages": 3}
+FUSED_BM = 16
 
 
-def fused_matmul(x: torch.Tensor, tensors: dict[str, torch.Tensor], absmax: torch.Tensor | None = None) -> torch.Tensor:
+def fused_matmul(x: torch.Tensor, tensors: dict[str, torch.Tensor], absmax: torch.Tensor | None = None,
+                 config: dict | None = None) -> torch.Tensor:
     """y = x @ dequant(W)^T for bf16 x [M, K] (any M) and NF4 checkpoint tensors of W [N, K], with K a multiple
-    of FUSED_BK, in one fused kernel (module docstring); `absmax` may hand in nf4.absmax_from(tensors) made once
-    (double quantisation otherwise costs a few torch kernels per call)."""
+    of the config's BK, in one fused kernel (module docstring; with SPLIT > 1 a torch sum of the fp32 partials
+    follows); `absmax` may hand in nf4.absmax_from(tensors) made once (double quantisation otherwise costs a few
+    torch kernels per call); `config` overrides FUSED_CONFIG's keys."""
+    cfg = dict(FUSED_CONFIG, **(config or {}))
+    unknown = set(cfg) - set(FUSED_CONFIG)
+    if unknown:
+        raise ValueError(f"fused_matmul config keys are {', '.join(FUSED_CONFIG)}; got {', '.join(sorted(unknown))}")
     packed = tensors["weight_packed"]
     n, k = packed.shape[0], 2 * packed.shape[1]
-    if x.ndim != 2 or x.shape[1] != k or k % FUSED_BK:
-        raise ValueError(f"fused_matmul takes x [M, {k}] with K a multiple of {FUSED_BK}, got {tuple(x.shape)}")
+    bk, split = int(cfg["BK"]), int(cfg["SPLIT"])
+    if x.ndim != 2 or x.shape[1] != k or k % bk or bk % 64:
+        raise ValueError(f"fused_matmul takes x [M, {k}] with K a multiple of BK = {bk} (itself of 64), got {tuple(x.shape)}")
+    steps = k // bk
+    if not 1 <= split <= steps:
+        raise ValueError(f"fused_matmul's SPLIT must be 1..{steps} (K / BK) here, got {split}")
     absmax = (nf4.absmax_from(tensors) if absmax is None else absmax).to(torch.float32).contiguous()
     x = x.contiguous()
-    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, FUSED_BN), triton.cdiv(x.shape[0], FUSED_BM))
-    _nf4_fused_kernel[grid](x, packed.contiguous(), absmax, _codebook(x.device), y, x.shape[0], n, k,
-                            BM=FUSED_BM, BN=FUSED_BN, BK=FUSED_BK, INTERPRETED=INTERPRETED, num_warps=4, num_stages=3)
-    return y
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if split == 1 else \
+        torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, int(cfg["BN"])), triton.cdiv(m, FUSED_BM), split)
+    _nf4_fused_kernel[grid](x, packed.contiguous(), absmax, _codebook(x.device), _pair_table(x.device), y, m, n, k,
+                            steps, BM=FUSED_BM, BN=int(cfg["BN"]), BK=bk, SPLIT=split, PAIR=bool(cfg["PAIR"]),
+                            AMAX2D=bool(cfg["AMAX2D"]), INTERPRETED=INTERPRETED, num_warps=int(cfg["num_warps"]),
+                            num_stages=int(cfg["num_stages"]))
+    return y if split == 1 else y.sum(0).to(x.dtype)
 
 
 def dequant_matmul(x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
