@@ -8,9 +8,10 @@ For every linear layer of Qwen2.5-3B/7B/14B/32B-Instruct (q/k/v fused, o, gate/u
 down) and M in 1..4096, in one process: bf16 `x @ W^T` (cuBLAS), nvfp4 and mxfp4 through the
 fused kernels, and the QLoRA baseline nf4 = one-pass NF4 -> bf16 dequantisation kernel (as
 bitsandbytes does) + cuBLAS; forward, plus backward (grad_x = grad_y @ W) at M in 256/1024/4096.
-`--formats ...,nf4-fused` adds the fused NF4 kernel (nf4_triton.fused_matmul, one untuned config: what
+`--formats ...,nf4-fused` adds the fused NF4 kernel (nf4_triton.fused_matmul in its FUSED_CONFIG: what
 "a fused NF4 kernel, if cheap" costs), forward only, labelled apart from the baseline; the summary
-then also gives nvfp4 / mxfp4 against it.
+then also gives nvfp4 / mxfp4 against it. `--nf4-fused-cands` adds named configs of it as
+`nf4-fused:<name>` columns.
 
 Timing (benchmarks/NOTES_w4a16.md has the details): fresh random data (never zeros); each
 format gets enough copies of its weight (and of x) that one sweep over them moves >= 192 MB,
@@ -154,8 +155,13 @@ def write_probe(path: str | None, rows: list, **extra) -> None:
 # --------------------------------------------------------------------------- weights
 
 
+def _kernel(fmt: str) -> str:
+    """A format column without its --nf4-fused-cands config name ("nf4-fused:split4" -> "nf4-fused")."""
+    return fmt.partition(":")[0]
+
+
 def weight_bytes(fmt: str, n: int, k: int) -> int:
-    fmt = fmt.split(":")[0].replace("-fused", "")
+    fmt = _kernel(fmt).replace("-fused", "")
     return {"bf16": 2 * n * k, "nvfp4": n * k // 2 + n * k // 16 + 4, "mxfp4": n * k // 2 + n * k // 32,
             "nf4": n * k // 2 + n * k // 64 * 4}[fmt]
 
@@ -189,7 +195,7 @@ class Layer:
             if fmt in ("nvfp4", "mxfp4"):
                 st = prepare(fmt, quantize_weight(w, fmt))
                 self.states[fmt] = [st] + [clone_state(st) for _ in range(copies(weight_bytes(fmt, n, k)) - 1)]
-            elif fmt.split(":")[0] in ("nf4", "nf4-fused") and not self.nf4:
+            elif _kernel(fmt) in ("nf4", "nf4-fused") and not self.nf4:
                 t = quantize_weight(w, "nf4")
                 self.nf4 = [t] + [{a: b.clone() for a, b in t.items()} for _ in range(copies(weight_bytes("nf4", n, k)) - 1)]
         del w
@@ -209,7 +215,7 @@ def measure(layer: Layer, m: int, fmt: str, op: str, config: dict | None = None)
     from qerl.kernels import w4a16_triton as W
 
     n, k = layer.n, layer.k
-    if fmt.split(":")[0] == "nf4-fused":  # "nf4-fused" (FUSED_CONFIG) or "nf4-fused:<name>" (--nf4-fused-cands)
+    if _kernel(fmt) == "nf4-fused":  # "nf4-fused" (FUSED_CONFIG) or "nf4-fused:<name>" (--nf4-fused-cands)
         if op != "forward":
             raise ValueError("nf4-fused is timed forward only")
         cfg = NF4_FUSED_CANDS.get(fmt.partition(":")[2], {})
@@ -264,6 +270,13 @@ def summarize(rows: list[dict], copy_gbps: float) -> str:
     out.append("| M | " + " | ".join(fmts) + "".join(f" | {a} vs {b}" for a, b in versus) + " | nvfp4 GB/s (med) | shapes |")
     out.append("|---|" + "---|" * (len(fmts) + len(versus) + 2))
     by = {(r["model"], r["layer"], r["m"], r["format"]): r for r in fwd}
+
+    def vs(f, base, pred):
+        """Median over shapes of base us / f us, at the M values `pred` accepts (nan without a pair)."""
+        v = [by[(a, b, mm, base)]["us"] / r["us"] for (a, b, mm, ff), r in by.items()
+             if ff == f and pred(mm) and (a, b, mm, base) in by]
+        return statistics.median(v) if v else float("nan")
+
     for m in ms:
         cells, n_shapes = [], 0
         for f in fmts:
@@ -271,9 +284,8 @@ def summarize(rows: list[dict], copy_gbps: float) -> str:
             n_shapes = max(n_shapes, len(v))
             cells.append(f"{statistics.median(v):.2f}" if v else "-")
         for f, base in versus:
-            v = [by[(a, b, m, base)]["us"] / r["us"] for (a, b, mm, ff), r in by.items()
-                 if mm == m and ff == f and (a, b, m, base) in by]
-            cells.append(f"{statistics.median(v):.2f}" if v else "-")
+            v = vs(f, base, lambda mm, m=m: mm == m)
+            cells.append("-" if math.isnan(v) else f"{v:.2f}")
         g = [r["gbps"] for r in fwd if r["m"] == m and r["format"] == "nvfp4"]
         cells.append(f"{statistics.median(g):.0f}" if g else "-")
         out.append(f"| {m} | " + " | ".join(cells) + f" | {n_shapes} |")
@@ -304,16 +316,12 @@ def summarize(rows: list[dict], copy_gbps: float) -> str:
         if v:
             out.append(f"{f} M=1 on N*K >= 50M: median {statistics.median(v):.0f} GB/s = {statistics.median(v) / copy_gbps:.0%} of copy bandwidth")
     out += ["", "goals (H100): M<=16 nvfp4 >= 3.0, mxfp4 >= 3.1; M=64 >= 2.0; M=256 >= 1.0; M>=1024 >= 0.85; bwd M=4096 >= 0.85; vs nf4 at M<=16 >= 3"]
-    def vs(f, base):
-        v = [by[(a, b, mm, base)]["us"] / r["us"] for (a, b, mm, ff), r in by.items()
-             if ff == f and mm <= 16 and (a, b, mm, base) in by]
-        return statistics.median(v) if v else float("nan")
-
     for f in ("nvfp4", "mxfp4"):
         out.append(
             f"{f}: M<=16 {med(f, lambda m: m <= 16):.2f} | M=64 {med(f, lambda m: m == 64):.2f} | M=256 {med(f, lambda m: m == 256):.2f}"
             f" | M>=1024 {med(f, lambda m: m >= 1024):.2f} | bwd M=4096 {med(f, lambda m: m == 4096, src=bwd):.2f}"
-            f" | vs nf4 M<=16 {vs(f, 'nf4'):.2f}" + (f" | vs nf4-fused M<=16 {vs(f, 'nf4-fused'):.2f}" if fused_nf4 else ""))
+            f" | vs nf4 M<=16 {vs(f, 'nf4', lambda mm: mm <= 16):.2f}"
+            + (f" | vs nf4-fused M<=16 {vs(f, 'nf4-fused', lambda mm: mm <= 16):.2f}" if fused_nf4 else ""))
     return "\n".join(out)
 
 

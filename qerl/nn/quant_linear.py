@@ -63,11 +63,11 @@ _BUFFER_SPECS = {
 
 class DequantLinear(torch.autograd.Function):
     """y = x W^T + b for a frozen weight that `dequant(dtype)` rebuilds as a transient dense tensor (in
-    x's dtype) in the forward and again in the backward, as bitsandbytes' MatMul4Bit runs QLoRA. Autograd keeps no dense
-    copy: a plain F.linear on the dequantised weight would save it for the input gradient, so every
-    decoder layer that trains without activation checkpointing would hold its whole weight in bf16
-    until the backward (0.57 GiB a layer at 14B), which the checkpoint plan's per-token probe
-    cannot see. Under autocast the forward runs as F.linear would (bf16), and the backward repeats
+    x's dtype) in the forward and again in the backward, as bitsandbytes' MatMul4Bit runs QLoRA.
+    Autograd keeps no dense copy: a plain F.linear on the dequantised weight would save it for the
+    input gradient, so every decoder layer that trains without activation checkpointing would hold
+    its whole weight in bf16 until the backward (0.57 GiB a layer at 14B), which the checkpoint
+    plan's per-token probe cannot see. Under autocast the forward runs as F.linear would (bf16), and the backward repeats
     its product in the output's dtype. The weight gets no gradient (frozen); the bias does if it asks."""
 
     @staticmethod
