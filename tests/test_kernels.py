@@ -1058,34 +1058,37 @@ def test_scale_bits_exact_flag():
 _NF4_FUSED_SCRIPT = textwrap.dedent(
     """
     import json, os, torch
-    from qerl.formats import quantize_weight
+    from qerl.formats import quantize_weight, nf4
     from qerl.kernels import nf4_triton, reference
     seed = int(os.environ["SEED"])
     g = torch.Generator().manual_seed(seed)
-    configs = [{}, {"SPLIT": 2}, {"PAIR": True, "SPLIT": 3}, {"AMAX2D": True, "SPLIT": 2}, {"BN": 32, "BK": 128}]
+    configs = [{}, {"SPLIT": 2}, {"BN": 32, "BK": 128, "SPLIT": 3}, {"DECODE": "table"}, {"DECODE": "table", "SPLIT": 2},
+               {"BN": 16, "SPLIT": 8}]
     results = []
     for dq in (False, True):
-        for m, n, k in ((1, 96, 768), (5, 64, 256), (16, 130, 768), (19, 64, 768)):
+        for m, n, k in ((1, 96, 768), (5, 64, 256), (16, 130, 768), (19, 64, 768), (70, 48, 256)):
             w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
             t = quantize_weight(w, "nf4", double_quant=dq)
             x = torch.randn(m, k, generator=g).to(torch.bfloat16)
             want = reference.matmul_ref(x, t, "nf4")
             for cfg in configs if m in (1, 19) else configs[:1]:
-                if k // cfg.get("BK", 256) < cfg.get("SPLIT", 1):
-                    continue
                 y = nf4_triton.fused_matmul(x, t, config=cfg)
                 rel = ((y.float() - want).norm() / want.norm()).item()
                 results.append(dict(dq=dq, m=m, n=n, k=k, cfg=cfg, rel=rel, shape=list(y.shape), dtype=str(y.dtype)))
-            # one-hot rows pick W's columns out exactly; with SPLIT > 1 the output is rounded to bf16 by torch
-            # (the interpreter's own bf16 cast truncates), so the decode must equal the reference bit for bit
+            if m != 1:
+                continue
+            # one-hot rows pick W's columns out exactly. DECODE "prmt" (its interpreter stand-in) must give
+            # bf16(code) * bf16(absmax) bit for bit; "table" the reference's bf16 weight, checked through the
+            # split-K path (torch rounds its output; the interpreter's own bf16 cast truncates)
             eye = torch.eye(k).to(torch.bfloat16)
-            dense_t = reference.dequant("nf4", t, torch.bfloat16).T.contiguous()
-            for cfg in configs[1:4]:
-                if k // 256 < cfg["SPLIT"] or m != 1:
-                    continue
-                results.append(dict(dq=dq, n=n, k=k, cfg=cfg, exact=torch.equal(nf4_triton.fused_matmul(eye, t, config=cfg), dense_t)))
+            wants = {"prmt": nf4.dequantize_bf16_products(t).T.contiguous(),
+                     "table": reference.dequant("nf4", t, torch.bfloat16).T.contiguous()}
+            for cfg in configs[:3] + configs[4:]:
+                y = nf4_triton.fused_matmul(eye, t, config=cfg)
+                results.append(dict(dq=dq, n=n, k=k, cfg=cfg, exact=torch.equal(y, wants[cfg.get("DECODE", "prmt")])))
     errors = []
-    for bad_x, cfg in ((torch.zeros(2, 200), {}), (torch.zeros(2, 256), {"SPLIT": 2}), (torch.zeros(2, 256), {"TILE": 1})):
+    for bad_x, cfg in ((torch.zeros(2, 200), {}), (torch.zeros(2, 256), {"SPLIT": 0}), (torch.zeros(2, 256), {"TILE": 1}),
+                       (torch.zeros(2, 256), {"DECODE": "lut"})):
         try:
             nf4_triton.fused_matmul(bad_x.to(torch.bfloat16), quantize_weight(torch.randn(64, 256), "nf4"), config=cfg)
             errors.append(None)
@@ -1099,22 +1102,94 @@ _NF4_FUSED_SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("seed", [0])
 def test_fused_nf4_kernel_under_interpreter(seed):
-    """nf4_triton.fused_matmul (issue 4's labelled fused NF4 kernel, benchmarks only), in every config the bench
-    can time (split-K, the paired code book table, the 2-D absmax gather, smaller tiles): x @ dequant(W)^T against
-    the fp32 reference on fresh random weights and inputs, absmax and double-quant, M below / at / past one
-    16-row block, N past a partial block, K over several steps (the interpreter's bf16 cast truncates: a
-    tolerance); one-hot rows of x give the reference's bf16 weight bit for bit through the split-K path (torch
-    rounds its output); a K off the step, a SPLIT past the steps and an unknown key are clear errors."""
+    """nf4_triton.fused_matmul (issue 4's labelled fused NF4 kernel, benchmarks only), in both decodes and the
+    configs the bench times (split-K, capped at K / BK steps; smaller tiles): x @ dequant(W)^T against the fp32 reference on fresh random
+    weights and inputs, absmax and double-quant, M below / at / past one 16-row block and past one 64-row block
+    (the rows per program grow with M), N past a partial block, K
+    over several steps (the interpreter's bf16 cast truncates: a tolerance); one-hot rows of x give each decode's
+    bf16 weight bit for bit (the register decode's word order and joins; split-K); a K off the step, a SPLIT past
+    the steps, an unknown key and an unknown decode are clear errors."""
     from interpreted import run_interpreted
 
     results = run_interpreted(_NF4_FUSED_SCRIPT, seed, timeout=600)
     *cases, errs = results
     products = [r for r in cases if "rel" in r]
     decodes = [r for r in cases if "exact" in r]
-    assert len(products) == 24 and len(decodes) == 6
+    assert len(products) == 30 and len(decodes) == 10
     for r in products:
         assert r["shape"] == [r["m"], r["n"]] and r["dtype"] == "torch.bfloat16", r
         assert r["rel"] < 1e-2, r
     assert all(r["exact"] for r in decodes), [r for r in decodes if not r["exact"]]
-    bad_k, bad_split, bad_key = errs["errors"]
-    assert "multiple of BK = 256" in bad_k and "SPLIT must be 1..1" in bad_split and "TILE" in bad_key
+    bad_k, bad_split, bad_key, bad_decode = errs["errors"]
+    assert "multiple of BK = 256" in bad_k and "SPLIT must be at least 1" in bad_split and "TILE" in bad_key
+    assert "DECODE is one of prmt, table" in bad_decode
+
+
+def _run_ptx(asm: str, inputs: dict[int, int]) -> dict[int, int]:
+    """A small interpreter for the straight-line PTX that nf4_triton.PRMT_ASM uses (mov, and, shr, lop3, prmt in
+    its default mode, mul.rn.bf16x2); $i operands from `inputs`, returns every $i written."""
+    regs: dict[str, int] = {f"${i}": v for i, v in inputs.items()}
+
+    def val(op: str) -> int:
+        return int(op, 0) & 0xFFFFFFFF if op[0].isdigit() else regs[op]
+
+    def bf16_mul(a: int, b: int) -> int:
+        t = torch.tensor([a, b], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        return int((t[0] * t[1]).view(torch.int16).item()) & 0xFFFF
+
+    for line in asm.strip().strip("{}").strip().splitlines():
+        op, _, rest = line.rstrip(";").partition(" ")
+        if op.startswith(".reg"):
+            continue
+        d, *src = [x.strip() for x in rest.split(",")]
+        v = [val(x) for x in src]
+        if op == "mov.b32":
+            r = v[0]
+        elif op == "and.b32":
+            r = v[0] & v[1]
+        elif op == "shr.u32":
+            r = v[0] >> v[1]
+        elif op == "lop3.b32":
+            r = sum(((v[3] >> (((v[0] >> i & 1) << 2) | ((v[1] >> i & 1) << 1) | (v[2] >> i & 1))) & 1) << i
+                    for i in range(32))
+        elif op == "prmt.b32":
+            src64, r = v[0] | (v[1] << 32), 0
+            for i in range(4):
+                sel = (v[2] >> (4 * i)) & 0xF
+                byte = (src64 >> (8 * (sel & 7))) & 0xFF
+                if sel & 8:
+                    byte = 0xFF if byte & 0x80 else 0
+                r |= byte << (8 * i)
+        elif op == "mul.rn.bf16x2":
+            r = bf16_mul(v[0] & 0xFFFF, v[1] & 0xFFFF) | (bf16_mul(v[0] >> 16, v[1] >> 16) << 16)
+        else:
+            raise AssertionError(f"unexpected PTX: {line}")
+        regs[d] = r & 0xFFFFFFFF
+    return {int(k[1:]): v for k, v in regs.items() if k.startswith("$") and int(k[1:]) < 4}
+
+
+def test_nf4_register_decode_ptx_gives_each_code_times_the_absmax_in_bf16():
+    """The inline PTX of the fused NF4 kernel's register decode (GPU only), run by a small interpreter of its
+    instructions: for words holding every code at every one of the 8 positions and random words, with random
+    absmax values, output word j holds weights 2j and 2j + 1 as bf16(code) * bf16(absmax) bit for bit (as
+    nf4.dequantize_bf16_products forms them), and no output is written before the last read of an input."""
+    from qerl.formats import nf4
+    from qerl.kernels import nf4_triton
+
+    g = torch.Generator().manual_seed(5)
+    words = [sum(((v + p) % 16) << (4 * p) for p in range(8)) for v in range(16)]
+    words += torch.randint(0, 2**32, (48,), generator=g, dtype=torch.int64).tolist()
+    amax = (torch.rand(len(words), generator=g) * 0.1 + 1e-4).to(torch.bfloat16)
+    cb = nf4.codebook().to(torch.bfloat16)
+    asm = nf4_triton.PRMT_ASM
+    body = asm.splitlines()
+    outs = [i for i, ln in enumerate(body) if ln.partition(" ")[2].startswith(("$0", "$1", "$2", "$3"))]
+    ins = [i for i, ln in enumerate(body) if "$4" in ln or "$5" in ln]
+    assert len(outs) == 4 and min(outs) > max(ins)
+    for w, a in zip(words, amax):
+        s2 = int(a.view(torch.int16).item()) & 0xFFFF
+        out = _run_ptx(asm, {4: w, 5: s2 | (s2 << 16)})
+        for t in range(8):
+            want = int((cb[(w >> (4 * t)) & 0xF] * a).view(torch.int16).item()) & 0xFFFF
+            got = (out[t // 2] >> (16 * (t % 2))) & 0xFFFF
+            assert got == want, (hex(w), t, hex(got), hex(want))

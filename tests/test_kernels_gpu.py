@@ -316,25 +316,57 @@ def test_nf4_baseline_dequant_kernel():
 
 
 @pytest.mark.parametrize("dq", (False, True))
-def test_fused_nf4_kernel_decodes_as_the_baseline_and_multiplies_within_tolerance(dq):
+@pytest.mark.parametrize("decode", ("prmt", "table"))
+def test_fused_nf4_kernel_decodes_as_it_says_and_multiplies_within_tolerance(dq, decode):
     """nf4_triton.fused_matmul (issue 4's labelled fused NF4 kernel): one-hot rows of x pick columns of W out of
-    the product exactly, so its in-register decode must equal dequant_bf16's weight bit for bit (every column,
-    over several 16-row blocks); on fresh random x (M 1 / 7 / 16 / 40) it matches the fp32 reference within
-    the bf16 GEMMs' tolerance, as the baseline does."""
+    the product exactly, so the decode must give, bit for bit over several 16-row blocks and with split-K too,
+    bf16(code) * bf16(absmax) for the register decode (inline PTX: bitsandbytes' GEMV rounding) and
+    dequant_bf16's weight for the code book table; on fresh random x (M 1 / 7 / 16 / 40) both match the fp32
+    reference within the bf16 GEMMs' tolerance, as the baseline does."""
+    from qerl.formats import nf4
     from qerl.kernels import nf4_triton
 
     g = torch.Generator(device="cuda").manual_seed(11)
     n, k = 192, 768
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
     t = quantize_weight(w, "nf4", double_quant=dq)
-    dense = nf4_triton.dequant_bf16(t)
+    dense = nf4.dequantize_bf16_products(t) if decode == "prmt" else nf4_triton.dequant_bf16(t)
     eye = torch.eye(k, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(nf4_triton.fused_matmul(eye, t), dense.T.contiguous())
+    for cfg in ({}, {"BN": 64, "SPLIT": 1}, {"BN": 16, "SPLIT": 8}):
+        assert torch.equal(nf4_triton.fused_matmul(eye, t, config=dict(cfg, DECODE=decode)), dense.T.contiguous())
     for m in (1, 7, 16, 40):
         x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
         want = reference.matmul_ref(x, t, "nf4")
-        assert _rel(nf4_triton.fused_matmul(x, t), want) < TOL
+        assert _rel(nf4_triton.fused_matmul(x, t, config={"DECODE": decode}), want) < TOL
         assert _rel(nf4_triton.dequant_matmul(x, t), want) < TOL
+
+
+def test_nf4_quantlinear_takes_the_fused_kernel_only_where_asked(monkeypatch):
+    """QERL_NF4_FUSED_MAX_M (quant_linear.NF4_FUSED_MAX_M): an nf4 layer sends bf16 inference calls of at most that
+    many rows to the fused NF4 kernel (bit-equal to fused_matmul plus the bias); more rows, an input that needs
+    a gradient, or the default 0 keep the QLoRA baseline (bit-equal to F.linear on dequant_bf16's weight)."""
+    import torch.nn.functional as F
+
+    from qerl.kernels import nf4_triton
+    from qerl.nn import QuantLinear, quant_linear
+
+    lin = torch.nn.Linear(1024, 768, bias=True).to(torch.bfloat16)
+    q = QuantLinear.from_linear(lin, "nf4").cuda()
+    t = q.quant_tensors()
+    bias = q.bias.to(torch.bfloat16)
+    x = torch.randn(2, 3, 1024, device="cuda").to(torch.bfloat16)
+    wide = torch.randn(5, 8, 1024, device="cuda").to(torch.bfloat16)
+    fused = nf4_triton.fused_matmul(x.reshape(6, 1024), t).reshape(2, 3, 768) + bias
+    baseline = F.linear(x, nf4_triton.dequant_bf16(t), bias)
+    assert not torch.equal(fused, baseline)  # the two roundings differ, so each check below can tell them apart
+    monkeypatch.setattr(quant_linear, "NF4_FUSED_MAX_M", 16)
+    with torch.no_grad():
+        assert torch.equal(q(x), fused)
+        assert torch.equal(q(wide), F.linear(wide, nf4_triton.dequant_bf16(t), bias))
+    assert torch.equal(q(x.clone().requires_grad_()).detach(), baseline)
+    monkeypatch.setattr(quant_linear, "NF4_FUSED_MAX_M", 0)
+    with torch.no_grad():
+        assert torch.equal(q(x), baseline)
 
 
 @pytest.mark.parametrize("autocast", (False, True))

@@ -122,3 +122,13 @@ def dequantize(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.floa
     n, k = codes.shape
     values = codebook(codes.device)[codes.long()].reshape(n, k // GROUP_SIZE, GROUP_SIZE)
     return (values * absmax_from(tensors)[..., None]).reshape(n, k).to(dtype)
+
+
+def dequantize_bf16_products(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The bf16 weight as bitsandbytes' fused 4-bit GEMV forms it: bf16(code) * bf16(absmax), rounded to bf16
+    (`dequantize(..., torch.bfloat16)` instead rounds the fp32 product once, as its dequantise kernel does; the
+    two differ in the last bit of some weights). nf4_triton.fused_matmul's register decode rounds this way."""
+    codes = unpack_nibbles(tensors["weight_packed"])
+    n, k = codes.shape
+    values = codebook(codes.device).to(torch.bfloat16)[codes.long()].reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    return (values * absmax_from(tensors).to(torch.bfloat16)[..., None]).reshape(n, k)
