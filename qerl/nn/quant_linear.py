@@ -9,7 +9,8 @@ Forward, by backend (`auto` | `torch` | `triton`):
   is cached (weights are frozen, CPU runs are small); on a GPU the weight is dequantised on
   every call on purpose, and again in the backward (`DequantLinear`: autograd keeps no dense
   copy): for nf4 that is the honest QLoRA baseline, done as bitsandbytes does it (one Triton
-  pass to a transient bf16 weight, then cuBLAS) where triton is available.
+  pass to a transient bf16 weight, then cuBLAS) where triton is available. `QERL_NF4_FUSED_MAX_M` (default 0,
+  off) sends small inference calls to the labelled fused NF4 kernel instead (benchmarks only).
 - triton (CUDA, nvfp4/mxfp4): the fused 4-bit x bf16 kernels of qerl.kernels, which read the
   packed weight and never build a bf16 copy, in forward or backward.
 
@@ -28,7 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qerl.env import env_int
 from qerl.formats import QUANTIZED_FORMATS, FormatError, dequantize_weight, quantize_weight
+
+# nf4 on a GPU, inference only (no input gradient), bf16 inputs of at most this many rows: the labelled fused NF4
+# kernel (nf4_triton.fused_matmul, bitsandbytes' 4-bit GEMV rounding) instead of the QLoRA baseline. 0 (the
+# default) keeps the baseline everywhere; benchmarks set QERL_NF4_FUSED_MAX_M=16 to time a fused NF4 rollout.
+NF4_FUSED_MAX_M = env_int("QERL_NF4_FUSED_MAX_M", 0)
 
 # Whether a GPU kernel layout replaces the checkpoint tensors it was built from (module docstring).
 SINGLE_COPY = True
@@ -288,6 +295,11 @@ class QuantLinear(nn.Module):
             # bf16 weight, then cuBLAS (the multi-pass torch dequantisation is ~20x slower)
             from qerl.kernels import nf4_triton
 
+            k = x.shape[-1]
+            if (x.numel() <= NF4_FUSED_MAX_M * k and x.dtype == torch.bfloat16 and k % nf4_triton.FUSED_CONFIG["BK"] == 0
+                    and not (torch.is_grad_enabled() and x.requires_grad)):
+                y = nf4_triton.fused_matmul(x.reshape(-1, k), self.quant_tensors()).reshape(*x.shape[:-1], -1)
+                return y if bias is None else y + bias
             return DequantLinear.apply(x, bias, lambda dtype: nf4_triton.dequant_bf16(self.quant_tensors()).to(dtype))
         return DequantLinear.apply(x, bias, self.dequantized_weight)
 
