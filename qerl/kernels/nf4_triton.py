@@ -65,7 +65,8 @@ def _prmt_asm() -> str:
     values' bf16 bytes sit in 8 registers (high bytes HT0..HT3, low bytes LT0..LT3, four entries each); for four
     codes at once, two byte permutes (PRMT) pick each byte from entries 0-7 and from entries 8-15 (3-bit
     selectors: the code & 7), a third keeps the half named by the code's bit 3, two more interleave low and high
-    bytes into bf16 pairs, and one bf16x2 multiply applies the absmax: ~3 instructions a weight, no memory."""
+    bytes into bf16 pairs, and one bf16x2 multiply applies the absmax: ~3.5 instructions a weight (the table moves
+    aside), no memory."""
     tables = _prmt_tables()
     lines = [".reg .b32 ht<4>, lt<4>, o<4>, sc, s7, q, a, b, h, l;"]
     lines += [f"mov.b32 {'ht' if i < 4 else 'lt'}{i % 4}, {v:#010x};" for i, v in enumerate(tables)]

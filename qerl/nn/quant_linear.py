@@ -296,7 +296,7 @@ class QuantLinear(nn.Module):
             from qerl.kernels import nf4_triton
 
             k = x.shape[-1]
-            if (x.numel() <= NF4_FUSED_MAX_M * k and x.dtype == torch.bfloat16 and k % nf4_triton.FUSED_CONFIG["BK"] == 0
+            if (0 < x.numel() <= NF4_FUSED_MAX_M * k and x.dtype == torch.bfloat16 and k % nf4_triton.FUSED_CONFIG["BK"] == 0
                     and not (torch.is_grad_enabled() and x.requires_grad)):
                 y = nf4_triton.fused_matmul(x.reshape(-1, k), self.quant_tensors()).reshape(*x.shape[:-1], -1)
                 return y if bias is None else y + bias
