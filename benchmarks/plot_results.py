@@ -13,6 +13,8 @@
   batch, the newest pair in each file; the goal (1.5) as a line.
 - attention_bandwidth.png (issues 6 / 9): the decode attention alone (benchmarks/probe_attention.py), its K / V
   read rate over the same run's copy bandwidth per shape (model, rows x keys), one bar per candidate.
+- nf4_kernels.png (issue 4): as w4a16_speedup.png, forward, for the NF4 comparison the issue asks for: the QLoRA
+  baseline (nf4), the labelled fused NF4 kernel (nf4-fused) and nvfp4 / mxfp4 from the same run.
 
 Every number is read from the files (the same fields RESULTS.md quotes); nothing is measured here.
 """
@@ -34,9 +36,11 @@ DEFAULTS = {
     "grpo": ["grpo_step.json", "h200/grpo_step_cap79_b2_7b.json", "h200/grpo_step_cap79_b2_14b.json",
              "h200/grpo_step_cap79_b4.json"],
     "attention": ["h200/attention_probe_8_rule.json", "h200/attention_probe_9_rows16.json"],
+    "nf4": ["h200/w4a16_nf4_fused_all.json"],
 }
 FORMATS = ("nvfp4", "mxfp4", "nf4")
-COLORS = {"nvfp4": "tab:green", "mxfp4": "tab:blue", "nf4": "tab:red", "bf16": "tab:gray",
+NF4_FORMATS = ("nvfp4", "mxfp4", "nf4", "nf4-fused")  # the NF4 figure: the baseline, the labelled fused kernel, FP4
+COLORS = {"nvfp4": "tab:green", "mxfp4": "tab:blue", "nf4": "tab:red", "nf4-fused": "tab:purple", "bf16": "tab:gray",
           "r16": "tab:olive", "r32": "tab:orange", "r64": "tab:brown"}
 LORA_RANKS = ("r16", "r32", "r64")
 # issue 4's goals, forward: (M values it covers, ratio)
@@ -65,11 +69,11 @@ def row_gpu(data: dict, row: dict) -> str:
     return short_gpu(row.get("gpu") or data.get("gpu", ""))
 
 
-def w4a16_medians(rows: list[dict]) -> dict[tuple[str, str], dict[int, float]]:
-    """{(format, op): {M: median speedup over the shapes}}, bf16's own rows left out."""
+def w4a16_medians(rows: list[dict], formats=FORMATS) -> dict[tuple[str, str], dict[int, float]]:
+    """{(format, op): {M: median speedup over the shapes}} for `formats` (bf16's own rows are not among them)."""
     cells: dict[tuple[str, str, int], list[float]] = defaultdict(list)
     for r in rows:
-        if r.get("format") in FORMATS and r.get("speedup"):
+        if r.get("format") in formats and r.get("speedup"):
             cells[r["format"], r.get("op", "forward"), int(r["m"])].append(float(r["speedup"]))
     out: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
     for (fmt, op, m), v in sorted(cells.items()):
@@ -144,6 +148,36 @@ def plot_w4a16(datas: list[dict], path: str) -> str:
     axes[0].set_ylabel("median speedup over bf16 (same process)")
     axes[0].legend(fontsize=7, ncol=2)
     fig.suptitle("4-bit x bf16 GEMM, median over the Qwen2.5 layer shapes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_nf4(datas: list[dict], path: str) -> str:
+    """Issue 4's NF4 comparison: the QLoRA baseline, the labelled fused NF4 kernel and the FP4 formats by M."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    styles = ["-", "--", ":", "-."]
+    drawn = 0
+    for i, (gpu, rows) in enumerate(sorted(_by_gpu(datas).items())):
+        for (fmt, op), by_m in sorted(w4a16_medians(rows, NF4_FORMATS).items()):
+            if op != "forward":
+                continue
+            ms = sorted(by_m)
+            label = {"nf4": "nf4 baseline (dequantise + cuBLAS)", "nf4-fused": "nf4-fused (labelled)"}.get(fmt, fmt)
+            ax.plot(ms, [by_m[m] for m in ms], styles[i % len(styles)], marker="o", ms=3.5, color=COLORS[fmt],
+                    label=f"{label} {gpu}")
+            drawn += 1
+    if not drawn:
+        raise SystemExit(f"plot_results: no rows to plot for {os.path.basename(path)}")
+    ax.set_xscale("log", base=2)
+    ax.axhline(1.0, color="0.6", lw=0.8)
+    ax.set_xlabel("M (tokens)")
+    ax.set_ylabel("median speedup over bf16 (same process)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("NF4 against the FP4 formats, median over the Qwen2.5 layer shapes")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -257,6 +291,7 @@ def main(argv=None) -> list[str]:
         plot_panels(loaded["grpo"], os.path.join(args.out, "grpo_step.png"), grpo_speedups, ("nvfp4", "nf4"), 1.5,
                     "GRPO step speedup over bf16 LoRA (same process)", "GRPO step, 8 x 2048 tokens (issue 9)"),
         plot_attention(loaded["attention"], os.path.join(args.out, "attention_bandwidth.png")),
+        plot_nf4(loaded["nf4"], os.path.join(args.out, "nf4_kernels.png")),
     ]
     for p in written:
         print(p)

@@ -37,6 +37,9 @@ def test_medians_ratios_and_newest_pairs(plots):
     assert set(med) == {("nvfp4", "forward"), ("mxfp4", "forward"), ("nvfp4", "backward"), ("mxfp4", "backward")}
     assert med["nvfp4", "forward"] == {1: 4.0, 64: pytest.approx(0.5)}  # median of 2, 4, 6 (and of those / 8)
     assert med["mxfp4", "backward"] == {4096: pytest.approx(1.35)}
+    fused = [dict(r, format="nf4-fused") for r in _w4a16_rows() if r["format"] == "nvfp4"]
+    assert ("nf4-fused", "forward") not in plots.w4a16_medians(fused)  # issue 4's figure: the three formats only
+    assert plots.w4a16_medians(fused, plots.NF4_FORMATS)["nf4-fused", "forward"] == {1: 4.0, 64: pytest.approx(0.5)}
 
     rollout = [{"model": "qwen2.5-7b", "format": "nvfp4", "batch": 8, "lora_rank": 0, "tokens_per_s": 300.0,
                 "bf16_tokens_per_s": 150.0},
@@ -63,7 +66,7 @@ def test_medians_ratios_and_newest_pairs(plots):
     assert plots.attention_fractions(probe) == {("qwen2.5-7b", 32, 1280): {"old": 0.46, "new": 0.57}}
 
 
-def test_writes_the_five_figures_and_refuses_bad_input(plots, tmp_path):
+def test_writes_the_six_figures_and_refuses_bad_input(plots, tmp_path):
     def write(name, gpu, rows):
         path = tmp_path / name
         path.write_text(json.dumps({"gpu": gpu, "command": "c", "date": "d", "rows": rows}))
@@ -81,12 +84,15 @@ def test_writes_the_five_figures_and_refuses_bad_input(plots, tmp_path):
     attention = write("a.json", "NVIDIA H200", [{"model": "qwen2.5-7b", "rows": 32, "keys": k, "cand": c,
                                                   "of_copy": f} for k in (1280, 2048)
                                                  for c, f in (("old", 0.5), ("new", 0.8))])
+    nf4_rows = _w4a16_rows() + [dict(r, format=f, speedup=r["speedup"] / d) for r in _w4a16_rows()
+                                if r["format"] == "nvfp4" for f, d in (("nf4", 4.0), ("nf4-fused", 2.5))]
+    nf4 = write("n.json", "NVIDIA H200", nf4_rows)
     out = tmp_path / "plots"
     written = plots.main(["--w4a16", *w4a16, "--rollout", rollout, "--grpo", grpo, "--attention", attention,
-                          "--out", str(out)])
+                          "--nf4", nf4, "--out", str(out)])
     assert sorted(os.path.basename(p) for p in written) == ["attention_bandwidth.png", "grpo_step.png",
-                                                                "lora_cost.png", "rollout_ratio.png",
-                                                                "w4a16_speedup.png"]
+                                                                "lora_cost.png", "nf4_kernels.png",
+                                                                "rollout_ratio.png", "w4a16_speedup.png"]
     for p in written:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -99,4 +105,7 @@ def test_writes_the_five_figures_and_refuses_bad_input(plots, tmp_path):
     empty = write("e.json", "NVIDIA H200", [{"model": "m", "format": "nvfp4", "batch": 2, "speedup": None}])
     with pytest.raises(SystemExit, match="no rows to plot for grpo_step.png"):
         plots.main(["--w4a16", *w4a16, "--rollout", rollout, "--grpo", empty, "--attention", attention,
-                    "--out", str(out)])
+                    "--nf4", nf4, "--out", str(out)])
+    with pytest.raises(SystemExit, match="no rows to plot for nf4_kernels.png"):
+        plots.main(["--w4a16", *w4a16, "--rollout", rollout, "--grpo", grpo, "--attention", attention,
+                    "--nf4", empty, "--out", str(out)])
