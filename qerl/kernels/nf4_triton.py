@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from qerl.formats import nf4
+from qerl.kernels.train_triton import _to_bf16_rne
 from qerl.kernels.w4a16_triton import _hi, _lo
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # w4a16_triton patches the interpreter on import
@@ -91,21 +92,13 @@ PRMT_ASM = _prmt_asm()
 
 
 @triton.jit
-def _bf16_bits(f):
-    """fp32 -> bf16 bits (round to nearest even; finite inputs) in uint32, the same on the GPU and in the
-    interpreter (whose own bf16 cast truncates)."""
-    u = f.to(tl.uint32, bitcast=True)
-    return (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-
-
-@triton.jit
 def _pairs_emulated(w, s2, cbb_ptr, j: tl.constexpr):
     """The interpreter's stand-in for PRMT_ASM's output word j: weights 2j and 2j + 1 as bf16x2 bits, each
     bf16(code) * bf16(absmax) rounded to bf16 (the fp32 product of two bf16 values is exact)."""
     a = ((s2 & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-    lo = _bf16_bits(tl.load(cbb_ptr + ((w >> (8 * j)) & 0xF)) * a)
-    hi = _bf16_bits(tl.load(cbb_ptr + ((w >> (8 * j + 4)) & 0xF)) * a)
-    return lo | (hi << 16)
+    lo = _to_bf16_rne(tl.load(cbb_ptr + ((w >> (8 * j)) & 0xF)) * a).to(tl.uint32, bitcast=True)
+    hi = _to_bf16_rne(tl.load(cbb_ptr + ((w >> (8 * j + 4)) & 0xF)) * a).to(tl.uint32, bitcast=True)
+    return (lo >> 16) | hi
 
 
 @triton.jit
@@ -133,8 +126,8 @@ def _nf4_fused_kernel(x_ptr, p_ptr, pw_ptr, a_ptr, cb_ptr, cbb_ptr, y_ptr, M, N,
             kw = k0 // 8 + tl.arange(0, BK // 8)
             w = tl.load(pw_ptr + rn[:, None] * (K // 8) + kw[None, :], mask=row_ok[:, None], other=0)
             w = w.to(tl.uint32, bitcast=True)
-            ab = _bf16_bits(amax)
-            s2 = tl.broadcast_to((ab | (ab << 16))[:, :, None], (BN, BK // 64, 8)).reshape(BN, BK // 8)
+            ab = _to_bf16_rne(amax).to(tl.uint32, bitcast=True)  # the absmax's bf16 in the high half
+            s2 = tl.broadcast_to((ab | (ab >> 16))[:, :, None], (BN, BK // 64, 8)).reshape(BN, BK // 8)
             if INTERPRETED:
                 p0 = _pairs_emulated(w, s2, cbb_ptr, 0)
                 p1 = _pairs_emulated(w, s2, cbb_ptr, 1)
@@ -207,8 +200,8 @@ def fused_matmul(x: torch.Tensor, tensors: dict[str, torch.Tensor], absmax: torc
                  config: dict | None = None) -> torch.Tensor:
     """y = x @ dequant(W)^T for bf16 x [M, K] (any M) and NF4 checkpoint tensors of W [N, K], with K a multiple
     of the config's BK, in one fused kernel (module docstring; with SPLIT > 1, up to SPLIT slices of K, a torch
-    sum of the fp32 partials follows); `absmax` may hand in nf4.absmax_from(tensors) made once (double quantisation otherwise costs a few
-    torch kernels per call); `config` overrides FUSED_CONFIG's keys."""
+    sum of the fp32 partials follows); `absmax` may hand in nf4.absmax_from(tensors) made once (double
+    quantisation otherwise costs a few torch kernels per call); `config` overrides FUSED_CONFIG's keys."""
     cfg = dict(FUSED_CONFIG, **(config or {}))
     unknown = set(cfg) - set(FUSED_CONFIG)
     if unknown:

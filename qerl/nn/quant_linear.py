@@ -295,10 +295,9 @@ class QuantLinear(nn.Module):
             # bf16 weight, then cuBLAS (the multi-pass torch dequantisation is ~20x slower)
             from qerl.kernels import nf4_triton
 
-            k = x.shape[-1]
-            if (0 < x.numel() <= NF4_FUSED_MAX_M * k and x.dtype == torch.bfloat16 and k % nf4_triton.FUSED_CONFIG["BK"] == 0
-                    and not (torch.is_grad_enabled() and x.requires_grad)):
-                y = nf4_triton.fused_matmul(x.reshape(-1, k), self.quant_tensors()).reshape(*x.shape[:-1], -1)
+            if _takes_fused_nf4(x, nf4_triton.FUSED_CONFIG["BK"]):
+                y = nf4_triton.fused_matmul(x.reshape(-1, x.shape[-1]), self.quant_tensors())
+                y = y.reshape(*x.shape[:-1], -1)
                 return y if bias is None else y + bias
             return DequantLinear.apply(x, bias, lambda dtype: nf4_triton.dequant_bf16(self.quant_tensors()).to(dtype))
         return DequantLinear.apply(x, bias, self.dequantized_weight)
@@ -339,6 +338,14 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, bias={self.bias is not None}"
+
+
+def _takes_fused_nf4(x: torch.Tensor, bk: int) -> bool:
+    """Whether an nf4 call on a GPU goes to the fused NF4 kernel (NF4_FUSED_MAX_M): bf16 inference inputs of 1 to
+    NF4_FUSED_MAX_M rows whose K is a multiple of the kernel's BK."""
+    k = x.shape[-1]
+    return (0 < x.numel() <= NF4_FUSED_MAX_M * k and x.dtype == torch.bfloat16 and k % bk == 0
+            and not (torch.is_grad_enabled() and x.requires_grad))
 
 
 def _triton_ready() -> bool:
