@@ -51,9 +51,21 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (RecipeError, FormatError, DataError, ModelError, HarnessError)
 
 
+def _run_failures() -> tuple[type[BaseException], ...]:
+    # only classes of modules this run imported: a failure of a kind never imported cannot have happened
+    found = []
+    if "torch" in sys.modules:
+        found.append(sys.modules["torch"].OutOfMemoryError)
+    if "qerl.rl.trainer" in sys.modules:
+        found.append(sys.modules["qerl.rl.trainer"].TrainingError)
+    return tuple(found)
+
+
 @contextmanager
-def _bad_input_exits() -> Iterator[None]:
-    """RecipeError / FormatError / DataError / ModelError / HarnessError -> `error: <one line>`, exit code 2."""
+def _errors_in_one_line() -> Iterator[None]:
+    """Bad input (RecipeError / FormatError / DataError / ModelError / HarnessError) -> `error: <one line>`, exit
+    code 2; a step that ran out of memory or could not train on (TrainingError) -> `error: <one line>` and where
+    its traceback is, exit code 1. Anything else keeps its traceback."""
     try:
         yield
     except typer.Exit:
@@ -62,6 +74,11 @@ def _bad_input_exits() -> Iterator[None]:
         if isinstance(exc, _user_errors()):
             typer.echo(f"error: {' '.join(str(exc).split())}", err=True)
             raise typer.Exit(2) from None
+        if isinstance(exc, _run_failures()):
+            typer.echo(f"error: {' '.join(str(exc).split())}", err=True)
+            typer.echo("the failed step's MLflow run has the traceback in its error.txt (qerl ui); checkpoints on "
+                       "disk are kept, and a rerun reuses them", err=True)
+            raise typer.Exit(1) from None
         raise
 
 
@@ -102,7 +119,7 @@ def reproduce(
     local: bool = typer.Option(False, "--local", help="Run the steps in this process without Prefect (debugging)."),
 ) -> None:
     """Run the reproduce-table flow: per format quantize -> evaluate, then the report."""
-    with _bad_input_exits():
+    with _errors_in_one_line():
         path, overrides, rec = _load(recipe, set_)  # bad recipe: exit 2 before any run exists
         typer.echo(f"recipe {rec.name} ({path}): model {rec.model.name}, formats {', '.join(rec.formats)}")
         if local:
@@ -125,7 +142,7 @@ def ablation(
 ) -> None:
     """Run the recipe once per seed (the reproduce-table flow, one seed after the other, in this
     process), then write mean +- std per variant to <report_dir>/ablation/ (json, md, png)."""
-    with _bad_input_exits():
+    with _errors_in_one_line():
         path, overrides, rec = _load(recipe, set_)
         _quiet_prefect_defaults()
         from flows.ablation import ablation as ablation_flow
@@ -154,7 +171,7 @@ def quantize(
     ),
 ) -> None:
     """Quantize the recipe's model and save a checkpoint per format (one MLflow run each)."""
-    with _bad_input_exits():
+    with _errors_in_one_line():
         from qerl.formats import check_format
 
         _, _, rec = _load(recipe, [*(set_ or []), *([f"quantizer={quantizer}"] if quantizer else [])])
@@ -178,7 +195,7 @@ def evaluate(
     parent_run_id: Optional[str] = typer.Option(None, "--parent-run-id", help="Nest the MLflow runs under this run."),
 ) -> None:
     """Evaluate checkpoints on the recipe's benchmarks (quantizing first where needed)."""
-    with _bad_input_exits():
+    with _errors_in_one_line():
         from qerl.formats import check_format
 
         _, _, rec = _load(recipe, set_)
@@ -211,7 +228,7 @@ def report(
     set_: Optional[list[str]] = typer.Option(None, "--set", "-s", help=SET_HELP),
 ) -> None:
     """Write reports/<recipe>/table.md, table.html, summary.json from a flow run's MLflow runs."""
-    with _bad_input_exits():
+    with _errors_in_one_line():
         _, _, rec = _load(recipe, set_)
         from qerl.report import build_report
         from qerl.tracking import Tracker
@@ -236,7 +253,7 @@ def validate(
     set_: Optional[list[str]] = typer.Option(None, "--set", "-s", help=SET_HELP),
 ) -> None:
     """Check a recipe and print it with every default filled in."""
-    with _bad_input_exits():
+    with _errors_in_one_line():
         path, _, rec = _load(recipe, set_)
     typer.echo(f"# {path}: valid")
     typer.echo(rec.to_yaml().rstrip())
@@ -249,7 +266,7 @@ def ui(
     port: int = typer.Option(5000, "--port", help="Port on 127.0.0.1."),
 ) -> None:
     """Start the MLflow UI on the tracking store (Ctrl-C stops it)."""
-    with _bad_input_exits():
+    with _errors_in_one_line():
         if uri is None:
             uri = _load(recipe, None)[2].mlflow.tracking_uri if recipe else "sqlite:///mlflow.db"
     from qerl.tracking import resolve_tracking_uri

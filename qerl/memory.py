@@ -7,6 +7,8 @@ scales) over its number of weights: nvfp4 4.5 (+32 bits per tensor), mxfp4 4.25,
 
 from __future__ import annotations
 
+import functools
+import traceback
 from pathlib import Path
 
 from torch import nn
@@ -75,3 +77,34 @@ def device_name(device: str) -> str:
     if dev.type != "cuda" or not torch.cuda.is_available():
         return dev.type
     return torch.cuda.get_device_name(dev)
+
+
+def _clear_error_frames(exc: BaseException) -> None:
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # frames still running (the caller's) are left as they are
+        todo += [e.__cause__, e.__context__]
+
+
+def release_on_error(step):
+    """Decorator for the pipeline's steps: when `step` raises, the local variables of the frames its error went
+    through are cleared (along the error's cause / context chain) before the error goes on. A failed step's model,
+    optimiser, KV cache and activations are then freed at once instead of living on in the error's traceback for as
+    long as someone holds the error: a Prefect flow holds a failed task's exception until the flow ends, so the
+    formats after a step that ran out of memory would otherwise run out too. The error's type, message and
+    traceback text are unchanged."""
+
+    @functools.wraps(step)
+    def run(*args, **kwargs):
+        try:
+            return step(*args, **kwargs)
+        except BaseException as exc:
+            _clear_error_frames(exc)
+            raise
+
+    return run

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from qerl.memory import release_on_error
 from qerl.recipe import Recipe
 from qerl.tracking import Tracker, ui_command
 
@@ -147,6 +148,21 @@ def parent_run(recipe: Recipe, tags: dict[str, Any] | None = None) -> Iterator[s
 # ----------------------------------------------------------------------------- steps
 
 
+@contextmanager
+def _out_of_memory_as(error: type[BaseException], hint: str) -> Iterator[None]:
+    """Re-raise torch's out-of-memory error as `error(hint)`, a line that names the recipe keys to change (torch's
+    own message stays in the chain, and in the step run's error.txt)."""
+    import torch
+
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        if isinstance(exc, error):
+            raise
+        raise error(hint) from exc
+
+
+@release_on_error
 def quantize_step(
     recipe: Recipe,
     fmt: str,
@@ -243,6 +259,7 @@ def _quantize_and_save(recipe: Recipe, fmt: str, out: Path, progress: bool) -> d
     return info
 
 
+@release_on_error
 def evaluate_step(
     recipe: Recipe,
     fmt: str,
@@ -262,7 +279,7 @@ def evaluate_step(
     """
     from qerl.checkpoint import load_quantized
     from qerl.data import load_benchmark
-    from qerl.eval.evaluate import to_jsonl
+    from qerl.eval.evaluate import EvaluationOOM, evaluation_oom_hint, to_jsonl
     from qerl.eval.harness import evaluate_with_harness
     from qerl.memory import device_name, memory_report
     from qerl.model import ModelError
@@ -279,7 +296,9 @@ def evaluate_step(
         "model": recipe.model.name,
         "mlflow_run_id": run_id,
     }
-    with tracker.tracked(run_id):
+    hint = evaluation_oom_hint(row["variant"], recipe.resolved_device(), recipe.generation.batch_size,
+                               recipe.generation.max_new_tokens, recipe.max_workers)
+    with tracker.tracked(run_id), _out_of_memory_as(EvaluationOOM, hint):
         if adapter:  # a missing or foreign adapter fails here, before the model loads
             from qerl.eval.harness import check_adapter
 
@@ -393,6 +412,7 @@ def _close_stale_runs(tracker: Tracker, out: Path, run_id: str) -> None:
             tracker.finish(run.info.run_id, "KILLED")
 
 
+@release_on_error
 def train_step(
     recipe: Recipe,
     variant: str,

@@ -241,6 +241,82 @@ def test_bad_recipe_fails_before_any_mlflow_run(prefect_harness, tmp_path, gsm8k
     assert not (tmp_path / "mlflow.db").exists()
 
 
+def _fail_with_oom(monkeypatch, module, name: str, held: list, fail_if=lambda *a, **k: True):
+    """Replace module.name with a function that raises torch's out-of-memory error (as a GPU that runs out does)
+    while holding its model argument, which `held` gets a weak reference to; where fail_if says no, the real one
+    runs."""
+    import weakref
+
+    import torch
+
+    real = getattr(module, name)
+
+    def failing(*args, **kwargs):
+        if not fail_if(*args, **kwargs):
+            return real(*args, **kwargs)
+        model = kwargs.get("model", args[0] if args else None)
+        held.append(weakref.ref(model))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(module, name, failing)
+
+
+def test_a_step_out_of_memory_fails_in_one_line_and_frees_its_model(prefect_harness, tmp_path, gsm8k_dir, monkeypatch):
+    """nvfp4's evaluation runs out of memory: its run is FAILED with a line naming the recipe keys, bf16's column
+    still finishes, the flow raises that error, and the failed step's model is freed though the error is held (a
+    Prefect flow keeps a failed task's error while the other columns run)."""
+    import gc
+
+    import torch
+
+    import qerl.eval.harness
+    from flows.reproduce_table import reproduce_table
+    from qerl.eval.evaluate import EvaluationOOM
+
+    held: list = []
+    _fail_with_oom(monkeypatch, qerl.eval.harness, "evaluate_with_harness", held,
+                   fail_if=lambda harness, checkpoint, *a, **k: "nvfp4" in str(checkpoint))
+    with pytest.raises(EvaluationOOM) as info:
+        reproduce_table(SMOKE, overrides_for(tmp_path, gsm8k_dir, formats=["bf16", "nvfp4"], train=None))
+    assert "evaluating base-nvfp4 on cpu: lower generation.batch_size (now 4)" in str(info.value)
+    assert isinstance(info.value, torch.OutOfMemoryError) and "Tried to allocate" in str(info.value.__cause__)
+    gc.collect()
+    assert len(held) == 2 and all(ref() is None for ref in held)  # tried twice (a retry); freed while `info` holds the error
+    client = client_for(tmp_path)
+    exp = client.get_experiment_by_name("test-flow")
+    runs = client.search_runs([exp.experiment_id], filter_string="tags.step = 'evaluate'")
+    status = {r.data.tags["format"]: (r.info.status, r.data.tags.get("error_type")) for r in runs}
+    assert status["bf16"] == ("FINISHED", None) and status["nvfp4"][1] == "EvaluationOOM"
+    assert {r.info.status for r in runs if r.data.tags["format"] == "nvfp4"} == {"FAILED"}  # retried once, both FAILED
+
+
+def test_cli_says_a_training_oom_in_one_line_and_frees_the_model(prefect_harness, tmp_path, gsm8k_dir, monkeypatch):
+    """Training runs out of memory in its update: `qerl reproduce` ends with the trainer's hint in one line and where
+    the traceback is, exit code 1 (not bad input: 2), and the trainer's model is freed."""
+    import gc
+
+    from typer.testing import CliRunner
+
+    import qerl.rl.trainer
+    from qerl.cli import app
+
+    held: list = []
+    _fail_with_oom(monkeypatch, qerl.rl.trainer, "optimise", held)
+    ov = overrides_for(tmp_path, gsm8k_dir, formats="[nvfp4]", **{"train.variants": "[qerl-nvfp4]"})
+    sets = [a for k, v in ov.items() for a in ("--set", f"{k}={v}")]
+    out = CliRunner().invoke(app, ["reproduce", SMOKE, *sets])
+    assert out.exit_code == 1, out.output
+    # Prefect's log above has the traceback; the command's last words are the line and where the traceback is
+    last = out.output.strip().splitlines()[-2:]
+    assert last[0] == f"error: {qerl.rl.trainer.OOM_HINT}" and "error.txt" in last[1]
+    gc.collect()
+    assert held and all(ref() is None for ref in held)
+    client = client_for(tmp_path)
+    exp = client.get_experiment_by_name("test-flow")
+    runs = client.search_runs([exp.experiment_id], filter_string="tags.step = 'train'")
+    assert runs and {(r.info.status, r.data.tags["error_type"]) for r in runs} == {("FAILED", "TrainingOOM")}
+
+
 @pytest.mark.slow
 def test_flow_on_embedded_model(prefect_harness, tmp_path, gsm8k_dir):
     """SmolLM2-135M (embedded GGUF), 2 GSM8K + 4 arith problems, 32 new tokens, bf16 and nvfp4,

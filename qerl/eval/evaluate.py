@@ -18,9 +18,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import torch
+
 from qerl.data import Problem
 from qerl.eval.generate import GenerationSettings, build_prompt, generate
 from qerl.eval.grading import extract_answer, grade
+
+
+class EvaluationOOM(torch.OutOfMemoryError):
+    """Out of accelerator memory while loading or evaluating a checkpoint; one line naming the knobs."""
+
+
+def evaluation_oom_hint(variant: str, device: str, batch_size: int, max_new_tokens: int, max_workers: int) -> str:
+    return (f"out of GPU memory evaluating {variant} on {device}: lower generation.batch_size (now {batch_size}) or "
+            f"generation.max_new_tokens (now {max_new_tokens}), or evaluate fewer formats at once (max_workers, now "
+            f"{max_workers})")
 
 
 @dataclass
