@@ -94,10 +94,12 @@ PRMT_ASM = _prmt_asm()
 @triton.jit
 def _pairs_emulated(w, s2, cbb_ptr, j: tl.constexpr):
     """The interpreter's stand-in for PRMT_ASM's output word j: weights 2j and 2j + 1 as bf16x2 bits, each
-    bf16(code) * bf16(absmax) rounded to bf16 (the fp32 product of two bf16 values is exact)."""
-    a = ((s2 & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-    lo = _to_bf16_rne(tl.load(cbb_ptr + ((w >> (8 * j)) & 0xF)) * a).to(tl.uint32, bitcast=True)
-    hi = _to_bf16_rne(tl.load(cbb_ptr + ((w >> (8 * j + 4)) & 0xF)) * a).to(tl.uint32, bitcast=True)
+    bf16(code) * bf16(absmax) rounded to bf16 (the fp32 product of two bf16 values is exact). Like the PTX's
+    mul.bf16x2, the low weight takes s2's low half and the high weight its high half, so a wrong half shows here."""
+    a_lo = (s2 << 16).to(tl.float32, bitcast=True)
+    a_hi = (s2 & 0xFFFF0000).to(tl.float32, bitcast=True)
+    lo = _to_bf16_rne(tl.load(cbb_ptr + ((w >> (8 * j)) & 0xF)) * a_lo).to(tl.uint32, bitcast=True)
+    hi = _to_bf16_rne(tl.load(cbb_ptr + ((w >> (8 * j + 4)) & 0xF)) * a_hi).to(tl.uint32, bitcast=True)
     return (lo >> 16) | hi
 
 
