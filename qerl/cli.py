@@ -43,12 +43,13 @@ SET_HELP = (
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from qerl.data import DataError
+    from qerl.deploy import GPUUnavailableError
     from qerl.eval.harness import HarnessError
     from qerl.formats import FormatError
     from qerl.model import ModelError
     from qerl.recipe import RecipeError
 
-    return (RecipeError, FormatError, DataError, ModelError, HarnessError)
+    return (RecipeError, FormatError, DataError, ModelError, HarnessError, GPUUnavailableError)
 
 
 def _run_failures() -> tuple[type[BaseException], ...]:
@@ -63,8 +64,8 @@ def _run_failures() -> tuple[type[BaseException], ...]:
 
 @contextmanager
 def _errors_in_one_line() -> Iterator[None]:
-    """Bad input (RecipeError / FormatError / DataError / ModelError / HarnessError) -> `error: <one line>`, exit
-    code 2; a step that ran out of memory or could not train on (TrainingError) -> `error: <one line>` and where
+    """Bad input (RecipeError / FormatError / DataError / ModelError / HarnessError, or a device this machine lacks)
+    -> `error: <one line>`, exit code 2; a step that ran out of memory or could not train on (TrainingError) -> `error: <one line>` and where
     its traceback is, exit code 1. Anything else keeps its traceback."""
     try:
         yield
@@ -82,12 +83,19 @@ def _errors_in_one_line() -> Iterator[None]:
         raise
 
 
-def _load(recipe: str, overrides: Optional[list[str]]):
+def _load(recipe: str, overrides: Optional[list[str]], *, runs: bool = False):
+    """(path, overrides, recipe); `runs`: the command is about to run steps on the recipe's device, so a device
+    this machine lacks (device: cuda on a CPU-only machine, cuda:3 with two GPUs) stops it here in one line."""
     from qerl.recipe import load_recipe, parse_overrides, resolve_recipe_path
 
     path = resolve_recipe_path(recipe)
     ov = parse_overrides(overrides)
-    return path, ov, load_recipe(path, ov)
+    rec = load_recipe(path, ov)
+    if runs:
+        from qerl.deploy import check_device
+
+        check_device(rec)
+    return path, ov, rec
 
 
 def _quiet_prefect_defaults() -> None:
@@ -120,7 +128,7 @@ def reproduce(
 ) -> None:
     """Run the reproduce-table flow: per format quantize -> evaluate, then the report."""
     with _errors_in_one_line():
-        path, overrides, rec = _load(recipe, set_)  # bad recipe: exit 2 before any run exists
+        path, overrides, rec = _load(recipe, set_, runs=True)  # bad recipe or device: exit 2 before any run exists
         typer.echo(f"recipe {rec.name} ({path}): model {rec.model.name}, formats {', '.join(rec.formats)}")
         if local:
             from qerl.pipeline import run_local
@@ -143,7 +151,7 @@ def ablation(
     """Run the recipe once per seed (the reproduce-table flow, one seed after the other, in this
     process), then write mean +- std per variant to <report_dir>/ablation/ (json, md, png)."""
     with _errors_in_one_line():
-        path, overrides, rec = _load(recipe, set_)
+        path, overrides, rec = _load(recipe, set_, runs=True)
         _quiet_prefect_defaults()
         from flows.ablation import ablation as ablation_flow
         from qerl.recipe import parse_seeds
@@ -174,7 +182,7 @@ def quantize(
     with _errors_in_one_line():
         from qerl.formats import check_format
 
-        _, _, rec = _load(recipe, [*(set_ or []), *([f"quantizer={quantizer}"] if quantizer else [])])
+        _, _, rec = _load(recipe, [*(set_ or []), *([f"quantizer={quantizer}"] if quantizer else [])], runs=True)
         formats = [check_format(f) for f in (fmt or rec.formats)]
         from qerl.pipeline import preload, quantize_step
 
@@ -198,7 +206,7 @@ def evaluate(
     with _errors_in_one_line():
         from qerl.formats import check_format
 
-        _, _, rec = _load(recipe, set_)
+        _, _, rec = _load(recipe, set_, runs=True)
         formats = [check_format(f) for f in (fmt or rec.formats)]
         if checkpoint and len(formats) != 1:
             typer.echo("error: --checkpoint needs exactly one --format", err=True)

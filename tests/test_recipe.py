@@ -247,6 +247,27 @@ def test_cli_bad_input_exits_2_with_one_line_before_any_run(tmp_path, data, args
     assert _runs_in(db) == 0
 
 
+@pytest.mark.parametrize("command", [["reproduce"], ["reproduce", "--local"], ["ablation", "--seeds", "0"], ["quantize"],
+                                     ["evaluate"]])
+def test_cli_refuses_a_device_this_machine_lacks_in_one_line(tmp_path, command):
+    """device: cuda:99 (no machine has 100 GPUs; with none at all the message says so): every command that runs steps
+    stops with exit code 2 and one line naming the device, before Prefect, MLflow or a checkpoint folder starts."""
+    from typer.testing import CliRunner
+
+    from qerl.cli import app
+
+    db, out = tmp_path / "mlflow.db", tmp_path / "out"
+    recipe = {"name": "gpu", "model": {"name": "random:tiny-llama"}, "device": "cuda:99", "output_dir": str(out),
+              "report_dir": str(tmp_path / "reports"),
+              "mlflow": {"tracking_uri": f"sqlite:///{db}"}}
+    path = write(tmp_path, recipe)
+    result = CliRunner().invoke(app, [command[0], str(path), *command[1:]])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: recipe 'gpu' needs device cuda:99 but this worker"), lines
+    assert "device=cpu" in lines[0] and not db.exists() and not out.exists() and not (tmp_path / "reports").exists()
+
+
 def test_cli_unknown_format_option_exits_2(tmp_path):
     from typer.testing import CliRunner
 
