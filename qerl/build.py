@@ -14,7 +14,7 @@ Seen on an H100: random:qwen2.5-32b in nvfp4 built in 7 s, 19.4 GiB allocated at
     model = build_model("Qwen/Qwen2.5-7B-Instruct", "mxfp4", "cuda") # hub id (downloads)
 
 build_model(source, fmt, device="cpu", *, dtype=torch.bfloat16, seed=0, backend="auto",
-            progress=True, on_layer=None,
+            progress=True, on_layer=None, revision=None, summary=None,
             allow_bf16_fallback=False, mxfp4_scale_rule="ct", nf4_double_quant=False)
 
 - source: "random:<preset>" (qerl.model.random_config presets), a local directory with
@@ -32,6 +32,9 @@ build_model(source, fmt, device="cpu", *, dtype=torch.bfloat16, seed=0, backend=
   such a model is refused with quantize_'s FormatError before anything is allocated).
   They are explicit keywords, so a misspelt option is a TypeError, not silently ignored.
 - on_layer(i, model) is called after decoder layer i is filled and quantised.
+- revision: a hub id's branch, tag or commit (snapshot_download's revision).
+- summary: a QuantSummary of `fmt` to fill with the quantised and skipped layers (what
+  quantize_ returns); the pipeline's quantize step logs it.
 
 The result is in eval mode, with no meta tensors left, and has the structure that
 load_model + quantize_ give (same module tree, state_dict names and dtypes, tied lm_head),
@@ -75,18 +78,22 @@ def build_model(
     backend: str = "auto",
     progress: bool = True,
     on_layer: Callable[[int, nn.Module], None] | None = None,
+    revision: str | None = None,
+    summary: QuantSummary | None = None,
     allow_bf16_fallback: bool = False,
     mxfp4_scale_rule: str = "ct",
     nf4_double_quant: bool = False,
 ) -> nn.Module:
     check_format(fmt)
     device = torch.device(device)
-    config, directory = _resolve(source)
+    if summary is not None and summary.format != fmt:
+        raise ValueError(f"summary is for {summary.format}, the build for {fmt}")
+    config, directory = _resolve(source, revision)
     model = _skeleton(config, dtype)
     layers_name, layers = _decoder_layers(model)
     # refuse an unquantisable shape now, as quantize_ would, before anything is allocated
     skip = check_group_sizes(decoder_linears(model), fmt, allow_bf16_fallback)
-    summary = QuantSummary(format=fmt)
+    summary = summary if summary is not None else QuantSummary(format=fmt)
     in_layers = f"{layers_name}."
     with contextlib.ExitStack() as stack, torch.no_grad():
         if directory is None:
@@ -128,7 +135,7 @@ def build_model(
 # ---- source -> (config, checkpoint directory or None) -------------------------------------
 
 
-def _resolve(source: str):
+def _resolve(source: str, revision: str | None = None):
     if source.startswith("random:"):
         return random_config(source.split(":", 1)[1]), None
     path = Path(source).expanduser()
@@ -138,15 +145,15 @@ def _resolve(source: str):
     elif source.startswith((".", "/", "~")) or source.strip("/").count("/") > 1:
         raise ModelError(f"model directory {source} does not exist")
     else:
-        path = _download(source)
+        path = _download(source, revision)
     return _local_config(path), path
 
 
-def _download(repo: str) -> Path:
+def _download(repo: str, revision: str | None = None) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo, allow_patterns=HUB_PATTERNS))
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=HUB_PATTERNS))
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ModelError(f"cannot download {repo!r} from the Hugging Face hub: {type(e).__name__}: {first}") from None

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
+from typing import Iterator, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -177,9 +178,7 @@ def load_model(spec: ModelSpec, device: str | torch.device = "cpu"):
     return model.to(device).eval(), tok
 
 
-def _load_pretrained(spec: ModelSpec):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def _check_pretrained(spec: ModelSpec) -> None:
     local = Path(spec.name)
     if local.exists():
         if not local.is_dir():
@@ -188,14 +187,39 @@ def _load_pretrained(spec: ModelSpec):
             raise ModelError(f"no *.safetensors weights in {local} (only safetensors are loaded, never pickles)")
     elif spec.name.startswith((".", "/", "~")) or os.sep in spec.name.strip("/").split("/", 1)[-1]:
         raise ModelError(f"model directory {spec.name} does not exist")
-    kwargs = dict(revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+
+
+@contextmanager
+def _load_errors(spec: ModelSpec) -> Iterator[None]:
     try:
-        tok = AutoTokenizer.from_pretrained(spec.name, **kwargs)
-        with INIT_LOCK:  # from_pretrained patches torch.nn.init in every thread (qerl.threads)
-            model = AutoModelForCausalLM.from_pretrained(spec.name, dtype=torch_dtype(spec), use_safetensors=True, **kwargs)
+        yield
     except OSError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"cannot load model {spec.name!r}: {first}") from None
+
+
+def builds_layerwise(spec: ModelSpec) -> bool:
+    """Whether the quantize step builds this model with qerl.build.build_model, one decoder layer at a time (a
+    local safetensors directory or a hub id, no remote code), instead of loading it whole in bf16 first."""
+    return spec.name != EMBEDDED and not spec.name.startswith("random:") and not spec.trust_remote_code
+
+
+def load_tokenizer(spec: ModelSpec):
+    """The tokenizer of a local directory or hub model (ModelError, one line, where there is none)."""
+    from transformers import AutoTokenizer
+
+    _check_pretrained(spec)
+    with _load_errors(spec):
+        return AutoTokenizer.from_pretrained(spec.name, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+
+
+def _load_pretrained(spec: ModelSpec):
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tokenizer(spec)
+    with _load_errors(spec), INIT_LOCK:  # from_pretrained patches torch.nn.init in every thread (qerl.threads)
+        model = AutoModelForCausalLM.from_pretrained(spec.name, dtype=torch_dtype(spec), use_safetensors=True,
+                                                     revision=spec.revision, trust_remote_code=spec.trust_remote_code)
     return model, tok
 
 

@@ -219,19 +219,31 @@ def _quantize_and_save(recipe: Recipe, fmt: str, out: Path, progress: bool) -> d
     import torch
 
     from qerl.checkpoint import save_quantized
-    from qerl.memory import checkpoint_bytes, memory_report
-    from qerl.model import load_model
-    from qerl.quantize import quantize_
+    from qerl.model import builds_layerwise, load_model, load_tokenizer, torch_dtype
+    from qerl.quantize import QuantSummary, quantize_
 
     t0 = time.perf_counter()
     torch.manual_seed(recipe.seed)
     (out / STEP_MARKER).unlink(missing_ok=True)
+    llm_compressor = recipe.quantizer == "llm-compressor" and fmt in ("nvfp4", "mxfp4")
+    if builds_layerwise(recipe.model) and not llm_compressor:
+        # a checkpoint is built in its format one decoder layer at a time: the peak is the model built so far (4-bit)
+        # plus one bf16 layer, never the whole model in bf16 (the same tensors, bit for bit: tests/test_build.py)
+        from qerl.build import build_model
+
+        with _LOAD_LOCK:
+            tokenizer = load_tokenizer(recipe.model)
+        summary = QuantSummary(format=fmt)
+        model = build_model(recipe.model.name, fmt, recipe.resolved_device(), dtype=torch_dtype(recipe.model),
+                            revision=recipe.model.revision, progress=progress, summary=summary)
+        save_quantized(model, tokenizer, out, fmt)
+        return _finish_quantize(recipe, fmt, out, model, summary, t0)
     with _LOAD_LOCK:
         model, tokenizer = load_model(recipe.model, device=recipe.resolved_device())
-    if recipe.quantizer == "llm-compressor" and fmt in ("nvfp4", "mxfp4"):
+    if llm_compressor:
         from qerl.checkpoint import load_quantized
         from qerl.llmcompressor_quantizer import quantize_with_llmcompressor
-        from qerl.quantize import QuantSummary, decoder_linears
+        from qerl.quantize import decoder_linears
 
         names = list(decoder_linears(model))
         quantize_with_llmcompressor(model, tokenizer, out, fmt)
@@ -240,6 +252,13 @@ def _quantize_and_save(recipe: Recipe, fmt: str, out: Path, progress: bool) -> d
     else:
         summary = quantize_(model, fmt, progress=progress)
         save_quantized(model, tokenizer, out, fmt)
+    return _finish_quantize(recipe, fmt, out, model, summary, t0)
+
+
+def _finish_quantize(recipe: Recipe, fmt: str, out: Path, model, summary, t0: float) -> dict:
+    """The quantize step's summary, written beside the checkpoint as its completion marker."""
+    from qerl.memory import checkpoint_bytes, memory_report
+
     mem = memory_report(model)
     info = {
         "format": fmt,

@@ -295,10 +295,50 @@ def test_hub_id_downloads_safetensors_only(checkpoints, monkeypatch):
         build_model("Org/Model", "nvfp4", progress=False)
     _one_line(e)
     patterns = calls[0][1]["allow_patterns"]
-    assert calls[0][0] == "Org/Model" and patterns == HUB_PATTERNS
+    assert calls[0][0] == "Org/Model" and patterns == HUB_PATTERNS and calls[0][1]["revision"] is None
+    with pytest.raises(ModelError):
+        build_model("Org/Model", "nvfp4", progress=False, revision="v1.1")  # a recipe's model.revision
+    assert calls[1][1]["revision"] == "v1.1"
     assert "*.safetensors" in patterns
     assert not any(p in ("*", "*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt") for p in patterns)
     # a successful download is built like a local directory
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **kw: str(checkpoints["qwen2"]))
     built = build_model("Org/Model", "nvfp4", progress=False)
     assert isinstance(built.model.layers[0].self_attn.q_proj, QuantLinear)
+
+
+@pytest.mark.parametrize("name,fmt", [("qwen2", "nvfp4"), ("llama", "nf4"), ("qwen2", "bf16")])
+def test_quantize_step_builds_a_checkpoint_layer_by_layer(checkpoints, tmp_path, monkeypatch, name, fmt):
+    """The pipeline's quantize step on a local safetensors model: built with build_model (from_pretrained, which
+    would hold the whole model in bf16 first, is never called), and the checkpoint it saves is bit-identical to
+    the one from_pretrained + quantize_ + save_quantized gives, with the same layer counts in its summary."""
+    import transformers
+
+    from qerl import pipeline
+    from qerl.checkpoint import save_quantized
+    from qerl.model import embedded_tokenizer
+    from qerl.recipe import load_recipe
+
+    src = _copy_checkpoint(checkpoints[name], tmp_path / "model")
+    embedded_tokenizer().save_pretrained(src)
+    ref_dir = tmp_path / "ref"
+    ref = _from_pretrained(src)
+    ref_summary = quantize_(ref, fmt, progress=False)
+    save_quantized(ref, transformers.AutoTokenizer.from_pretrained(src), ref_dir, fmt)
+
+    def whole_model(*args, **kwargs):
+        raise AssertionError("from_pretrained would load the whole model in bf16")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", whole_model)
+    recipe = load_recipe("smoke", {"model.name": str(src), "formats": [fmt], "train": None,
+                                   "output_dir": str(tmp_path / "out"),
+                                   "mlflow.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"})
+    out = pipeline.Path(pipeline.quantize_step(recipe, fmt, progress=False))
+    shards = sorted(p.name for p in ref_dir.glob("*.safetensors"))
+    assert shards and shards == sorted(p.name for p in out.glob("*.safetensors"))
+    for name in shards:
+        a, b = load_file(ref_dir / name), load_file(out / name)
+        assert a.keys() == b.keys() and all(torch.equal(_bits(a[k]), _bits(b[k])) for k in a), name
+    info = json.loads((out / pipeline.STEP_MARKER).read_text())
+    assert info["layers_quantized"] == len(ref_summary.layers_quantized) and info["layers_skipped"] == 0
+    assert (info["layers_quantized"] == 0) == (fmt == "bf16")
