@@ -65,8 +65,8 @@ def _run_failures() -> tuple[type[BaseException], ...]:
 @contextmanager
 def _errors_in_one_line() -> Iterator[None]:
     """Bad input (RecipeError / FormatError / DataError / ModelError / HarnessError, or a device this machine lacks)
-    -> `error: <one line>`, exit code 2; a step that ran out of memory or could not train on (TrainingError) -> `error: <one line>` and where
-    its traceback is, exit code 1. Anything else keeps its traceback."""
+    -> `error: <one line>`, exit code 2; a step that ran out of memory or could not train on (TrainingError) ->
+    `error: <one line>` and where its traceback is, exit code 1. Anything else keeps its traceback."""
     try:
         yield
     except typer.Exit:
