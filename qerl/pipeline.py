@@ -79,7 +79,7 @@ def checkpoint_dir(recipe: Recipe, fmt: str) -> Path:
 
     The path is the cache key of a quantised checkpoint (reused when complete): model name +
     revision + dtype (model_key), format, quantizer, and the quantizer's version: qerl's version
-    plus a hash of its quantisation code (qerl/formats, quantize.py, checkpoint.py), and
+    plus a hash of its quantisation code (qerl/formats, quantize.py, checkpoint.py, build.py), and
     llm-compressor's package version when it quantises. Changed code -> a new checkpoint.
     """
     import hashlib
@@ -90,7 +90,7 @@ def checkpoint_dir(recipe: Recipe, fmt: str) -> Path:
 
     src = Path(qerl.__file__).resolve().parent
     code = hashlib.sha256()
-    for f in sorted([*src.glob("formats/*.py"), src / "quantize.py", src / "checkpoint.py"]):
+    for f in sorted([*src.glob("formats/*.py"), src / "quantize.py", src / "checkpoint.py", src / "build.py"]):
         code.update(f.name.encode() + b"\0" + f.read_bytes())
     version = f"qerl{qerl.__version__}-{code.hexdigest()[:8]}"
     base = Path(recipe.output_dir) / "checkpoints" / model_key(recipe.model)
@@ -177,12 +177,13 @@ def quantize_step(
     Logs params (format, checkpoint), memory metrics and the quantisation summary to a child
     run. An existing complete checkpoint of the same model and format is reused.
     """
-    from qerl.quantize import check_format
+    from qerl.quantize import QuantizeOOM, check_format, quantize_oom_hint
 
     check_format(fmt)
     out = checkpoint_dir(recipe, fmt)
     tracker, run_id = _start_step_run(recipe, fmt, "quantize", out, parent_run_id, tags)
-    with tracker.tracked(run_id):
+    hint = quantize_oom_hint(recipe.model.name, fmt, recipe.resolved_device())
+    with tracker.tracked(run_id), _out_of_memory_as(QuantizeOOM, hint):
         info = None if force else _reusable(out)
         reused = info is not None
         if info is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from qerl.formats import GROUP_SIZE, NOMINAL_BITS, FormatError, check_format, nvfp4
@@ -27,6 +28,16 @@ __all__ = [
     "FormatError", "QuantSummary", "check_format", "check_group_sizes", "decoder_linears", "quantize_",
     "quantize_linears_",
 ]
+
+
+class QuantizeOOM(torch.OutOfMemoryError):
+    """Out of accelerator memory while building or quantising a model; one line saying what to do."""
+
+
+def quantize_oom_hint(model: str, fmt: str, device: str) -> str:
+    return (f"out of GPU memory quantizing {model} to {fmt} on {device}: quantize on the CPU first (qerl quantize "
+            f"RECIPE --format {fmt} --set device=cpu; the checkpoint does not depend on the device, and the flow "
+            f"reuses it), or free the GPU")
 
 
 @dataclass

@@ -290,6 +290,31 @@ def test_a_step_out_of_memory_fails_in_one_line_and_frees_its_model(prefect_harn
     assert {r.info.status for r in runs if r.data.tags["format"] == "nvfp4"} == {"FAILED"}  # retried once, both FAILED
 
 
+def test_quantize_out_of_memory_says_to_quantize_on_the_cpu(tmp_path, gsm8k_dir, monkeypatch):
+    """The quantize step runs out of memory: QuantizeOOM in one line with the command that quantizes on the CPU, the
+    run FAILED, the model freed, no complete checkpoint left behind."""
+    import gc
+
+    import qerl.quantize
+    from qerl import pipeline
+    from qerl.checkpoint import is_complete
+    from qerl.quantize import QuantizeOOM
+    from qerl.recipe import load_recipe
+
+    held: list = []
+    _fail_with_oom(monkeypatch, qerl.quantize, "quantize_", held)
+    recipe = load_recipe(SMOKE, overrides_for(tmp_path, gsm8k_dir, train=None))
+    with pytest.raises(QuantizeOOM) as info:
+        pipeline.quantize_step(recipe, "nvfp4", progress=False)
+    assert str(info.value).startswith("out of GPU memory quantizing random:tiny-llama to nvfp4 on cpu: quantize on the CPU")
+    assert "qerl quantize RECIPE --format nvfp4 --set device=cpu" in str(info.value)
+    gc.collect()
+    assert len(held) == 1 and held[0]() is None
+    assert not is_complete(pipeline.checkpoint_dir(recipe, "nvfp4"))
+    (run,) = client_for(tmp_path).search_runs([client_for(tmp_path).get_experiment_by_name("test-flow").experiment_id])
+    assert run.info.status == "FAILED" and run.data.tags["error_type"] == "QuantizeOOM"
+
+
 def test_cli_says_a_training_oom_in_one_line_and_frees_the_model(prefect_harness, tmp_path, gsm8k_dir, monkeypatch):
     """Training runs out of memory in its update: `qerl reproduce` ends with the trainer's hint in one line and where
     the traceback is, exit code 1 (not bad input: 2), and the trainer's model is freed."""
