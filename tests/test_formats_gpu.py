@@ -7,6 +7,7 @@ which made nvfp4 from fp32 weights differ in ~1 scale per 1M groups)."""
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from qerl.formats import dequantize_weight, quantize_weight
 
@@ -46,3 +47,34 @@ def test_cuda_quantisation_is_bit_identical_to_cpu(fmt, dtype, seed):
         assert torch.equal(v, g), (fmt, k, int((v != g).sum()), _first_diffs(v, g))
     assert torch.equal(dequantize_weight(cpu, fmt), dequantize_weight(gpu, fmt).cpu())
 
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
+def test_quantize_step_on_the_gpu_saves_the_cpu_steps_bytes(tmp_path, fmt):
+    """The pipeline's quantize step from a saved safetensors model, built layer by layer on the GPU (build_model
+    reading each tensor onto the device), saves the same checkpoint tensors, bit for bit, as on the CPU."""
+    import transformers
+
+    from qerl import pipeline
+    from qerl.model import embedded_tokenizer
+    from qerl.recipe import load_recipe
+
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    src = tmp_path / "model"
+    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(src)
+    embedded_tokenizer().save_pretrained(src)
+    dirs = {}
+    for device in ("cpu", "cuda"):
+        recipe = load_recipe("smoke", {"model.name": str(src), "formats": [fmt], "train": None, "device": device,
+                                       "output_dir": str(tmp_path / device),
+                                       "mlflow.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"})
+        dirs[device] = pipeline.Path(pipeline.quantize_step(recipe, fmt, progress=False))
+    names = sorted(p.name for p in dirs["cpu"].glob("*.safetensors"))
+    assert names and names == sorted(p.name for p in dirs["cuda"].glob("*.safetensors"))
+    for name in names:  # the tensors: the order of the header's metadata keys varies from file to file
+        a, b = load_file(dirs["cpu"] / name), load_file(dirs["cuda"] / name)
+        assert a.keys() == b.keys(), name
+        for k in a:
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), (name, k)
