@@ -11,7 +11,8 @@ recipe.report_dir:
 
 - table.md      markdown table: our accuracy (95% Wilson CI), n, mean entropy, RL steps and the
                 training reward (first -> last fifth of the steps) per row, and the paper's
-                Table 1 cells for Qwen2.5-3B/7B-Instruct (PAPER_TABLE1, PAPER_TABLE1_TRAINED);
+                cells for the recipe's benchmarks: GSM8K, Table 1 for Qwen2.5-3B/7B-Instruct
+                (PAPER_TABLE1, PAPER_TABLE1_TRAINED); MATH500, 7B after RL (PAPER_MATH500_TRAINED);
 - table.html    the same, self-contained (inline CSS, the plots embedded);
 - accuracy_entropy.png   accuracy with CI error bars and entropy per variant (matplotlib Agg);
 - training_curves.png    training reward and policy entropy per RL step, one line per variant;
@@ -28,17 +29,18 @@ from __future__ import annotations
 
 import base64
 import datetime as _dt
+import functools
 import html
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from qerl import FORMATS
 from qerl.recipe import VARIANTS, Recipe
 from qerl.tracking import Tracker, ui_command
 
-__all__ = ["PAPER_TABLE1", "PAPER_TABLE1_TRAINED", "build_report", "collect_rows", "merge_summary"]
+__all__ = ["PAPER_MATH500_TRAINED", "PAPER_TABLE1", "PAPER_TABLE1_TRAINED", "build_report", "collect_rows", "merge_summary"]
 
 # GSM8K accuracy (%) of the untrained models, per weight format: the "base" columns of Table 1
 # of QeRL (arXiv 2510.11696), as listed in /work/shared/paper.md ("Accuracy, GSM8K with GRPO
@@ -60,6 +62,13 @@ PAPER_TABLE1_TRAINED: dict[str, dict[str, float]] = {
     },
 }
 PAPER_SOURCE = "QeRL (arXiv 2510.11696), Table 1 (base and GRPO-trained), full GSM8K test (1,319 problems)"
+# MATH500 accuracy (%) of Qwen2.5-7B-Instruct after RL, from the project's figure (paper.md: "MATH500, 7B (project
+# figure)"); trained columns only. "QeRL nvfp4" is the figure's "QeRL", which does not say whether AQN was on.
+PAPER_MATH500_TRAINED: dict[str, dict[str, float]] = {
+    "Qwen2.5-7B-Instruct": {"full FT": 77.4, "LoRA bf16": 77.0, "QLoRA nf4": 76.4, "QeRL nvfp4": 77.4},
+}
+PAPER_MATH500_SOURCE = ("QeRL's project figure, MATH500 after RL, Qwen2.5-7B-Instruct (its \"QeRL\" bar is shown on "
+                        "both QeRL rows: the figure does not say whether AQN was on)")
 # Our variant names -> the labels of PAPER_TABLE1_TRAINED.
 PAPER_VARIANT_NAMES = {
     "lora-bf16": "LoRA bf16",
@@ -203,6 +212,23 @@ def _num(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _paper_columns(recipe: Recipe) -> list[tuple[str, Callable[[dict], float | None]]]:
+    """(header, row -> the paper's accuracy % or None) for each paper column that matches one of the recipe's
+    benchmarks: GSM8K (Table 1, 3B and 7B, base and trained), MATH500 (7B, trained)."""
+    benches = set(recipe.benchmark_names())
+    cols: list[tuple[str, Callable[[dict], float | None]]] = []
+    if "gsm8k" in benches:
+        cols += [(f"paper {m.replace('-Instruct', '')} GSM8K %", functools.partial(paper_value, m)) for m in PAPER_TABLE1]
+    if "math500" in benches:
+        for m, cells in PAPER_MATH500_TRAINED.items():
+            def math500(row: dict, cells=cells) -> float | None:
+                name = PAPER_VARIANT_NAMES.get(row["variant"], "").replace(" + AQN", "")
+                return cells.get(name) if row.get("trained") else None
+
+            cols.append((f"paper {m.replace('-Instruct', '')} MATH500 %", math500))
+    return cols
+
+
 def _columns(recipe: Recipe) -> list[str]:
     cols = ["variant", "format"]
     for b in recipe.benchmark_names():
@@ -210,7 +236,7 @@ def _columns(recipe: Recipe) -> list[str]:
         cols += [f"{label} accuracy % [95% CI]", f"{label} n", f"{label} entropy (nats/token)", f"{label} mean tokens"]
     if recipe.variants():
         cols += ["RL steps", "train reward first -> last 1/5"]
-    cols += ["bits/weight"] + [f"paper {m.replace('-Instruct', '')} %" for m in PAPER_TABLE1]
+    cols += ["bits/weight"] + [header for header, _ in _paper_columns(recipe)]
     return cols
 
 
@@ -240,7 +266,7 @@ def _cells(recipe: Recipe, row: dict) -> list[str]:
         first, last = t.get("reward_first_fifth"), t.get("reward_last_fifth")
         cells.append("-" if first is None or last is None else f"{first:.3f} -> {last:.3f}")
     cells.append(_num(row.get("bits_per_weight"), ".2f"))
-    cells += [_num(paper_value(m, row), ".1f") for m in PAPER_TABLE1]
+    cells += [_num(value(row), ".1f") for _, value in _paper_columns(recipe)]
     return cells
 
 
@@ -290,6 +316,11 @@ _TRAIN_NOTE = (
 
 def _notes(recipe: Recipe) -> list[str]:
     notes = list(_NOTES)
+    sources = [src for bench, src in (("gsm8k", PAPER_SOURCE), ("math500", PAPER_MATH500_SOURCE))
+               if bench in recipe.benchmark_names()]
+    notes.append(f"paper columns: {'; '.join(sources)}; different (larger) models than ours unless the recipe names "
+                 "them: compare how accuracy moves across formats, not absolute values." if sources else
+                 "paper columns: none (the paper's numbers we hold are for GSM8K and 7B MATH500).")
     if recipe.variants():
         notes.insert(2, _TRAIN_NOTE)
     uses_arith = "arith" in recipe.benchmark_names() or (recipe.train is not None and recipe.train.dataset == "arith")
@@ -300,7 +331,8 @@ def _notes(recipe: Recipe) -> list[str]:
 
 def _title(recipe: Recipe) -> str:
     what = "base and RL-trained" if recipe.variants() else "base models"
-    return f"Table 1, {what}: accuracy by weight format (recipe `{recipe.name}`)"
+    table = "Table 1" if "gsm8k" in recipe.benchmark_names() else "Table 2 setting"
+    return f"{table}, {what}: accuracy by weight format (recipe `{recipe.name}`)"
 
 
 _NOTES = [
@@ -308,8 +340,6 @@ _NOTES = [
     "entropy: mean per-token entropy (nats) of the model's next-token distribution over the "
     "generated tokens (the paper's exploration measure).",
     "bits/weight: stored bits per weight of the decoder linear layers (codes + scales).",
-    f"paper columns: {PAPER_SOURCE}; different (larger) models than ours unless the recipe "
-    "names them: compare how accuracy moves across formats, not absolute values.",
 ]
 
 
@@ -388,7 +418,7 @@ def render_html(
     curves_png: Path | None = None,
 ) -> str:
     cols = _columns(recipe)
-    n_paper = len(PAPER_TABLE1)
+    n_paper = len(_paper_columns(recipe))
     head = "".join(
         f'<th class="paper">{html.escape(c)}</th>' if i >= len(cols) - n_paper else f"<th>{html.escape(c)}</th>"
         for i, c in enumerate(cols)

@@ -420,3 +420,34 @@ def test_report_names_the_accelerator_its_runs_used():
     assert _compute(rows).split(" (weights")[0].split("; ") == [
         "float32 activations on cpu", "bfloat16 activations on cuda",
         "bfloat16 activations on cuda (NVIDIA H100 80GB HBM3, 80 GiB)", "bfloat16 activations on cuda (NVIDIA H200, 140 GiB)"]
+
+
+def test_report_puts_the_papers_numbers_only_under_the_benchmarks_they_are_for():
+    """GSM8K recipes get Table 1's GSM8K cells (3B and 7B, base and trained); the Table 2 setting (MATH500, AIME,
+    AMC) gets the 7B MATH500 cells of the trained variants and no GSM8K number; a recipe with neither gets none."""
+    from qerl.recipe import load_recipe
+    from qerl.report import _cells, _columns, _notes, _title
+
+    def rows(variants):
+        return [{"variant": v, "format": v.split("-")[1] if "-" in v else v, "status": "ok",
+                 "trained": not v.startswith("base-")} for v in variants]
+
+    smoke = load_recipe(SMOKE, {})
+    assert _columns(smoke)[-2:] == ["paper Qwen2.5-3B GSM8K %", "paper Qwen2.5-7B GSM8K %"]
+    base, aqn = rows(["base-bf16", "qerl-nvfp4-aqn"])
+    assert _cells(smoke, {**base, "gsm8k": {}})[-2:] == ["61.2", "76.3"]
+    assert _cells(smoke, {**aqn, "gsm8k": {}})[-2:] == ["83.7", "90.8"]
+    assert _title(smoke).startswith("Table 1,") and "GSM8K" in _notes(smoke)[-1]
+
+    dapo = load_recipe("qwen2.5-7b-dapo", {"formats": ["bf16", "nf4", "nvfp4"]})
+    cols = _columns(dapo)
+    assert cols[-1] == "paper Qwen2.5-7B MATH500 %" and not any("GSM8K" in c for c in cols)
+    evals = {b: {} for b in dapo.benchmark_names()}
+    got = {r["variant"]: _cells(dapo, {**r, **evals})[-1] for r in rows(["base-nvfp4", "lora-bf16", "qlora-nf4", "lora-mxfp4",
+                                                           "qerl-nvfp4", "qerl-nvfp4-aqn"])}
+    assert got == {"base-nvfp4": "-", "lora-bf16": "77.0", "qlora-nf4": "76.4", "lora-mxfp4": "-",
+                   "qerl-nvfp4": "77.4", "qerl-nvfp4-aqn": "77.4"}
+    assert _title(dapo).startswith("Table 2 setting,") and "MATH500" in _notes(dapo)[-1]
+
+    arith = load_recipe(SMOKE, {"benchmarks": [{"name": "arith"}]})
+    assert not any(c.startswith("paper ") for c in _columns(arith)) and "none" in _notes(arith)[-1]
