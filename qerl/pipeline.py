@@ -217,14 +217,13 @@ def _reusable(out: Path) -> dict | None:
 
 
 def _quantize_and_save(recipe: Recipe, fmt: str, out: Path, progress: bool) -> dict:
-    import torch
-
     from qerl.checkpoint import save_quantized
     from qerl.model import builds_layerwise, load_model, load_tokenizer, torch_dtype
     from qerl.quantize import QuantSummary, quantize_
 
     t0 = time.perf_counter()
-    torch.manual_seed(recipe.seed)
+    # no global seeding here: nothing below draws from the process-wide RNG (random presets seed their own), and
+    # reseeding it would change what trainers in other threads draw
     (out / STEP_MARKER).unlink(missing_ok=True)
     llm_compressor = recipe.quantizer == "llm-compressor" and fmt in ("nvfp4", "mxfp4")
     if builds_layerwise(recipe.model) and not llm_compressor:

@@ -222,3 +222,31 @@ def test_adapters_built_while_another_thread_loads_a_checkpoint_are_initialised(
         assert not done.wait(0.5)
     w.join(60)
     assert done.is_set()
+
+
+def test_seeded_adapters_do_not_depend_on_the_process_wide_rng():
+    """apply_lora(seed=s): the same A matrices whatever the global RNG's state (other threads of the flow reseed it
+    and draw from it while a trainer builds its adapters), PEFT's distribution U(+-1/sqrt(in_features)), B zero;
+    another seed gives other A matrices. The trainer builds its adapters this way from GRPO's seed."""
+    from qerl.rl.grpo import GRPOSettings
+    from qerl.rl.trainer import prepare_policy
+
+    def lora(model, key):
+        return {n: p.detach().clone() for n, p in model.named_parameters() if key in n}
+
+    torch.manual_seed(1)
+    a = apply_lora(_tiny("nvfp4"), seed=7)
+    torch.manual_seed(2)
+    torch.rand(1000)
+    b = apply_lora(_tiny("nvfp4"), seed=7)
+    la, lb = lora(a, "lora_A"), lora(b, "lora_A")
+    assert la and la.keys() == lb.keys() and all(torch.equal(la[k], lb[k]) for k in la)
+    for n, p in la.items():
+        bound = 1.0 / p.shape[1] ** 0.5
+        assert p.abs().max() <= bound and p.abs().max() > 0.9 * bound and abs(float(p.mean())) < 0.2 * bound, n
+    assert all(not p.any() for p in lora(a, "lora_B").values())
+    other = lora(apply_lora(_tiny("nvfp4"), seed=8), "lora_A")
+    assert not any(torch.equal(other[k], la[k]) for k in la)
+    torch.manual_seed(3)
+    policy = lora(prepare_policy(_tiny("nvfp4"), GRPOSettings(seed=7, gradient_checkpointing=False)), "lora_A")
+    assert all(torch.equal(policy[k], la[k]) for k in la)

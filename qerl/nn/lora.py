@@ -28,6 +28,7 @@ Try it:  pytest tests/test_lora.py -q
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -220,18 +221,37 @@ def _check_targets(model: nn.Module, settings: LoraSettings) -> None:
         )
 
 
-def apply_lora(model: nn.Module, settings: LoraSettings | None = None, adapter_name: str = "default") -> PeftModel:
+def apply_lora(model: nn.Module, settings: LoraSettings | None = None, adapter_name: str = "default",
+               seed: int | None = None) -> PeftModel:
     """Wrap `model` (bf16 nn.Linear or 4-bit QuantLinear decoder) with trainable LoRA adapters.
 
-    Only the LoRA matrices (and the norm copies with `train_norms`) require grad afterwards."""
+    Only the LoRA matrices (and the norm copies with `train_norms`) require grad afterwards. With `seed`, the A
+    matrices are drawn from a private generator (`seeded_adapter_init`) instead of the process-wide RNG."""
     settings = settings or LoraSettings()
     _check_targets(model, settings)
     cfg = lora_config(settings)
     with INIT_LOCK, _peft_injection(model), warnings.catch_warnings():  # qerl.threads: why the lock
         warnings.filterwarnings("ignore", message=".*custom.*", category=UserWarning)
         peft_model = get_peft_model(model, cfg, adapter_name=adapter_name)
+    if seed is not None:
+        seeded_adapter_init(peft_model, seed, adapter_name)
     _freeze_base(peft_model)
     return peft_model
+
+
+def seeded_adapter_init(peft_model: nn.Module, seed: int, adapter_name: str = "default") -> None:
+    """Draw every lora_A of `adapter_name` again from PEFT's default distribution (kaiming-uniform with a = sqrt(5):
+    U(-1/sqrt(in_features), +1/sqrt(in_features))) with a private CPU generator seeded with `seed`, in parameter
+    name order; lora_B stays zero. PEFT draws from the process-wide RNG, which other threads reseed and draw from
+    while the flow trains variants side by side (lm-eval seeds it, other trainers seed it and init their own
+    adapters), so the same recipe and seed gave different adapters, and different trained rows, run to run."""
+    g = torch.Generator().manual_seed(int(seed))
+    key = f".lora_A.{adapter_name}.weight"
+    with torch.no_grad():
+        for name, p in sorted(peft_model.named_parameters()):
+            if name.endswith(key):
+                bound = 1.0 / math.sqrt(p.shape[1])
+                p.copy_(torch.empty(p.shape, dtype=torch.float32).uniform_(-bound, bound, generator=g))
 
 
 def load_lora(

@@ -281,8 +281,8 @@ def prepare_policy(model: nn.Module, settings: GRPOSettings, lora_settings: Lora
     """The trained policy: `model` with LoRA adapters (`apply_lora`, unless it is a PeftModel
     already), with `settings.fused_training_ops` the fused RMSNorm / MLP forms (used on a GPU only),
     and with `settings.gradient_checkpointing` activation checkpointing per layer."""
-    if not _is_peft(model):
-        model = apply_lora(model, lora_settings or LoraSettings())
+    if not _is_peft(model):  # the adapters' start from settings.seed alone, not from the process-wide RNG
+        model = apply_lora(model, lora_settings or LoraSettings(), seed=settings.seed)
     if settings.fused_training_ops:
         from qerl.nn.fused_train import fuse_training_ops
 
