@@ -72,15 +72,14 @@ def _errors_in_one_line() -> Iterator[None]:
     except typer.Exit:
         raise
     except Exception as exc:
-        if isinstance(exc, _user_errors()):
-            typer.echo(f"error: {' '.join(str(exc).split())}", err=True)
-            raise typer.Exit(2) from None
-        if isinstance(exc, _run_failures()):
-            typer.echo(f"error: {' '.join(str(exc).split())}", err=True)
+        bad_input = isinstance(exc, _user_errors())
+        if not bad_input and not isinstance(exc, _run_failures()):
+            raise
+        typer.echo(f"error: {' '.join(str(exc).split())}", err=True)
+        if not bad_input:
             typer.echo("the failed step's MLflow run has the traceback in its error.txt (qerl ui); checkpoints on "
                        "disk are kept, and a rerun reuses them", err=True)
-            raise typer.Exit(1) from None
-        raise
+        raise typer.Exit(2 if bad_input else 1) from None
 
 
 def _load(recipe: str, overrides: Optional[list[str]], *, runs: bool = False):

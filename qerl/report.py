@@ -65,10 +65,16 @@ PAPER_SOURCE = "QeRL (arXiv 2510.11696), Table 1 (base and GRPO-trained), full G
 # MATH500 accuracy (%) of Qwen2.5-7B-Instruct after RL, from the project's figure (paper.md: "MATH500, 7B (project
 # figure)"); trained columns only. "QeRL nvfp4" is the figure's "QeRL", which does not say whether AQN was on.
 PAPER_MATH500_TRAINED: dict[str, dict[str, float]] = {
-    "Qwen2.5-7B-Instruct": {"full FT": 77.4, "LoRA bf16": 77.0, "QLoRA nf4": 76.4, "QeRL nvfp4": 77.4},
+    "Qwen2.5-7B-Instruct": {"full FT": 77.4, "LoRA bf16": 77.0, "QLoRA nf4": 76.4, "QeRL nvfp4": 77.4,
+                            "QeRL nvfp4 + AQN": 77.4},
 }
 PAPER_MATH500_SOURCE = ("QeRL's project figure, MATH500 after RL, Qwen2.5-7B-Instruct (its \"QeRL\" bar is shown on "
                         "both QeRL rows: the figure does not say whether AQN was on)")
+# benchmark -> (source, base cells by model, trained cells by model): the paper columns a recipe's report shows
+PAPER_COLUMNS: dict[str, tuple[str, dict[str, dict[str, float]], dict[str, dict[str, float]]]] = {
+    "gsm8k": (PAPER_SOURCE, PAPER_TABLE1, PAPER_TABLE1_TRAINED),
+    "math500": (PAPER_MATH500_SOURCE, {}, PAPER_MATH500_TRAINED),
+}
 # Our variant names -> the labels of PAPER_TABLE1_TRAINED.
 PAPER_VARIANT_NAMES = {
     "lora-bf16": "LoRA bf16",
@@ -213,19 +219,13 @@ def _num(x: float | None, fmt: str) -> str:
 
 
 def _paper_columns(recipe: Recipe) -> list[tuple[str, Callable[[dict], float | None]]]:
-    """(header, row -> the paper's accuracy % or None) for each paper column that matches one of the recipe's
-    benchmarks: GSM8K (Table 1, 3B and 7B, base and trained), MATH500 (7B, trained)."""
-    benches = set(recipe.benchmark_names())
+    """(header, row -> the paper's accuracy % or None) for each model of each PAPER_COLUMNS benchmark the recipe
+    evaluates: GSM8K (Table 1, 3B and 7B, base and trained), MATH500 (7B, trained)."""
     cols: list[tuple[str, Callable[[dict], float | None]]] = []
-    if "gsm8k" in benches:
-        cols += [(f"paper {m.replace('-Instruct', '')} GSM8K %", functools.partial(paper_value, m)) for m in PAPER_TABLE1]
-    if "math500" in benches:
-        for m, cells in PAPER_MATH500_TRAINED.items():
-            def math500(row: dict, cells=cells) -> float | None:
-                name = PAPER_VARIANT_NAMES.get(row["variant"], "").replace(" + AQN", "")
-                return cells.get(name) if row.get("trained") else None
-
-            cols.append((f"paper {m.replace('-Instruct', '')} MATH500 %", math500))
+    for bench, (_, base, trained) in PAPER_COLUMNS.items():
+        if bench in recipe.benchmark_names():
+            cols += [(f"paper {m.replace('-Instruct', '')} {bench.upper()} %",
+                      functools.partial(_paper_cell, base.get(m, {}), trained[m])) for m in trained]
     return cols
 
 
@@ -240,11 +240,16 @@ def _columns(recipe: Recipe) -> list[str]:
     return cols
 
 
+def _paper_cell(base: dict[str, float], trained: dict[str, float], row: dict) -> float | None:
+    """The paper's accuracy (%) for this row: its trained variant's cell, or its base format's."""
+    if row.get("trained"):
+        return trained.get(PAPER_VARIANT_NAMES.get(row["variant"], ""))
+    return base.get(row["format"])
+
+
 def paper_value(model: str, row: dict) -> float | None:
     """The paper's GSM8K accuracy (%) for this row's column (base format or trained variant)."""
-    if row.get("trained"):
-        return PAPER_TABLE1_TRAINED[model].get(PAPER_VARIANT_NAMES.get(row["variant"], ""))
-    return PAPER_TABLE1[model].get(row["format"])
+    return _paper_cell(PAPER_TABLE1[model], PAPER_TABLE1_TRAINED[model], row)
 
 
 def _cells(recipe: Recipe, row: dict) -> list[str]:
@@ -316,8 +321,7 @@ _TRAIN_NOTE = (
 
 def _notes(recipe: Recipe) -> list[str]:
     notes = list(_NOTES)
-    sources = [src for bench, src in (("gsm8k", PAPER_SOURCE), ("math500", PAPER_MATH500_SOURCE))
-               if bench in recipe.benchmark_names()]
+    sources = [src for bench, (src, _, _) in PAPER_COLUMNS.items() if bench in recipe.benchmark_names()]
     notes.append(f"paper columns: {'; '.join(sources)}; different (larger) models than ours unless the recipe names "
                  "them: compare how accuracy moves across formats, not absolute values." if sources else
                  "paper columns: none (the paper's numbers we hold are for GSM8K and 7B MATH500).")
