@@ -13,7 +13,8 @@ hand-computed values (tests/test_grpo.py). Semantics follow TRL 1.16's GRPOTrain
   "dr_grpo": sum over all tokens / (sequences * max_completion_length).
   Normalisers are global over the step's batch, so micro-batching does not change the gradient.
 - beta > 0 adds beta * k3 KL to the reference policy per token:
-  exp(ref - new) - (ref - new) - 1.
+  exp(ref - new) - (ref - new) - 1, times rho with `use_bias_correction_kl` (TRL 1.16's default:
+  the KL gradient is then the unbiased reverse-KL one, DeepSeek-V3.2; rho keeps its gradient).
 - importance sampling (rollout policy != training policy, e.g. AQN noise in the rollout or
   another engine): per-token weight w = exp(logp_train_old - logp_rollout), "token_truncate":
   min(w, C) (TRL's vllm_importance_sampling_* options, also "token_mask",
@@ -89,6 +90,7 @@ class GRPOSettings(BaseModel):
     # loss
     loss_type: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
     beta: float = Field(0.0, ge=0.0)
+    use_bias_correction_kl: bool = True  # the KL term times rho, as TRL 1.16 (only with beta > 0)
     epsilon: float = Field(0.2, gt=0.0, lt=1.0)
     epsilon_high: float | None = Field(None, gt=0.0)  # None: = epsilon (DAPO: 0.28)
     scale_rewards: Literal["group", "batch", "none"] | None = None  # None: "none" for dr_grpo, else "group"
@@ -313,6 +315,7 @@ def grpo_loss(
     epsilon_high: float | None = None,
     beta: float = 0.0,
     ref_logp: torch.Tensor | None = None,
+    use_bias_correction_kl: bool = True,
     is_weights: torch.Tensor | None = None,
     max_completion_length: int | None = None,
     num_sequences: int | None = None,
@@ -328,6 +331,8 @@ def grpo_loss(
         if ref_logp is None:
             raise ValueError("beta > 0 needs the reference logprobs")
         kl = k3_kl(logp, ref_logp)
+        if use_bias_correction_kl:
+            kl = kl * ratio
         per_token = per_token + beta * kl
     loss = aggregate_loss(per_token, mask, loss_type, max_completion_length, num_sequences, num_tokens)
     with torch.no_grad():

@@ -847,7 +847,7 @@ def _optimise_steps(
             loss, st = grpo_loss(
                 logp, logp_old, adv.to(device), mask, loss_type=settings.loss_type, epsilon=settings.epsilon,
                 epsilon_high=settings.eps_high, beta=settings.beta, ref_logp=ref[i].to(device) if ref else None,
-                is_weights=isw, max_completion_length=settings.max_completion_length,
+                use_bias_correction_kl=settings.use_bias_correction_kl, is_weights=isw, max_completion_length=settings.max_completion_length,
                 num_sequences=num_seqs, num_tokens=num_tokens,
             )
             _finite_or_raise(loss.detach(), "loss", step)

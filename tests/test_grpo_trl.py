@@ -1,0 +1,105 @@
+"""Our GRPO / DAPO / Dr. GRPO loss against TRL's own: the same model, completions and old log-probs through
+`trl.GRPOTrainer._compute_loss` (TRL 1.16, the real trainer built on CPU) and through `policy_logprobs` +
+`grpo_loss`. qerl.rl keeps TRL's loss semantics without running TRL's loop (qerl/rl/DESIGN_NOTES.md says why);
+this is where the two are held to each other, values and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from qerl.rl.grpo import grpo_loss  # noqa: E402
+from qerl.rl.rollout import RolloutBatch, policy_logprobs  # noqa: E402
+
+VOCAB, PROMPTS, GENERATIONS, PROMPT_LEN, COMPLETION = 64, 2, 4, 3, 6
+TEMPERATURE, EPSILON, EPSILON_HIGH = 0.7, 0.2, 0.28
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<pad>")
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    model = LlamaForCausalLM(config)
+    args = trl.GRPOConfig(output_dir=str(tmp_path_factory.mktemp("trl")), per_device_train_batch_size=GENERATIONS,
+                          num_generations=GENERATIONS, max_completion_length=COMPLETION, epsilon=EPSILON,
+                          epsilon_high=EPSILON_HIGH, temperature=TEMPERATURE, use_cpu=True, report_to="none",
+                          bf16=False, gradient_accumulation_steps=1)
+    prompts = datasets.Dataset.from_dict({"prompt": ["w2 w3 w4"] * 8})
+    t = trl.GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                        train_dataset=prompts, processing_class=_tokenizer())
+    t.current_gradient_accumulation_steps = 1  # what TRL's training loop sets before each micro-batch
+    return t
+
+
+def _batch(seed: int):
+    """Two prompts (no padding: TRL's forward takes positions from the sequence, ours from the mask) x 4
+    completions of 1..6 tokens, right-padded, and random advantages."""
+    g = torch.Generator().manual_seed(seed)
+    n = PROMPTS * GENERATIONS
+    prompts = torch.randint(2, VOCAB, (PROMPTS, PROMPT_LEN), generator=g)
+    lengths = torch.randint(1, COMPLETION + 1, (n,), generator=g)
+    lengths[0] = COMPLETION
+    mask = (torch.arange(COMPLETION)[None, :] < lengths[:, None]).long()
+    completions = torch.randint(2, VOCAB, (n, COMPLETION), generator=g) * mask
+    rows = torch.arange(n) // GENERATIONS
+    batch = RolloutBatch(prompts, torch.ones_like(prompts), rows, completions, mask, torch.zeros(n, COMPLETION),
+                         torch.zeros(n, COMPLETION), lengths < COMPLETION)
+    return batch, torch.randn(n, generator=g), g
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("beta, bias_correction", [(0.0, True), (0.04, True), (0.04, False)])
+def test_loss_and_gradients_equal_trls(trainer, loss_type, beta, bias_correction):
+    model = trainer.model
+    model.train()
+    seed = {"grpo": 1, "dapo": 5, "dr_grpo": 9}[loss_type] + (beta > 0) + (not bias_correction)
+    batch, advantages, g = _batch(seed)
+    mask = batch.completion_mask
+    with torch.no_grad():
+        now = policy_logprobs(model, batch, temperature=TEMPERATURE)
+    # the rollout policy a little off the current one, so both clip edges are reached
+    old = (now + 0.3 * torch.randn(now.shape, generator=g)) * mask
+    ref = (now + 0.2 * torch.randn(now.shape, generator=g)) * mask
+    trainer.loss_type = trainer.args.loss_type = loss_type
+    trainer.beta = beta
+    trainer.args.use_bias_correction_kl = bias_correction  # TRL's default: True (the KL term times the ratio)
+    inputs = {"prompt_ids": batch.prompt_ids[batch.prompt_index], "prompt_mask": batch.prompt_mask[batch.prompt_index],
+              "completion_ids": batch.completion_ids, "completion_mask": mask, "advantages": advantages,
+              "old_per_token_logps": old, "ref_per_token_logps": ref, "num_items_in_batch": mask.sum().float()}
+
+    model.zero_grad()
+    theirs = trainer._compute_loss(model, inputs)
+    theirs.backward()
+    their_grads = _grads(model)
+
+    model.zero_grad()
+    logp = policy_logprobs(model, batch, temperature=TEMPERATURE)
+    ours, stats = grpo_loss(logp, old, advantages, mask.float(), loss_type=loss_type, epsilon=EPSILON,
+                            epsilon_high=EPSILON_HIGH, beta=beta, ref_logp=ref if beta else None,
+                            use_bias_correction_kl=bias_correction, max_completion_length=COMPLETION)
+    ours.backward()
+
+    assert stats["clip_low_tokens"] > 0 and stats["clip_high_tokens"] > 0, stats  # both clip edges took part
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-5, abs=1e-7)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, their_grads[name], rtol=1e-4, atol=1e-6, msg=name)
