@@ -154,6 +154,8 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
         "checkpoint_layers": args.checkpoint_layers,
         # GRPOSettings.device_memory_gib: the allocator capped there, the memory plans sized to it (None: the card)
         "device_memory_gib": args.device_memory_gib,
+        # nf4 only: "baseline" (QLoRA's dequantise-then-cuBLAS) or "fused<=N" (QERL_NF4_FUSED_MAX_M, labelled)
+        "nf4_decode": quant_linear.nf4_decode(fmt),
     }
     cap_device_memory(device, args.device_memory_gib)  # before the build, so the weights count under the cap
     mem = _Memory(device)
@@ -318,12 +320,17 @@ def _setup(row: dict) -> tuple:
 
 
 def _key(row: dict) -> tuple:
-    return (*_setup(row), row["format"], _row_copies(row))
+    from qerl.nn.quant_linear import nf4_decode_of
+
+    # a fused-decode nf4 row never replaces a baseline one (rows before the field: read from their command)
+    return (*_setup(row), row["format"], _row_copies(row), nf4_decode_of(row))
 
 
 def step_rows(memory_rows: list[dict]) -> list[dict]:
     """grpo_step.json rows: every measured (ok) configuration, with the bf16 LoRA step of the same
     model and batch as its baseline (None where that one did not run or did not fit)."""
+    from qerl.nn.quant_linear import nf4_decode_of
+
     def pair(r):  # a one-step row includes the warm-up (compiles, captures): compared only with its like
         return (*_setup(r), r.get("steps", 1) > 1)
 
@@ -337,7 +344,7 @@ def step_rows(memory_rows: list[dict]) -> list[dict]:
         out.append({"model": r["model"], "format": r["format"], "batch": r["batch"], "step_s": r["step_s"],
                     "bf16_step_s": base, "speedup": round(base / r["step_s"], 3) if base else None,
                     "micro_batch": r["micro_batch"], "generations": r["generations"], "completion_len": r["completion_len"],
-                    "weight_copies": _row_copies(r), **_setup_fields(r),
+                    "weight_copies": _row_copies(r), "nf4_decode": nf4_decode_of(r), **_setup_fields(r),
                     # when the baseline ran: the same call as this row, or another call on the same GPU model
                     "date": r.get("date"), "bf16_date": base_row.get("date") if base_row else None})
     return out
@@ -417,7 +424,8 @@ def combine(paths: list[str], out_dir: str) -> dict:
     rows: dict[tuple, dict] = {}
     for part in parts:
         for r in part["rows"]:
-            rows[_key(r)] = dict({"command": part.get("command"), "date": part.get("date")}, **r)
+            r = dict({"command": part.get("command"), "date": part.get("date")}, **r)
+            rows[_key(r)] = r
     meta = {k: v for k, v in parts[-1].items() if k not in ("rows", "not_run", "command", "date")}
 
     def each(p, key):  # a combined file lists its calls' commands and dates: kept flat

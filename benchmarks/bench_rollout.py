@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from qerl.model import build_random  # noqa: E402
 from qerl.env import switches_prefix  # noqa: E402
+from qerl.nn.quant_linear import nf4_decode, nf4_decode_of  # noqa: E402
 from qerl.quantize import quantize_  # noqa: E402
 from qerl.rl.rollout import RolloutSettings  # noqa: E402
 from qerl.rollout.engine import RolloutEngine  # noqa: E402
@@ -342,6 +343,8 @@ def run(args) -> None:
                         "prefill_s": round(stats["prefill_s"], 4), "decode_s": round(stats["decode_s"], 4),
                         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
                         "gpu_state": gpu_state(),
+                        # nf4 only: "baseline" or "fused<=N" (QERL_NF4_FUSED_MAX_M, the labelled fused NF4 decode)
+                        "nf4_decode": nf4_decode(fmt),
                     }
                     rows.append(row)
                     save()
@@ -397,8 +400,12 @@ def combine(paths: list[str], out: str) -> None:
                  for r in p["rows"] if r.get("lora_rank") == 0 and "tokens_per_s" in r}
         for r in p["rows"]:
             run_in_part = r.get("run", 0) if nested else 0
+            # a fused-decode nf4 row never replaces a baseline one (rows before the field: read from their command)
+            decode = nf4_decode_of(r, listed(p["command"])[run_in_part])
             r = dict(r, run=offset + run_in_part)
-            key = (r["model"], r["format"], r.get("batch"), r.get("lora_rank"))
+            if decode is not None:
+                r["nf4_decode"] = decode
+            key = (r["model"], r["format"], r.get("batch"), r.get("lora_rank"), decode)
             if r.get("lora_rank"):
                 r["lora0_tokens_per_s"] = plain.get(key[:3] + (run_in_part,))
             old = rows.get(key)

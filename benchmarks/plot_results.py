@@ -82,11 +82,17 @@ def w4a16_medians(rows: list[dict], formats=FORMATS) -> dict[tuple[str, str], di
     return dict(out)
 
 
+def _fused_nf4(r: dict) -> bool:
+    """A row of nf4 with the labelled fused NF4 decode (its `nf4_decode` field): not the QLoRA baseline that
+    these figures' nf4 bars show (the NF4 figure compares the two kernels)."""
+    return str(r.get("nf4_decode") or "").startswith("fused")
+
+
 def rollout_ratios(rows: list[dict]) -> dict[tuple[str, int, str], float]:
     """{(model, batch, format): tok/s over bf16's in the same run}, no-LoRA rows with a baseline."""
     out = {}
     for r in rows:
-        if r.get("lora_rank", 0) == 0 and r.get("format") in FORMATS and r.get("bf16_tokens_per_s"):
+        if r.get("lora_rank", 0) == 0 and r.get("format") in FORMATS and r.get("bf16_tokens_per_s") and not _fused_nf4(r):
             out[r["model"], int(r["batch"]), r["format"]] = r["tokens_per_s"] / r["bf16_tokens_per_s"]
     return out
 
@@ -101,7 +107,7 @@ def grpo_speedups(rows: list[dict]) -> dict[tuple[str, int, str], float]:
     """{(model, batch, format): step speedup over bf16}, the newest paired row of each (by its date)."""
     best: dict[tuple[str, int, str], tuple[str, float]] = {}
     for r in rows:
-        if r.get("format") in FORMATS and r.get("speedup"):
+        if r.get("format") in FORMATS and r.get("speedup") and not _fused_nf4(r):
             key = (r["model"], int(r["batch"]), r["format"])
             date = r.get("date") or ""
             if key not in best or date >= best[key][0]:

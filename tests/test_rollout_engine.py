@@ -299,3 +299,34 @@ def test_bench_rollout_combines_a_combined_file_again(tmp_path):
     assert got["7b", "bf16", 0]["run"] == 0
     assert got["14b", "nvfp4", 32]["run"] == 1 and got["14b", "nvfp4", 32]["lora0_tokens_per_s"] == 150.0
     assert got["7b", "nvfp4", 16]["lora0_tokens_per_s"] == 210.0
+
+
+def test_bench_rollout_keeps_fused_nf4_rows_apart_from_the_baseline(tmp_path):
+    """nf4 rows measured with the labelled fused NF4 decode (QERL_NF4_FUSED_MAX_M > 0) never replace the QLoRA
+    baseline's rows of the same configuration when files are combined: rows from before the `nf4_decode` field
+    are read from their call's command, and the combined rows carry the label."""
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_rollout.py")
+    spec = importlib.util.spec_from_file_location("bench_rollout_for_nf4_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def row(fmt, tps):
+        return {"model": "7b", "format": fmt, "batch": 8, "lora_rank": 0, "tokens_per_s": tps, "bf16_tokens_per_s": 100.0}
+
+    parts = [{"gpu": "g", "command": "python bench_rollout.py", "date": "d1", "rows": [row("nf4", 50.0), row("nvfp4", 200.0)]},
+             {"gpu": "g", "command": "QERL_NF4_FUSED_MAX_M=16 python bench_rollout.py", "date": "d2", "rows": [row("nf4", 80.0)]},
+             {"gpu": "g", "command": "python bench_rollout.py", "date": "d3",
+              "rows": [dict(row("nf4", 52.0), nf4_decode="baseline")]}]
+    files = []
+    for i, p in enumerate(parts):
+        files.append(str(tmp_path / f"p{i}.json"))
+        with open(files[-1], "w") as f:
+            json.dump(p, f)
+    bench.combine(files, str(tmp_path / "all.json"))
+    rows = json.load(open(tmp_path / "all.json"))["rows"]
+    got = {(r["format"], r.get("nf4_decode")): r["tokens_per_s"] for r in rows}
+    assert got == {("nf4", "baseline"): 52.0, ("nvfp4", None): 200.0, ("nf4", "fused<=16"): 80.0}

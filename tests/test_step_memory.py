@@ -315,6 +315,18 @@ def test_bench_pairs_baselines_and_combines_calls(tmp_path):
     assert [(r["batch"], r["format"], r["command"]) for r in again["rows"]] == [
         (2, "bf16", "first"), (2, "nvfp4", "second"), (2, "nvfp4", "third"), (4, "bf16", "fourth")]
     assert json.loads((tmp_path / "again" / "grpo_step.json").read_text())["command"] == ["first", "second", "third", "fourth"]
+    # nf4 with the labelled fused decode (the field, or before it the QERL_NF4_FUSED_MAX_M prefix of the command)
+    # is kept beside the QLoRA baseline's row, not in its place, and grpo_step.json says which is which
+    e, f = tmp_path / "e.json", tmp_path / "f.json"
+    e.write_text(json.dumps({"gpu": "g", "command": "python bench_grpo_step.py", "date": "d5",
+                             "rows": [row("bf16", 20.0), row("nf4", 40.0)]}))
+    f.write_text(json.dumps({"gpu": "g", "command": "QERL_NF4_FUSED_MAX_M=16 python bench_grpo_step.py", "date": "d6",
+                             "rows": [row("nf4", 25.0)]}))
+    out = bench.combine([str(e), str(f)], str(tmp_path / "nf4"))
+    assert [(r["format"], r["step_s"]) for r in out["rows"]] == [("bf16", 20.0), ("nf4", 40.0), ("nf4", 25.0)]
+    steps = json.loads((tmp_path / "nf4" / "grpo_step.json").read_text())["rows"]
+    assert [(r["format"], r["nf4_decode"], r["speedup"]) for r in steps] == [
+        ("bf16", None, 1.0), ("nf4", "baseline", 0.5), ("nf4", "fused<=16", 0.8)]
 
 
 def test_demo_without_held_out_problems_reports_nan():

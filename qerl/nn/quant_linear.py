@@ -25,6 +25,8 @@ CPU); `SINGLE_COPY = False` keeps both copies (benchmarks measure the difference
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,6 +38,26 @@ from qerl.formats import QUANTIZED_FORMATS, FormatError, dequantize_weight, quan
 # kernel (nf4_triton.fused_matmul, bitsandbytes' 4-bit GEMV rounding) instead of the QLoRA baseline. 0 (the
 # default) keeps the baseline everywhere; benchmarks set QERL_NF4_FUSED_MAX_M=16 to time a fused NF4 rollout.
 NF4_FUSED_MAX_M = env_int("QERL_NF4_FUSED_MAX_M", 0)
+_NF4_SWITCH = re.compile(r"QERL_NF4_FUSED_MAX_M=(\d+)")
+
+
+def nf4_decode(fmt: str, max_m: int | None = None) -> str | None:
+    """The label benchmark rows carry for what nf4's small inference products ran: "baseline" (the QLoRA
+    dequantise-then-cuBLAS path) or "fused<=N" (the fused NF4 kernel for calls of up to N rows); None for
+    other formats. max_m: the QERL_NF4_FUSED_MAX_M in force (default: this process's)."""
+    if fmt != "nf4":
+        return None
+    m = NF4_FUSED_MAX_M if max_m is None else max_m
+    return f"fused<={m}" if m > 0 else "baseline"
+
+
+def nf4_decode_of(row: dict, command: str | None = None) -> str | None:
+    """A benchmark row's nf4_decode: its own field, or for rows from before the field existed, what the
+    QERL_NF4_FUSED_MAX_M prefix of the command that measured it says (the row's, else `command`)."""
+    if "nf4_decode" in row:
+        return row["nf4_decode"]
+    found = _NF4_SWITCH.search(row.get("command") or command or "")
+    return nf4_decode(row.get("format", ""), int(found.group(1)) if found else 0)
 
 # Whether a GPU kernel layout replaces the checkpoint tensors it was built from (module docstring).
 SINGLE_COPY = True
