@@ -1,6 +1,6 @@
-"""Our GRPO / DAPO / Dr. GRPO loss against TRL's own: the same model, completions and old log-probs through
-`trl.GRPOTrainer._compute_loss` (TRL 1.16, the real trainer built on CPU) and through `policy_logprobs` +
-`grpo_loss`. qerl.rl keeps TRL's loss semantics without running TRL's loop (qerl/rl/DESIGN_NOTES.md says why);
+"""Our GRPO / DAPO / Dr. GRPO loss and advantages against TRL's own: the same model, completions and old
+log-probs through `trl.GRPOTrainer._compute_loss` (TRL 1.16, the real trainer built on CPU) and through
+`policy_logprobs` + `grpo_loss`; TRL's sampled-and-scored advantages against `group_advantages`. qerl.rl keeps TRL's loss semantics without running TRL's loop (qerl/rl/DESIGN_NOTES.md says why);
 this is where the two are held to each other, values and gradients."""
 
 from __future__ import annotations
@@ -103,3 +103,30 @@ def test_loss_and_gradients_equal_trls(trainer, loss_type, beta, bias_correction
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-5, abs=1e-7)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, their_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_group_advantages_equal_trls(trainer, tmp_path, scale_rewards):
+    """TRL samples two prompts x 4 completions with the tiny model and scores them with a reward that varies
+    inside a group; its advantages must equal group_advantages of the same rewards."""
+    from qerl.rl.grpo import group_advantages
+
+    seen: list[list[float]] = []
+
+    def reward(completions, **kw):  # a deterministic function of the sampled words
+        r = [float(sum(int(w[1:]) for w in c.split() if w[1:].isdigit()) % 7) for c in completions]
+        seen.append(r)
+        return r
+
+    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2 * GENERATIONS,
+                          num_generations=GENERATIONS, max_completion_length=COMPLETION, temperature=1.0, use_cpu=True,
+                          report_to="none", bf16=False, scale_rewards=scale_rewards)
+    prompts = ["w2 w3 w4", "w5 w6 w7"]
+    sampler = trl.GRPOTrainer(model=trainer.model, reward_funcs=reward, args=args, processing_class=_tokenizer(),
+                              train_dataset=datasets.Dataset.from_dict({"prompt": prompts * 4}))
+    torch.manual_seed(3)
+    out = sampler._generate_and_score_completions([{"prompt": p} for p in prompts for _ in range(GENERATIONS)])
+    rewards = torch.tensor(seen[-1])
+    assert len(set(rewards[:GENERATIONS].tolist())) > 1 and len(set(rewards[GENERATIONS:].tolist())) > 1, rewards
+    torch.testing.assert_close(group_advantages(rewards, GENERATIONS, scale_rewards), out["advantages"].float(),
+                               rtol=1e-5, atol=1e-6)
