@@ -56,7 +56,8 @@ def nf4_decode_of(row: dict, command: str | None = None) -> str | None:
     QERL_NF4_FUSED_MAX_M prefix of the command that measured it says (the row's, else `command`)."""
     if "nf4_decode" in row:
         return row["nf4_decode"]
-    found = _NF4_SWITCH.search(row.get("command") or command or "")
+    text = row.get("command") or command
+    found = _NF4_SWITCH.search(text) if isinstance(text, str) else None  # a list: several calls, none known
     return nf4_decode(row.get("format", ""), int(found.group(1)) if found else 0)
 
 # Whether a GPU kernel layout replaces the checkpoint tensors it was built from (module docstring).
