@@ -27,8 +27,8 @@ import typer
 
 app = typer.Typer(
     name="qerl",
-    help="QeRL pipeline: quantize LLMs to bf16/nf4/mxfp4/nvfp4, evaluate them, report Table 1 "
-    "(Prefect flows, MLflow tracking).",
+    help="QeRL pipeline: quantize LLMs to bf16/nf4/mxfp4/nvfp4, train LoRA adapters with GRPO/DAPO (+ AQN), "
+    "evaluate, report the paper's tables (Prefect flows, MLflow tracking).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
@@ -125,7 +125,8 @@ def reproduce(
     set_: Optional[list[str]] = typer.Option(None, "--set", "-s", help=SET_HELP),
     local: bool = typer.Option(False, "--local", help="Run the steps in this process without Prefect (debugging)."),
 ) -> None:
-    """Run the reproduce-table flow: per format quantize -> evaluate, then the report."""
+    """Run the reproduce-table flow: per format quantize -> evaluate; with a train section, per variant train
+    (GRPO/DAPO LoRA on its format's checkpoint) -> evaluate; then the report."""
     with _errors_in_one_line():
         path, overrides, rec = _load(recipe, set_, runs=True)  # bad recipe or device: exit 2 before any run exists
         typer.echo(f"recipe {rec.name} ({path}): model {rec.model.name}, formats {', '.join(rec.formats)}")
