@@ -130,3 +130,36 @@ def test_group_advantages_equal_trls(trainer, tmp_path, scale_rewards):
     assert len(set(rewards[:GENERATIONS].tolist())) > 1 and len(set(rewards[GENERATIONS:].tolist())) > 1, rewards
     torch.testing.assert_close(group_advantages(rewards, GENERATIONS, scale_rewards), out["advantages"].float(),
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind, warmup", [("cosine", 0.1), ("linear", 3), ("constant_with_warmup", 0.25),
+                                          ("constant", 0.0)])
+def test_learning_rate_schedule_equals_the_trainers(trainer, tmp_path, kind, warmup):
+    """The learning rate at every update equals what TRL's trainer (the HF Trainer's scheduler) gives for the
+    same lr_scheduler_type, warmup_steps (steps, or a ratio below 1) and max_steps."""
+    from qerl.rl.grpo import GRPOSettings
+    from qerl.rl.trainer import make_optimizer
+
+    steps = 20
+    for p in trainer.model.parameters():  # no gradients: the optimisers' steps below leave the shared model as it is
+        p.grad = None
+    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=GENERATIONS, num_generations=GENERATIONS,
+                          use_cpu=True, report_to="none", bf16=False, learning_rate=3e-4, lr_scheduler_type=kind,
+                          warmup_steps=warmup, max_steps=steps)
+    theirs = trl.GRPOTrainer(model=trainer.model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                             args=args, processing_class=_tokenizer(),
+                             train_dataset=datasets.Dataset.from_dict({"prompt": ["w2 w3"] * 8}))
+    theirs.create_optimizer_and_scheduler(num_training_steps=steps)
+    settings = GRPOSettings(learning_rate=3e-4, lr_scheduler_type=kind, warmup_steps=warmup, max_steps=steps,
+                            num_generations=GENERATIONS, per_device_train_batch_size=GENERATIONS)
+    optimizer, ours = make_optimizer(trainer.model, settings)
+    got, want = [], []
+    for _ in range(steps):
+        got.append(ours.get_last_lr()[0])
+        want.append(theirs.lr_scheduler.get_last_lr()[0])
+        optimizer.step()
+        theirs.optimizer.step()
+        ours.step()
+        theirs.lr_scheduler.step()
+    assert got == pytest.approx(want, rel=1e-12, abs=0.0)
+    assert kind == "constant" or min(got) < max(got)  # the schedule moved

@@ -68,6 +68,9 @@ class GRPOSettings(BaseModel):
     # optimisation
     learning_rate: float = Field(1e-5, gt=0)
     lr_scheduler_type: Literal["constant", "constant_with_warmup", "cosine", "linear"] = "constant"
+    # transformers 5 / TRL 1.16: warmup_steps is an int (steps) or a float in [0, 1) (a fraction of the updates);
+    # warmup_ratio is the older transformers name for the fraction, kept for recipes that use it (not both)
+    warmup_steps: float = Field(0, ge=0)
     warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
@@ -163,7 +166,16 @@ class GRPOSettings(BaseModel):
             )
         if self.overlong_buffer_length >= self.max_completion_length:
             raise ValueError("overlong_buffer_length must be smaller than max_completion_length")
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError("set warmup_steps or warmup_ratio, not both (warmup_steps < 1 is a ratio)")
+        if self.warmup_steps >= 1 and self.warmup_steps != int(self.warmup_steps):
+            raise ValueError(f"warmup_steps must be a whole number of steps or a ratio below 1, got {self.warmup_steps}")
         return self
+
+    def warmup_updates(self, total: int) -> int:
+        """Warm-up length in optimiser updates, as transformers' TrainingArguments.get_warmup_steps computes it."""
+        frac = self.warmup_ratio or (self.warmup_steps if self.warmup_steps < 1 else 0.0)
+        return math.ceil(total * frac) if frac else int(self.warmup_steps)
 
     @property
     def generation_batch_size(self) -> int:

@@ -189,23 +189,6 @@ class _PromptStream:
         self._perm = self._permutation()
 
 
-def _lr_lambda(settings: GRPOSettings, total: int) -> Callable[[int], float]:
-    warmup = int(math.ceil(settings.warmup_ratio * total))
-    kind = settings.lr_scheduler_type
-
-    def f(step: int) -> float:
-        if warmup and step < warmup and kind != "constant":
-            return (step + 1) / (warmup + 1)
-        if kind in ("constant", "constant_with_warmup"):
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if kind == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return max(0.0, 1.0 - progress)  # linear
-
-    return f
-
-
 def sequence_lengths(batches: Sequence[RolloutBatch], settings: GRPOSettings) -> tuple[int, int]:
     """(the longest sequence, prompt + completion, in `batches`; the longest the settings allow:
     the widest prompt, or max_prompt_length where set, + max_completion_length)."""
@@ -311,7 +294,12 @@ def make_optimizer(model: nn.Module, settings: GRPOSettings):
         eps=settings.adam_epsilon, weight_decay=settings.weight_decay,
     )
     total_updates = settings.max_steps * settings.num_iterations
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(settings, total_updates))
+    # transformers' own schedules, as the HF Trainer under TRL builds them (tests/test_grpo_trl.py compares)
+    from transformers import get_scheduler
+
+    scheduler = get_scheduler(settings.lr_scheduler_type, optimizer,
+                              num_warmup_steps=settings.warmup_updates(total_updates), num_training_steps=total_updates)
+    return optimizer, scheduler
 
 
 def run_rollout(model, rollout_fn, prompt_ids, rollout_settings: RolloutSettings, generator, aqn: AdaptiveQuantNoise,
