@@ -163,3 +163,32 @@ def test_learning_rate_schedule_equals_the_trainers(trainer, tmp_path, kind, war
         theirs.lr_scheduler.step()
     assert got == pytest.approx(want, rel=1e-12, abs=0.0)
     assert kind == "constant" or min(got) < max(got)  # the schedule moved
+
+
+def test_weight_decay_groups_equal_the_trainers(trainer, tmp_path):
+    """With trainable norms (the paper's LoRA + norms setting) the HF Trainer under TRL leaves norm weights and
+    biases undecayed; make_optimizer's groups must hold the same parameters at the same weight decay."""
+    import copy
+
+    from qerl.nn.lora import LoraSettings, apply_lora
+    from qerl.rl.grpo import GRPOSettings
+    from qerl.rl.trainer import make_optimizer
+
+    model = apply_lora(copy.deepcopy(trainer.model), LoraSettings(r=4, train_norms=True), seed=0)
+    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=GENERATIONS, num_generations=GENERATIONS,
+                          use_cpu=True, report_to="none", bf16=False, weight_decay=0.1)
+    theirs = trl.GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                             processing_class=_tokenizer(),
+                             train_dataset=datasets.Dataset.from_dict({"prompt": ["w2 w3"] * 8}))
+    theirs.create_optimizer()
+    ours, _ = make_optimizer(model, GRPOSettings(weight_decay=0.1, num_generations=GENERATIONS,
+                                                 per_device_train_batch_size=GENERATIONS))
+
+    def by_decay(opt):
+        return {g["weight_decay"]: {id(p) for p in g["params"]} for g in opt.param_groups if g["params"]}
+
+    got, want = by_decay(ours), by_decay(theirs.optimizer)
+    assert set(got) == set(want) == {0.0, 0.1}
+    assert got == want
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all("lora_" not in names[i] for i in got[0.0]) and all("lora_" in names[i] for i in got[0.1])

@@ -250,3 +250,28 @@ def test_seeded_adapters_do_not_depend_on_the_process_wide_rng():
     torch.manual_seed(3)
     policy = lora(prepare_policy(_tiny("nvfp4"), GRPOSettings(seed=7, gradient_checkpointing=False)), "lora_A")
     assert all(torch.equal(policy[k], la[k]) for k in la)
+
+
+def test_an_optimizer_state_saved_in_one_group_resumes_in_the_decay_groups():
+    """Checkpoints from before session 53 saved AdamW with one parameter group; with trainable norms the optimizer
+    now keeps them in an undecayed group. Each parameter's moments follow it to its new place."""
+    from qerl.rl.grpo import GRPOSettings
+    from qerl.rl.trainer import make_optimizer, regrouped_optimizer_state
+
+    model = apply_lora(_tiny(), LoraSettings(r=4, train_norms=True), seed=1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    old = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)  # the old layout: everything in one group
+    for p in params:
+        p.grad = torch.randn_like(p)
+    old.step()
+    optimizer, _ = make_optimizer(model, GRPOSettings(weight_decay=0.1, learning_rate=1e-3))
+    assert len(optimizer.param_groups) == 2
+    assert [id(p) for g in optimizer.param_groups for p in g["params"]] != [id(p) for p in params]  # reordered
+    optimizer.load_state_dict(regrouped_optimizer_state(old.state_dict(), optimizer, model))
+    for p in params:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(optimizer.state[p][key], old.state[p][key]), key
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    # a state saved in today's layout loads as it is
+    assert regrouped_optimizer_state(optimizer.state_dict(), optimizer, model)["param_groups"] == \
+        optimizer.state_dict()["param_groups"]

@@ -284,14 +284,45 @@ def shares_prompt_in_training(settings: GRPOSettings) -> bool:
     return settings.share_prompt_prefix and not settings.gradient_checkpointing
 
 
+def _decay_parameter_names(model: nn.Module) -> list[str]:
+    """The parameters transformers' Trainer decays (Trainer.get_decay_parameter_names: not in a LayerNorm, no
+    bias / norm in the name); tests/test_grpo_trl.py holds this to TRL's optimizer groups."""
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    forbidden = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+    return get_parameter_names(model, [nn.LayerNorm], forbidden)
+
+
+def regrouped_optimizer_state(saved: dict, optimizer, model: nn.Module) -> dict:
+    """A checkpoint's optimizer state laid out in `optimizer`'s parameter groups. Checkpoints from before session 53
+    hold one group (every trainable parameter decayed); with trainable norms or biases the optimizer now has two.
+    The saved group's order is model.parameters()' (trainable ones), the state moves with its parameter."""
+    groups = optimizer.param_groups
+    if len(saved["param_groups"]) != 1 or len(groups) == 1:
+        return saved
+    new_index = {id(p): i for i, p in enumerate(p for g in groups for p in g["params"])}
+    old_order = [p for p in model.parameters() if p.requires_grad]
+    remap = {old: new_index[id(p)] for old, p in enumerate(old_order)}
+    hyper = {k: v for k, v in saved["param_groups"][0].items() if k not in ("params", "weight_decay")}
+    param_groups, start = [], 0
+    for g in groups:
+        param_groups.append(dict(hyper, weight_decay=g["weight_decay"], params=list(range(start, start + len(g["params"])))))
+        start += len(g["params"])
+    return {"state": {remap[int(k)]: v for k, v in saved["state"].items()}, "param_groups": param_groups}
+
+
 def make_optimizer(model: nn.Module, settings: GRPOSettings):
     """AdamW over the trainable (LoRA / norm) parameters and its LR schedule over all updates."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
         raise TrainingError("the model has no trainable parameters (expected LoRA adapters)")
+    # weight decay as the HF Trainer under TRL applies it: not to norm weights (trainable with train_norms) or biases
+    decay = set(_decay_parameter_names(model))
+    groups = [{"params": [p for n, p in named if n in decay], "weight_decay": settings.weight_decay},
+              {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(
-        params, lr=settings.learning_rate, betas=(settings.adam_beta1, settings.adam_beta2),
-        eps=settings.adam_epsilon, weight_decay=settings.weight_decay,
+        [g for g in groups if g["params"]], lr=settings.learning_rate, betas=(settings.adam_beta1, settings.adam_beta2),
+        eps=settings.adam_epsilon,
     )
     total_updates = settings.max_steps * settings.num_iterations
     # transformers' own schedules, as the HF Trainer under TRL builds them (tests/test_grpo_trl.py compares)
@@ -465,7 +496,7 @@ def train(
         if ckpt is not None:
             _load_adapter_weights(model, ckpt)
             state = torch.load(ckpt / STATE_PT, map_location=device, weights_only=True)
-            optimizer.load_state_dict(state["optimizer"])
+            optimizer.load_state_dict(regrouped_optimizer_state(state["optimizer"], optimizer, model))
             scheduler.load_state_dict(state["scheduler"])
             rng = state["rng"]
             torch.set_rng_state(rng["torch"].cpu())
