@@ -516,3 +516,16 @@ def test_bf16_autocast_auto_is_on_for_cuda_only():
     assert GRPOSettings(bf16_autocast=True).bf16_autocast is True
     with pytest.raises(ValidationError):
         GRPOSettings(bf16_autocast="sometimes")
+
+
+def test_warmup_steps_reads_as_transformers_does():
+    """warmup_steps: whole steps, or a fraction of the updates below 1 (transformers 5 / TRL 1.16); warmup_ratio,
+    the older name of the fraction, gives the same; both at once, or a fractional count of steps, is refused."""
+    assert GRPOSettings(warmup_steps=3).warmup_updates(20) == 3
+    assert GRPOSettings(warmup_steps=0.1).warmup_updates(25) == 3  # ceil(2.5)
+    assert GRPOSettings(warmup_ratio=0.1).warmup_updates(25) == 3
+    assert GRPOSettings().warmup_updates(25) == 0
+    with pytest.raises(ValueError, match="not both"):
+        GRPOSettings(warmup_steps=0.1, warmup_ratio=0.1)
+    with pytest.raises(ValueError, match="whole number"):
+        GRPOSettings(warmup_steps=2.5)
