@@ -275,3 +275,36 @@ def test_an_optimizer_state_saved_in_one_group_resumes_in_the_decay_groups():
     # a state saved in today's layout loads as it is
     assert regrouped_optimizer_state(optimizer.state_dict(), optimizer, model)["param_groups"] == \
         optimizer.state_dict()["param_groups"]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nf4"])
+@pytest.mark.parametrize("train_norms", [False, True])
+def test_a_saved_adapter_loads_with_plain_peft_on_the_dequantised_model(tmp_path, fmt, train_norms):
+    """The adapter a run logs (PEFT format) is usable without qerl: `peft.PeftModel.from_pretrained` on a plain
+    Hugging Face model holding the dequantised weights gives the logits of the 4-bit model with the adapter."""
+    from peft import PeftModel
+
+    quantized = _tiny(fmt)
+    plain = copy.deepcopy(quantized)
+    for name, module in list(plain.named_modules()):
+        if isinstance(module, QuantLinear):
+            linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            with torch.no_grad():
+                linear.weight.copy_(module.dequantized_weight(torch.float32))
+                if module.bias is not None:
+                    linear.bias.copy_(module.bias)
+            parent, _, child = name.rpartition(".")
+            setattr(plain.get_submodule(parent), child, linear)
+    model = apply_lora(quantized, LoraSettings(r=4, train_norms=train_norms), seed=0)
+    _randomise_lora(model)
+    if train_norms:
+        with torch.no_grad():
+            for n, p in trainable_parameters(model).items():
+                if "norm" in n:
+                    p.add_(0.01 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(plain, tmp_path).eval()
+    assert not any(isinstance(m, QuantLinear) for m in loaded.modules())
+    x = _ids(5)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=1e-4, atol=1e-5)

@@ -13,7 +13,9 @@ bf16 delta without re-quantising, which would change the policy.
 
 Two PEFT details need care, both handled here:
 - `LoraConfig._custom_modules` is not written to adapter_config.json, so a plain
-  `PeftModel.from_pretrained` does not know about QuantLinear: load with `load_lora`.
+  `PeftModel.from_pretrained` does not know about QuantLinear: load with `load_lora`. On a plain
+  model holding the dequantised (or the original bf16) weights, plain PEFT loads the same file
+  (tests/test_lora.py checks the logits).
 - While injecting, PEFT looks for the base layer's device through `.weight` / `.qweight` and
   otherwise calls `next(child.parameters())`, which fails for a bias-free QuantLinear (it has only
   buffers). PEFT's own AQLM support sets `target.qweight` for this; we set it only for the duration
