@@ -143,6 +143,28 @@ def test_loglikelihood_rolling_sums_every_token_once(lms):
     assert math.isfinite(windowed) and windowed != pytest.approx(full, abs=1e-3)
 
 
+def test_scores_equal_lm_evals_own_hf_model_on_the_dequantised_weights(lms, ckpt):
+    """lm-eval's own `HFLM` over a plain Hugging Face model holding the checkpoint's dequantised weights scores
+    what `qerl` scores: loglikelihood (context / continuation split, greedy flag) and loglikelihood_rolling."""
+    import torch
+    from lm_eval.models.huggingface import HFLM
+
+    from qerl.checkpoint import load_quantized
+    from qerl.quantize import dequantize_
+
+    base, _ = lms
+    model, tok = load_quantized(ckpt)
+    assert dequantize_(model, torch.float32) > 0
+    theirs = HFLM(pretrained=model.float().eval(), tokenizer=tok, batch_size=4, device="cpu", max_length=base.max_length)
+    pairs = [("Question: 2 + 3 =", " 5 apples"), ("The sky is", " blue"), ("a", "bc d"), ("x y z", " ")]
+    reqs = [_inst("loglikelihood", pair, i) for i, pair in enumerate(pairs)]
+    for (ours, greedy), (want, want_greedy) in zip(base.loglikelihood(reqs), theirs.loglikelihood(reqs)):
+        assert ours == pytest.approx(want, abs=1e-4) and greedy == want_greedy
+    text = "One two three four five six seven eight nine ten."
+    rolling = [_inst("loglikelihood_rolling", (text,))]
+    assert base.loglikelihood_rolling(rolling)[0] == pytest.approx(theirs.loglikelihood_rolling(rolling)[0], abs=1e-3)
+
+
 # ----------------------------------------------------------------------------- generation
 
 

@@ -284,18 +284,14 @@ def test_a_saved_adapter_loads_with_plain_peft_on_the_dequantised_model(tmp_path
     Hugging Face model holding the dequantised weights gives the logits of the 4-bit model with the adapter."""
     from peft import PeftModel
 
+    from qerl.quantize import dequantize_
+
     quantized = _tiny(fmt)
     plain = copy.deepcopy(quantized)
-    for name, module in list(plain.named_modules()):
-        if isinstance(module, QuantLinear):
-            linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
-            with torch.no_grad():
-                linear.weight.copy_(module.dequantized_weight(torch.float32))
-                if module.bias is not None:
-                    linear.bias.copy_(module.bias)
-            parent, _, child = name.rpartition(".")
-            setattr(plain.get_submodule(parent), child, linear)
+    assert dequantize_(plain, torch.float32) == 7 * plain.config.num_hidden_layers
     model = apply_lora(quantized, LoraSettings(r=4, train_norms=train_norms), seed=0)
+    with pytest.raises(ValueError, match="without its LoRA adapters"):
+        dequantize_(copy.deepcopy(model))
     _randomise_lora(model)
     if train_norms:
         with torch.no_grad():
