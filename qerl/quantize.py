@@ -166,17 +166,18 @@ def quantize_(
 
 def dequantize_(model: nn.Module, dtype: torch.dtype | None = None) -> int:
     """Replace every QuantLinear in `model` with a plain nn.Linear holding its dequantised weight (in `dtype`,
-    default the bias's dtype or float32), in place; -> how many were replaced. What a plain Hugging Face or PEFT
+    default the dtype of the model's own parameters: embeddings, norms), in place; -> how many were replaced. What a plain Hugging Face or PEFT
     user needs: the model then loads adapters with `peft.PeftModel.from_pretrained`, runs in any harness and
-    saves as an ordinary checkpoint, computing what the 4-bit model computes."""
+    saves as an ordinary checkpoint. In float32 the weights are the 4-bit values exactly; in bf16 they are rounded
+    once, as the bf16 dequantisation of the GPU's torch backend rounds them."""
     from qerl.nn.quant_linear import QuantLinear
 
     if any(type(m).__name__ == "QuantLoraLinear" for m in model.modules()):
         raise ValueError("dequantize_ takes the model without its LoRA adapters: dequantise the base, then load the "
                          "adapter onto it (peft.PeftModel.from_pretrained)")
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, QuantLinear)]
+    want = dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     for name, q in found:
-        want = dtype or (q.bias.dtype if q.bias is not None else torch.float32)
         linear = nn.Linear(q.in_features, q.out_features, bias=q.bias is not None, device=q.storage_device, dtype=want)
         with torch.no_grad():
             linear.weight.copy_(q.dequantized_weight(want))

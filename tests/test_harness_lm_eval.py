@@ -8,6 +8,7 @@ task reads the local data directory. Run:  pytest tests/test_harness_lm_eval.py 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -154,6 +155,9 @@ def test_scores_equal_lm_evals_own_hf_model_on_the_dequantised_weights(lms, ckpt
 
     base, _ = lms
     model, tok = load_quantized(ckpt)
+    plain = copy.deepcopy(model)  # by default the new layers take the model's own dtype
+    assert dequantize_(plain) > 0 and len({p.dtype for p in plain.parameters()}) == 1
+    # in float32 the dequantised weights are exact: what qerl's CPU evaluation computes with
     assert dequantize_(model, torch.float32) > 0
     theirs = HFLM(pretrained=model.float().eval(), tokenizer=tok, batch_size=4, device="cpu", max_length=base.max_length)
     pairs = [("Question: 2 + 3 =", " 5 apples"), ("The sky is", " blue"), ("a", "bc d"), ("x y z", " ")]
