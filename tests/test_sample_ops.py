@@ -78,3 +78,24 @@ def test_reference_matches_sample_next():
     assert torch.allclose(s.out_lp[[2, 0, 1], 2], lp) and torch.allclose(s.out_ent[[2, 0, 1], 2], ent)
     assert s.out_alive[:, 2].tolist() == [False, True, True]
     assert s.pos.tolist() == [1, 1, 1] and s.tok.tolist() == [int(tok[0]), 7, int(tok[2])]
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (50, 1.0), (50, 0.95), (0, 0.5), (5, 0.3), (1, 1.0)])
+def test_truncation_keeps_the_tokens_transformers_warpers_keep(top_k, top_p):
+    """sampling.truncate after the temperature keeps exactly the tokens Hugging Face generate's warpers keep
+    (TemperatureLogitsWarper, then TopKLogitsWarper, then TopPLogitsWarper: the sampler TRL runs without vLLM)."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from qerl.rollout.sampling import truncate
+
+    g = torch.Generator().manual_seed(top_k * 1000 + int(top_p * 100))
+    for _ in range(20):
+        logits = torch.randn(8, 1000, generator=g) * 3
+        theirs = TemperatureLogitsWarper(0.7)(None, logits.clone())
+        if top_k:
+            theirs = TopKLogitsWarper(top_k)(None, theirs)
+        if top_p < 1.0:
+            theirs = TopPLogitsWarper(top_p)(None, theirs)
+        ours = truncate(logits / 0.7, top_k, top_p)
+        assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs))
+        assert torch.equal(ours[torch.isfinite(ours)], theirs[torch.isfinite(theirs)])
