@@ -32,12 +32,17 @@ def _ids(seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 5000, (2, 9), generator=g)
 
 
-def _randomise_lora(model, seed: int = 1) -> None:
+def _randomise_lora(model, seed: int = 1, norms: bool = False) -> None:
+    """Non-zero lora_B (a fresh adapter is the identity); with norms, also move the trainable norm weights."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        if norms:
+            for name, p in trainable_parameters(model).items():
+                if "norm" in name:
+                    p.add_(0.01 * torch.randn(p.shape, generator=g))
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
@@ -135,12 +140,7 @@ def test_adapter_save_load_round_trip(tmp_path, train_norms):
     base = _tiny()
     fresh = copy.deepcopy(base)
     model = apply_lora(base, LoraSettings(r=4, train_norms=train_norms))
-    _randomise_lora(model)
-    if train_norms:
-        with torch.no_grad():
-            for n, p in trainable_parameters(model).items():
-                if "norm" in n:
-                    p.add_(0.01 * torch.randn_like(p))
+    _randomise_lora(model, norms=train_norms)
     x = _ids(3)
     with torch.no_grad():
         expected = model(x).logits
@@ -292,12 +292,7 @@ def test_a_saved_adapter_loads_with_plain_peft_on_the_dequantised_model(tmp_path
     model = apply_lora(quantized, LoraSettings(r=4, train_norms=train_norms), seed=0)
     with pytest.raises(ValueError, match="without its LoRA adapters"):
         dequantize_(copy.deepcopy(model))
-    _randomise_lora(model)
-    if train_norms:
-        with torch.no_grad():
-            for n, p in trainable_parameters(model).items():
-                if "norm" in n:
-                    p.add_(0.01 * torch.randn_like(p))
+    _randomise_lora(model, norms=train_norms)
     model.save_pretrained(tmp_path)
     loaded = PeftModel.from_pretrained(plain, tmp_path).eval()
     assert not any(isinstance(m, QuantLinear) for m in loaded.modules())
