@@ -192,3 +192,20 @@ def test_weight_decay_groups_equal_the_trainers(trainer, tmp_path):
     assert got == want
     names = {id(p): n for n, p in model.named_parameters()}
     assert all("lora_" not in names[i] for i in got[0.0]) and all("lora_" in names[i] for i in got[0.1])
+
+
+@pytest.mark.parametrize("max_len, buffer", [(16, 4), (16, 1), (2048, 512), (7, 6)])
+def test_overlong_penalty_equals_trls_soft_overlong_punishment(max_len, buffer):
+    """DAPO's soft overlong punishment (`overlong_buffer_length`) against TRL's reward function of the same name,
+    on every completion length from empty to past the cap. TRL counts a completion's token ids (its stop token
+    included), as `RolloutBatch.lengths` counts the generated tokens."""
+    from trl.rewards import get_soft_overlong_punishment
+
+    from qerl.rl.grpo import overlong_penalty
+
+    lengths = list(range(max_len + 3))
+    want = get_soft_overlong_punishment(max_completion_len=max_len, soft_punish_cache=buffer)(
+        [[5] * n for n in lengths])
+    got = overlong_penalty(torch.tensor(lengths), max_len, buffer).tolist()
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-7)
+    assert min(got) == -1.0 and got[max_len - buffer] == 0.0 and got[max_len - buffer + 1] < 0.0
