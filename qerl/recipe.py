@@ -87,14 +87,20 @@ class BenchmarkSpec(BaseModel):
         return v
 
 
-# The trained columns of Table 1: variant -> (weight format, AQN on). Names as in summary.json.
+# Trained variants: name -> (weight format, AQN on). Names as in summary.json. The first five are the trained
+# columns of the paper's Table 1 (a train section's default); the other three put AQN on the other formats, so an
+# ablation can cross every format with AQN off and on (AQN only touches the RMSNorm weights: any format takes it).
 VARIANTS: dict[str, tuple[str, bool]] = {
     "lora-bf16": ("bf16", False),
     "qlora-nf4": ("nf4", False),
     "lora-mxfp4": ("mxfp4", False),
     "qerl-nvfp4": ("nvfp4", False),
     "qerl-nvfp4-aqn": ("nvfp4", True),
+    "lora-bf16-aqn": ("bf16", True),
+    "qlora-nf4-aqn": ("nf4", True),
+    "lora-mxfp4-aqn": ("mxfp4", True),
 }
+TABLE1_VARIANTS = ["lora-bf16", "qlora-nf4", "lora-mxfp4", "qerl-nvfp4", "qerl-nvfp4-aqn"]
 
 
 class TrainSpec(BaseModel):
@@ -108,7 +114,7 @@ class TrainSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    variants: list[str] = Field(default_factory=lambda: list(VARIANTS), min_length=1)
+    variants: list[str] = Field(default_factory=lambda: list(TABLE1_VARIANTS), min_length=1)
     dataset: Literal["gsm8k", "math", "arith"] = "gsm8k"  # training problems (qerl.data.load_train)
     limit: int | None = Field(None, ge=1)  # first N training problems (None: all; arith: 2000)
     # Rewards: correctness (qerl.rl.rewards.accuracy, the grader of the problem's benchmark)

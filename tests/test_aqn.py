@@ -82,9 +82,11 @@ def _capture_inputs(model, module_names):
     return store, hooks
 
 
-def test_noise_reaches_the_quantised_linears_exactly():
-    """q/k/v and gate/up see x_hat * (w + z): the change of their input is x_hat * z."""
-    model = _tiny()
+@pytest.mark.parametrize("fmt", ["bf16", "nf4", "mxfp4", "nvfp4"])
+def test_noise_reaches_the_quantised_linears_exactly(fmt):
+    """q/k/v and gate/up see x_hat * (w + z): the change of their input is x_hat * z, in every weight format
+    (the recipe's AQN variants put it on bf16, nf4 and mxfp4 as well as nvfp4)."""
+    model = _tiny(fmt)
     aqn = AdaptiveQuantNoise(model, AQNSettings(enabled=True, num_stages=2, sigma_start=1e-2, sigma_end=1e-2), 2)
     assert aqn.resample(1) == pytest.approx(1e-2)
     sites = {

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from qerl.recipe import VARIANTS
+from qerl.recipe import TABLE1_VARIANTS, VARIANTS
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / "recipes" / "smoke.yaml")
@@ -120,8 +120,8 @@ def test_flow_on_smoke_recipe(prefect_harness, tmp_path, gsm8k_dir):
     assert set(by_step) == {"quantize", "train", "evaluate", "report"}
     assert set(by_step["quantize"]) == {"bf16", "nf4", "mxfp4", "nvfp4"}  # once per format, shared
     assert len([r for r in runs if r.data.tags["step"] == "quantize" and r.info.status == "FINISHED"]) == 4
-    assert set(by_step["train"]) == set(VARIANTS)
-    assert set(by_step["evaluate"]) == {f"base-{f}" for f in ("bf16", "nf4", "mxfp4", "nvfp4")} | set(VARIANTS)
+    assert set(by_step["train"]) == set(TABLE1_VARIANTS)  # the smoke recipe trains the paper's five columns
+    assert set(by_step["evaluate"]) == {f"base-{f}" for f in ("bf16", "nf4", "mxfp4", "nvfp4")} | set(TABLE1_VARIANTS)
     for variant, run in by_step["evaluate"].items():
         fmt = variant[len("base-"):] if variant.startswith("base-") else VARIANTS[variant][0]
         assert run.data.tags["format"] == fmt
@@ -157,7 +157,7 @@ def test_flow_on_smoke_recipe(prefect_harness, tmp_path, gsm8k_dir):
     table = Path(result["table_md"]).read_text()
     for fmt in ("bf16", "nf4", "mxfp4", "nvfp4"):
         assert f"| base-{fmt} | {fmt} |" in table
-    for variant, (fmt, _) in VARIANTS.items():
+    for variant, (fmt, _) in ((v, VARIANTS[v]) for v in TABLE1_VARIANTS):
         assert f"| {variant} | {fmt} |" in table
     assert "61.2" in table and "76.3" in table  # the paper's base bf16 column (3B, 7B)
     assert "83.7" in table  # the paper's QeRL + AQN 3B cell
@@ -165,8 +165,8 @@ def test_flow_on_smoke_recipe(prefect_harness, tmp_path, gsm8k_dir):
     assert Path(result["table_html"]).read_text().startswith("<!doctype html>")
     summary = json.loads(Path(result["summary_json"]).read_text())
     rows = {r["variant"]: r for r in summary["rows"]}
-    assert set(rows) == {"base-bf16", "base-nf4", "base-mxfp4", "base-nvfp4", "grpo-nvfp4"} | set(VARIANTS)
-    for variant, (fmt, aqn) in VARIANTS.items():
+    assert set(rows) == {"base-bf16", "base-nf4", "base-mxfp4", "base-nvfp4", "grpo-nvfp4"} | set(TABLE1_VARIANTS)
+    for variant, (fmt, aqn) in ((v, VARIANTS[v]) for v in TABLE1_VARIANTS):
         row = rows[variant]
         assert row["format"] == fmt and row["aqn"] == aqn and row["steps"] == 2 and row["n"] == 4
         assert 0 <= row["reward_first_fifth"] <= 1 and 0 <= row["reward_last_fifth"] <= 1
@@ -176,7 +176,7 @@ def test_flow_on_smoke_recipe(prefect_harness, tmp_path, gsm8k_dir):
         assert row["format"] == fmt and row["n"] == 4
         assert 0 <= row["gsm8k_accuracy"] <= 1 and row["entropy"] > 0
     assert rows["grpo-nvfp4"]["gsm8k_accuracy"] == 0.5
-    assert len(result["rows"]) == 4 + len(VARIANTS)
+    assert len(result["rows"]) == 4 + len(TABLE1_VARIANTS)
 
     # `qerl report` rebuilds the same table from the MLflow runs alone
     from typer.testing import CliRunner
@@ -378,7 +378,7 @@ def test_cli_ablation_runs_each_seed_with_the_overrides(prefect_harness, tmp_pat
 
     from qerl.cli import app
 
-    ov = overrides_for(tmp_path, gsm8k_dir, formats="[nvfp4]", **{"train.variants": "[qerl-nvfp4]",
+    ov = overrides_for(tmp_path, gsm8k_dir, formats="[nvfp4]", **{"train.variants": "[qerl-nvfp4,qerl-nvfp4-aqn]",
                                                                   "train.grpo.max_steps": 1})
     sets = [a for k, v in ov.items() for a in ("--set", f"{k}={v}")]
     out = CliRunner().invoke(app, ["ablation", SMOKE, "--seeds", "0,1", *sets])
@@ -386,12 +386,21 @@ def test_cli_ablation_runs_each_seed_with_the_overrides(prefect_harness, tmp_pat
     doc = json.loads((tmp_path / "reports" / "ablation" / "ablation.json").read_text())
     assert doc["completed_seeds"] == [0, 1] and not doc["failed_seeds"]
     rows = {r["variant"]: r for r in doc["rows"]}
-    assert set(rows) == {"base-nvfp4", "qerl-nvfp4"} and all(r["n_seeds"] == 2 for r in rows.values())
+    assert set(rows) == {"base-nvfp4", "qerl-nvfp4", "qerl-nvfp4-aqn"} and all(r["n_seeds"] == 2 for r in rows.values())
+    # AQN on - off, paired by seed, from the same runs the per-variant rows come from
+    (effect,) = doc["aqn_effects"]
+    assert (effect["format"], effect["aqn_off"], effect["aqn_on"]) == ("nvfp4", "qerl-nvfp4", "qerl-nvfp4-aqn")
+    assert effect["gsm8k_accuracy_seeds"] == [0, 1]
+    assert effect["gsm8k_accuracy_diff_mean"] == pytest.approx(
+        rows["qerl-nvfp4-aqn"]["gsm8k_accuracy_mean"] - rows["qerl-nvfp4"]["gsm8k_accuracy_mean"], abs=1e-12)
+    assert "## AQN on - off, per format, paired by seed" in (tmp_path / "reports" / "ablation" / "ablation.md").read_text()
     client = client_for(tmp_path)
     exp = client.get_experiment_by_name("test-flow")
     train = client.search_runs([exp.experiment_id], filter_string="tags.step = 'train'")
-    assert len(train) == 2 and {r.data.params["grpo.max_steps"] for r in train} == {"1"}
-    assert sorted(r.data.tags["seed"] for r in train) == ["0", "1"]
+    assert len(train) == 4 and {r.data.params["grpo.max_steps"] for r in train} == {"1"}
+    assert sorted(r.data.tags["seed"] for r in train) == ["0", "0", "1", "1"]
+    (abl,) = client.search_runs([exp.experiment_id], filter_string="tags.step = 'ablation'")
+    assert abl.data.metrics["aqn_effect.nvfp4.gsm8k_accuracy_diff_mean"] == pytest.approx(effect["gsm8k_accuracy_diff_mean"])
 
 
 @pytest.mark.parametrize("seeds", ["", "0,0", "a,1"])

@@ -15,6 +15,7 @@ import yaml
 from qerl import FORMATS
 from qerl.data import BENCHMARKS
 from qerl.recipe import (
+    TABLE1_VARIANTS,
     VARIANTS,
     Recipe,
     RecipeError,
@@ -174,7 +175,7 @@ def test_shipped_recipe_contents(monkeypatch):
         assert q.model.name == f"Qwen/Qwen2.5-{size}-Instruct"
         assert q.benchmarks[0].name == "gsm8k" and q.benchmarks[0].limit is None  # full test set
         # Table 1 columns trained with GRPO on GSM8K, reference settings of shared/paper.md
-        assert q.variants() == list(VARIANTS) and q.train.dataset == "gsm8k"
+        assert q.variants() == TABLE1_VARIANTS and q.train.dataset == "gsm8k"
         g, lora, aqn = q.train.settings_for("qerl-nvfp4-aqn", 0)
         assert (g.loss_type, g.learning_rate, g.epsilon_high, g.beta, g.temperature) == ("grpo", 1e-5, 0.28, 0.0, 1.0)
         assert (g.max_completion_length, g.max_grad_norm, g.weight_decay, g.warmup_ratio) == (2048, 0.2, 0.1, 0.1)
@@ -191,8 +192,28 @@ def test_shipped_recipe_contents(monkeypatch):
         assert {b.name for b in d.benchmarks} == {"math500", "aime24", "aime25", "amc23"}
         assert d.generation.temperature == 0.6 and d.generation.top_p == 0.95
     # the embedded default trains all five variants on the generated arith task
-    assert emb.variants() == list(VARIANTS) and emb.train.dataset == "arith"
+    assert emb.variants() == TABLE1_VARIANTS and emb.train.dataset == "arith"
     assert emb.benchmark_names() == ["gsm8k", "arith"]
+
+
+def test_every_format_has_a_variant_with_aqn_and_one_without(tmp_path):
+    """VARIANTS crosses the four formats with AQN off / on; a train section without `variants` trains the paper's
+    five Table 1 columns; each variant's settings carry its AQN switch and its format's learning rate."""
+    assert sorted(VARIANTS.values()) == sorted((f, a) for f in FORMATS for a in (False, True))
+    assert TABLE1_VARIANTS == ["lora-bf16", "qlora-nf4", "lora-mxfp4", "qerl-nvfp4", "qerl-nvfp4-aqn"]
+    assert all(v.endswith("-aqn") == VARIANTS[v][1] for v in VARIANTS)
+    data = yaml.safe_load((ROOT / "recipes" / "smoke.yaml").read_text())
+    del data["train"]["variants"]
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(data))
+    assert load_recipe(tmp_path / "r.yaml").variants() == TABLE1_VARIANTS
+    r = load_recipe("smoke", {"train.variants": "lora-bf16-aqn,qlora-nf4-aqn,lora-mxfp4-aqn", "formats": "nvfp4",
+                              "train.learning_rate_by_format": {"bf16": 2e-6}})
+    assert r.all_formats() == ["nvfp4", "bf16", "nf4", "mxfp4"]  # each variant's format is quantised
+    for v in r.variants():
+        grpo, _, aqn = r.train.settings_for(v, 3)
+        assert aqn.enabled and aqn.seed == 3
+        assert grpo.learning_rate == (2e-6 if v == "lora-bf16-aqn" else r.train.grpo.learning_rate)
+    assert not r.train.settings_for("lora-bf16", 3)[2].enabled
 
 
 def test_train_section_errors():
