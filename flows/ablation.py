@@ -2,6 +2,7 @@
 
     python -m flows.ablation smoke 0,1                      # in-process, one seed after the other
     prefect deployment run ablation/formats                 # prefect.yaml: per seed a run of reproduce-table/qwen2.5-3b
+    prefect deployment run ablation/aqn                     # every format with AQN off and on, seeds 0-2
 
 Fan-out: one reproduce-table run per seed (the recipe with `seed` overridden, its own report
 directory <report_dir>/seed<s>), either
@@ -15,15 +16,17 @@ directory <report_dir>/seed<s>), either
 Each seed quantises nothing new after the first (checkpoints are cached on disk by model +
 revision + format + quantizer version). The aggregate reads every seed's MLflow runs (the
 evaluate and train runs under its parent run) and writes <report_dir>/ablation/ablation.json
-(`{"rows": [{"variant", "format", "aqn", "n_seeds", "<metric>_mean", "<metric>_std", ...}]}`),
-ablation.md and ablation.png, and logs them to an MLflow run `ablation/<recipe>` (metrics
-`<variant>.<metric>_mean` / `_std`). A seed that failed is left out and named; the flow then fails.
+(`{"rows": [{"variant", "format", "aqn", "n_seeds", "<metric>_mean", "<metric>_std", ...}],
+"aqn_effects": [{"format", "aqn_off", "aqn_on", "<metric>_diff_mean", "<metric>_diff_std", ...}]}`: AQN on - off
+per format, paired by seed, where both variants of a format ran), ablation.md and ablation.png (accuracy grouped by
+format: base, trained, trained + AQN), and logs them to an MLflow run `ablation/<recipe>` (metrics
+`<variant>.<metric>_mean` / `_std`, `aqn_effect.<format>.<metric>_diff_mean` / `_std`). The aggregation is
+qerl.ablation's. A seed that failed is left out and named; the flow then fails.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,6 +34,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
+from qerl.ablation import aggregate, aqn_effects, render_markdown, render_plot, seed_rows
 from qerl.recipe import Recipe, load_recipe, parse_seeds  # noqa: F401  (parse_seeds: this module's CLI and qerl.cli)
 
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -38,102 +42,6 @@ TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 def seed_overrides(recipe: Recipe, base: dict[str, Any], seed: int) -> dict[str, Any]:
     return {**base, "seed": seed, "report_dir": str(Path(recipe.report_dir) / f"seed{seed}")}
-
-
-def metric_keys(recipe: Recipe) -> list[str]:
-    """What is aggregated: per benchmark accuracy and entropy; the training reward and accuracy fields."""
-    keys = [f"{b}_{m}" for b in recipe.benchmark_names() for m in ("accuracy", "entropy")]
-    if recipe.train:
-        keys += ["reward_first_fifth", "reward_last_fifth", "accuracy_first_fifth", "accuracy_last_fifth"]
-    return keys
-
-
-def seed_rows(recipe: Recipe, parent_run_id: str) -> dict[str, dict[str, Any]]:
-    """variant -> {metric: value} of one seed's reproduce-table run (FINISHED columns only)."""
-    from qerl.report import collect_rows
-
-    out = {}
-    for row in collect_rows(recipe, parent_run_id):
-        if row.get("status") != "ok":
-            continue
-        vals: dict[str, Any] = {"format": row["format"], "aqn": row.get("aqn", False)}
-        for b in recipe.benchmark_names():
-            cell = row.get(b) or {}
-            vals[f"{b}_accuracy"] = cell.get("accuracy")
-            vals[f"{b}_entropy"] = cell.get("entropy")
-        for k, v in (row.get("train") or {}).items():
-            vals[k] = v
-        out[row["variant"]] = vals
-    return out
-
-
-def aggregate(recipe: Recipe, per_seed: dict[int, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
-    """mean and sample std (n-1; 0.0 for one seed) over seeds, per variant and metric."""
-    variants = [v for v in [f"base-{f}" for f in recipe.formats] + recipe.variants()]
-    rows = []
-    for variant in variants:
-        seeds = sorted(s for s, rows_s in per_seed.items() if variant in rows_s)
-        if not seeds:
-            continue
-        first = per_seed[seeds[0]][variant]
-        row: dict[str, Any] = {"variant": variant, "format": first["format"], "aqn": bool(first.get("aqn")), "n_seeds": len(seeds), "seeds": seeds}
-        for key in metric_keys(recipe):
-            vals = [per_seed[s][variant].get(key) for s in seeds]
-            vals = [float(v) for v in vals if v is not None]
-            if not vals:
-                continue
-            row[f"{key}_mean"] = statistics.fmean(vals)
-            row[f"{key}_std"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
-            row[f"{key}_values"] = vals
-        rows.append(row)
-    return rows
-
-
-def render_markdown(recipe: Recipe, rows: list[dict[str, Any]], seeds: list[int], failed: dict[int, str]) -> str:
-    keys = [k for k in metric_keys(recipe) if any(f"{k}_mean" in r for r in rows)]
-    lines = [
-        f"# Ablation: {recipe.name} ({recipe.model.name}), seeds {', '.join(map(str, seeds))}",
-        "",
-        "mean +- sample std over seeds (accuracy and reward in %, entropy in nats)",
-        "",
-        "| variant | format | AQN | seeds | " + " | ".join(keys) + " |",
-        "|---|---|---|---|" + "---|" * len(keys),
-    ]
-    for r in rows:
-        cells = []
-        for k in keys:
-            if f"{k}_mean" not in r:
-                cells.append("-")
-            elif "entropy" in k:
-                cells.append(f"{r[f'{k}_mean']:.3f} +- {r[f'{k}_std']:.3f}")
-            else:
-                cells.append(f"{100 * r[f'{k}_mean']:.1f} +- {100 * r[f'{k}_std']:.1f}")
-        lines.append(f"| {r['variant']} | {r['format']} | {'on' if r['aqn'] else 'off'} | {r['n_seeds']} | " + " | ".join(cells) + " |")
-    if failed:
-        lines += ["", "Seeds left out (failed):", *[f"- seed {s}: {msg}" for s, msg in sorted(failed.items())]]
-    return "\n".join(lines) + "\n"
-
-
-def render_plot(recipe: Recipe, rows: list[dict[str, Any]], path: Path) -> Path | None:
-    bench = recipe.benchmark_names()[0]
-    key = f"{bench}_accuracy"
-    pts = [r for r in rows if f"{key}_mean" in r]
-    if not pts:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(pts)), 3.5))
-    ax.bar(range(len(pts)), [100 * r[f"{key}_mean"] for r in pts], yerr=[100 * r[f"{key}_std"] for r in pts], capsize=4)
-    ax.set_xticks(range(len(pts)), [r["variant"] for r in pts], rotation=30, ha="right")
-    ax.set_ylabel(f"{bench} accuracy (%)")
-    ax.set_title(f"{recipe.name}: mean +- std over seeds")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def _wait_for(flow_run_ids: list, logger) -> dict:
@@ -256,6 +164,7 @@ def ablation(
 
     per_seed = {s: seed_rows(load_recipe(recipe_path, seed_overrides(recipe, base, s)), p) for s, p in parents.items()}
     rows = aggregate(recipe, per_seed)
+    effects = aqn_effects(recipe, per_seed)
     out = Path(recipe.report_dir) / "ablation"
     out.mkdir(parents=True, exist_ok=True)
     doc = {
@@ -266,10 +175,11 @@ def ablation(
         "failed_seeds": {str(s): m for s, m in failed.items()},
         "parent_runs": {str(s): p for s, p in parents.items()},
         "rows": rows,
+        "aqn_effects": effects,
     }
     paths = {"ablation_json": out / "ablation.json", "ablation_md": out / "ablation.md"}
     paths["ablation_json"].write_text(json.dumps(doc, indent=2) + "\n")
-    paths["ablation_md"].write_text(render_markdown(recipe, rows, seeds, failed))
+    paths["ablation_md"].write_text(render_markdown(recipe, rows, seeds, failed, effects))
     png = render_plot(recipe, rows, out / "ablation.png")
     if png:
         paths["ablation_png"] = png
@@ -290,6 +200,10 @@ def ablation(
                 if k.endswith(("_mean", "_std")) and isinstance(v, float):
                     metrics[f"{r['variant']}.{k}"] = v
             metrics[f"{r['variant']}.n_seeds"] = r["n_seeds"]
+        for e in effects:  # e.g. aqn_effect.nvfp4.gsm8k_accuracy_diff_mean
+            for k, v in e.items():
+                if k.endswith(("_diff_mean", "_diff_std")):
+                    metrics[f"aqn_effect.{e['format']}.{k}"] = v
         tracker.log_metrics(run_id, metrics)
         for p in paths.values():
             tracker.log_artifact(run_id, p, "ablation")

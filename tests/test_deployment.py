@@ -48,7 +48,7 @@ def test_prefect_yaml_deployments_resolve():
 
     import yaml
 
-    from qerl.recipe import load_recipe
+    from qerl.recipe import VARIANTS, load_recipe
 
     spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     names = set()
@@ -69,8 +69,12 @@ def test_prefect_yaml_deployments_resolve():
         if d["work_pool"]["name"] in ("qerl-gpu", "qerl-docker", "qerl-k8s"):
             assert ov.get("device") == "cuda", d["name"]  # GPU deployments fail fast without a GPU
     assert {"reproduce-table/embedded", "reproduce-table/qwen2.5-3b", "reproduce-table/qwen2.5-7b",
-            "reproduce-table/smoke", "ablation/formats", *(f"reproduce-table/qwen2.5-{s}-dapo" for s in ("7b", "14b", "32b"))
-            } <= names
+            "reproduce-table/smoke", "ablation/formats", "ablation/aqn",
+            *(f"reproduce-table/qwen2.5-{s}-dapo" for s in ("7b", "14b", "32b"))} <= names
+    # the AQN ablation crosses every format with AQN off and on
+    (aqn,) = [d for d in spec["deployments"] if d["name"] == "aqn"]
+    assert sorted(VARIANTS[v] for v in aqn["parameters"]["variants"]) == sorted(
+        (f, a) for f in aqn["parameters"]["formats"] for a in (False, True))
     # process workers run the code of the clone prefect deploy ran in
     assert spec["build"][0]["prefect.deployments.steps.run_shell_script"] == {"id": "clone", "script": "pwd"}
     assert spec["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ clone.stdout }}"}}]
