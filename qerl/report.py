@@ -333,10 +333,20 @@ def _notes(recipe: Recipe) -> list[str]:
     return notes
 
 
+# The paper's Table 2 evaluates RL-trained models on these (DAPO on BigMath; Table 1 is GSM8K).
+_TABLE2_BENCHMARKS = ("math500", "aime24", "aime25", "amc23")
+
+
 def _title(recipe: Recipe) -> str:
+    """Named after the paper's table whose benchmarks the recipe evaluates; a recipe on neither (e.g. arith
+    alone) gets no table name."""
     what = "base and RL-trained" if recipe.variants() else "base models"
-    table = "Table 1" if "gsm8k" in recipe.benchmark_names() else "Table 2 setting"
-    return f"{table}, {what}: accuracy by weight format (recipe `{recipe.name}`)"
+    names = recipe.benchmark_names()
+    if "gsm8k" in names:
+        return f"Table 1, {what}: accuracy by weight format (recipe `{recipe.name}`)"
+    if any(b in names for b in _TABLE2_BENCHMARKS):
+        return f"Table 2 setting, {what}: accuracy by weight format (recipe `{recipe.name}`)"
+    return f"{what[0].upper()}{what[1:]}: accuracy by weight format (recipe `{recipe.name}`)"
 
 
 _NOTES = [

@@ -460,3 +460,6 @@ def test_report_puts_the_papers_numbers_only_under_the_benchmarks_they_are_for()
 
     arith = load_recipe(SMOKE, {"benchmarks": [{"name": "arith"}]})
     assert not any(c.startswith("paper ") for c in _columns(arith)) and "none" in _notes(arith)[-1]
+    assert _title(arith) == "Base and RL-trained: accuracy by weight format (recipe `smoke`)"  # neither paper table
+    assert _title(load_recipe(SMOKE, {"benchmarks": [{"name": "aime24"}], "train": None})).startswith(
+        "Table 2 setting, base models:")
