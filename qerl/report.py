@@ -518,9 +518,18 @@ def render_plot(recipe: Recipe, rows: list[dict], path: Path) -> Path | None:
     return path
 
 
+def _curve_style(variant: str, i: int) -> tuple[str, str]:
+    """(colour, line style) of a variant's curve: its format's colour, dashed with AQN, so a format's two
+    variants read as a pair; a name outside VARIANTS takes the colours after the formats'."""
+    if variant in VARIANTS:
+        fmt, aqn = VARIANTS[variant]
+        return f"C{FORMATS.index(fmt)}", ("--" if aqn else "-")
+    return f"C{len(FORMATS) + i}", "-"
+
+
 def render_curves(recipe: Recipe, curves: dict[str, dict[str, list]], path: Path) -> Path | None:
     """Line plots: training reward (mean over the step's completions) and policy entropy per
-    RL step, one colour per trained variant (raw steps faint, 5-step running mean bold)."""
+    RL step, one colour per weight format, dashed with AQN (raw steps faint, 5-step running mean bold)."""
     if not curves:
         return None
     import matplotlib
@@ -536,11 +545,11 @@ def render_curves(recipe: Recipe, curves: dict[str, dict[str, list]], path: Path
             if not pts:
                 continue
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            color = f"C{i}"
+            color, dashes = _curve_style(variant, i)
             # raw per-step values faint, a running mean over 5 steps on top (one step is 16 samples)
-            ax.plot(xs, ys, marker=".", color=color, alpha=0.3, linewidth=0.8)
+            ax.plot(xs, ys, marker=".", color=color, alpha=0.3, linewidth=0.8, linestyle=dashes)
             smooth = [sum(ys[max(0, j - 4): j + 1]) / len(ys[max(0, j - 4): j + 1]) for j in range(len(ys))]
-            ax.plot(xs, smooth, color=color, linewidth=2, label=variant)
+            ax.plot(xs, smooth, color=color, linewidth=2, label=variant, linestyle=dashes)
         ax.ticklabel_format(axis="y", useOffset=False)
         ax.set_xlabel("RL step")
         ax.set_ylabel(labels[key])

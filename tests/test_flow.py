@@ -463,3 +463,15 @@ def test_report_puts_the_papers_numbers_only_under_the_benchmarks_they_are_for()
     assert _title(arith) == "Base and RL-trained: accuracy by weight format (recipe `smoke`)"  # neither paper table
     assert _title(load_recipe(SMOKE, {"benchmarks": [{"name": "aime24"}], "train": None})).startswith(
         "Table 2 setting, base models:")
+
+
+def test_training_curves_pair_each_formats_variants_by_colour():
+    """One colour per weight format, AQN dashed: qerl-nvfp4 and qerl-nvfp4-aqn read as a pair; formats differ."""
+    from qerl.recipe import VARIANTS
+    from qerl.report import _curve_style
+
+    styles = {v: _curve_style(v, i) for i, v in enumerate(VARIANTS)}
+    assert styles["qerl-nvfp4"][0] == styles["qerl-nvfp4-aqn"][0] and (styles["qerl-nvfp4"][1], styles["qerl-nvfp4-aqn"][1]) == ("-", "--")
+    assert len({styles[v][0] for v in ("lora-bf16", "qlora-nf4", "lora-mxfp4", "qerl-nvfp4")}) == 4
+    assert all(s[1] == ("--" if VARIANTS[v][1] else "-") for v, s in styles.items())
+    assert _curve_style("grpo-nvfp4", 0)[0] not in {s[0] for s in styles.values()}
