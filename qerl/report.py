@@ -342,11 +342,10 @@ def _title(recipe: Recipe) -> str:
     alone) gets no table name."""
     what = "base and RL-trained" if recipe.variants() else "base models"
     names = recipe.benchmark_names()
-    if "gsm8k" in names:
-        return f"Table 1, {what}: accuracy by weight format (recipe `{recipe.name}`)"
-    if any(b in names for b in _TABLE2_BENCHMARKS):
-        return f"Table 2 setting, {what}: accuracy by weight format (recipe `{recipe.name}`)"
-    return f"{what[0].upper()}{what[1:]}: accuracy by weight format (recipe `{recipe.name}`)"
+    table = ("Table 1, " if "gsm8k" in names else
+             "Table 2 setting, " if any(b in names for b in _TABLE2_BENCHMARKS) else "")
+    title = f"{table}{what}: accuracy by weight format (recipe `{recipe.name}`)"
+    return title[0].upper() + title[1:]
 
 
 _NOTES = [
