@@ -35,7 +35,8 @@ DEFAULTS = {
     "rollout": ["rollout.json", "h200/rollout.json", "h200/rollout_32b.json"],
     "grpo": ["grpo_step.json", "h200/grpo_step_cap79_b2_7b.json", "h200/grpo_step_cap79_b2_14b.json",
              "h200/grpo_step_cap79_b4.json", "h200/grpo_step_cap79_b2_7b_nf4.json",
-             "h200/grpo_step_cap79_b2_14b_nf4.json"],  # nf4: the QLoRA baseline (the *_nf4_fused files are labelled apart)
+             "h200/grpo_step_cap79_b2_14b_nf4.json", "h200/grpo_step_cap79_b8.json",
+             "h200/grpo_step_cap79_b4_7b_nf4.json"],  # nf4: the QLoRA baseline (the *_nf4_fused files are labelled apart)
     "attention": ["h200/attention_probe_8_rule.json", "h200/attention_probe_9_rows16.json"],
     "nf4": ["h200/w4a16_nf4_fused_all.json"],
 }
