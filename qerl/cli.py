@@ -8,6 +8,8 @@
     qerl ablation embedded --seeds 0,1,2 --set train.grpo.bf16_autocast=true   # mean +- std over seeds
     qerl ui                                 # MLflow UI on http://127.0.0.1:5000
     qerl validate recipes/qwen2.5-7b.yaml   # check a recipe, print it resolved
+    qerl bench log benchmarks/results/grpo_step.json   # a benchmark result file -> an MLflow run
+    qerl bench table --out reports/efficiency          # Table 3 etc. from those runs
 
 A RECIPE is a YAML path or a name in recipes/ ("embedded" -> recipes/embedded.yaml).
 Bad input (unknown recipe key, format, benchmark; missing data or model) prints one line
@@ -44,12 +46,13 @@ SET_HELP = (
 def _user_errors() -> tuple[type[BaseException], ...]:
     from qerl.data import DataError
     from qerl.deploy import GPUUnavailableError
+    from qerl.efficiency import BenchmarkError
     from qerl.eval.harness import HarnessError
     from qerl.formats import FormatError
     from qerl.model import ModelError
     from qerl.recipe import RecipeError
 
-    return (RecipeError, FormatError, DataError, ModelError, HarnessError, GPUUnavailableError)
+    return (RecipeError, FormatError, DataError, ModelError, HarnessError, GPUUnavailableError, BenchmarkError)
 
 
 def _run_failures() -> tuple[type[BaseException], ...]:
@@ -286,6 +289,47 @@ def ui(
         raise typer.Exit(subprocess.call(cmd))
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
+
+
+bench_app = typer.Typer(help="Benchmark result files (benchmarks/bench_*.py JSON) in MLflow, and the efficiency "
+                          "tables (the paper's Table 3, rollouts, kernels, memory) rebuilt from those runs.",
+                         no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+BENCH_URI_HELP = "MLflow backend store URI."
+BENCH_EXPERIMENT_HELP = "MLflow experiment of the benchmark runs."
+
+
+@bench_app.command("log")
+def bench_log(
+    files: list[str] = typer.Argument(..., help="Benchmark result JSON files (grpo_step, memory, rollout, w4a16)."),
+    uri: str = typer.Option("sqlite:///mlflow.db", "--uri", help=BENCH_URI_HELP),
+    experiment: str = typer.Option("qerl-benchmarks", "--experiment", help=BENCH_EXPERIMENT_HELP),
+) -> None:
+    """Log each file as one MLflow run (params, per-row metrics, the file as artifact); files already logged are skipped."""
+    with _errors_in_one_line():
+        from qerl.efficiency import log_results
+
+        done = log_results(files, uri, experiment)
+    for d in done:
+        typer.echo(f"{'logged' if d['logged'] else 'already logged'}  {d['kind']:<9} {d['path']}  [MLflow run {d['run_id']}]")
+
+
+@bench_app.command("table")
+def bench_table(
+    out: str = typer.Option("reports/efficiency", "--out", help="Folder for table.md, efficiency.json, step_speedup.png."),
+    uri: str = typer.Option("sqlite:///mlflow.db", "--uri", help=BENCH_URI_HELP),
+    experiment: str = typer.Option("qerl-benchmarks", "--experiment", help=BENCH_EXPERIMENT_HELP),
+) -> None:
+    """Rebuild the efficiency tables from the benchmark runs in MLflow (newest measurement per cell)."""
+    with _errors_in_one_line():
+        from qerl.efficiency import build_tables, write_report
+
+        tables = build_tables(uri, experiment)
+        paths = write_report(tables, out)
+    typer.echo(f"{len(tables['step'])} GRPO step cells, {len(tables['rollout'])} rollout cells, "
+               f"{len(tables['kernels'])} kernel cells, {len(tables['memory'])} memory cells from {tables['runs']} runs")
+    for key, path in paths.items():
+        typer.echo(f"{key}: {path}")
 
 
 def main() -> None:  # pragma: no cover

@@ -199,6 +199,13 @@ class Tracker:
         self.log_params(run_id, all_params)
         return run_id
 
+    def start_plain_run(self, run_name: str, tags: dict[str, Any]) -> str:
+        """A RUNNING top-level run with only the given tags (no recipe): e.g. a logged benchmark file."""
+        with _LOCK:
+            run = self.client.create_run(self.experiment_id, tags={k: str(v)[:_MAX_TAG] for k, v in tags.items()},
+                                         run_name=run_name)
+        return run.info.run_id
+
     def finish(self, run_id: str, status: str = "FINISHED") -> None:
         with _LOCK:
             self.client.set_terminated(run_id, status=status)
