@@ -9,8 +9,8 @@
 #                    prefect deployment run reproduce-table/smoke --watch   (docs/deployments.md)
 #   make gpu-workers one Prefect worker per GPU (CUDA_VISIBLE_DEVICES=i, --limit 1) on pool qerl-gpu
 #   make plots       figures of the committed GPU evidence -> benchmarks/results/plots/ (no GPU needed)
-#   make efficiency  the committed GPU evidence -> MLflow runs (experiment qerl-benchmarks in UI_URI's store),
-#                    then the paper's Table 3, rollout, kernel and memory tables from those runs -> reports/efficiency/
+#   make efficiency  the committed GPU evidence -> MLflow runs (experiment qerl-benchmarks in ./mlflow.db), then
+#                    the paper's Table 3, rollout, kernel and memory tables from those runs -> reports/efficiency/
 # Variables: PY (python to create the venv), VENV, TORCH_SPEC / PIP_TORCH_ARGS (which torch build),
 # RECIPE and ARGS (what `make reproduce` runs, e.g. ARGS="--set benchmarks.0.limit=8").
 
@@ -66,13 +66,9 @@ test-gpu: setup
 plots: setup
 	$(PYTHON) benchmarks/plot_results.py
 
-# the result files that are issue 4 / 6 / 9's evidence: the H100's, and the H200's under the 79 GiB cap
-EVIDENCE ?= $(addprefix benchmarks/results/,grpo_step.json memory.json rollout.json w4a16.json h200/w4a16.json \
-	h200/rollout.json h200/rollout_32b.json) $(sort $(wildcard benchmarks/results/h200/grpo_step_*cap79*.json) \
-	$(wildcard benchmarks/results/h200/memory_*cap79*.json))
+# the committed evidence files are the parameters of prefect.yaml's deployment efficiency/evidence
 efficiency: setup
-	$(PYTHON) -m qerl.cli bench log --uri $(UI_URI) $(EVIDENCE)
-	$(PYTHON) -m qerl.cli bench table --uri $(UI_URI) --out reports/efficiency
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PYTHON) -m flows.efficiency --deployment evidence
 
 ui: setup
 	$(PYTHON) -m qerl.cli ui --uri $(UI_URI) --port $(UI_PORT)

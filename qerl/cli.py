@@ -301,15 +301,16 @@ BENCH_EXPERIMENT_HELP = "MLflow experiment of the benchmark runs."
 
 @bench_app.command("log")
 def bench_log(
-    files: list[str] = typer.Argument(..., help="Benchmark result JSON files (grpo_step, memory, rollout, w4a16)."),
+    files: list[str] = typer.Argument(..., help="Benchmark result JSON files (grpo_step, memory, rollout, w4a16) or "
+                                      "quoted glob patterns."),
     uri: str = typer.Option("sqlite:///mlflow.db", "--uri", help=BENCH_URI_HELP),
     experiment: str = typer.Option("qerl-benchmarks", "--experiment", help=BENCH_EXPERIMENT_HELP),
 ) -> None:
     """Log each file as one MLflow run (params, per-row metrics, the file as artifact); files already logged are skipped."""
     with _errors_in_one_line():
-        from qerl.efficiency import log_results
+        from qerl.efficiency import expand_files, log_results
 
-        done = log_results(files, uri, experiment)
+        done = log_results(expand_files(files), uri, experiment)
     for d in done:
         typer.echo(f"{'logged' if d['logged'] else 'already logged'}  {d['kind']:<9} {d['path']}  [MLflow run {d['run_id']}]")
 

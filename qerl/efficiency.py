@@ -23,18 +23,22 @@ baseline's. The paper's cells (PAPER_STEP_SPEEDUP, PAPER_ROLLOUT_*) come from ..
 from __future__ import annotations
 
 import datetime as _dt
+import glob
 import hashlib
 import json
 import math
 import os
 import re
 import statistics
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
 __all__ = [
     "BenchmarkError",
+    "check_benchmark",
     "EXPERIMENT",
     "PAPER_ROLLOUT_BY_RANK",
     "PAPER_ROLLOUT_7B_B8",
@@ -42,9 +46,11 @@ __all__ = [
     "PAPER_WEIGHTS_GB",
     "build_tables",
     "detect_kind",
+    "expand_files",
     "load_result",
     "log_results",
     "result_metrics",
+    "run_benchmark",
     "write_report",
 ]
 
@@ -216,6 +222,94 @@ def result_metrics(kind: str, data: dict) -> dict[str, float]:
             for q in ("tokens_per_s", "bf16_tokens_per_s", "hf_generate_tokens_per_s"):
                 put(f"{base}/r{r.get('lora_rank', 0)}/{q}", r.get(q))
     return out
+
+
+# ----------------------------------------------------------------------------- running a benchmark
+
+# the benchmark scripts of a checkout (benchmarks/), by the kind of result they write, and how each is told where
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "grpo_step": ("bench_grpo_step.py", "--out-dir"),  # memory.json + grpo_step.json in that folder
+    "rollout": ("bench_rollout.py", "--out"),          # one file
+    "w4a16": ("bench_w4a16.py", "--out"),
+}
+
+
+def benchmarks_dir() -> Path:
+    """The checkout's benchmarks/ folder (the scripts are not part of the installed package)."""
+    return Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def benchmark_device(args: list[str]) -> str:
+    """The device a benchmark's arguments name (--device X or --device=X); the scripts' default is cuda."""
+    for i, a in enumerate(args):
+        if a == "--device" and i + 1 < len(args):
+            return str(args[i + 1])
+        if str(a).startswith("--device="):
+            return str(a).split("=", 1)[1]
+    return "cuda"
+
+
+def expand_files(patterns: Iterable[str]) -> list[Path]:
+    """Result files named by paths or glob patterns (relative to the working directory), each once, in order;
+    BenchmarkError for a pattern that matches nothing."""
+    out: list[Path] = []
+    for pat in patterns:
+        hits = sorted(Path(h) for h in glob.glob(pat)) if any(c in pat for c in "*?[") else [Path(pat)]
+        if not hits or not all(h.is_file() for h in hits):
+            raise BenchmarkError(f"{pat}: no such benchmark file")
+        out += [h for h in hits if h not in out]
+    return out
+
+
+def check_benchmark(kind: str, args: list[str]) -> Path:
+    """The script of a benchmark spec; BenchmarkError for an unknown kind, a checkout without the script, or args that
+    set the output themselves."""
+    if kind not in BENCHMARKS:
+        raise BenchmarkError(f"unknown benchmark {kind!r}: one of {', '.join(BENCHMARKS)}")
+    path = benchmarks_dir() / BENCHMARKS[kind][0]
+    if not path.is_file():
+        raise BenchmarkError(f"{path}: not found; benchmarks run from a clone of the project")
+    if any(str(a).split("=")[0] in ("--out", "--out-dir") for a in args):
+        raise BenchmarkError(f"benchmark {kind}: leave --out / --out-dir out of the arguments (the run sets them)")
+    return path
+
+
+def run_benchmark(kind: str, args: list[str], out_dir: str | os.PathLike, log=print) -> list[Path]:
+    """Run benchmarks/<script> of `kind` (grpo_step | rollout | w4a16) with `args` in a child process that writes into
+    `out_dir`; its output goes line by line to `log`. Returns the benchmark result files it wrote. BenchmarkError for
+    an unknown kind, args that set the output themselves, or a checkout without the script; RuntimeError naming the
+    exit code when the benchmark fails."""
+    path = check_benchmark(kind, args)
+    out_flag = BENCHMARKS[kind][1]
+    device = benchmark_device(args)
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BenchmarkError(f"benchmark {kind} runs on {device} and this machine has no CUDA GPU"
+                                 + (" (bench_grpo_step.py runs tiny models with --device cpu)" if kind == "grpo_step" else ""))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = str(out) if out_flag == "--out-dir" else str(out / f"{kind}.json")
+    cmd = [sys.executable, str(path), *[str(a) for a in args], out_flag, target]
+    log("$ " + " ".join(cmd))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                          cwd=str(benchmarks_dir().parent)) as proc:
+        for line in proc.stdout:
+            log(line.rstrip("\n"))
+    if proc.returncode:
+        raise RuntimeError(f"benchmark {kind} ({script}) exited with code {proc.returncode}; its output is above")
+    found = []
+    for f in sorted(out.glob("*.json")):
+        try:
+            load_result(f)
+        except BenchmarkError:
+            continue
+        found.append(f)
+    if not found:
+        raise RuntimeError(f"benchmark {kind} wrote no result file into {out}")
+    return found
 
 
 # ----------------------------------------------------------------------------- MLflow

@@ -21,6 +21,7 @@ Writes reports/smoke/deployment_run.json. About 10-15 min on 2 busy cores.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -58,6 +59,20 @@ def test_prefect_yaml_deployments_resolve():
         names.add(f"{flow.name}/{d['name']}")
         inspect.signature(flow.fn).bind(**d["parameters"])
         p = d["parameters"]
+        if flow.name == "efficiency":  # no recipe: benchmarks and result files
+            from qerl.efficiency import check_benchmark, expand_files
+
+            for b in p.get("benchmarks") or []:
+                check_benchmark(b["kind"], b["args"])
+                if d["work_pool"]["name"] != "qerl-process":
+                    assert "--device" in b["args"] and b["args"][b["args"].index("--device") + 1] == "cuda"
+            cwd = os.getcwd()
+            os.chdir(ROOT)
+            try:
+                expand_files(p.get("files") or [])
+            finally:
+                os.chdir(cwd)
+            continue
         ov = dict(p.get("overrides") or {})
         if "variants" in p:
             ov["train.variants"] = p["variants"]
@@ -68,7 +83,7 @@ def test_prefect_yaml_deployments_resolve():
         if d["work_pool"]["name"] in ("qerl-gpu", "qerl-docker", "qerl-k8s"):
             assert ov.get("device") == "cuda", d["name"]  # GPU deployments fail fast without a GPU
     assert {"reproduce-table/embedded", "reproduce-table/qwen2.5-3b", "reproduce-table/qwen2.5-7b",
-            "reproduce-table/smoke", "ablation/formats", "ablation/aqn",
+            "reproduce-table/smoke", "ablation/formats", "ablation/aqn", "efficiency/table3", "efficiency/evidence",
             *(f"reproduce-table/qwen2.5-{s}-dapo" for s in ("7b", "14b", "32b"))} <= names
     # the AQN ablation crosses every format with AQN off and on
     (aqn,) = [d for d in spec["deployments"] if d["name"] == "aqn"]

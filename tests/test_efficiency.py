@@ -187,3 +187,83 @@ def test_memory_cells_carry_the_weights_in_the_papers_units(tmp_path):
     assert cell["peak_gib"] == src["peak_gib"] and cell["status"] == "ok"
     assert cell["weights_gb"] == pytest.approx(src["weights_gib"] * 2**30 / 1e9)
     assert cell["paper_weights_gb"] == 5.9 and round(cell["weights_gb"], 1) == 5.9  # the paper's 7B NVFP4 figure
+
+
+# ----------------------------------------------------------------------------- the Prefect flow (real local engine)
+
+TINY_GRPO = ["--device", "cpu", "--models", "tiny-llama", "--formats", "bf16", "nvfp4", "--batches", "1",
+             "--generations", "2", "--prompt-len", "8", "--completion", "8", "--rank", "4", "--steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def harness():
+    import os
+
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.mark.slow
+def test_flow_runs_a_benchmark_logs_every_file_and_rebuilds_the_tables(harness, tmp_path):
+    from flows.efficiency import efficiency
+
+    uri = _uri(tmp_path)
+    res = efficiency(benchmarks=[{"kind": "grpo_step", "args": TINY_GRPO},
+                                 {"kind": "grpo_step", "args": ["--device", "cpu", "--models", "no-such-model"]}],
+                     files=[str(B8)], tracking_uri=uri, out_dir=str(tmp_path / "out"), work_dir=str(tmp_path / "work"),
+                     return_state=True)
+    assert res.is_failed()  # the second benchmark failed: the flow says so, after logging what was measured
+    (folder,) = (tmp_path / "work").iterdir()
+    written = json.loads((folder / "0" / "grpo_step.json").read_text())
+    tables = build_tables(uri)
+    assert tables["runs"] == 3  # the committed file, and the tiny benchmark's grpo_step.json and memory.json
+    tiny = {r["format"]: r for r in tables["step"] if r["model"] == "tiny-llama"}
+    src = next(r for r in written["rows"] if r["format"] == "nvfp4")
+    assert tiny["nvfp4"]["speedup"] == src["speedup"] and tiny["nvfp4"]["paper"] is None
+    assert any(r["model"] == "tiny-llama" and r["status"] == "ok" for r in tables["memory"])
+    assert "tiny-llama" in (tmp_path / "out" / "table.md").read_text()
+
+
+def test_flow_refuses_bad_input_before_running_anything(harness, tmp_path):
+    from flows.efficiency import efficiency
+
+    uri = _uri(tmp_path)
+    for params in ({"benchmarks": [{"kind": "bench_nothing", "args": []}]},
+                   {"benchmarks": [{"kind": "rollout", "args": ["--out", "x.json"]}]},
+                   {"files": [str(tmp_path / "missing*.json")]}):
+        with pytest.raises(BenchmarkError):
+            efficiency(**params, tracking_uri=uri, out_dir=str(tmp_path / "out"), work_dir=str(tmp_path / "work"))
+    assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_cuda_benchmark_on_a_machine_without_one_fails_in_one_line(tmp_path):
+    import torch
+
+    from qerl.efficiency import run_benchmark
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(BenchmarkError, match="no CUDA GPU .*--device cpu"):
+        run_benchmark("grpo_step", ["--models", "qwen2.5-7b"], tmp_path)
+
+
+def test_make_efficiency_runs_the_evidence_deployment_of_prefect_yaml():
+    from flows.efficiency import deployment_parameters
+    from qerl.efficiency import expand_files
+
+    params = deployment_parameters("evidence")
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(RESULTS.parents[1])
+    try:
+        files = expand_files(params["files"])
+    finally:
+        os.chdir(cwd)
+    names = {str(f) for f in files}
+    assert {"benchmarks/results/grpo_step.json", "benchmarks/results/h200/grpo_step_cap79_b8.json",
+            "benchmarks/results/w4a16.json"} <= names
+    assert "--deployment evidence" in (RESULTS.parents[1] / "Makefile").read_text()

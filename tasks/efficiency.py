@@ -1,0 +1,41 @@
+"""Prefect tasks of the `efficiency` flow: run one benchmark (holding a GPU slot on a GPU), log result files as
+MLflow runs, rebuild the efficiency tables from those runs (each calls qerl.efficiency)."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from qerl import efficiency
+
+
+def _gpu_slot(args: list[str]):
+    """The global "gpu" limit's slot (qerl.deploy), unless the benchmark runs on the CPU."""
+    if not efficiency.benchmark_device(args).startswith("cuda"):
+        return nullcontext()
+    from prefect.concurrency.sync import concurrency
+
+    from qerl.deploy import GPU_LIMIT
+
+    return concurrency(GPU_LIMIT, occupy=1, strict=False, raise_on_lease_renewal_failure=False)
+
+
+@task(name="benchmark", cache_policy=NO_CACHE)
+def benchmark(kind: str, args: list[str], out_dir: str) -> list[str]:
+    logger = get_run_logger()
+    with _gpu_slot(args):
+        return [str(p) for p in efficiency.run_benchmark(kind, args, out_dir, log=logger.info)]
+
+
+@task(name="log-benchmarks", cache_policy=NO_CACHE)
+def log_benchmarks(paths: list[str], tracking_uri: str, experiment: str) -> list[dict]:
+    return efficiency.log_results(efficiency.expand_files(paths), tracking_uri, experiment)
+
+
+@task(name="efficiency-table", cache_policy=NO_CACHE)
+def efficiency_table(tracking_uri: str, experiment: str, out_dir: str) -> dict[str, str]:
+    tables = efficiency.build_tables(tracking_uri, experiment)
+    return efficiency.write_report(tables, Path(out_dir))
