@@ -323,14 +323,16 @@ def bench_table(
 ) -> None:
     """Rebuild the efficiency tables from the benchmark runs in MLflow (newest measurement per cell)."""
     with _errors_in_one_line():
-        from qerl.efficiency import build_tables, write_report
+        from qerl.efficiency import build_tables, log_report, write_report
 
         tables = build_tables(uri, experiment)
         paths = write_report(tables, out)
+        run_id = log_report(paths, uri, experiment)
     typer.echo(f"{len(tables['step'])} GRPO step cells, {len(tables['rollout'])} rollout cells, "
                f"{len(tables['kernels'])} kernel cells, {len(tables['memory'])} memory cells from {tables['runs']} runs")
     for key, path in paths.items():
         typer.echo(f"{key}: {path}")
+    typer.echo(f"MLflow:  run {run_id} (efficiency/report) holds them; browse with `qerl ui --uri {uri}`")
 
 
 def main() -> None:  # pragma: no cover

@@ -3,6 +3,7 @@ memory) as tables regenerated from MLflow runs of the benchmark result files.
 
     qerl bench log benchmarks/results/grpo_step.json benchmarks/results/h200/*.json   # one run per file
     qerl bench table --out reports/efficiency                                          # from the runs
+    # -> table.md, efficiency.json, step_speedup.png, also logged to a run `efficiency/report` (tag step=report)
 
 The benchmarks (`benchmarks/bench_*.py`) run on GPU machines that may have no MLflow; each writes one JSON
 file. `log_results` turns each file into a FINISHED run of the experiment `qerl-benchmarks` (tag
@@ -48,6 +49,7 @@ __all__ = [
     "detect_kind",
     "expand_files",
     "load_result",
+    "log_report",
     "log_results",
     "result_metrics",
     "run_benchmark",
@@ -611,6 +613,20 @@ def render_plot(step: list[dict[str, Any]], path: Path) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def log_report(paths: dict[str, str], tracking_uri: str = "sqlite:///mlflow.db", experiment: str = EXPERIMENT) -> str:
+    """The report's files as artifacts (report/) of a new FINISHED run `efficiency/report` (tag step=report) of the
+    benchmark experiment, so the tables can be read in the MLflow UI beside the runs they come from; its run id."""
+    from qerl.tracking import git_commit
+
+    tracker = _tracker(tracking_uri, experiment)
+    tags = {"step": "report", **({"git_commit": git_commit()} if git_commit() else {})}
+    run_id = tracker.start_plain_run("efficiency/report", tags)
+    with tracker.tracked(run_id):
+        for path in paths.values():
+            tracker.log_artifact(run_id, path, "report")
+    return run_id
 
 
 def write_report(tables: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, str]:

@@ -38,4 +38,5 @@ def log_benchmarks(paths: list[str], tracking_uri: str, experiment: str) -> list
 @task(name="efficiency-table", cache_policy=NO_CACHE)
 def efficiency_table(tracking_uri: str, experiment: str, out_dir: str) -> dict[str, str]:
     tables = efficiency.build_tables(tracking_uri, experiment)
-    return efficiency.write_report(tables, Path(out_dir))
+    paths = efficiency.write_report(tables, Path(out_dir))
+    return {**paths, "report_run_id": efficiency.log_report(paths, tracking_uri, experiment)}

@@ -168,6 +168,16 @@ def test_cli_logs_builds_and_fails_in_one_line(tmp_path):
     table = runner.invoke(app, ["bench", "table", "--uri", uri, "--out", str(tmp_path / "out")])
     assert table.exit_code == 0 and "3 GRPO step cells" in table.output  # 7B nvfp4, 14B nvfp4, 7B nf4
     assert (tmp_path / "out" / "table.md").is_file()
+    # the report is also an MLflow run, beside the benchmark runs, that the tables never read back
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("qerl-benchmarks")
+    (report,) = client.search_runs([exp.experiment_id], filter_string="tags.step = 'report'")
+    assert report.info.run_name == "efficiency/report" and report.info.status == "FINISHED"
+    assert {a.path for a in client.list_artifacts(report.info.run_id, "report")} == {
+        "report/table.md", "report/efficiency.json", "report/step_speedup.png"}
+    assert build_tables(uri)["runs"] == 1
 
 
 def test_import_stays_light():
@@ -225,6 +235,7 @@ def test_flow_runs_a_benchmark_logs_every_file_and_rebuilds_the_tables(harness, 
     assert tiny["nvfp4"]["speedup"] == src["speedup"] and tiny["nvfp4"]["paper"] is None
     assert any(r["model"] == "tiny-llama" and r["status"] == "ok" for r in tables["memory"])
     assert "tiny-llama" in (tmp_path / "out" / "table.md").read_text()
+    assert build_tables(uri)["runs"] == 3  # the report run the flow logged is not a benchmark run
 
 
 def test_flow_refuses_bad_input_before_running_anything(harness, tmp_path):
