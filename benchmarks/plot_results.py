@@ -28,6 +28,8 @@ import statistics
 import sys
 from collections import defaultdict
 
+from qerl.efficiency import short_gpu  # noqa: F401  (the GPU names of these figures and of qerl bench table)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 DEFAULTS = {
@@ -47,14 +49,6 @@ COLORS = {"nvfp4": "tab:green", "mxfp4": "tab:blue", "nf4": "tab:red", "nf4-fuse
 LORA_RANKS = ("r16", "r32", "r64")
 # issue 4's goals, forward: (M values it covers, ratio)
 W4A16_GOALS = [((1, 2, 4, 8, 16), 3.0), ((64,), 2.0), ((256,), 1.0), ((1024, 4096), 0.85)]
-
-
-def short_gpu(name: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'H100'; unknown names pass through."""
-    for tag in ("H200", "H100", "A100", "L40S", "B200"):
-        if tag in (name or ""):
-            return tag
-    return name or "?"
 
 
 def load(path: str) -> dict:

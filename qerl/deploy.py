@@ -46,6 +46,7 @@ WORK_POOLS: dict[str, tuple[str, str]] = {
 
 __all__ = [
     "GPU_LIMIT",
+    "device_slot",
     "GPUUnavailableError",
     "WORK_POOLS",
     "check_device",
@@ -102,14 +103,21 @@ def gpu_slot(recipe: "Recipe") -> Iterator[bool]:
     exist (no `qerl.deploy setup` on this server), runs without one. The slot is a lease that
     Prefect renews while the step runs and frees on its own if the process dies.
     """
-    if not recipe.resolved_device().startswith("cuda"):
+    with device_slot(recipe.resolved_device(), recipe.max_workers) as held:
+        yield held
+
+
+@contextmanager
+def device_slot(device: str, max_workers: int = 1) -> Iterator[bool]:
+    """gpu_slot for work that names its device without a recipe (e.g. a benchmark's --device)."""
+    if not device.startswith("cuda"):
         yield False
         return
     from prefect.concurrency.sync import concurrency
 
-    # In one flow-run process (one GPU), at most recipe.max_workers GPU steps at once, whatever
-    # the task runner's thread count; across processes, the "gpu" limit.
-    with _process_gate(recipe.max_workers):
+    # In one flow-run process (one GPU), at most max_workers GPU steps at once, whatever the task
+    # runner's thread count; across processes, the "gpu" limit.
+    with _process_gate(max_workers):
         with concurrency(GPU_LIMIT, occupy=1, strict=False, raise_on_lease_renewal_failure=False):
             yield True
 

@@ -53,6 +53,7 @@ __all__ = [
     "log_results",
     "result_metrics",
     "run_benchmark",
+    "short_gpu",
     "write_report",
 ]
 
@@ -138,7 +139,8 @@ def _latest(value: Any) -> str:
     return str(value or "")
 
 
-def _short_gpu(name: str | None) -> str:
+def short_gpu(name: str | None) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'H100'; unknown names pass through."""
     for tag in ("H200", "H100", "A100", "L40S", "B200"):
         if tag in (name or ""):
             return tag
@@ -147,7 +149,7 @@ def _short_gpu(name: str | None) -> str:
 
 def _gpu_label(data: dict, row: dict) -> str:
     """'H200', or 'H200 (79 GiB cap)' for a step measured under --device-memory-gib."""
-    label = _short_gpu(row.get("gpu") or data.get("gpu"))
+    label = short_gpu(row.get("gpu") or data.get("gpu"))
     cap = row.get("device_memory_gib")
     return f"{label} ({cap:g} GiB cap)" if cap else label
 
@@ -301,7 +303,7 @@ def run_benchmark(kind: str, args: list[str], out_dir: str | os.PathLike, log=pr
         for line in proc.stdout:
             log(line.rstrip("\n"))
     if proc.returncode:
-        raise RuntimeError(f"benchmark {kind} ({script}) exited with code {proc.returncode}; its output is above")
+        raise RuntimeError(f"benchmark {kind} ({path.name}) exited with code {proc.returncode}; its output is above")
     found = []
     for f in sorted(out.glob("*.json")):
         try:
@@ -326,17 +328,7 @@ def _tracker(tracking_uri: str, experiment: str):
 
 def _benchmark_runs(tracker) -> list:
     """Every FINISHED benchmark run of the tracker's experiment, oldest first."""
-    exp = tracker.client.get_experiment_by_name(tracker.experiment_name)
-    if exp is None:
-        return []
-    out, token = [], None
-    while True:
-        page = tracker.client.search_runs([exp.experiment_id], filter_string="tags.step = 'benchmark'",
-                                          max_results=1000, order_by=["attributes.start_time ASC"], page_token=token)
-        out.extend(r for r in page if r.info.status == "FINISHED")
-        token = page.token
-        if not token:
-            return out
+    return [r for r in tracker.search_runs("tags.step = 'benchmark'") if r.info.status == "FINISHED"]
 
 
 def log_results(paths: Iterable[str | os.PathLike], tracking_uri: str = "sqlite:///mlflow.db",
@@ -369,10 +361,7 @@ def log_results(paths: Iterable[str | os.PathLike], tracking_uri: str = "sqlite:
                 "command": "\n".join(command) if isinstance(command, list) else command, "rows": len(data["rows"]),
             })
             tracker.log_metrics(run_id, result_metrics(kind, data))
-            with tempfile.TemporaryDirectory() as tmp:
-                copy = Path(tmp) / path.name
-                copy.write_bytes(raw)
-                tracker.log_artifact(run_id, copy, "benchmark")
+            tracker.log_artifact(run_id, path, "benchmark")
         known[sha] = run_id
         out.append({"path": str(path), "kind": kind, "run_id": run_id, "logged": True})
     return out
@@ -459,7 +448,7 @@ def rollout_rows(results: list[tuple[str, dict, str]]) -> list[dict[str, Any]]:
                     low = min(by_rank)
                     paper, paper_setting = by_rank[low], f"LoRA r{low}, probably batch 1"
             lora0 = _finite(r.get("lora0_tokens_per_s"))
-            row = {"gpu": _short_gpu(r.get("gpu") or data.get("gpu")), "model": model, "format": fmt, "batch": batch,
+            row = {"gpu": short_gpu(r.get("gpu") or data.get("gpu")), "model": model, "format": fmt, "batch": batch,
                    "lora_rank": rank, "tokens_per_s": tps, "bf16_tokens_per_s": bf,
                    "x_bf16": tps / bf if bf else None,
                    "x_no_lora": tps / lora0 if rank and lora0 else None,
@@ -481,7 +470,7 @@ def kernel_rows(results: list[tuple[str, dict, str]]) -> list[dict[str, Any]]:
             goal = next(g for lab, _, g in KERNEL_BUCKETS if lab == label)
             if fmt == "mxfp4" and label == "M<=16":
                 goal = 3.1
-            row = {"gpu": _short_gpu(data.get("gpu")), "format": fmt, "bucket": label, "median_speedup": v,
+            row = {"gpu": short_gpu(data.get("gpu")), "format": fmt, "bucket": label, "median_speedup": v,
                    "goal": goal if fmt in ("nvfp4", "mxfp4") else None, "date": date, "run_id": run_id}
             _newest(cells, (row["gpu"], fmt, label), row)
     order = {lab: i for i, (lab, _, _) in enumerate(KERNEL_BUCKETS)}

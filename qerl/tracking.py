@@ -278,15 +278,20 @@ class Tracker:
         with _LOCK:
             return self.client.get_run(run_id)
 
-    def child_runs(self, parent_run_id: str) -> list:
-        """All runs nested under `parent_run_id` (any status), oldest first."""
-        parent = self.get_run(parent_run_id)
+    def search_runs(self, filter_string: str, experiment_id: str | None = None) -> list:
+        """Every active run of the experiment (default: this tracker's, if it exists) that matches, oldest first."""
+        if experiment_id is None:
+            with _LOCK:
+                exp = self.client.get_experiment_by_name(self.experiment_name)
+            if exp is None:
+                return []
+            experiment_id = exp.experiment_id
         out, token = [], None
         with _LOCK:
             while True:
                 page = self.client.search_runs(
-                    [parent.info.experiment_id],
-                    filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'",
+                    [experiment_id],
+                    filter_string=filter_string,
                     run_view_type=1,  # ACTIVE_ONLY
                     max_results=1000,
                     order_by=["attributes.start_time ASC"],
@@ -297,6 +302,11 @@ class Tracker:
                 if not token:
                     break
         return out
+
+    def child_runs(self, parent_run_id: str) -> list:
+        """All runs nested under `parent_run_id` (any status), oldest first."""
+        parent = self.get_run(parent_run_id)
+        return self.search_runs(f"tags.`{PARENT_TAG}` = '{parent_run_id}'", parent.info.experiment_id)
 
     def latest_parent_run(self, recipe_name: str) -> str | None:
         """The newest top-level reproduce-table run of a recipe in this experiment, or None."""

@@ -3,30 +3,18 @@ MLflow runs, rebuild the efficiency tables from those runs (each calls qerl.effi
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from qerl import efficiency
-
-
-def _gpu_slot(args: list[str]):
-    """The global "gpu" limit's slot (qerl.deploy), unless the benchmark runs on the CPU."""
-    if not efficiency.benchmark_device(args).startswith("cuda"):
-        return nullcontext()
-    from prefect.concurrency.sync import concurrency
-
-    from qerl.deploy import GPU_LIMIT
-
-    return concurrency(GPU_LIMIT, occupy=1, strict=False, raise_on_lease_renewal_failure=False)
+from qerl import deploy, efficiency
 
 
 @task(name="benchmark", cache_policy=NO_CACHE)
 def benchmark(kind: str, args: list[str], out_dir: str) -> list[str]:
     logger = get_run_logger()
-    with _gpu_slot(args):
+    with deploy.device_slot(efficiency.benchmark_device(args)):  # the "gpu" limit's slot, unless on the CPU
         return [str(p) for p in efficiency.run_benchmark(kind, args, out_dir, log=logger.info)]
 
 
