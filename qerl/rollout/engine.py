@@ -336,7 +336,8 @@ class RolloutEngine:
         self._lora_ptrs: tuple = ()
         # LoRA products run on a side stream beside the base 4-bit product (captured as a parallel
         # branch of the graph), into buffers kept per group kind so the side stream allocates nothing
-        # (high priority: when a 4-bit kernel frees an SM, the small LoRA GEMMs get it first)
+        # (high priority, which applies to eager steps only: a captured graph runs every node at its launch
+        # stream's priority, and restoring the per-node priorities there changed nothing, NOTES_rollout.md section 48)
         self._side = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self._lora_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # kind -> LinearGroup.lora_workspace
         self.stats: dict = {}
