@@ -344,7 +344,8 @@ def step_rows(memory_rows: list[dict]) -> list[dict]:
         out.append({"model": r["model"], "format": r["format"], "batch": r["batch"], "step_s": r["step_s"],
                     "bf16_step_s": base, "speedup": round(base / r["step_s"], 3) if base else None,
                     "micro_batch": r["micro_batch"], "generations": r["generations"], "completion_len": r["completion_len"],
-                    "weight_copies": _row_copies(r), "nf4_decode": nf4_decode_of(r), **_setup_fields(r),
+                    "weight_copies": _row_copies(r), "nf4_decode": nf4_decode_of(r), "steps": r.get("steps"),
+                    **_setup_fields(r),
                     # when the baseline ran: the same call as this row, or another call on the same GPU model
                     "date": r.get("date"), "bf16_date": base_row.get("date") if base_row else None})
     return out

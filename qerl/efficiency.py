@@ -167,6 +167,27 @@ def _step_format(row: dict, data: dict | None = None) -> str:
     return FUSED_NF4 if fused and int(fused.group(1)) > 0 else "nf4"
 
 
+# bench_grpo_step: the first step compiles kernels and captures graphs, the second re-captures them (and keeps them
+# if they fit), the third is the first steady one (its default --steps)
+STEADY_STEPS = 3
+
+
+def _steps(row: dict, data: dict | None = None) -> int | None:
+    """How many GRPO steps the row's configuration ran (its last is reported): the row's `steps` (rows since session
+    56), else the --steps of the command that made it (a combined file lists its calls' commands beside their dates:
+    the call of the row's date), else None (not known: an old default)."""
+    if row.get("steps") is not None:
+        return int(row["steps"])
+    command = row.get("command") or (data or {}).get("command")
+    if isinstance(command, list):
+        dates = (data or {}).get("date")
+        dates = dates if isinstance(dates, list) and len(dates) == len(command) else [None] * len(command)
+        command = [c for c, d in zip(command, dates) if d == row.get("date")]
+        command = command[0] if len(command) == 1 else None
+    found = re.findall(r"--steps[= ](\d+)", command) if isinstance(command, str) else []
+    return int(found[-1]) if found else None
+
+
 def _model_tag(row: dict) -> str:
     return str(row.get("model", "?")).lower()
 
@@ -388,7 +409,9 @@ def _results_from_store(tracker) -> list[tuple[str, dict, str]]:
 
 
 def _newest(cells: dict[tuple, dict], key: tuple, row: dict) -> None:
-    if key not in cells or row["date"] >= cells[key]["date"]:
+    """Keep the newest row per cell; a steady-state step (row["steady"], GRPO steps only) beats any warm-up one."""
+    old = cells.get(key)
+    if old is None or (row.get("steady", True), row["date"]) >= (old.get("steady", True), old["date"]):
         cells[key] = row
 
 
@@ -407,7 +430,8 @@ def _model_size(model: str) -> float:
 
 def step_rows(results: list[tuple[str, dict, str]]) -> list[dict[str, Any]]:
     """Table 3: one row per (GPU label, model, format, batch, micro-batch), the newest measurement, with the paper's
-    cell where it has one."""
+    cell where it has one. A measurement from fewer than STEADY_STEPS steps (its last step still re-captured graphs)
+    stands only where no steady one exists, and says how many steps it ran (blank: not recorded)."""
     cells: dict[tuple, dict] = {}
     for kind, data, run_id in results:
         if kind != "grpo_step":
@@ -420,7 +444,8 @@ def step_rows(results: list[tuple[str, dict, str]]) -> list[dict[str, Any]]:
                    "micro_batch": r.get("micro_batch"), "step_s": _finite(r.get("step_s")),
                    "bf16_step_s": _finite(r.get("bf16_step_s")), "speedup": _finite(r["speedup"]),
                    "paper": PAPER_STEP_SPEEDUP.get(_model_tag(r), {}).get(fmt, {}).get(int(r["batch"])),
-                   "date": str(r.get("date") or _latest(data.get("date"))), "run_id": run_id}
+                   "steps": _steps(r, data), "date": str(r.get("date") or _latest(data.get("date"))), "run_id": run_id}
+            row["steady"] = row["steps"] is None or row["steps"] >= STEADY_STEPS
             _newest(cells, (row["gpu"], row["model"], fmt, row["batch"], row["micro_batch"]), row)
     return sorted(cells.values(), key=_sort_key)
 
@@ -526,9 +551,15 @@ def render_markdown(tables: dict[str, Any]) -> str:
            "accuracy). Paper cells: " + PAPER_SOURCE + ".", ""]
     out += ["## GRPO step speedup over bf16 LoRA (the paper's Table 3)", "",
             "8 generations x 2048 tokens after a 256-token prompt, LoRA rank 32; `batch` = prompts per step.", ""]
-    out += _md(["GPU", "model", "format", "batch", "micro-batch", "step s", "bf16 step s", "x bf16", "paper (H100)"],
-               [[r["gpu"], r["model"], r["format"], str(r["batch"]), str(r["micro_batch"] or ""), _f(r["step_s"]),
-                 _f(r["bf16_step_s"]), f"**{_f(r['speedup'])}**", _f(r["paper"], ".1f")] for r in tables["step"]])
+    if any(not r["steady"] for r in tables["step"]):
+        out += [f"`steps` below {STEADY_STEPS}: no steady-state measurement of that cell was logged; its last step still "
+                "re-captured the CUDA graphs.", ""]
+    out += _md(["GPU", "model", "format", "batch", "micro-batch", "steps", "step s", "bf16 step s", "x bf16",
+                "paper (H100)"],
+               [[r["gpu"], r["model"], r["format"], str(r["batch"]), str(r["micro_batch"] or ""),
+                 "" if r["steps"] is None else str(r["steps"]) + ("" if r["steady"] else " (warm-up)"),
+                 _f(r["step_s"]), _f(r["bf16_step_s"]),
+                 f"**{_f(r['speedup'])}**", _f(r["paper"], ".1f")] for r in tables["step"]])
     out += ["", "## Rollout throughput (tokens/s)", "",
             "`x no-LoRA`: the same format and batch without adapters. The paper's 14B / 32B cells are at a LoRA rank; "
             "our batch-1 rows are without LoRA.", ""]

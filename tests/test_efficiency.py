@@ -132,6 +132,27 @@ def test_the_newest_measurement_of_a_cell_wins_whatever_the_logging_order(tmp_pa
     assert cell["speedup"] == 1.40 and cell["paper"] == 1.4 and cell["gpu"] == "H100"
 
 
+def test_a_warm_up_measurement_never_replaces_a_steady_one(tmp_path):
+    """A step from a --steps 2 call (its last step re-captured the graphs, x0.99 where the steady step was x1.52 on
+    the H200 3B pair) is newer but does not replace the steady cell; alone in its cell it is shown, marked."""
+    from qerl.efficiency import render_markdown
+
+    uri = _uri(tmp_path)
+    steady = _step_file(tmp_path / "steady.json", "2026-11-20 10:00 UTC", 1.40, steps=3)
+    unknown = _step_file(tmp_path / "unknown.json", "2026-11-20 10:00 UTC", 0.7, fmt="nf4")  # no steps recorded
+    warm = _step_file(tmp_path / "warm.json", "2026-11-28 10:00 UTC", 0.99, steps=2)
+    alone = _step_file(tmp_path / "alone.json", "2026-11-28 10:00 UTC", 0.98, fmt="mxfp4")
+    data = json.loads(alone.read_text())
+    data["command"] = "python benchmarks/bench_grpo_step.py --steps 1 --device cuda"  # a file from before rows had steps
+    alone.write_text(json.dumps(data))
+    log_results([warm, steady, alone, unknown], uri)
+    tables = build_tables(uri)
+    got = {r["format"]: (r["speedup"], r["steps"], r["steady"]) for r in tables["step"]}
+    assert got == {"nvfp4": (1.40, 3, True), "mxfp4": (0.98, 1, False), "nf4": (0.7, None, True)}
+    text = render_markdown(tables)
+    assert "| 1 (warm-up) |" in text and "| 3 |" in text
+
+
 def test_a_row_naming_its_fused_nf4_decode_is_kept_apart_from_the_baseline(tmp_path):
     uri = _uri(tmp_path)
     log_results([_step_file(tmp_path / "a.json", "2026-11-28", 0.6, fmt="nf4", nf4_decode="baseline"),
@@ -145,7 +166,7 @@ def test_the_report_files_are_written(tmp_path):
     log_results([B8, W4A16, RESULTS / "h200" / "rollout_32b.json"], uri)
     paths = write_report(build_tables(uri), tmp_path / "out")
     md = Path(paths["table_md"]).read_text()
-    assert "| H200 (79 GiB cap) | qwen2.5-14b | nvfp4 | 8 | 8 | 46.57 | 55.58 | **1.19** | 1.2 |" in md
+    assert "| H200 (79 GiB cap) | qwen2.5-14b | nvfp4 | 8 | 8 | 3 | 46.57 | 55.58 | **1.19** | 1.2 |" in md
     assert "| H100 | nvfp4 | M<=16 | 1.85 | 3.00 | no |" in md
     assert "58.0 (LoRA r16, probably batch 1)" in md  # the paper's 32B QeRL rollout beside ours at batch 1
     assert Path(paths["plot_png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
