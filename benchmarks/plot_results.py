@@ -28,7 +28,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-from qerl.efficiency import short_gpu  # noqa: F401  (the GPU names of these figures and of qerl bench table)
+from qerl.efficiency import short_gpu  # the GPU names of these figures are those of qerl bench table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")

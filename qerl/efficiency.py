@@ -641,7 +641,8 @@ def log_report(paths: dict[str, str], tracking_uri: str = "sqlite:///mlflow.db",
     from qerl.tracking import git_commit
 
     tracker = _tracker(tracking_uri, experiment)
-    tags = {"step": "report", **({"git_commit": git_commit()} if git_commit() else {})}
+    commit = git_commit()  # a git subprocess: once
+    tags = {"step": "report", **({"git_commit": commit} if commit else {})}
     run_id = tracker.start_plain_run("efficiency/report", tags)
     with tracker.tracked(run_id):
         for path in paths.values():
