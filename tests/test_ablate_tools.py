@@ -255,29 +255,32 @@ def test_lora_gemv_per_sm_kind_parses_and_refuses_typos():
 
 
 def test_lora_gemv_plan_applies_per_sm_inside_only(monkeypatch):
-    """The LoRA groups' Gluon GEMV plan: 2 programs per SM below hidden size 4096 (7B), 3 from it (14B,
-    32B), one value for all with LORA_GEMV_PER_SM, none at 0; only inside the block."""
+    """The LoRA groups' Gluon GEMV plan: 2 programs per SM below 96M hidden x intermediate size (7B,
+    14B), 3 from it (32B), one value for all with LORA_GEMV_PER_SM, none at 0; only inside the block."""
     from types import SimpleNamespace
 
     from qerl.rollout import engine as engine_mod
 
+    def model(hidden, intermediate):
+        return SimpleNamespace(config=SimpleNamespace(hidden_size=hidden, intermediate_size=intermediate))
+
     before = dict(w4a16_gluon.DEFAULT)
-    for hidden, per_sm in ((3584, 2), (5120, 3)):
-        with engine_mod.RolloutEngine._lora_gemv_plan(SimpleNamespace(config=SimpleNamespace(hidden_size=hidden))):
+    for hidden, intermediate, per_sm in ((3584, 18944, 2), (5120, 13824, 2), (5120, 27648, 3), (8192, 29568, 3)):
+        with engine_mod.RolloutEngine._lora_gemv_plan(model(hidden, intermediate)):
             assert w4a16_gluon.DEFAULT["PER_SM"] == per_sm
             assert w4a16_gluon.DEFAULT["STREAMK"] is False  # LoRA groups keep the split tail (no stream-K)
             assert {k: v for k, v in w4a16_gluon.DEFAULT.items() if k not in ("PER_SM", "STREAMK")} == {
                 k: v for k, v in before.items() if k != "PER_SM"}
         assert w4a16_gluon.DEFAULT == before
     monkeypatch.setattr(engine_mod, "LORA_GEMV_PER_SM", 4)
-    assert engine_mod.lora_gemv_per_sm(3584) == engine_mod.lora_gemv_per_sm(5120) == 4
+    assert engine_mod.lora_gemv_per_sm(3584, 18944) == engine_mod.lora_gemv_per_sm(5120, 27648) == 4
     monkeypatch.setattr(engine_mod, "LORA_GEMV_PER_SM_KIND", {"o": 1})
-    assert engine_mod.lora_gemv_per_sm(5120, "o") == 1 and engine_mod.lora_gemv_per_sm(5120, "qkv") == 4
-    with engine_mod.RolloutEngine._lora_gemv_plan(SimpleNamespace(config=SimpleNamespace(hidden_size=5120)), "o"):
+    assert engine_mod.lora_gemv_per_sm(5120, 27648, "o") == 1 and engine_mod.lora_gemv_per_sm(5120, 27648, "qkv") == 4
+    with engine_mod.RolloutEngine._lora_gemv_plan(model(5120, 27648), "o"):
         assert w4a16_gluon.DEFAULT["PER_SM"] == 1
     monkeypatch.setattr(engine_mod, "LORA_GEMV_PER_SM_KIND", {})
     monkeypatch.setattr(engine_mod, "LORA_GEMV_PER_SM", 0)
-    with engine_mod.RolloutEngine._lora_gemv_plan(SimpleNamespace(config=SimpleNamespace(hidden_size=3584))):
+    with engine_mod.RolloutEngine._lora_gemv_plan(model(3584, 18944)):
         assert w4a16_gluon.DEFAULT == before
     with pytest.raises(RuntimeError), w4a16_gluon.defaults(PER_SM=2):
         raise RuntimeError  # restored on the way out of a failed launch too

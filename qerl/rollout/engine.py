@@ -98,9 +98,13 @@ GLU = os.environ.get("QERL_ROLLOUT_GLU", "1") == "1"
 # 7B r16 0.910 -> 0.927 of the no-LoRA step, r64 0.841 -> 0.886 (and 0.838 -> 0.886 in a second
 # call), 14B r32 0.912 -> 0.928. Retuned on the session-28 tree (NORM_FOLD and GLU, which LoRA groups
 # skip), same process, 2 rounds (NOTES_rollout.md section 26, a106-a109): 7B batch 8, 2 against 3,
-# r16 / r32 / r64 x1.023 / x1.025 / x1.041 per step (1: x0.964 at r32); 14B r32 x0.996. None (the
-# default) = `lora_gemv_per_sm`: 2 for models of hidden size below 4096, else 3; 0: plan as without
-# LoRA. QERL_LORA_GEMV_PER_SM sets one value for every model.
+# r16 / r32 / r64 x1.023 / x1.025 / x1.041 per step (1: x0.964 at r32); 14B r32 x0.996. On the H200
+# (sessions 56-57, a152-a159, 2 against 3): 14B r16 / r32 / r64 x1.013 / x1.022 / x1.026 per step
+# (x1.012 over whole generate calls at r32), 32B r32 x0.94; 7B keeps 2 (3: x0.97). So the line runs
+# between 14B and 32B, not 7B and 14B: 14B at 2 is within noise on the H100 and ahead on the H200.
+# None (the default) = `lora_gemv_per_sm`: 2 for models whose hidden x intermediate size is below
+# 96M (7B 68M, 14B 71M), else 3 (32B 142M, 72B 242M); 0: plan as without LoRA.
+# QERL_LORA_GEMV_PER_SM sets one value for every model.
 LORA_GEMV_PER_SM = env_int("QERL_LORA_GEMV_PER_SM", None)
 # ... and per group kind, over both (QERL_LORA_GEMV_PER_SM_KIND="qkv=2,o=2"; ablation flag `lsmk:KIND+KIND=N`).
 # Measured at batch 8, r32, same process (NOTES_rollout.md section 27, a110-a112): the 7B gain is gate/up's
@@ -124,14 +128,18 @@ def _kind_values(text: str) -> dict[str, int]:
 LORA_GEMV_PER_SM_KIND: dict[str, int] = _kind_values(os.environ.get("QERL_LORA_GEMV_PER_SM_KIND", ""))
 
 
-def lora_gemv_per_sm(hidden: int, kind: str | None = None) -> int:
+LORA_GEMV_WIDE_MLP = 96_000_000  # hidden x intermediate size from which the rule above plans 3
+
+
+def lora_gemv_per_sm(hidden: int, intermediate: int, kind: str | None = None) -> int:
     """Programs per SM for a LoRA group's Gluon GEMV: LORA_GEMV_PER_SM_KIND[kind], else
-    LORA_GEMV_PER_SM, else 2 below hidden size 4096 and 3 from it."""
+    LORA_GEMV_PER_SM, else 2 for a model whose hidden x intermediate size is below
+    LORA_GEMV_WIDE_MLP and 3 from it."""
     if kind in LORA_GEMV_PER_SM_KIND:
         return LORA_GEMV_PER_SM_KIND[kind]
     if LORA_GEMV_PER_SM is not None:
         return LORA_GEMV_PER_SM
-    return 2 if hidden < 4096 else 3
+    return 2 if hidden * intermediate < LORA_GEMV_WIDE_MLP else 3
 # XS (x copied beside the weight stages, w4a16_gluon.X_SMEM) for a LoRA group's Gluon GEMV: None =
 # the kernel's rule, False / True = off / on there.
 LORA_GEMV_XS = None
@@ -515,7 +523,7 @@ class RolloutEngine:
         stream-K: beside the side stream's LoRA kernels its persistent programs cost more than the
         split tail gains, 7B b8 r32 0.863 vs 0.882 of the no-LoRA step, NOTES_w4a16.md section 18);
         a no-op when that is 0."""
-        per_sm = lora_gemv_per_sm(self.config.hidden_size, kind)
+        per_sm = lora_gemv_per_sm(self.config.hidden_size, self.config.intermediate_size, kind)
         if per_sm <= 0:
             return contextlib.nullcontext()
         try:
