@@ -113,7 +113,9 @@ got past the PDL wait and how long the main loop, the epilogue and the kernel's 
 `--timeline V` profiles one graph replay of variant V and reports the kernels' summed durations
 and what each kernel adds to the critical path (its end minus the latest end before it, grouped
 by kernel; with PDL durations include the wait for the predecessor): summed over the replay's
-streams in the printout, per stream and per launch in the JSON. Random-initialised weights.
+streams in the printout, per stream and per launch in the JSON, then the layer's period and the intervals
+between its Gluon GEMVs' ends (layer_intervals). `--intervals FILE...` prints those from result files
+already written, without a GPU. Random-initialised weights.
 """
 
 from __future__ import annotations
@@ -612,7 +614,11 @@ def main() -> None:
                          "the decode time per step")
     add_generations_arg(ap)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--intervals", nargs="+", metavar="FILE",
+                    help="no GPU: print the layer intervals of the timelines in these result files and exit")
     a = ap.parse_args()
+    if a.intervals:
+        return print_intervals(a.intervals)
     if a.keys % 256 or a.keys < 512:
         raise SystemExit(f"--keys must be a multiple of 256 from 512, got {a.keys}")
     model = build(a.model, a.format)
@@ -660,6 +666,71 @@ def main() -> None:
     summarise(result, a.rounds, a.out)  # last, so a log's tail holds the table
 
 
+GROUP_ORDER = ("qkv", "o", "gate_up", "down")  # the Gluon GEMVs of a decoder layer, in launch order
+
+
+def layer_intervals(kernels: list) -> dict:
+    """The layer's step between the ends of consecutive Gluon GEMVs in a timeline's kernel list ([name,
+    stream, start, dur] rows, as `timeline` keeps them), medians over the layers, us. Each interval is named by
+    the GEMVs it runs between ("o->gate_up": from o's end to gate/up's end: the norm and gate/up's own run).
+    Where a LoRA shrink / expand runs beside each GEMV, also its end minus that GEMV's end per group kind
+    (> 0: the LoRA kernel ends later, so the consumer waits for it). {} when the Gluon GEMVs do not come four
+    per layer (a bf16 step runs cuBLAS)."""
+    import statistics
+
+    def ends(name):
+        return [start + dur for k, _, start, dur in kernels if k.startswith(name)]
+
+    gemv = ends("_gluon_gemv_kernel")
+    n = len(GROUP_ORDER)
+    if len(gemv) < 2 * n or len(gemv) % n:
+        return {}
+    out = {"layers": len(gemv) // n,
+           "layer_us": round(statistics.median(gemv[i + n] - gemv[i] for i in range(len(gemv) - n)), 1),
+           "intervals_us": {}}
+    for i, kind in enumerate(GROUP_ORDER):
+        nxt = GROUP_ORDER[(i + 1) % n]
+        gaps = [gemv[j + 1] - gemv[j] for j in range(i, len(gemv) - 1, n)]
+        out["intervals_us"][f"{kind}->{nxt}"] = round(statistics.median(gaps), 1)
+    for part in ("shrink", "expand"):
+        lora = ends(f"lora_{part}_kernel")
+        if len(lora) == len(gemv):
+            out[f"{part}_end_after_gemv_us"] = {
+                kind: round(statistics.median(lora[j] - gemv[j] for j in range(i, len(gemv), n)), 1)
+                for i, kind in enumerate(GROUP_ORDER)}
+    return out
+
+
+def interval_lines(tl: dict) -> list[str]:
+    """`layer_intervals` of one timeline as two or three lines (none when it finds no layers)."""
+    iv = layer_intervals(tl.get("kernels", []))
+    if not iv:
+        return []
+    lines = [f"    layer {iv['layer_us']} us over {iv['layers']} layers; between GEMV ends: "
+             + ", ".join(f"{k} {v}" for k, v in iv["intervals_us"].items())]
+    for part in ("shrink", "expand"):
+        if f"{part}_end_after_gemv_us" in iv:
+            lines.append(f"    LoRA {part} ends after its GEMV by: "
+                         + ", ".join(f"{k} {v}" for k, v in iv[f"{part}_end_after_gemv_us"].items()))
+    return lines
+
+
+def print_intervals(paths: list[str]) -> None:
+    """`--intervals FILE...`: the timelines' layer intervals of result files written before (no GPU)."""
+    for path in paths:
+        try:
+            with open(path) as f:
+                rows = json.load(f)["rows"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise SystemExit(f"--intervals: cannot read the rows of {path}: {exc}") from None
+        timelines = [r for r in rows if "kernels" in r.get("timeline", {})]
+        if not timelines:
+            print(f"{path}: no timelines")
+        for r in timelines:
+            print(f"{path}: batch {r['batch']}, {r['variant']}, span {r['timeline']['span_us']} us")
+            print("\n".join(interval_lines(r["timeline"]) or ["    no four Gluon GEMVs per layer"]))
+
+
 def timeline_lines(tl: dict, title: str, top: int = 8) -> list[str]:
     """A few lines per timeline: its span, busy time per kernel summed over every stream, and what each kernel
     adds to the critical path. A replayed graph runs its branches on streams of its own (one per LoRA fork),
@@ -681,7 +752,7 @@ def timeline_lines(tl: dict, title: str, top: int = 8) -> list[str]:
 
     kernels = sum(e["kernels"] for e in tl["streams"].values())
     return [f"  {title}: span {tl['span_us']} us, {kernels} kernels on {len(tl['streams'])} streams",
-            f"    busy us: {fmt(busy)}", f"    critical-path adds us: {fmt(adds)}"]
+            f"    busy us: {fmt(busy)}", f"    critical-path adds us: {fmt(adds)}", *interval_lines(tl)]
 
 
 if __name__ == "__main__":

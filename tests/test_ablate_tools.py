@@ -5,6 +5,7 @@ the clocks; here a synthetic buffer stands in for one replay)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 
@@ -364,3 +365,34 @@ def test_attention_flags_apply_and_restore(ablate):
     with ablate.variant_of(engine, "base@anr0"):
         assert decode_ops.ATTN_MAXNREG is None and decode_ops.attention_launch_options() == {"num_stages": 2}
     assert (decode_ops.ATTN_SLOT_FIRST, decode_ops.ATTN_STAGES, decode_ops.ATTN_MAXNREG, decode_ops.ATTN_WARPS) == before
+
+
+def test_layer_intervals_name_each_gap_between_gemv_ends(ablate, tmp_path, capsys):
+    """`layer_intervals` on a synthetic timeline of 3 layers: each layer's four Gluon GEMVs end 10, 20, 35
+    and 40 us into a 50 us layer, LoRA expands end 2 us after q/k/v's and 1 us before the others';
+    the intervals, the period and the expand offsets come back per group kind. A bf16 step (cuBLAS, no Gluon
+    GEMVs) gives {}; `--intervals` prints them from a result file."""
+    kernels, ends = [], (10.0, 20.0, 35.0, 40.0)
+    for layer in range(3):
+        for end, lag in zip(ends, (2.0, -1.0, -1.0, -1.0)):
+            t = 50.0 * layer + end
+            kernels += [["_gluon_gemv_kernel", "main", t - 6.0, 6.0], ["lora_expand_kernel", "side", t - 3.0, 3.0 + lag],
+                        ["add_rms_norm_kernel", "main", t + 0.5, 1.0]]
+    kernels.sort(key=lambda k: k[2])
+    iv = ablate.layer_intervals(kernels)
+    assert iv["layers"] == 3 and iv["layer_us"] == 50.0
+    assert iv["intervals_us"] == {"qkv->o": 10.0, "o->gate_up": 15.0, "gate_up->down": 5.0, "down->qkv": 20.0}
+    assert iv["expand_end_after_gemv_us"] == {"qkv": 2.0, "o": -1.0, "gate_up": -1.0, "down": -1.0}
+    assert "shrink_end_after_gemv_us" not in iv  # no shrinks in this timeline
+    assert ablate.layer_intervals([k for k in kernels if not k[0].startswith("_gluon")]) == {}
+    last_gemv = max(i for i, k in enumerate(kernels) if k[0] == "_gluon_gemv_kernel")
+    assert ablate.layer_intervals(kernels[:last_gemv] + kernels[last_gemv + 1:]) == {}  # 11 GEMVs: not 4 a layer
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps({"rows": [{"batch": 8, "variant": "lora", "timeline": {"span_us": 150.0, "kernels": kernels}},
+                                         {"batch": 8, "variant": "base", "step_ms": 2.0}]}))
+    ablate.print_intervals([str(path)])
+    out = capsys.readouterr().out
+    assert "batch 8, lora" in out and "o->gate_up 15.0" in out and "expand ends after its GEMV by: qkv 2.0" in out
+    assert "base" not in out
+    with pytest.raises(SystemExit, match="cannot read the rows"):
+        ablate.print_intervals([str(tmp_path / "missing.json")])
