@@ -100,7 +100,7 @@ GLU = os.environ.get("QERL_ROLLOUT_GLU", "1") == "1"
 # skip), same process, 2 rounds (NOTES_rollout.md section 26, a106-a109): 7B batch 8, 2 against 3,
 # r16 / r32 / r64 x1.023 / x1.025 / x1.041 per step (1: x0.964 at r32); 14B r32 x0.996. On the H200
 # (sessions 56-57, a152-a159, 2 against 3): 14B r16 / r32 / r64 x1.013 / x1.022-1.025 / x1.027 per
-# step (tok/s of whole generate calls at r32 x1.012), 32B r32 x0.94; 7B keeps 2 (3: x0.97). So the line runs
+# step (tok/s of whole generate calls at r32 x1.012), 32B r32 x0.95; 7B keeps 2 (3: x0.97). So the line runs
 # between 14B and 32B, not 7B and 14B: 14B at 2 is within noise on the H100 and ahead on the H200.
 # None (the default) = `lora_gemv_per_sm`: 2 for models whose hidden x intermediate size is below
 # 96M (7B 68M, 14B 71M), else 3 (32B 142M, 72B 242M); 0: plan as without LoRA.
