@@ -10,6 +10,11 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
   base            LoRA off (the adapters disabled: the no-LoRA step, NORM_FOLD and GLU included)
   lora            LoRA on every group, on the side stream (the engine's default)
   serial          LoRA on every group, on the main stream after the base product
+  ldrop           timing bound, not a rollout: every group's real LoRA kernels run on the side stream, but
+                  their delta is dropped and nothing waits for it (one join at the end of the step),
+                  so the groups keep the no-LoRA step's NORM_FOLD / GLU launches; under the LoRA
+                  groups' GEMV plan (engine.lora_gemv_per_sm). What a fold that added the delta for free
+                  inside those launches could reach (NOTES_rollout.md section 49)
   only:K1+K2      LoRA only for those group kinds (qkv, o, gate_up, down), side stream
   late:K1+K2      no LoRA; the CUDA-core GEMV's late PDL trigger only for those kinds
   ...@FLAG[@FLAG]  with switches (see _switches): nowsmma (no Gluon tensor-core GEMVs), nopdl,
@@ -319,6 +324,61 @@ def _lora_part(part: str):
 
 
 @contextlib.contextmanager
+def _dropped_lora(engine: RolloutEngine):
+    """The `ldrop` variant: LinearGroup.has_lora reads False (so NORM_FOLD, GLU and the plain product take every
+    group, as in the no-LoRA step), while each decode-step product of a group with adapters first forks that
+    group's real shrink and expand onto the engine's side stream, into a workspace of its own, under the LoRA
+    groups' GEMV plan. Nothing reads their delta; the main stream joins the side stream once, at the end of
+    the step. Timing only: the decode steps' products lack the delta (the prefill keeps it). Off the GPU (no
+    side stream) only has_lora moves."""
+    from qerl.rollout import fuse
+
+    cls = fuse.LinearGroup
+    saved = {name: cls.__dict__[name] for name in ("has_lora", "base_forward", "res_forward", "scale_forward",
+                                                   "glu_forward")}
+    real_logits = engine._decode_logits
+    state = {"decoding": False, "forked": False, "pending": None}
+
+    def forking(fn):
+        def product(self, x, *args, **kwargs):
+            side = engine._side
+            if not (state["decoding"] and side is not None and self._a is not None and not self._per_module):
+                return fn(self, x, *args, **kwargs)
+            if state["pending"] is not self:  # not forked already by a GLU launch that did not apply
+                main = torch.cuda.current_stream(engine.device)
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    self.lora(x, engine._lora_workspace(self, f"ldrop{id(self)}"))
+                state["forked"] = True
+            with engine._lora_gemv_plan():
+                out = fn(self, x, *args, **kwargs)
+            state["pending"] = self if out is None else None  # glu_forward: the plain product follows
+            return out
+        return product
+
+    def decode_logits(rows, keys):
+        state["decoding"], state["forked"], state["pending"] = True, False, None
+        try:
+            logits = real_logits(rows, keys)
+        finally:
+            state["decoding"] = False
+        if state["forked"]:
+            torch.cuda.current_stream(engine.device).wait_stream(engine._side)
+        return logits
+
+    cls.has_lora = property(lambda self: False)
+    for name in ("base_forward", "res_forward", "scale_forward", "glu_forward"):
+        setattr(cls, name, forking(saved[name]))
+    engine._decode_logits = decode_logits
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(cls, name, value)
+        del engine._decode_logits  # back to the class method
+
+
+@contextlib.contextmanager
 def variant_of(engine: RolloutEngine, name: str):
     """Set the engine and kernel switches for variant `name`; restore them afterwards."""
     base, _, flags = name.partition("@")
@@ -362,6 +422,8 @@ def variant_of(engine: RolloutEngine, name: str):
         kinds: tuple = ()
     elif base in ("lora", "serial"):
         kinds = KINDS
+    elif base == "ldrop":
+        kinds = ()
     elif base.startswith("only:"):
         kinds = tuple(base[5:].split("+"))
         if set(kinds) - set(KINDS):
@@ -400,6 +462,7 @@ def variant_of(engine: RolloutEngine, name: str):
     engine._linear = linear
     if base == "serial":
         engine._side = None
+    dropped = _dropped_lora(engine) if base == "ldrop" else contextlib.nullcontext()
     # `base` on a model with adapters: the adapters off (PEFT's disable_adapter), so that NORM_FOLD and GLU,
     # which skip a group with LoRA, take every group as in the no-LoRA step (with them merely unused,
     # `base` ran ~3% slower than that step at 7B batch 8: NOTES_rollout.md section 26)
@@ -410,7 +473,7 @@ def variant_of(engine: RolloutEngine, name: str):
         setattr(mod, attr, value)
     reset()
     try:
-        with adapters_off:
+        with adapters_off, dropped:
             yield
     finally:
         reset()

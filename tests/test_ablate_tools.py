@@ -396,3 +396,68 @@ def test_layer_intervals_name_each_gap_between_gemv_ends(ablate, tmp_path, capsy
     assert "base" not in out
     with pytest.raises(SystemExit, match="cannot read the rows"):
         ablate.print_intervals([str(tmp_path / "missing.json")])
+
+
+def test_ldrop_forks_each_lora_group_once_per_step_and_restores(ablate, monkeypatch):
+    """The `ldrop` timing bound on a small random Qwen2 with LoRA, on CPU with a stand-in side stream: every
+    decode-step product of a group with adapters launches that group's real LoRA delta (4 groups x 2 layers a
+    step, none in the prefill), the step joins the side stream once, the decode steps' logprobs lose the
+    adapters (nothing reads the delta) while the prefill's keep them, and leaving the variant restores
+    LinearGroup and the engine."""
+    import contextlib as cl
+
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from qerl.nn.lora import LoraSettings, apply_lora
+    from qerl.rl.rollout import RolloutSettings
+    from qerl.rollout import fuse
+
+    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = apply_lora(AutoModelForCausalLM.from_config(cfg).eval(), LoraSettings(r=4, lora_alpha=8)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # adapters that move the rollout
+    prompts = [[3, 5, 7], [11, 13]]
+    settings = RolloutSettings(num_generations=1, max_new_tokens=5, temperature=1.0, stop_ids=[10**9], pad_id=0)
+
+    def rollout(engine):
+        with torch.inference_mode():
+            return engine.generate(prompts, settings, torch.Generator().manual_seed(0)).logprobs
+
+    engine = ablate.RolloutEngine(model, max_batch=2, max_len=32)
+    with_lora = rollout(engine)
+    with model.disable_adapter():
+        without = rollout(engine)
+    assert not torch.equal(with_lora, without)
+
+    joins, launched = [], []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            joins.append((self.name, other.name))
+
+    main = Stream("main")
+    real_lora = fuse.LinearGroup.lora
+    monkeypatch.setattr(fuse.LinearGroup, "lora", lambda self, x, ws=None: launched.append(id(self)) or real_lora(self, x, ws))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: cl.nullcontext())
+    saved = {k: fuse.LinearGroup.__dict__[k] for k in ("has_lora", "base_forward", "res_forward", "glu_forward")}
+    engine._side = Stream("side")
+    with ablate.variant_of(engine, "ldrop"):
+        assert not engine.layers[0].qkv.has_lora
+        dropped = rollout(engine)
+    groups = {id(g) for layer in engine.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+    steps = settings.max_new_tokens - 1  # the prefill samples the first token
+    assert set(launched) == groups and len(launched) == steps * len(groups)
+    assert joins.count(("main", "side")) == steps and joins.count(("side", "main")) == steps * len(groups)
+    # the prefill keeps the adapters (its first token's logprobs), the decode steps drop their delta
+    assert torch.equal(dropped[:, 0], with_lora[:, 0]) and not torch.equal(dropped[:, 0], without[:, 0])
+    assert (dropped[:, 1:] - with_lora[:, 1:]).abs().max() > 1e-3
+    assert {k: fuse.LinearGroup.__dict__[k] for k in saved} == saved and "_decode_logits" not in vars(engine)
+    assert engine.layers[0].qkv.has_lora
