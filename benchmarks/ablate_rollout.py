@@ -334,15 +334,16 @@ def _dropped_lora(engine: RolloutEngine):
     from qerl.rollout import fuse
 
     cls = fuse.LinearGroup
-    saved = {name: cls.__dict__[name] for name in ("has_lora", "base_forward", "res_forward", "scale_forward",
-                                                   "glu_forward")}
+    products = ("base_forward", "res_forward", "scale_forward", "glu_forward")
+    saved = {name: cls.__dict__[name] for name in ("has_lora", *products)}
+    has_lora = saved["has_lora"].fget  # the group's own answer, before the variant hides it
     real_logits = engine._decode_logits
     state = {"decoding": False, "forked": False, "pending": None}
 
     def forking(fn):
         def product(self, x, *args, **kwargs):
             side = engine._side
-            if not (state["decoding"] and side is not None and self._a is not None and not self._per_module):
+            if not (state["decoding"] and side is not None and has_lora(self)):
                 return fn(self, x, *args, **kwargs)
             if state["pending"] is not self:  # not forked already by a GLU launch that did not apply
                 main = torch.cuda.current_stream(engine.device)
@@ -367,7 +368,7 @@ def _dropped_lora(engine: RolloutEngine):
         return logits
 
     cls.has_lora = property(lambda self: False)
-    for name in ("base_forward", "res_forward", "scale_forward", "glu_forward"):
+    for name in products:
         setattr(cls, name, forking(saved[name]))
     engine._decode_logits = decode_logits
     try:
@@ -729,30 +730,26 @@ def main() -> None:
     summarise(result, a.rounds, a.out)  # last, so a log's tail holds the table
 
 
-GROUP_ORDER = ("qkv", "o", "gate_up", "down")  # the Gluon GEMVs of a decoder layer, in launch order
-
-
 def layer_intervals(kernels: list) -> dict:
     """The layer's step between the ends of consecutive Gluon GEMVs in a timeline's kernel list ([name,
     stream, start, dur] rows, as `timeline` keeps them), medians over the layers, us. Each interval is named by
     the GEMVs it runs between ("o->gate_up": from o's end to gate/up's end: the norm and gate/up's own run).
     Where a LoRA shrink / expand runs beside each GEMV, also its end minus that GEMV's end per group kind
     (> 0: the LoRA kernel ends later, so the consumer waits for it). {} when the Gluon GEMVs do not come four
-    per layer (a bf16 step runs cuBLAS)."""
-    import statistics
+    per layer (a bf16 step runs cuBLAS). The groups launch in KINDS order (engine.LORA_GROUP_KINDS)."""
 
     def ends(name):
         return [start + dur for k, _, start, dur in kernels if k.startswith(name)]
 
     gemv = ends("_gluon_gemv_kernel")
-    n = len(GROUP_ORDER)
+    n = len(KINDS)
     if len(gemv) < 2 * n or len(gemv) % n:
         return {}
     out = {"layers": len(gemv) // n,
            "layer_us": round(statistics.median(gemv[i + n] - gemv[i] for i in range(len(gemv) - n)), 1),
            "intervals_us": {}}
-    for i, kind in enumerate(GROUP_ORDER):
-        nxt = GROUP_ORDER[(i + 1) % n]
+    for i, kind in enumerate(KINDS):
+        nxt = KINDS[(i + 1) % n]
         gaps = [gemv[j + 1] - gemv[j] for j in range(i, len(gemv) - 1, n)]
         out["intervals_us"][f"{kind}->{nxt}"] = round(statistics.median(gaps), 1)
     for part in ("shrink", "expand"):
@@ -760,7 +757,7 @@ def layer_intervals(kernels: list) -> dict:
         if len(lora) == len(gemv):
             out[f"{part}_end_after_gemv_us"] = {
                 kind: round(statistics.median(lora[j] - gemv[j] for j in range(i, len(gemv), n)), 1)
-                for i, kind in enumerate(GROUP_ORDER)}
+                for i, kind in enumerate(KINDS)}
     return out
 
 
