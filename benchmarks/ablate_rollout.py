@@ -105,7 +105,11 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   repeated per query head, not engine.PREFILL_ROPE / PREFILL_GQA; with --generate),
                   nonorm (timing only: every decode norm but the first skipped, no residual add: what
                   folding the norms into the GEMVs could give at most), fold / nofold (engine.NORM_FOLD
-                  on / off: the norms between 4-bit GEMVs split over their epilogues)
+                  on / off: the norms between 4-bit GEMVs split over their epilogues),
+                  hold:N:US (timing only: a stream of its own, forked at each decode step's start, keeps N SMs
+                  for US microseconds with one 216 KiB shared-memory program each, so no 4-bit GEMV program
+                  shares them; joined at the step's end), sms:M (the kernels plan their grids for M SMs,
+                  w4a16_triton._num_sms): what a kernel that kept N SMs through the step would cost the rest
 `--generate N` times N whole generate calls per variant instead (256-token prompts, 512 new tokens:
 the tok/s bench_rollout reports, prefill and every key bucket included) and prints their medians.
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
@@ -323,6 +327,88 @@ def _lora_part(part: str):
     return lora
 
 
+HOLD_WORDS = 432 * 128  # int32 words of shared memory per hold program: 216 KiB of the H100 / H200's 227
+
+
+@functools.lru_cache(maxsize=None)
+def _hold_kernel():
+    """A Gluon kernel whose every program takes HOLD_WORDS of shared memory, so that at most one fits an SM
+    and the 4-bit GEMVs' programs (whose stages need more than the SM has left) cannot share it, then spins on
+    %globaltimer for `ns` nanoseconds. Timing only (flag hold:N:US)."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    from qerl.kernels.w4a16_gluon import _sreg
+
+    @gluon.jit
+    def _hold(out_ptr, ns, ROWS: gl.constexpr):
+        line: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        buf = gl.allocate_shared_memory(gl.int32, [ROWS, 128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        for i in range(ROWS):
+            buf.index(i).store(gl.full([128], 1, gl.int32, line))
+        t0 = _sreg("globaltimer")
+        t = t0
+        while t - t0 < ns:
+            t = _sreg("globaltimer")
+        total = gl.sum(buf.index(ROWS - 1).load(line), axis=0)  # read back, so the allocation stays
+        gl.store(out_ptr + gl.program_id(0), total)
+
+    return _hold
+
+
+def _hold_flags(flags: list, name: str) -> tuple:
+    """Take the flags hold:N:US (N hold programs for US microseconds from each decode step's start) and
+    sms:M (the kernels plan their grids for M SMs, w4a16_triton._num_sms) out of `flags`: (N, US, M),
+    0 for those not given."""
+    held = us = sms = 0
+    for f in [f for f in flags if f.startswith(("hold:", "sms:"))]:
+        flags.remove(f)
+        m = re.fullmatch(r"hold:(\d+):(\d+)|sms:(\d+)", f)
+        if m is None or (m[1] is not None and not (int(m[1]) and int(m[2]))) or (m[3] is not None and not int(m[3])):
+            raise SystemExit(f"bad flag {f!r} in {name!r}: hold:N:US (N programs, US microseconds, both > 0) "
+                             "or sms:M (M > 0)")
+        if m[1] is not None:
+            held, us = int(m[1]), int(m[2])
+        else:
+            sms = int(m[3])
+    return held, us, sms
+
+
+@contextlib.contextmanager
+def _held_sms(engine: RolloutEngine, programs: int, us: int):
+    """Flag hold:N:US: each decode step forks a stream of its own at its start, which runs N programs of
+    _hold_kernel (one per SM, by their shared memory) for US microseconds; the main stream joins it at the
+    step's end. With US below the step's time the join waits for nothing, so the step's time is that of the
+    rollout's kernels on the SMs left (with sms:M, planned for them). What an adapter kernel that kept N SMs
+    for the whole step would cost the base kernels (NOTES_rollout.md section 50). Timing only; nothing is held
+    without CUDA."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    stream = torch.cuda.Stream(engine.device)
+    out = torch.zeros(programs, dtype=torch.int32, device=engine.device)
+    real = engine._decode_logits
+    own = "_decode_logits" in vars(engine)  # another variant's wrapper: put it back afterwards
+
+    def decode_logits(rows, keys):
+        main = torch.cuda.current_stream(engine.device)
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            _hold_kernel()[(programs,)](out, us * 1000, HOLD_WORDS // 128, num_warps=4)
+        logits = real(rows, keys)
+        main.wait_stream(stream)
+        return logits
+
+    engine._decode_logits = decode_logits
+    try:
+        yield
+    finally:
+        if own:
+            engine._decode_logits = real
+        else:
+            del engine._decode_logits
+
+
 @contextlib.contextmanager
 def _dropped_lora(engine: RolloutEngine):
     """The `ldrop` variant: LinearGroup.has_lora reads False (so NORM_FOLD, GLU and the plain product take every
@@ -400,6 +486,7 @@ def variant_of(engine: RolloutEngine, name: str):
         rwg9_kinds = tuple(f[3:].split("+"))
         if set(rwg9_kinds) - set(KINDS):
             raise SystemExit(f"bad flag {f!r} in {name!r}: r9:KIND+KIND, KIND in {', '.join(KINDS)}")
+    held, held_us, sms = _hold_flags(flags, name)
     for f in [f for f in flags if f.startswith("g:")]:
         flags.remove(f)
         kinds_, _, spec = f[2:].partition(":")
@@ -434,6 +521,10 @@ def variant_of(engine: RolloutEngine, name: str):
     switches = [sw for f in flags for sw in table[f]]
     if per_sm_kind:
         switches.append((engine_mod, "LORA_GEMV_PER_SM_KIND", per_sm_kind))
+    if sms:
+        from qerl.kernels import w4a16_triton as w4a16_triton_mod
+
+        switches.append((w4a16_triton_mod, "_num_sms", lambda device_index: sms))
     saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in switches]
     saved_side = engine._side
     original = engine._linear
@@ -464,6 +555,7 @@ def variant_of(engine: RolloutEngine, name: str):
     if base == "serial":
         engine._side = None
     dropped = _dropped_lora(engine) if base == "ldrop" else contextlib.nullcontext()
+    hold = _held_sms(engine, held, held_us) if held else contextlib.nullcontext()
     # `base` on a model with adapters: the adapters off (PEFT's disable_adapter), so that NORM_FOLD and GLU,
     # which skip a group with LoRA, take every group as in the no-LoRA step (with them merely unused,
     # `base` ran ~3% slower than that step at 7B batch 8: NOTES_rollout.md section 26)
@@ -474,7 +566,7 @@ def variant_of(engine: RolloutEngine, name: str):
         setattr(mod, attr, value)
     reset()
     try:
-        with adapters_off, dropped:
+        with adapters_off, dropped, hold:
             yield
     finally:
         reset()

@@ -461,3 +461,56 @@ def test_ldrop_forks_each_lora_group_once_per_step_and_restores(ablate, monkeypa
     assert (dropped[:, 1:] - with_lora[:, 1:]).abs().max() > 1e-3
     assert {k: fuse.LinearGroup.__dict__[k] for k in saved} == saved and "_decode_logits" not in vars(engine)
     assert engine.layers[0].qkv.has_lora
+
+
+def test_hold_flags_parse_fork_a_hold_stream_per_step_and_restore(ablate, monkeypatch):
+    """hold:N:US forks a stream of its own at each decode step's start, launches N hold programs spinning US
+    microseconds there and joins it at the step's end; sms:M plans the kernels' grids for M SMs; both are
+    undone after the variant, and malformed forms are refused in one line."""
+    import contextlib as cl
+
+    assert ablate._hold_flags(["hold:8:1800", "sms:124", "x"], "v") == (8, 1800, 124)
+    for bad in ("hold:8", "hold:0:100", "hold:8:0", "sms:0", "sms:x"):
+        with pytest.raises(SystemExit, match="bad flag"):
+            ablate._hold_flags([bad], "v")
+
+    events = []
+
+    class Stream:
+        def __init__(self, name="hold"):
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append(("wait", self.name, other.name))
+
+    class Launcher:
+        def __getitem__(self, grid):
+            return lambda out, ns, rows, num_warps: events.append(("hold", grid, ns, rows, tuple(out.shape)))
+
+    class Engine(_Engine):
+        device = torch.device("cpu")
+
+        def _decode_logits(self, rows, keys):
+            events.append(("step", rows, keys))
+            return "logits"
+
+    main = Stream("main")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: cl.nullcontext())
+    monkeypatch.setattr(ablate, "_hold_kernel", lambda: Launcher())
+    engine, sms = Engine(), w4a16_triton._num_sms
+    with ablate.variant_of(engine, "base@hold:8:1800@sms:124"):
+        assert w4a16_triton._num_sms(0) == 124
+        assert engine._decode_logits(16, 512) == "logits"
+    assert events == [("wait", "hold", "main"), ("hold", (8,), 1_800_000, ablate.HOLD_WORDS // 128, (8,)),
+                      ("step", 16, 512), ("wait", "main", "hold")]
+    assert w4a16_triton._num_sms is sms and "_decode_logits" not in vars(engine)
+    with ablate.variant_of(engine, "base@sms:100"):  # sms alone holds nothing
+        events.clear()
+        engine._decode_logits(1, 512)
+        assert events == [("step", 1, 512)] and w4a16_triton._num_sms(0) == 100
+    with pytest.raises(SystemExit, match="bad flag"):
+        with ablate.variant_of(engine, "base@hold:8"):
+            pass
