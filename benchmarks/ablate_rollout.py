@@ -53,7 +53,7 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   kvpre / nokvpre / kvrule (attention reads its first K / V block before the PDL wait:
                   always / never / by decode_ops.attention_prefetch), attold (the attention before session 26:
                   no short-bucket rule, decode_ops.ATTN_SHORT_KEYS = 0, and no prefetch),
-                  ap528 / ap1056 (attention programs to aim for), aw8 (8 warps per attention program),
+                  ap128 / ap192 / ap248 / ap528 / ap1056 (attention programs to aim for; default 264), aw8 (8 warps per attention program),
                   ast1 / ast2 / ast3 / ast4 (the attention's key loop pipelined that deep; default 2),
                   anr0 / anr96 / anr128 (the attention's register cap on its launches of over 3 x SMs programs in
                   64-key blocks: none / 96 / 128, the default; decode_ops.ATTN_MAXNREG),
@@ -106,9 +106,10 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   nonorm (timing only: every decode norm but the first skipped, no residual add: what
                   folding the norms into the GEMVs could give at most), fold / nofold (engine.NORM_FOLD
                   on / off: the norms between 4-bit GEMVs split over their epilogues),
-                  hold:N:US (timing only: a stream of its own, forked at each decode step's start, keeps N SMs
-                  for US microseconds with one 216 KiB shared-memory program each, so no 4-bit GEMV program
-                  shares them; joined at the step's end), sms:M (the kernels plan their grids for M SMs,
+                  hold:N:US[:MIB] (timing only: a stream of its own, forked at each decode step's start, keeps
+                  N SMs for US microseconds with one 216 KiB shared-memory program each, so no 4-bit GEMV
+                  program shares them, first reading MIB MiB from DRAM between them (the row records how
+                  long: hold_read_*); joined at the step's end), sms:M (the kernels plan their grids for M SMs,
                   w4a16_triton._num_sms): what a kernel that kept N SMs through the step would cost the rest
 `--generate N` times N whole generate calls per variant instead (256-token prompts, 512 new tokens:
 the tok/s bench_rollout reports, prefill and every key bucket included) and prints their medians.
@@ -235,8 +236,7 @@ def _switches() -> dict:
         "norope": [(decode_ops, "ATTN_ROPE", False)],
         "nocomb": [(decode_ops, "ATTN_COMBINE", False)],
         "comb": [(decode_ops, "ATTN_COMBINE", True)],
-        "ap528": [(decode_ops, "ATTN_PROGRAMS", 528)],
-        "ap1056": [(decode_ops, "ATTN_PROGRAMS", 1056)],
+        **{f"ap{n}": [(decode_ops, "ATTN_PROGRAMS", n)] for n in (128, 192, 248, 528, 1056)},
         "amb0": [(decode_ops, "ATTN_MAX_BLOCKS", 0)],
         "amb2": [(decode_ops, "ATTN_MAX_BLOCKS", 2)],
         "amb8": [(decode_ops, "ATTN_MAX_BLOCKS", 8)],
@@ -328,65 +328,86 @@ def _lora_part(part: str):
 
 
 HOLD_WORDS = 432 * 128  # int32 words of shared memory per hold program: 216 KiB of the H100 / H200's 227
+HOLD_BLOCK = 128 * 16  # int32 words one hold program loads per unrolled read: 16 per thread (two 16-byte loads)
+HOLD_UNROLL = 8  # reads in flight per program: 64 KiB
+HELD: dict = {}  # the active hold's buffers (hold:N:US[:MIB]), for main() to read its stream times
 
 
 @functools.lru_cache(maxsize=None)
 def _hold_kernel():
     """A Gluon kernel whose every program takes HOLD_WORDS of shared memory, so that at most one fits an SM
-    and the 4-bit GEMVs' programs (whose stages need more than the SM has left) cannot share it, then spins on
-    %globaltimer for `ns` nanoseconds. Timing only (flag hold:N:US)."""
+    and the 4-bit GEMVs' programs (whose stages need more than the SM has left) cannot share it. With STREAM
+    each program first reads its `words` int32 words of `src` from DRAM (HOLD_UNROLL reads of HOLD_BLOCK words
+    in flight) and stores how many nanoseconds that took in out[2 * program + 1] (their sum in out[2 * program]); then it spins on
+    %globaltimer until `ns` nanoseconds from its start. Timing only (flag hold:N:US[:MIB])."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
     from qerl.kernels.w4a16_gluon import _sreg
 
     @gluon.jit
-    def _hold(out_ptr, ns, ROWS: gl.constexpr):
+    def _hold(out_ptr, src_ptr, ns, words, ROWS: gl.constexpr, STREAM: gl.constexpr, BLOCK: gl.constexpr,
+              UNROLL: gl.constexpr):
         line: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        wide: gl.constexpr = gl.BlockedLayout([BLOCK // 128], [32], [4], [0])
         buf = gl.allocate_shared_memory(gl.int32, [ROWS, 128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in range(ROWS):
             buf.index(i).store(gl.full([128], 1, gl.int32, line))
+        p = gl.program_id(0)
         t0 = _sreg("globaltimer")
+        if STREAM:
+            acc = gl.zeros([BLOCK], gl.int32, wide)
+            offs = gl.arange(0, BLOCK, layout=wide)
+            base = src_ptr + p.to(gl.int64) * words
+            for i in range(0, words, BLOCK * UNROLL):
+                for u in gl.static_range(UNROLL):
+                    acc += gl.load(base + i + u * BLOCK + offs)
+            gl.store(out_ptr + 2 * p + 1, (_sreg("globaltimer") - t0).to(gl.int32))
+            gl.store(out_ptr + 2 * p, gl.sum(acc, axis=0))  # so the loads stay
         t = t0
         while t - t0 < ns:
             t = _sreg("globaltimer")
         total = gl.sum(buf.index(ROWS - 1).load(line), axis=0)  # read back, so the allocation stays
-        gl.store(out_ptr + gl.program_id(0), total)
+        gl.atomic_add(out_ptr + 2 * p, total)
 
     return _hold
 
 
 def _hold_flags(flags: list, name: str) -> tuple:
-    """Take the flags hold:N:US (N hold programs for US microseconds from each decode step's start) and
-    sms:M (the kernels plan their grids for M SMs, w4a16_triton._num_sms) out of `flags`: (N, US, M),
-    0 for those not given."""
-    held = us = sms = 0
+    """Take the flags hold:N:US[:MIB] (N hold programs for US microseconds from each decode step's start,
+    first reading MIB MiB between them) and sms:M (the kernels plan their grids for M SMs,
+    w4a16_triton._num_sms) out of `flags`: (N, US, MIB, M), 0 for those not given."""
+    held = us = mib = sms = 0
     for f in [f for f in flags if f.startswith(("hold:", "sms:"))]:
         flags.remove(f)
-        m = re.fullmatch(r"hold:(\d+):(\d+)|sms:(\d+)", f)
-        if m is None or (m[1] is not None and not (int(m[1]) and int(m[2]))) or (m[3] is not None and not int(m[3])):
-            raise SystemExit(f"bad flag {f!r} in {name!r}: hold:N:US (N programs, US microseconds, both > 0) "
-                             "or sms:M (M > 0)")
+        m = re.fullmatch(r"hold:(\d+):(\d+)(?::(\d+))?|sms:(\d+)", f)
+        if m is None or (m[1] is not None and not (int(m[1]) and int(m[2]))) or (m[4] is not None and not int(m[4])):
+            raise SystemExit(f"bad flag {f!r} in {name!r}: hold:N:US[:MIB] (N programs, US microseconds, both > 0; "
+                             "MIB MiB read between them first) or sms:M (M > 0)")
         if m[1] is not None:
-            held, us = int(m[1]), int(m[2])
+            held, us, mib = int(m[1]), int(m[2]), int(m[3] or 0)
         else:
-            sms = int(m[3])
-    return held, us, sms
+            sms = int(m[4])
+    return held, us, mib, sms
 
 
 @contextlib.contextmanager
-def _held_sms(engine: RolloutEngine, programs: int, us: int):
-    """Flag hold:N:US: each decode step forks a stream of its own at its start, which runs N programs of
-    _hold_kernel (one per SM, by their shared memory) for US microseconds; the main stream joins it at the
-    step's end. With US below the step's time the join waits for nothing, so the step's time is that of the
-    rollout's kernels on the SMs left (with sms:M, planned for them). What an adapter kernel that kept N SMs
-    for the whole step would cost the base kernels (NOTES_rollout.md section 50). Timing only; nothing is held
-    without CUDA."""
+def _held_sms(engine: RolloutEngine, programs: int, us: int, mib: int = 0):
+    """Flag hold:N:US[:MIB]: each decode step forks a stream of its own at its start, which runs N programs of
+    _hold_kernel (one per SM, by their shared memory) for US microseconds, the first part of it reading MIB MiB
+    from DRAM; the main stream joins it at the step's end. With US below the step's time the join waits for
+    nothing, so the step's time is that of the rollout's kernels on the SMs left (with sms:M, planned for
+    them), beside a reader of that many bytes. What an adapter kernel that kept N SMs for the whole step would
+    cost the base kernels, and what bandwidth it would get (NOTES_rollout.md section 50). Timing only; nothing
+    is held without CUDA."""
     if not torch.cuda.is_available():
         yield
         return
+    chunk = HOLD_BLOCK * HOLD_UNROLL
+    words = -(-(mib << 18) // (programs * chunk)) * chunk  # per program, whole unrolled reads
     stream = torch.cuda.Stream(engine.device)
-    out = torch.zeros(programs, dtype=torch.int32, device=engine.device)
+    out = torch.zeros(2 * programs, dtype=torch.int32, device=engine.device)
+    src = torch.randint(-8, 8, (max(words, 1) * programs,), dtype=torch.int32, device=engine.device)
     real = engine._decode_logits
     own = "_decode_logits" in vars(engine)  # another variant's wrapper: put it back afterwards
 
@@ -394,19 +415,32 @@ def _held_sms(engine: RolloutEngine, programs: int, us: int):
         main = torch.cuda.current_stream(engine.device)
         stream.wait_stream(main)
         with torch.cuda.stream(stream):
-            _hold_kernel()[(programs,)](out, us * 1000, HOLD_WORDS // 128, num_warps=4)
+            _hold_kernel()[(programs,)](out, src, us * 1000, words, HOLD_WORDS // 128, bool(mib), HOLD_BLOCK,
+                                        HOLD_UNROLL, num_warps=4)
         logits = real(rows, keys)
         main.wait_stream(stream)
         return logits
 
     engine._decode_logits = decode_logits
+    HELD.update(out=out, programs=programs, bytes=4 * words * programs if mib else 0)
     try:
         yield
     finally:
+        HELD.clear()
         if own:
             engine._decode_logits = real
         else:
             del engine._decode_logits
+
+
+def held_read() -> dict:
+    """The active hold's last read (hold:N:US:MIB): per program nanoseconds, as bytes and GB/s; {} without one."""
+    if not HELD.get("bytes"):
+        return {}
+    ns = HELD["out"].view(-1, 2)[:, 1].tolist()
+    us = statistics.median(ns) / 1e3
+    return {"hold_read_mib": round(HELD["bytes"] / 2**20, 1), "hold_read_us_median": round(us, 1),
+            "hold_read_us_max": round(max(ns) / 1e3, 1), "hold_read_gbps": round(HELD["bytes"] / (max(ns) or 1), 1)}
 
 
 @contextlib.contextmanager
@@ -486,7 +520,7 @@ def variant_of(engine: RolloutEngine, name: str):
         rwg9_kinds = tuple(f[3:].split("+"))
         if set(rwg9_kinds) - set(KINDS):
             raise SystemExit(f"bad flag {f!r} in {name!r}: r9:KIND+KIND, KIND in {', '.join(KINDS)}")
-    held, held_us, sms = _hold_flags(flags, name)
+    held, held_us, held_mib, sms = _hold_flags(flags, name)
     for f in [f for f in flags if f.startswith("g:")]:
         flags.remove(f)
         kinds_, _, spec = f[2:].partition(":")
@@ -555,7 +589,7 @@ def variant_of(engine: RolloutEngine, name: str):
     if base == "serial":
         engine._side = None
     dropped = _dropped_lora(engine) if base == "ldrop" else contextlib.nullcontext()
-    hold = _held_sms(engine, held, held_us) if held else contextlib.nullcontext()
+    hold = _held_sms(engine, held, held_us, held_mib) if held else contextlib.nullcontext()
     # `base` on a model with adapters: the adapters off (PEFT's disable_adapter), so that NORM_FOLD and GLU,
     # which skip a group with LoRA, take every group as in the no-LoRA step (with them merely unused,
     # `base` ran ~3% slower than that step at 7B batch 8: NOTES_rollout.md section 26)
@@ -795,7 +829,7 @@ def main() -> None:
             with variant_of(engine, name), torch.inference_mode():
                 timed = (time_generate(engine, prompts, settings, a.generate) if a.generate else
                          time_variant(engine, prompts, settings, rnd == 0 and name in a.timeline, a.keys))
-                row = {"batch": batch, "variant": name, "round": rnd, **timed}
+                row = {"batch": batch, "variant": name, "round": rnd, **timed, **held_read()}
             result["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "timeline"}), flush=True)  # with gpu_state
             save(result, a.out)

@@ -469,8 +469,9 @@ def test_hold_flags_parse_fork_a_hold_stream_per_step_and_restore(ablate, monkey
     undone after the variant, and malformed forms are refused in one line."""
     import contextlib as cl
 
-    assert ablate._hold_flags(["hold:8:1800", "sms:124", "x"], "v") == (8, 1800, 124)
-    for bad in ("hold:8", "hold:0:100", "hold:8:0", "sms:0", "sms:x"):
+    assert ablate._hold_flags(["hold:8:1800", "sms:124", "x"], "v") == (8, 1800, 0, 124)
+    assert ablate._hold_flags(["hold:8:1800:162"], "v") == (8, 1800, 162, 0)
+    for bad in ("hold:8", "hold:0:100", "hold:8:0", "hold:8:9:x", "sms:0", "sms:x"):
         with pytest.raises(SystemExit, match="bad flag"):
             ablate._hold_flags([bad], "v")
 
@@ -485,7 +486,11 @@ def test_hold_flags_parse_fork_a_hold_stream_per_step_and_restore(ablate, monkey
 
     class Launcher:
         def __getitem__(self, grid):
-            return lambda out, ns, rows, num_warps: events.append(("hold", grid, ns, rows, tuple(out.shape)))
+            def launch(out, src, ns, words, rows, stream, block, unroll, num_warps):
+                events.append(("hold", grid, ns, rows, tuple(out.shape), stream, words * grid[0] >= src.numel() // 2))
+                assert words % (block * unroll) == 0 and src.numel() >= words * grid[0]
+
+            return launch
 
     class Engine(_Engine):
         device = torch.device("cpu")
@@ -504,8 +509,17 @@ def test_hold_flags_parse_fork_a_hold_stream_per_step_and_restore(ablate, monkey
     with ablate.variant_of(engine, "base@hold:8:1800@sms:124"):
         assert w4a16_triton._num_sms(0) == 124
         assert engine._decode_logits(16, 512) == "logits"
-    assert events == [("wait", "hold", "main"), ("hold", (8,), 1_800_000, ablate.HOLD_WORDS // 128, (8,)),
+    assert events == [("wait", "hold", "main"), ("hold", (8,), 1_800_000, ablate.HOLD_WORDS // 128, (16,), False, False),
                       ("step", 16, 512), ("wait", "main", "hold")]
+    with ablate.variant_of(engine, "base@hold:4:100:3"):  # 3 MiB read between 4 programs, whole unrolled reads
+        events.clear()
+        engine._decode_logits(8, 512)
+        assert events[1][:6] == ("hold", (4,), 100_000, ablate.HOLD_WORDS // 128, (8,), True) and events[1][6]
+        ablate.HELD["out"][1::2] = torch.tensor([1000, 2000, 1500, 1200], dtype=torch.int32)
+        read = ablate.held_read()
+        assert read["hold_read_us_max"] == 2.0 and read["hold_read_mib"] >= 3
+        assert read["hold_read_gbps"] == round(ablate.HELD["bytes"] / 2000, 1)
+    assert ablate.held_read() == {}
     assert w4a16_triton._num_sms is sms and "_decode_logits" not in vars(engine)
     with ablate.variant_of(engine, "base@sms:100"):  # sms alone holds nothing
         events.clear()
