@@ -327,6 +327,22 @@ def _lora_part(part: str):
     return lora
 
 
+@contextlib.contextmanager
+def _decode_step_wrapped(engine: RolloutEngine, wrap):
+    """engine._decode_logits replaced by wrap(the current one) inside; afterwards whatever was there before
+    (the class method, or an outer variant's wrapper) is back."""
+    real = engine._decode_logits
+    own = "_decode_logits" in vars(engine)
+    engine._decode_logits = wrap(real)
+    try:
+        yield
+    finally:
+        if own:
+            engine._decode_logits = real
+        else:
+            del engine._decode_logits
+
+
 HOLD_WORDS = 432 * 128  # int32 words of shared memory per hold program: 216 KiB of the H100 / H200's 227
 HOLD_BLOCK = 128 * 16  # int32 words one hold program loads per unrolled read: 16 per thread (two 16-byte loads)
 HOLD_UNROLL = 8  # reads in flight per program: 64 KiB
@@ -408,29 +424,25 @@ def _held_sms(engine: RolloutEngine, programs: int, us: int, mib: int = 0):
     stream = torch.cuda.Stream(engine.device)
     out = torch.zeros(2 * programs, dtype=torch.int32, device=engine.device)
     src = torch.randint(-8, 8, (max(words, 1) * programs,), dtype=torch.int32, device=engine.device)
-    real = engine._decode_logits
-    own = "_decode_logits" in vars(engine)  # another variant's wrapper: put it back afterwards
 
-    def decode_logits(rows, keys):
-        main = torch.cuda.current_stream(engine.device)
-        stream.wait_stream(main)
-        with torch.cuda.stream(stream):
-            _hold_kernel()[(programs,)](out, src, us * 1000, words, HOLD_WORDS // 128, bool(mib), HOLD_BLOCK,
-                                        HOLD_UNROLL, num_warps=4)
-        logits = real(rows, keys)
-        main.wait_stream(stream)
-        return logits
+    def holding(real):
+        def decode_logits(rows, keys):
+            main = torch.cuda.current_stream(engine.device)
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                _hold_kernel()[(programs,)](out, src, us * 1000, words, HOLD_WORDS // 128, bool(mib), HOLD_BLOCK,
+                                            HOLD_UNROLL, num_warps=4)
+            logits = real(rows, keys)
+            main.wait_stream(stream)
+            return logits
+        return decode_logits
 
-    engine._decode_logits = decode_logits
-    HELD.update(out=out, programs=programs, bytes=4 * words * programs if mib else 0)
+    HELD.update(out=out, bytes=4 * words * programs if mib else 0)
     try:
-        yield
+        with _decode_step_wrapped(engine, holding):
+            yield
     finally:
         HELD.clear()
-        if own:
-            engine._decode_logits = real
-        else:
-            del engine._decode_logits
 
 
 def held_read() -> dict:
@@ -457,7 +469,6 @@ def _dropped_lora(engine: RolloutEngine):
     products = ("base_forward", "res_forward", "scale_forward", "glu_forward")
     saved = {name: cls.__dict__[name] for name in ("has_lora", *products)}
     has_lora = saved["has_lora"].fget  # the group's own answer, before the variant hides it
-    real_logits = engine._decode_logits
     state = {"decoding": False, "forked": False, "pending": None}
 
     def forking(fn):
@@ -477,26 +488,27 @@ def _dropped_lora(engine: RolloutEngine):
             return out
         return product
 
-    def decode_logits(rows, keys):
-        state["decoding"], state["forked"], state["pending"] = True, False, None
-        try:
-            logits = real_logits(rows, keys)
-        finally:
-            state["decoding"] = False
-        if state["forked"]:
-            torch.cuda.current_stream(engine.device).wait_stream(engine._side)
-        return logits
+    def joining(real_logits):
+        def decode_logits(rows, keys):
+            state["decoding"], state["forked"], state["pending"] = True, False, None
+            try:
+                logits = real_logits(rows, keys)
+            finally:
+                state["decoding"] = False
+            if state["forked"]:
+                torch.cuda.current_stream(engine.device).wait_stream(engine._side)
+            return logits
+        return decode_logits
 
     cls.has_lora = property(lambda self: False)
     for name in products:
         setattr(cls, name, forking(saved[name]))
-    engine._decode_logits = decode_logits
     try:
-        yield
+        with _decode_step_wrapped(engine, joining):
+            yield
     finally:
         for name, value in saved.items():
             setattr(cls, name, value)
-        del engine._decode_logits  # back to the class method
 
 
 @contextlib.contextmanager
@@ -555,15 +567,13 @@ def variant_of(engine: RolloutEngine, name: str):
     switches = [sw for f in flags for sw in table[f]]
     if per_sm_kind:
         switches.append((engine_mod, "LORA_GEMV_PER_SM_KIND", per_sm_kind))
-    if sms:
-        from qerl.kernels import w4a16_triton as w4a16_triton_mod
+    from qerl.kernels import w4a16_gemv, w4a16_gluon, w4a16_triton
 
-        switches.append((w4a16_triton_mod, "_num_sms", lambda device_index: sms))
+    if sms:
+        switches.append((w4a16_triton, "_num_sms", lambda device_index: sms))
     saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in switches]
     saved_side = engine._side
     original = engine._linear
-
-    from qerl.kernels import w4a16_gemv, w4a16_gluon, w4a16_triton
 
     def linear(group, x, kind, scale=None):
         before, gluon_before, rwg_before = w4a16_gemv.PDL_LATE, w4a16_gluon.DEFAULT, w4a16_triton.RWG_MIN_M
