@@ -110,7 +110,10 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   N SMs for US microseconds with one 216 KiB shared-memory program each, so no 4-bit GEMV
                   program shares them, first reading MIB MiB from DRAM between them (the row records how
                   long: hold_read_*); joined at the step's end), sms:M (the kernels plan their grids for M SMs,
-                  w4a16_triton._num_sms): what a kernel that kept N SMs through the step would cost the rest
+                  w4a16_triton._num_sms): what a kernel that kept N SMs through the step would cost the rest;
+                  lres / lres4 / lres16 / lres32 (with lora: the captured decode step's LoRA by one resident
+                  kernel of 8 / 4 / 16 / 32 programs, engine.LORA_RESIDENT, qerl/kernels/lora_resident.py;
+                  where engine._resident_ok refuses, the side stream as before)
 `--generate N` times N whole generate calls per variant instead (256-token prompts, 512 new tokens:
 the tok/s bench_rollout reports, prefill and every key bucket included) and prints their medians.
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
@@ -258,6 +261,9 @@ def _switches() -> dict:
     table["fold"] = [(engine_mod, "NORM_FOLD", True)]
     table["nofold"] = [(engine_mod, "NORM_FOLD", False)]
     table["noprerope"] = [(engine_mod, "PREFILL_ROPE", False)]
+    table["lres"] = [(engine_mod, "LORA_RESIDENT", True)]
+    for n in (4, 16, 32):
+        table[f"lres{n}"] = [(engine_mod, "LORA_RESIDENT", True), (engine_mod, "LORA_RESIDENT_PROGRAMS", n)]
     table["nogqa"] = [(engine_mod, "PREFILL_GQA", False)]
     from qerl.rollout import fuse
     for part in ("null", "shrink", "expand"):
@@ -274,7 +280,7 @@ def _switches() -> dict:
     return table
 
 
-def _skip_norm(self, delta, h, extra=None):
+def _skip_norm(self, delta, h, extra=None, signal=None):
     """Timing only (flag `nonorm`): no residual add and no RMSNorm launch; the next product reads
     the unnormalised input. What the norm launches cost the step at most (the first norm, which
     reads the embedding, stays)."""
@@ -575,7 +581,7 @@ def variant_of(engine: RolloutEngine, name: str):
     saved_side = engine._side
     original = engine._linear
 
-    def linear(group, x, kind, scale=None):
+    def linear(group, x, kind, scale=None, source=None):
         before, gluon_before, rwg_before = w4a16_gemv.PDL_LATE, w4a16_gluon.DEFAULT, w4a16_triton.RWG_MIN_M
         if kind in rwg9_kinds:
             w4a16_triton.RWG_MIN_M = 9
@@ -586,7 +592,7 @@ def variant_of(engine: RolloutEngine, name: str):
         try:
             if scale is not None:  # NORM_FOLD's consumer (never a LoRA group)
                 return original(group, x, kind, scale)
-            return original(group, x, kind) if kind in kinds else (group.base_forward(x), None)
+            return original(group, x, kind, source=source) if kind in kinds else (group.base_forward(x), None)
         finally:
             w4a16_gemv.PDL_LATE, w4a16_gluon.DEFAULT, w4a16_triton.RWG_MIN_M = before, gluon_before, rwg_before
 

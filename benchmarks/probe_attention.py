@@ -152,11 +152,12 @@ def compile_stats(model: str, rows: int, keys: int, conf: dict) -> dict:
         splits, consts = decode_ops.partial_constexprs(rows, kv, heads // kv, HEAD_DIM, keys, True, rope=rope,
                                                        pos=rope, lead=SHARE_PROMPT_KEYS, pdl=True)
     opts = {key: consts.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in consts}
+    consts.update(HAS_READY=False, EARLY=False)  # no device-side LoRA join (engine.LORA_DEVICE_JOIN off)
     partial = decode_ops._triton_kernels()[3]
     sig = {name: "*bf16" for name in partial.arg_names}
     sig.update({name: "*fp32" for name in ("po_ptr", "pm_ptr", "pl_ptr")})
     sig.update({"valid_ptr": "*i1", "slot_ptr": "*i64", "cnt_ptr": "*i32", "pos_ptr": "*i64", "lead_ptr": "*i32",
-                "shared_ptr": "*i64", "scale": "fp32"})
+                "shared_ptr": "*i64", "scale": "fp32", "r_ptr": "*i32", "r_target": "i32"})
     sig.update({name: "i32" for name in ("kc_b", "kc_h", "kc_l", "vc_b", "vc_h", "vc_l", "valid_b", "keys", "splits")})
     sig.update({name: "constexpr" for name in consts})
     aligned = ("q_ptr", "k_ptr", "v_ptr", "kc_b", "kc_h", "kc_l", "vc_b", "vc_h", "vc_l")  # as the JIT specialises

@@ -307,7 +307,7 @@ def test_the_decode_step_starts_its_pdl_chain(monkeypatch):
     monkeypatch.setattr(ops, "_on_gpu", lambda t, op: True)
     monkeypatch.setattr(ops, "add_rms_norm_triton", lambda *a, **kw: calls.append(kw))
     ops.embed_rms_norm(torch.tensor([1]), table, w, 1e-6)
-    assert calls == [{"ids": calls[0]["ids"], "chain_start": True}]
+    assert calls == [{"ids": calls[0]["ids"], "chain_start": True, "signal": None}]
 
 
 def test_attention_switches_from_the_environment():
@@ -322,3 +322,85 @@ def test_attention_switches_from_the_environment():
                         ({"QERL_ATTN_STAGES": "4", "QERL_ATTN_SLOT_FIRST": "0"}, "4 False")):
         out = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True)
         assert out.stdout.strip() == want, out.stderr
+
+
+_READY_SIGNAL_SCRIPT = textwrap.dedent(
+    """
+    import json, torch
+    from qerl.kernels import decode_ops as ops
+    torch.manual_seed(int(__import__("os").environ.get("SEED", "0")))
+    out = []
+    joins = []
+    def ready(t, count=7):  # a delta whose producer has counted up to its target (7) already
+        return ops.Ready(t, torch.tensor([count], dtype=torch.int32), 7, lambda: joins.append(1))
+    def same(a, b):
+        return bool(torch.equal(a, b))
+    def signal(start=5):
+        return ops.Signal(torch.full((1,), start, dtype=torch.int32))
+    h, d, w = torch.randn(3, 96), torch.randn(3, 96), torch.rand(96) + 0.5
+    e = torch.randn(3, 96) * 0.1
+    got = ops.add_rms_norm_triton(d, h, w, 1e-6, ready(e, 9))
+    ref = ops.add_rms_norm_triton(d, h, w, 1e-6, e)
+    out.append(("norm", same(got[0], ref[0]) and same(got[1], ref[1])))
+    gu = torch.randn(5, 2 * 1300) * 3  # two column blocks of 1024: a grid of 5 x 2 programs
+    eg = torch.randn_like(gu)
+    out.append(("silu", same(ops.silu_mul_triton(gu, ready(eg)), ops.silu_mul_triton(gu, eg))))
+    b, heads, kv, dim, keys = 3, 6, 2, 32, 130
+    qkv = torch.randn(b, (heads + 2 * kv) * dim)
+    extra = torch.randn_like(qkv) * 0.1
+    ang = torch.rand(b, dim // 2) * 6.28
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    kc, vc = torch.randn(b, kv, 140, dim), torch.randn(b, kv, 140, dim)
+    valid = torch.rand(b, 140) > 0.3
+    slot = torch.tensor([40])
+    valid[:, 0] = valid[:, 40] = True
+    res, sigs = [], []
+    for e_ in (ready(extra), extra):
+        k1, v1 = kc.clone(), vc.clone()
+        sigs.append(signal())
+        res.append((ops.decode_attention_rope_triton(qkv, cos, sin, k1, v1, slot, valid, keys, dim ** -0.5, heads, kv,
+                                                     e_, signal=sigs[-1]), k1, v1))
+    out.append(("attention_rope", all(same(x, y) for x, y in zip(*res))))
+    # Signal: each program adds one after its stores, and the launch records how many programs count
+    out.append(("attention combine counts", all(int(s.flag[0]) == 5 + b * heads and s.programs == b * heads
+                                                 for s in sigs)))
+    s = signal()
+    got = ops.add_rms_norm_triton(d, h, w, 1e-6, e, signal=s)
+    out.append(("norm counts", int(s.flag[0]) == 5 + 3 and s.programs == 3 and same(got[1], ref[1])))
+    s = signal(0)
+    table, ids = torch.randn(50, 96), torch.tensor([3, 49, 0, 3])
+    got = ops.add_rms_norm_triton(None, table, w, 1e-6, ids=ids, chain_start=True, signal=s)
+    out.append(("embed norm counts", int(s.flag[0]) == 4 and s.programs == 4
+                and same(got[1], ops.add_rms_norm_reference(None, table[ids], w, 1e-6)[1])))
+    s = signal(0)
+    got = ops.silu_mul_triton(gu, eg, s)
+    out.append(("silu counts", int(s.flag[0]) == 10 and s.programs == 10 and same(got, ops.silu_mul_triton(gu, eg))))
+    out.append(("no joins on the polling paths", not joins))
+    # a delta that is not contiguous would be copied on this stream first: it is joined instead
+    wide = torch.randn(3, 192) * 0.1
+    got = ops.add_rms_norm_triton(d, h, w, 1e-6, ready(wide[:, ::2]))
+    out.append(("strided delta joined", len(joins) == 1 and same(got[1], ops.add_rms_norm_triton(d, h, w, 1e-6, wide[:, ::2].contiguous())[1])))
+    # the torch paths join and read the tensor, and refuse a Signal (nothing there would count it)
+    out.append(("reference joins", same(ops.silu_mul(gu.double(), ops.Ready(eg.double(), None, 7, lambda: joins.append(2))),
+                                        ops.silu_mul_reference(gu.double(), eg.double())) and joins[-1] == 2))
+    try:
+        ops.silu_mul(gu.double(), None, signal())
+        refused = False
+    except ValueError as err:
+        refused = "Signal" in str(err)
+    out.append(("reference refuses a signal", refused))
+    print("RESULTS" + json.dumps(out))
+    """
+)
+
+
+def test_ready_and_signal_under_interpreter():
+    """decode_ops.Ready (a LoRA delta another stream or the resident LoRA kernel writes): the norm,
+    SiLU and attention kernels poll its counter, then compute the same bits as with the plain tensor;
+    a strided delta and the torch paths join the producer instead. decode_ops.Signal (how the resident
+    kernel learns a group's input is written): the norm, embedding norm, SiLU and attention-combine
+    kernels each count their programs once, after their stores, and change nothing they write; the
+    torch path refuses a Signal rather than leave a reader waiting."""
+    results = run_interpreted(_READY_SIGNAL_SCRIPT, 0)
+    assert len(results) == 11
+    assert all(ok for _, ok in results), results

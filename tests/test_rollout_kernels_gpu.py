@@ -11,6 +11,8 @@ Skipped without a GPU.
   roles) and the two kernels give the same bits, also when the launches queue up back to back.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -491,3 +493,54 @@ def test_eager_rollouts_repeat_beside_other_processes():
     differ = [r for r in results if r.get("differ")]
     assert sum(1 for r in results if "rep" in r) == 18
     assert not differ, differ[:3]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_engine_lora_resident_kernel(fmt, monkeypatch):
+    """engine.LORA_RESIDENT: the captured decode steps' LoRA deltas by one resident kernel
+    (qerl/kernels/lora_resident.py) that waits on the device for each group's input and whose
+    consumers wait for its delta. Against the side stream's rollout of the same adapters (greedy):
+    the same tokens for the first 24 and logprobs within bf16 level (its shrink sums K slices by
+    fp32 atomics, another order, so bits may differ), while the adapters move them (checked
+    against the model without). After the last replay of each graph: every group's delta equals
+    the torch reference on the very input the kernel read, each group's output was counted by
+    every program, and no wait gave up (a missed signal would hang or read a stale input)."""
+    from qerl.kernels import lora_resident
+    from qerl.nn.lora import LoraSettings, apply_lora
+    from qerl.rl.rollout import RolloutSettings
+    from qerl.rollout import engine as engine_mod
+
+    model = apply_lora(_small_model(fmt), LoraSettings(r=16, lora_alpha=32)).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    prompts = [torch.randint(0, 4096, (n,)).tolist() for n in (5, 70, 33)]
+    settings = RolloutSettings(num_generations=2, max_new_tokens=80, temperature=0.0, stop_ids=[10**9], pad_id=0)
+    runs, engines = [], []
+    for resident in (False, True, None):
+        monkeypatch.setattr(engine_mod, "LORA_RESIDENT", bool(resident))
+        engine = engine_mod.RolloutEngine(model, max_batch=8, max_len=256)
+        with torch.inference_mode(), (model.disable_adapter() if resident is None else contextlib.nullcontext()):
+            engine.generate(prompts, settings)  # eager warm-up of every shape
+            runs.append(engine.generate(prompts, settings))  # captured, then replayed
+        engines.append(engine)
+    side, res, plain = runs
+    assert torch.equal(side.completion_ids[:, :24], res.completion_ids[:, :24])
+    assert (side.logprobs[:, :24] - res.logprobs[:, :24]).abs().max().item() < 0.05
+    assert (side.logprobs[:, :8] - plain.logprobs[:, :8]).abs().max().item() > 1e-3
+    states = [v[2] for v in engines[1]._graphs.values() if isinstance(v, tuple) and len(v) == 3 and v[2] is not None]
+    assert states, "no decode graph took the resident kernel"
+    for st in states:
+        torch.cuda.synchronize()
+        assert st.timeouts() == 0
+        assert st.flags[2:3 * st.groups:3].tolist() == [st.programs] * st.groups
+        groups = [g for layer in engines[1].layers for g in layer.groups()]
+        worst = 0.0
+        for g, (group, x) in enumerate(zip(groups, st.keep)):
+            kind = ("qkv", "o", "gate_up", "down")[g % 4]
+            got = engines[1]._res_deltas[(g // 4, kind)][:st.rows].float()
+            want = lora_resident.resident_reference(x[:st.rows], group._a, group._b, group.bounds, group.rank).float()
+            worst = max(worst, ((got - want).norm() / want.norm()).item())
+        assert worst <= 2e-2, worst

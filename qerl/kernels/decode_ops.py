@@ -26,14 +26,79 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Callable, NamedTuple
 
 import torch
 
 from qerl.env import env_int
 
-__all__ = ["add_rms_norm", "add_rms_norm_reference", "advance", "advance_reference", "decode_attention", "decode_attention_reference",
-           "decode_attention_rope", "embed_rms_norm", "rope_to_cache", "rope_to_cache_reference", "rotary", "rotary_rows",
+__all__ = ["Ready", "Signal", "add_rms_norm", "add_rms_norm_reference", "advance", "advance_reference", "decode_attention", "decode_attention_reference",
+           "decode_attention_rope", "embed_rms_norm", "joined", "rope_to_cache", "rope_to_cache_reference", "rotary", "rotary_rows",
            "silu_mul", "silu_mul_reference"]
+
+
+
+class Ready(NamedTuple):
+    """An `extra` (a LoRA delta) that another stream may still be computing. The kernel that adds
+    it waits on the device: its programs poll the int32 counter `flag` until it reaches `target`
+    (each program of the producer adds one after its stores, lora_ops' `signal`), and only then let
+    their own dependents launch. A path that cannot wait on the device (torch, a kernel without the
+    poll) calls `join()` first, which makes the current stream wait for the producing one. The
+    rollout engine hands these out for the resident LoRA kernel's deltas (engine.LORA_RESIDENT,
+    qerl.kernels.lora_resident), so the step has one fork and one join instead of one per linear."""
+    delta: torch.Tensor
+    flag: torch.Tensor
+    target: int
+    join: Callable[[], None]
+
+
+def joined(extra):
+    """`extra` as a tensor the current stream may read: a Ready is joined first."""
+    if isinstance(extra, Ready):
+        extra.join()
+        return extra.delta
+    return extra
+
+
+def _delta(extra):
+    """The tensor of an `extra` (for dtype and shape checks; not safe to read)."""
+    return extra.delta if isinstance(extra, Ready) else extra
+
+
+def _ready_args(extra, ref: torch.Tensor):
+    """(extra tensor, flag, target, has_ready) for a kernel launch; a delta that would need a copy
+    first (not contiguous) is joined, since the copy would read it on this stream."""
+    if isinstance(extra, Ready):
+        if extra.delta.is_contiguous():
+            return extra.delta, extra.flag, int(extra.target), True
+        extra = joined(extra)
+    return extra, ref, 0, False
+
+
+class Signal:
+    """Where a kernel counts its programs done, for a reader on another stream: each program adds
+    one to the int32 element `flag` after its stores (release); the launch sets `programs` to how
+    many will. The rollout engine's resident LoRA kernel (qerl.kernels.lora_resident) waits on these
+    for each linear group's input. Only the Triton kernels signal: a path without one raises."""
+
+    __slots__ = ("flag", "programs")
+
+    def __init__(self, flag: torch.Tensor):
+        self.flag = flag
+        self.programs = 0
+
+
+def _no_signal(signal, op: str) -> None:
+    if signal is not None:
+        raise ValueError(f"decode_ops.{op}: a device Signal needs its Triton kernel, which this call does not take")
+
+
+def _signal_args(signal, ref: torch.Tensor, programs: int):
+    """(flag, SIGNAL) for a launch of `programs` programs; records them on the Signal."""
+    if signal is None:
+        return ref, False
+    signal.programs = programs
+    return signal.flag, True
 
 
 # --------------------------------------------------------------------------- references
@@ -165,9 +230,47 @@ def _triton_kernels():
     globals()["_ROUND_EACH"] = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
     @triton.jit
-    def add_rms_norm_kernel(d_ptr, e_ptr, h_ptr, w_ptr, h_out, x_out, n, eps, ids_ptr, HAS_DELTA: tl.constexpr,
-                            HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-                            W_EARLY: tl.constexpr = True, HAS_IDS: tl.constexpr = False):
+    def _wait_ready(r_ptr, target):
+        # (Ready) poll with volatile loads (no atomic traffic), then an acquire whose value is used
+        # (an unused one is dropped, and then nothing orders the loads of the delta after it)
+        done = tl.load(r_ptr, volatile=True)
+        while done < target:
+            done = tl.load(r_ptr, volatile=True)
+        done = tl.atomic_add(r_ptr, 0, sem="acquire", scope="gpu")
+        while done < target:
+            done = tl.atomic_add(r_ptr, 0, sem="acquire", scope="gpu")
+
+    @triton.jit
+    def _pdl_enter(r_ptr, target, PDL: tl.constexpr, HAS_READY: tl.constexpr, EARLY: tl.constexpr = False):
+        # the PDL trigger and wait (see decode_ops.PDL), then a Ready's device wait; with a Ready the
+        # dependents launch only after it (unless EARLY, READY_EARLY_TRIGGER), so none of their
+        # programs holds an SM slot while this kernel waits on another stream
+        if PDL:
+            if EARLY or not HAS_READY:
+                tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        if HAS_READY:
+            _wait_ready(r_ptr, target)
+            if PDL and not EARLY:
+                tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def _signal(s_ptr, SIGNAL: tl.constexpr):
+        # (Signal) count this program's stores as done, for a reader on another stream (lora_resident)
+        if SIGNAL:
+            tl.debug_barrier()  # every thread's stores before the release
+            tl.atomic_add(s_ptr, 1, sem="release", scope="gpu")
+
+    # the kernels below call them by name: Triton (and its interpreter) look names up in the module
+    globals()["_wait_ready"] = _wait_ready
+    globals()["_pdl_enter"] = _pdl_enter
+    globals()["_signal"] = _signal
+
+    @triton.jit
+    def add_rms_norm_kernel(d_ptr, e_ptr, h_ptr, w_ptr, h_out, x_out, n, eps, ids_ptr, r_ptr, r_target, s_ptr,
+                            HAS_DELTA: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr = False, W_EARLY: tl.constexpr = True, HAS_IDS: tl.constexpr = False,
+                            HAS_READY: tl.constexpr = False, EARLY: tl.constexpr = False, SIGNAL: tl.constexpr = False):
         # HAS_IDS (embed_rms_norm): h is row ids[row] of the table at h_ptr, written to h_out
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -176,9 +279,7 @@ def _triton_kernels():
         # read before the wait, so the multiply after the reduction waits on no load
         if W_EARLY:
             w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        if PDL:  # see decode_ops.PDL
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+        _pdl_enter(r_ptr, r_target, PDL, HAS_READY, EARLY)
         if HAS_IDS:
             h = tl.load(h_ptr + tl.load(ids_ptr + row).to(tl.int64) * n + cols, mask=m, other=0.0)
             tl.store(h_out + row * n + cols, h, mask=m)
@@ -186,8 +287,8 @@ def _triton_kernels():
             h = tl.load(h_ptr + row * n + cols, mask=m, other=0.0)
         if HAS_DELTA:
             d = tl.load(d_ptr + row * n + cols, mask=m, other=0.0)
-            if HAS_EXTRA:
-                e = tl.load(e_ptr + row * n + cols, mask=m, other=0.0)
+            if HAS_EXTRA:  # .cg: another stream may have written it just now (L1 is not coherent)
+                e = tl.load(e_ptr + row * n + cols, mask=m, other=0.0, cache_modifier=".cg")
                 d = (d.to(tl.float32) + e.to(tl.float32)).to(h_out.dtype.element_ty)
             h = (h.to(tl.float32) + d.to(tl.float32)).to(h_out.dtype.element_ty)
             tl.store(h_out + row * n + cols, h, mask=m)
@@ -197,6 +298,7 @@ def _triton_kernels():
         if not W_EARLY:
             w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
         tl.store(x_out + row * n + cols, (w * normed).to(x_out.dtype.element_ty), mask=m)
+        _signal(s_ptr, SIGNAL)
 
     @triton.jit
     def rope_cache_kernel(qkv_ptr, e_ptr, cos_ptr, sin_ptr, q_out, k_ptr, v_ptr, slot_ptr,
@@ -238,11 +340,10 @@ def _triton_kernels():
             tl.store(dst + D // 2 + half, x2)
 
     @triton.jit
-    def silu_mul_kernel(gu_ptr, e_ptr, out_ptr, inter, HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr = False):
-        if PDL:  # see decode_ops.PDL
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+    def silu_mul_kernel(gu_ptr, e_ptr, out_ptr, inter, r_ptr, r_target, s_ptr, HAS_EXTRA: tl.constexpr,
+                        BLOCK: tl.constexpr, PDL: tl.constexpr = False, HAS_READY: tl.constexpr = False,
+                        EARLY: tl.constexpr = False, SIGNAL: tl.constexpr = False):
+        _pdl_enter(r_ptr, r_target, PDL, HAS_READY, EARLY)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < inter
@@ -250,10 +351,13 @@ def _triton_kernels():
         u = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=m, other=0.0).to(tl.float32)
         dt = out_ptr.dtype.element_ty
         if HAS_EXTRA:
-            g = (g + tl.load(e_ptr + row * 2 * inter + cols, mask=m, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
-            u = (u + tl.load(e_ptr + row * 2 * inter + inter + cols, mask=m, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+            eg = tl.load(e_ptr + row * 2 * inter + cols, mask=m, other=0.0, cache_modifier=".cg")
+            eu = tl.load(e_ptr + row * 2 * inter + inter + cols, mask=m, other=0.0, cache_modifier=".cg")
+            g = (g + eg.to(tl.float32)).to(dt).to(tl.float32)
+            u = (u + eu.to(tl.float32)).to(dt).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         tl.store(out_ptr + row * inter + cols, (s * u).to(dt), mask=m)
+        _signal(s_ptr, SIGNAL)
 
     @triton.jit
     def _rope_rows(src_ptr, e_ptr, cos_ptr, sin_ptr, rows, d, D: tl.constexpr, HAS_EXTRA: tl.constexpr, dt):
@@ -263,8 +367,11 @@ def _triton_kernels():
         x = tl.load(src_ptr + rows[:, None] * D + d[None, :])
         xp = tl.load(src_ptr + rows[:, None] * D + dp[None, :])
         if HAS_EXTRA:
-            x = (x.to(tl.float32) + tl.load(e_ptr + rows[:, None] * D + d[None, :]).to(tl.float32)).to(dt)
-            xp = (xp.to(tl.float32) + tl.load(e_ptr + rows[:, None] * D + dp[None, :]).to(tl.float32)).to(dt)
+            # .cg: another stream may have written `extra` just now (a Ready; L1 is not coherent)
+            ex = tl.load(e_ptr + rows[:, None] * D + d[None, :], cache_modifier=".cg")
+            exp_ = tl.load(e_ptr + rows[:, None] * D + dp[None, :], cache_modifier=".cg")
+            x = (x.to(tl.float32) + ex.to(tl.float32)).to(dt)
+            xp = (xp.to(tl.float32) + exp_.to(tl.float32)).to(dt)
         c = tl.load(cos_ptr + d).to(tl.float32)
         sn = tl.load(sin_ptr + d).to(tl.float32) * tl.where(d < D // 2, -1.0, 1.0)
         return (_mul_round(x.to(tl.float32), c[None, :], dt) + _mul_round(xp.to(tl.float32), sn[None, :], dt)).to(dt)
@@ -288,11 +395,13 @@ def _triton_kernels():
     @triton.jit
     def attn_partial_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, po_ptr, pm_ptr, pl_ptr,
                             kc_b, kc_h, kc_l, vc_b, vc_h, vc_l, valid_b, keys, splits, scale,
-                            e_ptr, cos_ptr, sin_ptr, cnt_ptr, out_ptr, pos_ptr, lead_ptr, shared_ptr, CHUNK: tl.constexpr,
+                            e_ptr, cos_ptr, sin_ptr, cnt_ptr, out_ptr, pos_ptr, lead_ptr, shared_ptr, r_ptr, r_target,
+                            CHUNK: tl.constexpr,
                             KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                             PDL: tl.constexpr = False, EARLY_V: tl.constexpr = False, PREFETCH: tl.constexpr = False,
                             ROPE: tl.constexpr = False, HAS_EXTRA: tl.constexpr = False, COMBINE: tl.constexpr = False,
-                            POS: tl.constexpr = False, LEAD: tl.constexpr = False, SLOT_FIRST: tl.constexpr = False):
+                            POS: tl.constexpr = False, LEAD: tl.constexpr = False, SLOT_FIRST: tl.constexpr = False,
+                            HAS_READY: tl.constexpr = False, EARLY: tl.constexpr = False):
         # one (row, KV head, key chunk): the G query heads of that KV head against CHUNK keys,
         # online softmax; partial output, max and sum per query head to po / pm / pl.
         # ROPE (decode_attention_rope): q_ptr is the qkv projection [B, (KV G + 2 KV) D]; the
@@ -316,7 +425,7 @@ def _triton_kernels():
         gm = g < G
         start = s * CHUNK
         stop = tl.minimum(start + CHUNK, keys)
-        if PDL:  # see decode_ops.PDL
+        if PDL and (EARLY or not HAS_READY):  # see decode_ops.PDL (with a Ready: after its wait, _pdl_enter)
             tl.extra.cuda.gdc_launch_dependents()
         if PREFETCH or ROPE or SLOT_FIRST:
             slot = tl.load(slot_ptr)
@@ -341,6 +450,10 @@ def _triton_kernels():
             v_pre = tl.load(v_ptr + rk * vc_b + h * vc_h + n[:, None] * vc_l + d[None, :], mask=old[:, None], other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
+        if HAS_READY:
+            _wait_ready(r_ptr, r_target)
+            if PDL and not EARLY:
+                tl.extra.cuda.gdc_launch_dependents()
         if ROPE:
             dt = k_ptr.dtype.element_ty
             width = (KV * G + 2 * KV) * D
@@ -354,7 +467,8 @@ def _triton_kernels():
                 vrow = q_ptr + b * width + (KV * G + KV + h) * D + d
                 v_new = tl.load(vrow)
                 if HAS_EXTRA:
-                    v_new = (v_new.to(tl.float32) + tl.load(e_ptr + b * width + (KV * G + KV + h) * D + d).to(tl.float32)).to(dt)
+                    ev = tl.load(e_ptr + b * width + (KV * G + KV + h) * D + d, cache_modifier=".cg")
+                    v_new = (v_new.to(tl.float32) + ev.to(tl.float32)).to(dt)
                 tl.store(k_ptr + b * kc_b + h * kc_h + slot * kc_l + d, k_new)
                 tl.store(v_ptr + b * vc_b + h * vc_h + slot * vc_l + d, v_new)
             else:
@@ -444,8 +558,8 @@ def _triton_kernels():
                          (num / den[:, None]).to(out_ptr.dtype.element_ty), mask=gm[:, None])
 
     @triton.jit
-    def attn_combine_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, splits, KV: tl.constexpr, G: tl.constexpr,
-                            D: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr = False):
+    def attn_combine_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, splits, s_ptr, KV: tl.constexpr, G: tl.constexpr,
+                            D: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr = False, SIGNAL: tl.constexpr = False):
         if PDL:  # see decode_ops.PDL
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -466,6 +580,7 @@ def _triton_kernels():
         o = tl.load(po_ptr + idx[:, None] * D + d[None, :], mask=sm[:, None], other=0.0)
         out = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
         tl.store(out_ptr + (b * KV * G + head) * D + d, out.to(out_ptr.dtype.element_ty))
+        _signal(s_ptr, SIGNAL)
 
     @triton.jit
     def rope_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, sx, H, D: tl.constexpr, HB: tl.constexpr):
@@ -509,21 +624,24 @@ def _same_dtype(ref, *ts) -> bool:
     return all(t is None or t.dtype == ref.dtype for t in ts)
 
 
-def add_rms_norm(delta, h, weight, eps, extra=None):
-    """(h + delta, RMSNorm(h + delta) * weight); delta None = no residual add (h returned as is)."""
-    if not _on_gpu(h, "norm") or not _same_dtype(h, weight, delta, extra):
-        return add_rms_norm_reference(delta, h, weight, eps, extra)
-    return add_rms_norm_triton(delta, h, weight, eps, extra)
+def add_rms_norm(delta, h, weight, eps, extra=None, signal=None):
+    """(h + delta, RMSNorm(h + delta) * weight); delta None = no residual add (h returned as is).
+    `extra` (a tensor or a Ready) is added to delta first; `signal` (a Signal): counted when written."""
+    if not _on_gpu(h, "norm") or not _same_dtype(h, weight, delta, _delta(extra)):
+        _no_signal(signal, "add_rms_norm")
+        return add_rms_norm_reference(delta, h, weight, eps, joined(extra))
+    return add_rms_norm_triton(delta, h, weight, eps, extra, signal=signal)
 
 
-def embed_rms_norm(ids, table, weight, eps):
+def embed_rms_norm(ids, table, weight, eps, signal=None):
     """(table[ids], RMSNorm(table[ids]) * weight): the embedding lookup of the decode step's tokens
     inside the first norm's launch (no gather kernel of its own). It is the step's first kernel, so
     it starts the step's PDL chain: launched without PDL, it waits for everything before it
     (decode_ops.PDL)."""
     if not _on_gpu(table, "norm") or table.dtype != weight.dtype or not table.is_contiguous():
+        _no_signal(signal, "embed_rms_norm")
         return add_rms_norm_reference(None, torch.nn.functional.embedding(ids, table), weight, eps)
-    return add_rms_norm_triton(None, table, weight, eps, ids=ids, chain_start=True)
+    return add_rms_norm_triton(None, table, weight, eps, ids=ids, chain_start=True, signal=signal)
 
 
 def rotary_rows(x, cos, sin):
@@ -548,21 +666,24 @@ def advance(slot, step, valid):
 
 def rope_to_cache(qkv, cos, sin, k_cache, v_cache, slot, heads: int, kv_heads: int, extra=None):
     d = cos.shape[-1]
+    extra = joined(extra)  # its kernel does not poll a Ready (the engine's decode uses decode_attention_rope)
     if (not _on_gpu(qkv, "rope") or not qkv.is_contiguous() or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1
             or d & (d - 1) or not _same_dtype(qkv, extra)):
         return rope_to_cache_reference(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads, extra)
     return rope_to_cache_triton(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads, extra)
 
 
-def silu_mul(gate_up, extra=None):
-    """silu(gate) * up for gate_up = [.., 2I] (gate first, as fuse.LinearGroup stacks gate/up)."""
-    if _on_gpu(gate_up, "silu") and _same_dtype(gate_up, extra):
-        return silu_mul_triton(gate_up, extra)
-    return silu_mul_reference(gate_up, extra)
+def silu_mul(gate_up, extra=None, signal=None):
+    """silu(gate) * up for gate_up = [.., 2I] (gate first, as fuse.LinearGroup stacks gate/up);
+    `extra` (a tensor or a Ready) is added to gate_up first; `signal`: as add_rms_norm's."""
+    if _on_gpu(gate_up, "silu") and _same_dtype(gate_up, _delta(extra)):
+        return silu_mul_triton(gate_up, extra, signal)
+    _no_signal(signal, "silu_mul")
+    return silu_mul_reference(gate_up, joined(extra))
 
 
 def decode_attention_rope(qkv, cos, sin, k_cache, v_cache, slot, valid, keys: int, scale: float, heads: int,
-                          kv_heads: int, extra=None, counters=None, pos=None, lead=None, shared=None):
+                          kv_heads: int, extra=None, counters=None, pos=None, lead=None, shared=None, signal=None):
     """rope_to_cache then decode_attention, one kernel on a GPU (ATTN_ROPE): the attention's
     programs rotate q themselves and the one whose key chunk holds `slot` writes the new key and
     value; with `counters` (int32 zeros, >= B * kv_heads, kept at zero) the combine runs in the
@@ -571,16 +692,18 @@ def decode_attention_rope(qkv, cos, sin, k_cache, v_cache, slot, valid, keys: in
     and `shared` (long [1]), on a GPU, key blocks wholly below slot shared[0] are read from row
     lead[b] of the caches (the engine's SHARE_PROMPT_KEYS: the caller guarantees that those rows
     hold the same keys and values there; the reference path reads row b, which is then the same).
-    Returns [B, heads * D], as decode_attention."""
+    Returns [B, heads * D], as decode_attention. `signal` (a Signal): counted as the output is
+    written (the combine's programs; not with ATTN_COMBINE)."""
     d = cos.shape[-1]
     if (ATTN_ROPE and _on_gpu(qkv, "attention") and _on_gpu(qkv, "rope") and qkv.is_contiguous() and d >= 16
             and not d & (d - 1) and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and valid.is_contiguous()
-            and _same_dtype(qkv, extra, k_cache, v_cache)):
+            and _same_dtype(qkv, _delta(extra), k_cache, v_cache)):
         return decode_attention_rope_triton(qkv, cos, sin, k_cache, v_cache, slot, valid, keys, scale, heads,
-                                            kv_heads, extra, counters, pos, lead, shared)
+                                            kv_heads, extra, counters, pos, lead, shared, signal)
+    _no_signal(signal, "decode_attention_rope")
     if pos is not None:
         cos, sin = cos[pos], sin[pos]
-    q = rope_to_cache(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads, extra)
+    q = rope_to_cache(qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads, joined(extra))
     return decode_attention(q, k_cache, v_cache, valid, keys, scale, slot)
 
 
@@ -646,6 +769,10 @@ NORM_W_EARLY = True
 # launch it saves), so it stays off unless QERL_ATTN_COMBINE=1. False: separate launches (the A/B
 # switches).
 ATTN_ROPE = True
+# A kernel that waits for a Ready lets its own dependents launch at its start, as without one,
+# instead of after the wait. Experimental (the dependents' programs then hold SM slots while this
+# kernel waits on the producing stream, which needs slots of its own): off.
+READY_EARLY_TRIGGER = False
 ATTN_COMBINE = os.environ.get("QERL_ATTN_COMBINE", "0") == "1"
 # Warps per attention program, and Triton's software-pipelining depth for its key loop (QERL_ATTN_STAGES;
 # None or 0: Triton's default, 3 on Hopper). Two stages hold 38 KB of shared memory instead of 70 KB and
@@ -753,19 +880,25 @@ def decode_attention_triton(q, k_cache, v_cache, valid, keys: int, scale: float,
 
 
 def decode_attention_rope_triton(qkv, cos, sin, k_cache, v_cache, slot, valid, keys: int, scale: float,
-                                 heads: int, kv_heads: int, extra=None, counters=None, pos=None, lead=None, shared=None):
+                                 heads: int, kv_heads: int, extra=None, counters=None, pos=None, lead=None, shared=None,
+                                 signal=None):
     """rope_to_cache + decode_attention as one launch (ATTN_ROPE); with ATTN_COMBINE and
     `counters` (int32 [>= B * KV], zeros; left at zero) the combine rides in it too; `pos`, `lead`,
     `shared`: decode_attention_rope's."""
     d = cos.shape[-1]
+    extra, flag, target, ready = _ready_args(extra, qkv)
     rope = (qkv.contiguous(), extra.contiguous() if extra is not None else None, cos.contiguous(), sin.contiguous())
     return _attention_launch(qkv.view(qkv.shape[0], heads + 2 * kv_heads, d), heads, k_cache, v_cache, valid, keys,
-                             scale, slot, rope, counters if ATTN_COMBINE else None, pos, lead, shared)
+                             scale, slot, rope, counters if ATTN_COMBINE else None, pos, lead, shared, (flag, target, ready),
+                             signal)
 
 
 def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: float, slot=None, rope=None,
-                      counters=None, pos=None, lead=None, shared=None):
+                      counters=None, pos=None, lead=None, shared=None, ready=None, signal=None):
     from qerl.kernels.w4a16_triton import _num_sms
+
+    if signal is not None and counters is not None:
+        raise ValueError("decode_ops: a Signal is counted by the combine kernel, which ATTN_COMBINE leaves out")
 
     partial, combine = _triton_kernels()[3:5]
     b, d = q.shape[0], q.shape[2]
@@ -790,14 +923,17 @@ def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: 
                              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), valid.stride(0),
                              keys, splits, float(scale), e if e is not None else qkv, cos, sin,
                              counters if counters is not None else valid, out, pos if pos is not None else valid,
-                             lead, shared, launch_pdl=pdl_on(q), **consts)
+                             lead, shared, *(ready or (valid, 0, False))[:2],
+                             HAS_READY=bool(ready and ready[2] and e is not None), EARLY=READY_EARLY_TRIGGER,
+                             launch_pdl=pdl_on(q), **consts)
     if counters is None:
-        combine[(b, heads)](po, pm, pl, out, splits, KV=kv, G=group, D=d, SP=sp, num_warps=1,
-                            PDL=pdl_on(q), launch_pdl=pdl_on(q))
+        s_flag, s_on = _signal_args(signal, pm, b * heads)
+        combine[(b, heads)](po, pm, pl, out, splits, s_flag, KV=kv, G=group, D=d, SP=sp, num_warps=1,
+                            PDL=pdl_on(q), SIGNAL=s_on, launch_pdl=pdl_on(q))
     return out
 
 
-def add_rms_norm_triton(delta, h, weight, eps, extra=None, ids=None, chain_start=False):
+def add_rms_norm_triton(delta, h, weight, eps, extra=None, ids=None, chain_start=False, signal=None):
     """add_rms_norm's kernel; with `ids` (long [B]) h is the embedding table and row b is its
     row ids[b] (embed_rms_norm): returns (those rows, their norm). chain_start: launched without
     the PDL attribute (the first kernel of a decode step: it starts once everything before it has
@@ -806,16 +942,20 @@ def add_rms_norm_triton(delta, h, weight, eps, extra=None, ids=None, chain_start
     n = h.shape[-1]
     h2 = h.reshape(-1, n).contiguous()
     d2 = delta.reshape(-1, n).contiguous() if delta is not None else h2
+    extra, flag, target, ready = _ready_args(extra, h2)
     e2 = extra.reshape(-1, n).contiguous() if extra is not None else d2
     rows = h2.shape[0] if ids is None else ids.shape[0]
     h_out = torch.empty(rows, n, dtype=h2.dtype, device=h2.device) if delta is not None or ids is not None else h2
     x_out = torch.empty_like(h_out)
     block = _next_pow2(n)
     pdl = pdl_on(h2)  # chain_start: still triggers its successor early; nothing for its wait to wait on
-    kern[(rows,)](d2, e2, h2, weight, h_out, x_out, n, float(eps), ids if ids is not None else h2,
-                  HAS_DELTA=delta is not None, HAS_EXTRA=delta is not None and extra is not None,
+    has_extra = delta is not None and extra is not None
+    s_flag, s_on = _signal_args(signal, flag, rows)
+    kern[(rows,)](d2, e2, h2, weight, h_out, x_out, n, float(eps), ids if ids is not None else h2, flag, target, s_flag,
+                  HAS_DELTA=delta is not None, HAS_EXTRA=has_extra,
                   BLOCK=block, num_warps=min(16, max(1, block // 256)), PDL=pdl, W_EARLY=NORM_W_EARLY,
-                  HAS_IDS=ids is not None, launch_pdl=pdl and not chain_start)
+                  HAS_IDS=ids is not None, HAS_READY=bool(ready and has_extra), EARLY=READY_EARLY_TRIGGER,
+                  SIGNAL=s_on, launch_pdl=pdl and not chain_start)
     if ids is not None:
         return h_out, x_out
     return h_out.view(h.shape), x_out.view(h.shape)
@@ -849,13 +989,16 @@ def advance_triton(slot, step, valid):
                                RB=max(2, _next_pow2(rows)), num_warps=1, PDL=pdl_on(valid), launch_pdl=pdl_on(valid))
 
 
-def silu_mul_triton(gate_up, extra=None):
+def silu_mul_triton(gate_up, extra=None, signal=None):
     kern = _triton_kernels()[2]
     inter = gate_up.shape[-1] // 2
     gu = gate_up.reshape(-1, 2 * inter).contiguous()
+    extra, flag, target, ready = _ready_args(extra, gu)
     e = extra.reshape(-1, 2 * inter).contiguous() if extra is not None else gu
     out = torch.empty(gu.shape[0], inter, dtype=gu.dtype, device=gu.device)
     block = 1024
-    kern[(gu.shape[0], -(-inter // block))](gu, e, out, inter, HAS_EXTRA=extra is not None, BLOCK=block, num_warps=4,
-                                            PDL=pdl_on(gu), launch_pdl=pdl_on(gu))
+    grid = (gu.shape[0], -(-inter // block))
+    s_flag, s_on = _signal_args(signal, flag, grid[0] * grid[1])
+    kern[grid](gu, e, out, inter, flag, target, s_flag, HAS_EXTRA=extra is not None, BLOCK=block, num_warps=4,
+               PDL=pdl_on(gu), HAS_READY=ready, EARLY=READY_EARLY_TRIGGER, SIGNAL=s_on, launch_pdl=pdl_on(gu))
     return out.view(*gate_up.shape[:-1], inter)

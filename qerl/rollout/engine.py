@@ -62,8 +62,8 @@ from qerl.env import env_int
 from qerl.nn.quant_linear import _outside_inference_mode
 from qerl.kernels import bf16_gemv
 from qerl.kernels.lora_ops import shrink_splits
-from qerl.kernels.decode_ops import (add_rms_norm, advance, advance_reference, decode_attention_rope, embed_rms_norm,
-                                    pdl_on, rotary, rotary_rows, silu_mul)
+from qerl.kernels.decode_ops import (Ready, Signal, add_rms_norm, advance, advance_reference, decode_attention_rope,
+                                    embed_rms_norm, pdl_on, rotary, rotary_rows, silu_mul)
 from qerl.rl.rollout import RolloutBatch, RolloutSettings, pad_prompts
 from qerl.rollout.fuse import LinearGroup
 from qerl.kernels.sample_ops import SampleState, sample_step
@@ -173,6 +173,15 @@ NORM_FOLD = os.environ.get("QERL_ROLLOUT_NORM_FOLD", "1") == "1"
 # 14B step at 32 / 64 rows 9.77 -> 9.54 / 13.62 -> 13.19 ms, 7B at 32 rows 4.712 -> 4.630 ms.
 # False: each row reads its own copy (ablation flag `noshare`).
 SHARE_PROMPT_KEYS = os.environ.get("QERL_ROLLOUT_SHARE_PROMPT_KEYS", "1") == "1"
+# LoRA in captured decode steps by one resident kernel instead of the side stream's two kernels,
+# fork and join per linear group (qerl.kernels.lora_resident): launched once per step on the side
+# stream, LORA_RESIDENT_PROGRAMS programs wait on the device for each group's input (the norm,
+# attention-combine and silu kernels count their programs out: decode_ops.Signal) and the kernel
+# that adds the delta waits for it (decode_ops.Ready). The side stream's edges cost the 7B / 14B
+# step 10-12% with empty kernels (NOTES_rollout.md sections 27, 50). Experimental, off
+# (QERL_LORA_RESIDENT=1, ablation flag `lres`); where it does not apply (`_resident_ok`) the side stream runs.
+LORA_RESIDENT = os.environ.get("QERL_LORA_RESIDENT", "0") == "1"
+LORA_RESIDENT_PROGRAMS = env_int("QERL_LORA_RESIDENT_PROGRAMS", 8)
 
 
 class EngineError(ValueError):
@@ -231,13 +240,14 @@ class _Norm:
         with torch.no_grad():
             self.weight.copy_(_active_norm(self.mod).weight)
 
-    def __call__(self, delta: torch.Tensor | None, h: torch.Tensor, extra: torch.Tensor | None = None):
-        """(h + delta (+ extra), norm of that)."""
-        return add_rms_norm(delta, h, self.weight, self.eps, extra)
+    def __call__(self, delta: torch.Tensor | None, h: torch.Tensor, extra: torch.Tensor | None = None,
+                 signal: Signal | None = None):
+        """(h + delta (+ extra), norm of that); `signal`: decode_ops'."""
+        return add_rms_norm(delta, h, self.weight, self.eps, extra, signal)
 
-    def embed(self, ids: torch.Tensor, table: torch.Tensor):
+    def embed(self, ids: torch.Tensor, table: torch.Tensor, signal: Signal | None = None):
         """(table[ids], norm of that): the embedding lookup inside the norm's launch."""
-        return embed_rms_norm(ids, table, self.weight, self.eps)
+        return embed_rms_norm(ids, table, self.weight, self.eps, signal)
 
 
 class _Layer:
@@ -260,15 +270,99 @@ class _Layer:
     def groups(self) -> list[LinearGroup]:
         return [self.qkv, self.o, self.gate_up, self.down]
 
-    def gate(self, gu: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+    def gate(self, gu: torch.Tensor, extra: torch.Tensor | None = None, signal: Signal | None = None) -> torch.Tensor:
         """act(gate) * up from the fused gate/up output (+ its LoRA delta)."""
         if self.silu:
-            return silu_mul(gu, extra)
+            return silu_mul(gu, extra, signal)
         gate, up = (gu if extra is None else gu + extra).chunk(2, dim=-1)
         return self.act(gate) * up
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.gate(self.gate_up(x)))
+
+
+def _resident_join() -> None:
+    raise EngineError("a resident LoRA delta reached a path that cannot wait for it on the device")
+
+
+class _Resident:
+    """One decode step's state for the resident LoRA kernel (LORA_RESIDENT): its flags, shrink
+    accumulators and table of groups (qerl.kernels.lora_resident), filled while the step's forward
+    is recorded. `dry`: an eager warm-up of the same launches (each consumer's wait is passed in
+    advance and the kernel runs after the forward), so nothing compiles inside a graph capture."""
+
+    KINDS = {"qkv": 0, "o": 1, "gate_up": 2, "down": 3}
+
+    def __init__(self, engine: "RolloutEngine", rows: int, dry: bool = False):
+        from qerl.kernels import lora_resident
+
+        self.engine, self.rows, self.dry = engine, rows, dry
+        self.programs = LORA_RESIDENT_PROGRAMS
+        groups = [g for layer in engine.layers for g in layer.groups()]
+        dev = engine.device
+        self.groups = len(groups)
+        self.rank = groups[0].rank
+        rp = 1 << max(0, (max(g._a.shape[0] for g in groups) - 1).bit_length())
+        self.flags = torch.zeros(3 * self.groups + 1, dtype=torch.int32, device=dev)
+        self.xa = torch.zeros(self.groups, lora_resident.MP, rp, dtype=torch.float32, device=dev)
+        self.table = torch.zeros(self.groups, lora_resident.FIELDS, dtype=torch.int64, device=dev)
+        self.entries: list[list[int]] = []
+        self.signals: list[Signal] = []
+        self.keep: list[torch.Tensor] = []  # the groups' inputs stay allocated while the kernel may read them
+        self.start = torch.cuda.Event()
+
+    def begin(self, main) -> None:
+        """At the step's start, on the main stream: flags and accumulators zeroed (dry: every consumer's
+        wait already met), and the event the kernel's launch waits on."""
+        self.flags.zero_()
+        self.xa.zero_()
+        if self.dry:
+            self.flags[2:3 * self.groups:3] = self.programs
+        self.start.record(main)
+
+    def signal(self) -> Signal:
+        sig = Signal(self.flags[3 * len(self.signals):3 * len(self.signals) + 1])
+        self.signals.append(sig)
+        return sig
+
+    def group(self, group: LinearGroup, x: torch.Tensor, source: tuple, kind: str) -> Ready:
+        from qerl.kernels import lora_resident
+
+        layer, sig = source
+        g = 4 * layer + self.KINDS[kind]
+        if len(self.entries) != g or self.signals[g] is not sig or not sig.programs:
+            raise EngineError(f"resident LoRA: group {kind} of layer {layer} out of order or its input did not signal")
+        out = self.engine._resident_delta(layer, kind, group)
+        x2 = x.reshape(-1, group.in_features)
+        self.entries.append(lora_resident.table_row(self.engine._res_base, x2, group._a, group._b, out, group.bounds,
+                                                    sig.programs))
+        self.keep.append(x2)
+        return Ready(out[:self.rows], self.flags[3 * g + 2:3 * g + 3], self.programs, _resident_join)
+
+    def finish(self) -> None:
+        """The table into device memory (after a capture: the graph's kernel reads it at each replay)."""
+        if len(self.entries) != self.groups:
+            raise EngineError(f"resident LoRA: {len(self.entries)} of {self.groups} groups recorded")
+        self.table.copy_(torch.tensor(self.entries, dtype=torch.int64))
+
+    def launch(self, main, side) -> None:
+        """The kernel on the side stream, after the step's start (dry: after the whole forward), joined
+        back into the main stream (the step's one fork and one join)."""
+        from qerl.kernels import lora_resident
+
+        if self.dry:
+            self.finish()
+            side.wait_stream(main)
+        else:
+            side.wait_event(self.start)
+        with torch.cuda.stream(side):
+            lora_resident.resident_lora(self.engine._res_base, self.table, self.flags, self.xa, self.groups, self.rows,
+                                        self.rank, self.programs)
+        main.wait_stream(side)
+
+    def timeouts(self) -> int:
+        """Waits that gave up (lora_resident.SPIN_CAP) since the last begin(): 0 unless a producer never came."""
+        return int(self.flags[-1])
 
 
 class RolloutEngine:
@@ -348,6 +442,9 @@ class RolloutEngine:
         # stream's priority, and restoring the per-node priorities there changed nothing, NOTES_rollout.md section 48)
         self._side = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self._lora_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # kind -> LinearGroup.lora_workspace
+        self._res: _Resident | None = None  # LORA_RESIDENT: the state of the step being recorded
+        self._res_deltas: dict[tuple, torch.Tensor] = {}  # (layer, kind) -> [MP, N] delta buffer
+        self._res_base = torch.zeros(8, dtype=self.dtype, device=self.device)  # the offsets' origin
         self.stats: dict = {}
 
     # ------------------------------------------------------------------ forward pieces
@@ -446,40 +543,51 @@ class RolloutEngine:
         plan = self._fold_plan(rows) if NORM_FOLD else None
         shared = (self._lead[:rows], self._shared) if SHARE_PROMPT_KEYS else ()
         scale = None  # NORM_FOLD: x is bf16(r * weight) and the next product applies this scale
+        res = self._res  # LORA_RESIDENT: this step's resident-kernel state (None: the side stream)
+        if res is not None:
+            res.begin(torch.cuda.current_stream(self.device))
+        sig = res.signal if res is not None else (lambda: None)
         for i, layer in enumerate(self.layers):
+            s_in = sig()
             if h is None:
-                h, x = layer.attn_norm.embed(tok, self.embed.weight)
+                h, x = layer.attn_norm.embed(tok, self.embed.weight, s_in)
             elif scale is None:
-                h, x = layer.attn_norm(delta, h, lo_down)
+                h, x = layer.attn_norm(delta, h, lo_down, s_in)
             kc, vc = self._k[i][:rows], self._v[i][:rows]
-            qkv, lo = self._linear(layer.qkv, x, "qkv", scale)
+            qkv, lo = self._linear(layer.qkv, x, "qkv", scale, (i, s_in))
             if layer.q_norm is not None:  # Qwen3: per-head norms on q and k before RoPE
                 d = self.head_dim
                 qkv = qkv if lo is None else qkv + lo
                 q, k, v = qkv.view(rows, -1, d).split([self.n_heads, self.n_kv, self.n_kv], dim=1)
                 q, k = layer.q_norm(None, q)[1], layer.k_norm(None, k)[1]
                 qkv, lo = torch.cat([q, k, v], 1).reshape(rows, -1), None
+            s_in = sig()
             attn = decode_attention_rope(qkv, cos, sin, kc, vc, self._slot, valid, keys, self.scaling, self.n_heads,
-                                         self.n_kv, lo, self._attn_counters, at, *shared)
+                                         self.n_kv, lo, self._attn_counters, at, *shared, signal=s_in)
             fold_o, fold_down = plan[i] if plan else (False, False)
             if fold_o:
                 h, x, scale = layer.o.res_forward(attn, h, layer.mlp_norm.weight, layer.mlp_norm.eps)
             else:
-                o, lo = self._linear(layer.o, attn, "o")
-                h, x = layer.mlp_norm(o, h, lo)
+                o, lo = self._linear(layer.o, attn, "o", source=(i, s_in))
+                s_in = sig()
+                h, x = layer.mlp_norm(o, h, lo, s_in)
                 scale = None
             act = layer.gate_up.glu_forward(x, scale) if GLU and layer.silu else None
             if act is None:
-                gu, lo = self._linear(layer.gate_up, x, "gate_up", scale)
-                act = layer.gate(gu, lo)
+                gu, lo = self._linear(layer.gate_up, x, "gate_up", scale, (i, s_in))
+                s_in = sig()
+                act = layer.gate(gu, lo, s_in)
             if fold_down:
                 nxt = self.layers[i + 1].attn_norm
                 h, x, scale = layer.down.res_forward(act, h, nxt.weight, nxt.eps)
                 delta = lo_down = None
             else:
-                delta, lo_down = self._linear(layer.down, act, "down")
+                delta, lo_down = self._linear(layer.down, act, "down", source=(i, s_in))
                 scale = None
-        return bf16_gemv.dense(self.lm_head, self.final_norm(delta, h, lo_down)[1])  # batch 1: the PDL GEMV
+        logits = bf16_gemv.dense(self.lm_head, self.final_norm(delta, h, lo_down)[1])  # batch 1: the PDL GEMV
+        if res is not None:
+            res.launch(torch.cuda.current_stream(self.device), self._side)
+        return logits
 
     def _fold_plan(self, rows: int) -> list[tuple[bool, bool]]:
         """NORM_FOLD per layer: (fold the mlp norm into o -> gate/up, fold the next layer's input
@@ -488,16 +596,23 @@ class RolloutEngine:
                layer.down.fold_usable(rows)) for layer in self.layers]
         return [(o and gu, d and i + 1 < len(ok) and ok[i + 1][0]) for i, (_q, o, gu, d) in enumerate(ok)]
 
-    def _linear(self, group: LinearGroup, x: torch.Tensor, kind: str, scale: tuple | None = None):
+    def _linear(self, group: LinearGroup, x: torch.Tensor, kind: str, scale: tuple | None = None,
+                source: tuple | None = None):
         """(base product, LoRA delta or None): on a GPU the delta's two kernels run on the side
         stream while the base product runs; the caller's kernel adds the delta (`extra`). `scale`
-        (NORM_FOLD): x is bf16(r * weight) and the product applies the norm's scale.
+        (NORM_FOLD): x is bf16(r * weight) and the product applies the norm's scale. `source`
+        (layer index, the Signal of x's kernel): with LORA_RESIDENT the delta is the resident
+        kernel's, a decode_ops.Ready.
         (Running the shrink first on the main stream, so the base product cannot starve it, was
         slower: 0.72-0.79 of the no-LoRA step at 14B r64 against 0.89; NOTES_rollout.md section 7.)"""
         if scale is not None:
             return group.scale_forward(x, scale), None
         if not group.has_lora:
             return group.base_forward(x), None
+        if self._res is not None:
+            with self._lora_gemv_plan(kind):
+                y = group.base_forward(x)
+            return y, self._res.group(group, x, source, kind)
         workspace = self._lora_workspace(group, kind)
         if self._side is None:
             return group.base_forward(x), group.lora(x, workspace)
@@ -509,6 +624,36 @@ class RolloutEngine:
             y = group.base_forward(x)
         main.wait_stream(self._side)
         return y, (lo if lo.dtype == y.dtype else lo.to(y.dtype))
+
+    def _resident_ok(self, rows: int) -> bool:
+        """LORA_RESIDENT applies to a captured step of `rows` rows: a GPU with Triton, every linear
+        group with its LoRA in one rank of 16..128 (bf16 / fp16 as the model), output blocks the kernel
+        takes, SiLU MLPs, no q / k norms, the attention's combine as its own kernel."""
+        from qerl.kernels import decode_ops, lora_resident
+
+        if not (LORA_RESIDENT and self._side is not None and rows <= lora_resident.MP) or decode_ops.ATTN_COMBINE:
+            return False
+        from qerl import kernels
+
+        if not kernels.available():
+            return False
+        groups = [g for layer in self.layers for g in layer.groups()]
+        rank = groups[0].rank
+        bn = lora_resident.BN
+        return (all(layer.silu and layer.q_norm is None for layer in self.layers) and rank in (16, 32, 64, 128)
+                and all(g.has_lora and g.rank == rank and g._a.dtype == self.dtype and g._b.shape[0] % bn == 0
+                        and g.bounds[0] % bn == 0 and g.bounds[1] % bn == 0 for g in groups))
+
+    def _resident_delta(self, layer: int, kind: str, group: LinearGroup) -> torch.Tensor:
+        """The resident kernel's delta buffer of one group (zeros at first: a dry step reads it unwritten)."""
+        from qerl.kernels.lora_resident import MP
+
+        key = (layer, kind)
+        buf = self._res_deltas.get(key)
+        if buf is None or buf.shape[1] != group._b.shape[0] or buf.dtype != self.dtype:
+            with _outside_inference_mode():
+                buf = self._res_deltas[key] = torch.zeros(MP, group._b.shape[0], dtype=self.dtype, device=self.device)
+        return buf
 
     def _lora_workspace(self, group: LinearGroup, kind: str) -> tuple[torch.Tensor, ...]:
         """The preallocated LoRA buffers of this group kind and shape (made on first use)."""
@@ -532,6 +677,14 @@ class RolloutEngine:
             return contextlib.nullcontext()
         xs = {} if LORA_GEMV_XS is None else {"XS": LORA_GEMV_XS}
         return w4a16_gluon.defaults(PER_SM=per_sm, STREAMK=False, **xs)
+
+    def _resident_step(self, res: _Resident, fn):
+        """fn() with `res` as the state the forward records into (LORA_RESIDENT)."""
+        self._res = res
+        try:
+            return fn()
+        finally:
+            self._res = None
 
     def _sample_and_advance(self, logits: torch.Tensor, rows: int, sampling: tuple) -> None:
         """Sample token self._step for every row, record it, and move the state one token on.
@@ -558,14 +711,23 @@ class RolloutEngine:
         key = (rows, keys, sampling if whole else None)
         graph = self._graphs.get(key)
         if graph is None:
+            if self._resident_ok(rows):  # its launches once, eagerly, before the step (which rewrites the same slot)
+                self._resident_step(_Resident(self, rows, dry=True), lambda: self._decode_logits(rows, keys))
             logits = self._decode_logits(rows, keys)
             self._graphs[key] = "warm"
         else:
             if graph == "warm":
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._graph_pool()):
-                    out = self._decode_step(rows, keys, sampling) if whole else self._decode_logits(rows, keys)
-                self._graphs[key] = graph = (graph, out)
+                res = _Resident(self, rows) if self._resident_ok(rows) else None
+
+                def record():
+                    with torch.cuda.graph(graph, pool=self._graph_pool()):
+                        return self._decode_step(rows, keys, sampling) if whole else self._decode_logits(rows, keys)
+
+                out = self._resident_step(res, record) if res is not None else record()
+                if res is not None:
+                    res.finish()
+                self._graphs[key] = graph = (graph, out, res)
             graph[0].replay()
             logits = graph[1]
             if whole:

@@ -1,0 +1,171 @@
+"""A resident LoRA kernel for a decode step: one launch computes every linear group's delta.
+
+The side stream of the rollout engine forks and joins once per linear group (112 times in a 7B
+step), and those edges cost the step 10-12% even with empty kernels (benchmarks/NOTES_rollout.md
+sections 27 and 48-50). Here one kernel, launched on the side stream at the start of the step,
+stays resident on a few SMs for the whole step and synchronises with the main chain on the device:
+
+    for each group g, in the order of the step:
+        wait until flags[3g] reaches in_target      (each program of the kernel that writes g's
+                                                     input adds one after its stores: `signal`)
+        xa[g] += x[:, my K slices] @ A^T            (fp32 atomics; A is [rt, K], rt = segments x rank)
+        arrive at flags[3g + 1]; wait for all programs
+        delta[:, my column blocks] = bf16(xa[g][:, segment]) @ B[block]^T
+        add one to flags[3g + 2]                    (the consumer waits for `programs`, decode_ops.Ready)
+
+Table of groups: int64 [G, FIELDS], offsets in elements from `base` (a bf16 tensor), so the kernel
+casts no integer to a pointer (the interpreter cannot) and one table serves any buffers:
+x, a, b, out (element offsets), k, n, n1, n2 (segment bounds, as fuse.LinearGroup), rt, sx (x's row
+stride), in_target. flags: int32 [3 G + 1] zeros at the step's start; the last one counts waits that
+gave up (SPIN_CAP polls: a producer that never came; the delta is then garbage, never a hang).
+xa: fp32 [G, MP, RP] zeros at the step's start.
+
+The math equals qerl.kernels.lora_ops (shrink in fp32, rounded to the activation dtype, expand
+with fp32 accumulation); `resident_reference` is the torch form. The fp32 atomics make the low bits
+of xa vary between runs. Needs every output segment boundary and N to be multiples of BN.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+__all__ = ["BN", "FIELDS", "MP", "resident_lora", "resident_reference", "table_row"]
+
+FIELDS = 16  # table row width (12 used)
+MP = 16  # rows per step the kernel takes (the tl.dot minimum; decode steps of 1..16 rows)
+BK = 64
+BN = 64
+SPIN_CAP = 1 << 20
+
+
+def table_row(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+              bounds: tuple[int, int], in_target: int) -> list[int]:
+    """One group's table row: x [M, K] (unit column stride), a [rt, K], b [N, rank], out [>= M, N]
+    contiguous, all of base's dtype; in_target: how many producer programs signal."""
+    size = base.element_size()
+
+    def off(t: torch.Tensor) -> int:
+        if t.dtype != base.dtype:
+            raise ValueError(f"resident LoRA: {t.dtype} operand, the table's base is {base.dtype}")
+        return (t.data_ptr() - base.data_ptr()) // size
+
+    k, n = x.shape[1], b.shape[0]
+    if x.stride(1) != 1 or not (a.is_contiguous() and b.is_contiguous() and out.is_contiguous()):
+        raise ValueError("resident LoRA: x needs unit column stride, a / b / out contiguous")
+    if n % BN or bounds[0] % BN or bounds[1] % BN or out.shape[1] != n or a.shape[1] != k:
+        raise ValueError(f"resident LoRA: N {n} and bounds {bounds} must be multiples of {BN}, out [.., {n}]")
+    row = [off(x), off(a), off(b), off(out), k, n, bounds[0], bounds[1], a.shape[0], x.stride(0), int(in_target)]
+    return row + [0] * (FIELDS - len(row))
+
+
+def resident_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: tuple[int, int],
+                       rank: int) -> torch.Tensor:
+    """What the kernel writes for one group: per segment bf16(x @ A_seg^T in fp32) @ B_seg^T."""
+    n = b.shape[0]
+    h = (x.float() @ a.float().t()).to(x.dtype)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    edges = [0, bounds[0], bounds[1], n]
+    for s in range(3):
+        if edges[s + 1] > edges[s]:
+            out[:, edges[s]:edges[s + 1]] = (h[:, s * rank:(s + 1) * rank].float()
+                                             @ b[edges[s]:edges[s + 1]].float().t()).to(x.dtype)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _spin(ptr, target, err_ptr, CAP: tl.constexpr):
+        # volatile polls (no atomic traffic), then an acquire whose value is used (lora_ops: a dropped
+        # acquire orders nothing); gives up after CAP polls and counts that
+        n = 0
+        done = tl.load(ptr, volatile=True)
+        while (done < target) & (n < CAP):
+            done = tl.load(ptr, volatile=True)
+            n += 1
+        done = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        while (done < target) & (n < CAP):
+            done = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+            n += 1
+        if done < target:
+            tl.atomic_add(err_ptr, 1)
+        tl.debug_barrier()
+
+    globals()["_spin"] = _spin  # the kernel calls it by name: Triton (and its interpreter) look it up in the module
+
+    @triton.jit(do_not_specialize=["groups", "M"])
+    def resident_kernel(base, tab_ptr, flags_ptr, xa_ptr, groups, M, RANK: tl.constexpr, RP: tl.constexpr,
+                        MP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, FIELDS: tl.constexpr,
+                        CAP: tl.constexpr):
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        rows = tl.arange(0, MP)
+        rm = rows < M
+        rr = tl.arange(0, RP)
+        kk = tl.arange(0, BK)
+        cn = tl.arange(0, BN)
+        rk = tl.arange(0, RANK)
+        err = flags_ptr + 3 * groups
+        for g in range(groups):
+            t = tab_ptr + g * FIELDS
+            x_ptr = base + tl.load(t)
+            a_ptr = base + tl.load(t + 1)
+            b_ptr = base + tl.load(t + 2)
+            o_ptr = base + tl.load(t + 3)
+            K = tl.load(t + 4)
+            N = tl.load(t + 5)
+            n1 = tl.load(t + 6)
+            n2 = tl.load(t + 7)
+            rt = tl.load(t + 8)
+            sx = tl.load(t + 9)
+            target = tl.load(t + 10).to(tl.int32)
+            xa = xa_ptr + g * MP * RP
+            _spin(flags_ptr + 3 * g, target, err, CAP)
+            acc = tl.zeros([MP, RP], tl.float32)
+            for k0 in tl.range(pid * BK, K, nprog * BK, num_stages=1):
+                k = k0 + kk
+                km = k < K
+                # .cg: the producer wrote x just now, and an earlier group's x may have had this address (L1 is
+                # not coherent)
+                xk = tl.load(x_ptr + rows[:, None] * sx + k[None, :], mask=rm[:, None] & km[None, :], other=0.0,
+                             cache_modifier=".cg")
+                ak = tl.load(a_ptr + rr[None, :] * K + k[:, None], mask=(rr < rt)[None, :] & km[:, None], other=0.0)
+                acc = tl.dot(xk, ak, acc)
+            tl.atomic_add(xa + rows[:, None] * RP + rr[None, :], acc, mask=rm[:, None] & (rr < rt)[None, :],
+                          sem="relaxed", scope="gpu")
+            tl.debug_barrier()  # every thread's partial before the arrival
+            tl.atomic_add(flags_ptr + 3 * g + 1, 1, sem="release", scope="gpu")
+            _spin(flags_ptr + 3 * g + 1, nprog, err, CAP)
+            for c0 in tl.range(pid * BN, N, nprog * BN, num_stages=1):
+                seg = (c0 >= n1).to(tl.int32) + (c0 >= n2).to(tl.int32)
+                h = tl.load(xa + rows[:, None] * RP + seg * RANK + rk[None, :], cache_modifier=".cg")
+                bt = tl.load(b_ptr + (c0 + cn)[None, :] * RANK + rk[:, None])
+                y = tl.dot(h.to(bt.dtype), bt)
+                tl.store(o_ptr + rows[:, None] * N + (c0 + cn)[None, :], y.to(bt.dtype), mask=rm[:, None])
+            tl.debug_barrier()  # every thread's delta before the count
+            tl.atomic_add(flags_ptr + 3 * g + 2, 1, sem="release", scope="gpu")
+
+    return resident_kernel
+
+
+def resident_lora(base: torch.Tensor, table: torch.Tensor, flags: torch.Tensor, xa: torch.Tensor, groups: int,
+                  rows: int, rank: int, programs: int, cap: int = SPIN_CAP) -> None:
+    """Launch the resident kernel over `groups` rows of `table` (see the module docstring) on the
+    current stream; `programs` of them, which must all be resident at once (they wait on each other).
+    xa: fp32 [>= groups, MP, RP], RP a power of two >= every group's rt; `cap`: polls before a wait gives up."""
+    if rows > MP or xa.shape[-2] != MP or xa.shape[-1] & (xa.shape[-1] - 1):
+        raise ValueError(f"resident LoRA takes at most {MP} rows (got {rows}) and xa [G, {MP}, power of two]")
+    if rank & (rank - 1) or not 16 <= rank <= 128:
+        raise ValueError(f"resident LoRA takes ranks 16, 32, 64 or 128, got {rank}")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from qerl.kernels.w4a16_triton import _patch_interpreter
+
+        _patch_interpreter()
+    _kernel()[(programs,)](base, table, flags, xa, groups, rows, RANK=rank, RP=xa.shape[-1], MP=MP, BK=BK, BN=BN,
+                           FIELDS=FIELDS, CAP=cap, num_warps=4)

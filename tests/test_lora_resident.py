@@ -1,0 +1,81 @@
+"""qerl.kernels.lora_resident: the resident LoRA kernel (Triton's interpreter, one program, in a
+subprocess, CPU float32) against its torch reference and lora_ops' reference on fresh random inputs:
+one, two and three segments, a K that is no multiple of the block, rows that are no power of two;
+the flags it leaves (arrival, output counts) and a wait that gives up is counted, not hung."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from interpreted import run_interpreted
+from qerl.kernels import lora_ops, lora_resident
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, torch
+    from qerl.kernels import lora_ops, lora_resident as lr
+    torch.manual_seed(int(__import__("os").environ.get("SEED", "0")))
+    rank, m = 16, 5
+    shapes = [(128, [128, 64, 64]), (160, [128]), (96, [64, 64])]  # (K, segment sizes)
+    base = torch.zeros(4)
+    table, keep, want = [], [], []
+    for k, sizes in shapes:
+        n = sum(sizes)
+        edges = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+        bounds = (edges[0] if len(sizes) > 1 else n, edges[1] if len(sizes) > 2 else n)
+        x = torch.randn(m, k + 3)[:, :k]  # a row stride that is not K
+        a = torch.randn(len(sizes) * rank, k) * 0.1
+        b = torch.randn(n, rank) * 0.1
+        out = torch.full((lr.MP, n), float("nan"))
+        table.append(lr.table_row(base, x, a, b, out, bounds, 3))
+        keep += [x, a, b, out]
+        want.append((lr.resident_reference(x, a, b, bounds, rank), lora_ops.lora_delta_reference(x.contiguous(), a, b, bounds, rank)))
+    g = len(shapes)
+    res = []
+    for missing in (False, True):
+        flags = torch.zeros(3 * g + 1, dtype=torch.int32)
+        flags[0:3 * g:3] = 3  # every producer (3 programs) has signalled
+        if missing:
+            flags[3] = 2  # group 1's producer is one program short
+        xa = torch.zeros(g, lr.MP, 64)
+        lr.resident_lora(base, torch.tensor(table, dtype=torch.int64), flags, xa, g, m, rank, 1, cap=8)
+        errs = [float((keep[4 * i + 3][:m] - r).abs().max() / r.abs().max()) for i, (r, _) in enumerate(want)]
+        errs_ops = [float((r - o).abs().max() / o.abs().max()) for r, o in want]
+        res.append({"errs": errs, "errs_ops": errs_ops, "flags": flags.tolist(),
+                    "untouched": all(bool(keep[4 * i + 3][m:].isnan().all()) for i in range(g))})
+    print("RESULTS" + json.dumps(res))
+    """
+)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_resident_kernel_under_interpreter(seed):
+    done, short = run_interpreted(_SCRIPT, seed)
+    assert max(done["errs"]) <= 1e-6, done  # float32: the kernel's sums against torch's
+    assert max(done["errs_ops"]) <= 1e-6, done  # the reference is lora_ops' product
+    # per group: input count as set, one arrival, one output count (one program); no wait gave up
+    assert done["flags"] == [3, 1, 1] * 3 + [0], done
+    assert done["untouched"]  # rows past M are not written
+    assert short["flags"][-1] == 1 and short["flags"][3:6] == [2, 1, 1], short  # counted, and it went on
+    assert max(short["errs"]) <= 1e-6  # (the input was there: only the count was short)
+
+
+def test_table_row_refuses_what_the_kernel_cannot_take():
+    base = torch.zeros(4, dtype=torch.bfloat16)
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    a = torch.zeros(16, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        lora_resident.table_row(base, x, a, torch.zeros(96, 16, dtype=torch.bfloat16),
+                                torch.zeros(16, 96, dtype=torch.bfloat16), (96, 96), 1)
+    with pytest.raises(ValueError, match="table's base"):
+        lora_resident.table_row(base, x.float(), a, torch.zeros(64, 16, dtype=torch.bfloat16),
+                                torch.zeros(16, 64, dtype=torch.bfloat16), (64, 64), 1)
+    row = lora_resident.table_row(base, x, a, torch.zeros(64, 16, dtype=torch.bfloat16),
+                                  torch.zeros(16, 64, dtype=torch.bfloat16), (64, 64), 7)
+    assert len(row) == lora_resident.FIELDS and row[4:11] == [64, 64, 64, 64, 16, 64, 7]
+    with pytest.raises(ValueError, match="ranks 16"):
+        lora_resident.resident_lora(base, torch.zeros(1, 16, dtype=torch.int64), torch.zeros(4, dtype=torch.int32),
+                                    torch.zeros(1, 16, 64), 1, 2, 8, 1)
