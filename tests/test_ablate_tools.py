@@ -528,3 +528,24 @@ def test_hold_flags_parse_fork_a_hold_stream_per_step_and_restore(ablate, monkey
     with pytest.raises(SystemExit, match="bad flag"):
         with ablate.variant_of(engine, "base@hold:8"):
             pass
+
+
+def test_lres_flags_set_the_resident_kernel_and_restore(ablate):
+    """lres16 / lres:P:BK:BN:S:W turn engine.LORA_RESIDENT on with that many programs (and the kernel's tiles,
+    stages and warps) for the variant only; malformed forms are refused in one line."""
+    from qerl.kernels import lora_resident as lr
+    from qerl.rollout import engine as engine_mod
+
+    before = (engine_mod.LORA_RESIDENT, engine_mod.LORA_RESIDENT_PROGRAMS, lr.BK, lr.BN, lr.STAGES, lr.WARPS)
+    engine = _Engine()
+    with ablate.variant_of(engine, "lora@lres16"):
+        assert (engine_mod.LORA_RESIDENT, engine_mod.LORA_RESIDENT_PROGRAMS) == (True, 16)
+    with ablate.variant_of(engine, "lora@lres:24:128:256:3:8"):
+        got = (engine_mod.LORA_RESIDENT, engine_mod.LORA_RESIDENT_PROGRAMS, lr.BK, lr.BN, lr.STAGES, lr.WARPS)
+        assert got == (True, 24, 128, 256, 3, 8)
+    assert (engine_mod.LORA_RESIDENT, engine_mod.LORA_RESIDENT_PROGRAMS, lr.BK, lr.BN, lr.STAGES, lr.WARPS) == before
+    for bad in ("lres:8:64:64:1", "lres:8:48:64:1:4", "lres:8:64:8:1:4", "lres:0:64:64:1:4", "lres:8:64:64:0:4",
+                "lres:8:64:64:1:3"):
+        with pytest.raises(SystemExit, match="bad flag"):
+            with ablate.variant_of(engine, f"lora@{bad}"):
+                pass

@@ -1,6 +1,6 @@
 """qerl.kernels.lora_resident: the resident LoRA kernel (Triton's interpreter, one program, in a
 subprocess, CPU float32) against its torch reference and lora_ops' reference on fresh random inputs:
-one, two and three segments, a K that is no multiple of the block, rows that are no power of two;
+one, two and three segments, two K tiles, a row stride that is not K, rows that are no power of two;
 the flags it leaves (arrival, output counts) and a wait that gives up is counted, not hung."""
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ _SCRIPT = textwrap.dedent(
     from qerl.kernels import lora_ops, lora_resident as lr
     torch.manual_seed(int(__import__("os").environ.get("SEED", "0")))
     rank, m = 16, 5
-    shapes = [(128, [128, 64, 64]), (160, [128]), (96, [64, 64])]  # (K, segment sizes)
+    shapes = [(128, [128, 64, 64]), (256, [128]), (384, [64, 64])]  # (K, segment sizes)
     base = torch.zeros(4)
     table, keep, want = [], [], []
     for k, sizes in shapes:
         n = sum(sizes)
         edges = [sum(sizes[:i + 1]) for i in range(len(sizes))]
         bounds = (edges[0] if len(sizes) > 1 else n, edges[1] if len(sizes) > 2 else n)
-        x = torch.randn(m, k + 3)[:, :k]  # a row stride that is not K
+        x = torch.randn(m, k + 8)[:, :k]  # a row stride that is not K
         a = torch.randn(len(sizes) * rank, k) * 0.1
         b = torch.randn(n, rank) * 0.1
         out = torch.full((lr.MP, n), float("nan"))
@@ -35,7 +35,7 @@ _SCRIPT = textwrap.dedent(
         want.append((lr.resident_reference(x, a, b, bounds, rank), lora_ops.lora_delta_reference(x.contiguous(), a, b, bounds, rank)))
     g = len(shapes)
     res = []
-    for missing in (False, True):
+    for missing, lr.BK, lr.STAGES in ((False, 64, 1), (True, 64, 1), (False, 128, 2)):
         flags = torch.zeros(3 * g + 1, dtype=torch.int32)
         flags[0:3 * g:3] = 3  # every producer (3 programs) has signalled
         if missing:
@@ -53,7 +53,8 @@ _SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_resident_kernel_under_interpreter(seed):
-    done, short = run_interpreted(_SCRIPT, seed)
+    done, short, wide = run_interpreted(_SCRIPT, seed)
+    assert max(wide["errs"]) <= 1e-6 and wide["flags"] == [3, 1, 1] * 3 + [0], wide  # BK 128, two stages
     assert max(done["errs"]) <= 1e-6, done  # float32: the kernel's sums against torch's
     assert max(done["errs_ops"]) <= 1e-6, done  # the reference is lora_ops' product
     # per group: input count as set, one arrival, one output count (one program); no wait gave up
@@ -70,6 +71,14 @@ def test_table_row_refuses_what_the_kernel_cannot_take():
     with pytest.raises(ValueError, match="multiples of 64"):
         lora_resident.table_row(base, x, a, torch.zeros(96, 16, dtype=torch.bfloat16),
                                 torch.zeros(16, 96, dtype=torch.bfloat16), (96, 96), 1)
+    with pytest.raises(ValueError, match="K 96 of 64"):
+        lora_resident.table_row(base, torch.zeros(2, 96, dtype=torch.bfloat16), torch.zeros(16, 96, dtype=torch.bfloat16),
+                                torch.zeros(64, 16, dtype=torch.bfloat16), torch.zeros(16, 64, dtype=torch.bfloat16),
+                                (64, 64), 1)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        lora_resident.table_row(base, torch.zeros(2, 68, dtype=torch.bfloat16)[:, 4:], a,
+                                torch.zeros(64, 16, dtype=torch.bfloat16), torch.zeros(16, 64, dtype=torch.bfloat16),
+                                (64, 64), 1)
     with pytest.raises(ValueError, match="table's base"):
         lora_resident.table_row(base, x.float(), a, torch.zeros(64, 16, dtype=torch.bfloat16),
                                 torch.zeros(16, 64, dtype=torch.bfloat16), (64, 64), 1)

@@ -22,7 +22,8 @@ xa: fp32 [G, MP, RP] zeros at the step's start.
 
 The math equals qerl.kernels.lora_ops (shrink in fp32, rounded to the activation dtype, expand
 with fp32 accumulation); `resident_reference` is the torch form. The fp32 atomics make the low bits
-of xa vary between runs. Needs every output segment boundary and N to be multiples of BN.
+of xa vary between runs. Needs every output segment boundary and N to be multiples of BN, K of BK,
+and 16-byte aligned operands (table_row checks; the kernel's loads are vectorised on that promise).
 """
 
 from __future__ import annotations
@@ -32,12 +33,17 @@ import os
 
 import torch
 
-__all__ = ["BN", "FIELDS", "MP", "resident_lora", "resident_reference", "table_row"]
+__all__ = ["BK", "BN", "FIELDS", "MP", "STAGES", "WARPS", "resident_lora", "resident_reference", "table_row"]
 
 FIELDS = 16  # table row width (12 used)
 MP = 16  # rows per step the kernel takes (the tl.dot minimum; decode steps of 1..16 rows)
+# The kernel's tiles and pipelining, read at each launch (the ablation flag lres:P:BK:BN:S:W sets them):
+# BK columns of x / A per shrink step, BN output columns per expand step, STAGES software-pipelining
+# depth of both loops (1: every step waits out its loads' latency), WARPS per program.
 BK = 64
 BN = 64
+STAGES = 1
+WARPS = 4
 SPIN_CAP = 1 << 20
 
 
@@ -55,9 +61,12 @@ def table_row(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Ten
     k, n = x.shape[1], b.shape[0]
     if x.stride(1) != 1 or not (a.is_contiguous() and b.is_contiguous() and out.is_contiguous()):
         raise ValueError("resident LoRA: x needs unit column stride, a / b / out contiguous")
-    if n % BN or bounds[0] % BN or bounds[1] % BN or out.shape[1] != n or a.shape[1] != k:
-        raise ValueError(f"resident LoRA: N {n} and bounds {bounds} must be multiples of {BN}, out [.., {n}]")
+    if n % BN or bounds[0] % BN or bounds[1] % BN or out.shape[1] != n or a.shape[1] != k or k % BK:
+        raise ValueError(f"resident LoRA: N {n} and bounds {bounds} must be multiples of {BN}, K {k} of {BK}, "
+                         f"out [.., {n}]")
     row = [off(x), off(a), off(b), off(out), k, n, bounds[0], bounds[1], a.shape[0], x.stride(0), int(in_target)]
+    if any(v % 8 for v in row[:4] + row[9:10]):
+        raise ValueError("resident LoRA: operands and x's rows must start 16-byte aligned (offsets multiples of 8)")
     return row + [0] * (FIELDS - len(row))
 
 
@@ -102,7 +111,7 @@ def _kernel():
     @triton.jit(do_not_specialize=["groups", "M"])
     def resident_kernel(base, tab_ptr, flags_ptr, xa_ptr, groups, M, RANK: tl.constexpr, RP: tl.constexpr,
                         MP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, FIELDS: tl.constexpr,
-                        CAP: tl.constexpr):
+                        CAP: tl.constexpr, STAGES: tl.constexpr):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         rows = tl.arange(0, MP)
@@ -114,35 +123,35 @@ def _kernel():
         err = flags_ptr + 3 * groups
         for g in range(groups):
             t = tab_ptr + g * FIELDS
-            x_ptr = base + tl.load(t)
-            a_ptr = base + tl.load(t + 1)
-            b_ptr = base + tl.load(t + 2)
-            o_ptr = base + tl.load(t + 3)
-            K = tl.load(t + 4)
-            N = tl.load(t + 5)
+            # the hints table_row guarantees (16-byte aligned operands and rows, K a multiple of BK, N of
+            # BN): without them no load is vectorised, and a tile's per-element pointers take every register
+            x_ptr = base + tl.multiple_of(tl.load(t), 8)
+            a_ptr = base + tl.multiple_of(tl.load(t + 1), 8)
+            b_ptr = base + tl.multiple_of(tl.load(t + 2), 8)
+            o_ptr = base + tl.multiple_of(tl.load(t + 3), 8)
+            K = tl.multiple_of(tl.load(t + 4), BK)
+            N = tl.multiple_of(tl.load(t + 5), BN)
             n1 = tl.load(t + 6)
             n2 = tl.load(t + 7)
             rt = tl.load(t + 8)
-            sx = tl.load(t + 9)
+            sx = tl.multiple_of(tl.load(t + 9), 8)
             target = tl.load(t + 10).to(tl.int32)
             xa = xa_ptr + g * MP * RP
             _spin(flags_ptr + 3 * g, target, err, CAP)
             acc = tl.zeros([MP, RP], tl.float32)
-            for k0 in tl.range(pid * BK, K, nprog * BK, num_stages=1):
+            for k0 in tl.range(pid * BK, K, nprog * BK, num_stages=STAGES):
                 k = k0 + kk
-                km = k < K
                 # .cg: the producer wrote x just now, and an earlier group's x may have had this address (L1 is
                 # not coherent)
-                xk = tl.load(x_ptr + rows[:, None] * sx + k[None, :], mask=rm[:, None] & km[None, :], other=0.0,
-                             cache_modifier=".cg")
-                ak = tl.load(a_ptr + rr[None, :] * K + k[:, None], mask=(rr < rt)[None, :] & km[:, None], other=0.0)
+                xk = tl.load(x_ptr + rows[:, None] * sx + k[None, :], mask=rm[:, None], other=0.0, cache_modifier=".cg")
+                ak = tl.load(a_ptr + rr[None, :] * K + k[:, None], mask=(rr < rt)[None, :], other=0.0)
                 acc = tl.dot(xk, ak, acc)
             tl.atomic_add(xa + rows[:, None] * RP + rr[None, :], acc, mask=rm[:, None] & (rr < rt)[None, :],
                           sem="relaxed", scope="gpu")
             tl.debug_barrier()  # every thread's partial before the arrival
             tl.atomic_add(flags_ptr + 3 * g + 1, 1, sem="release", scope="gpu")
             _spin(flags_ptr + 3 * g + 1, nprog, err, CAP)
-            for c0 in tl.range(pid * BN, N, nprog * BN, num_stages=1):
+            for c0 in tl.range(pid * BN, N, nprog * BN, num_stages=STAGES):
                 seg = (c0 >= n1).to(tl.int32) + (c0 >= n2).to(tl.int32)
                 h = tl.load(xa + rows[:, None] * RP + seg * RANK + rk[None, :], cache_modifier=".cg")
                 bt = tl.load(b_ptr + (c0 + cn)[None, :] * RANK + rk[:, None])
@@ -168,4 +177,4 @@ def resident_lora(base: torch.Tensor, table: torch.Tensor, flags: torch.Tensor, 
 
         _patch_interpreter()
     _kernel()[(programs,)](base, table, flags, xa, groups, rows, RANK=rank, RP=xa.shape[-1], MP=MP, BK=BK, BN=BN,
-                           FIELDS=FIELDS, CAP=cap, num_warps=4)
+                           FIELDS=FIELDS, CAP=cap, STAGES=STAGES, num_warps=WARPS)

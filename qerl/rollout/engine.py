@@ -642,7 +642,8 @@ class RolloutEngine:
         bn = lora_resident.BN
         return (all(layer.silu and layer.q_norm is None for layer in self.layers) and rank in (16, 32, 64, 128)
                 and all(g.has_lora and g.rank == rank and g._a.dtype == self.dtype and g._b.shape[0] % bn == 0
-                        and g.bounds[0] % bn == 0 and g.bounds[1] % bn == 0 for g in groups))
+                        and g.bounds[0] % bn == 0 and g.bounds[1] % bn == 0 and g.in_features % lora_resident.BK == 0
+                        for g in groups))
 
     def _resident_delta(self, layer: int, kind: str, group: LinearGroup) -> torch.Tensor:
         """The resident kernel's delta buffer of one group (zeros at first: a dry step reads it unwritten)."""
