@@ -229,16 +229,11 @@ def _triton_kernels():
     globals()["libdevice"] = libdevice
     globals()["_ROUND_EACH"] = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
+    from qerl.kernels.device_wait import wait_count
+
     @triton.jit
     def _wait_ready(r_ptr, target):
-        # (Ready) poll with volatile loads (no atomic traffic), then an acquire whose value is used
-        # (an unused one is dropped, and then nothing orders the loads of the delta after it)
-        done = tl.load(r_ptr, volatile=True)
-        while done < target:
-            done = tl.load(r_ptr, volatile=True)
-        done = tl.atomic_add(r_ptr, 0, sem="acquire", scope="gpu")
-        while done < target:
-            done = tl.atomic_add(r_ptr, 0, sem="acquire", scope="gpu")
+        wait_count(r_ptr, target, r_ptr, 0)  # (Ready) until the producer's programs have all counted
 
     @triton.jit
     def _pdl_enter(r_ptr, target, PDL: tl.constexpr, HAS_READY: tl.constexpr, EARLY: tl.constexpr = False):
@@ -262,6 +257,7 @@ def _triton_kernels():
             tl.atomic_add(s_ptr, 1, sem="release", scope="gpu")
 
     # the kernels below call them by name: Triton (and its interpreter) look names up in the module
+    globals()["wait_count"] = wait_count
     globals()["_wait_ready"] = _wait_ready
     globals()["_pdl_enter"] = _pdl_enter
     globals()["_signal"] = _signal

@@ -89,23 +89,14 @@ def _kernel():
     import triton
     import triton.language as tl
 
+    from qerl.kernels.device_wait import wait_count
+
     @triton.jit
     def _spin(ptr, target, err_ptr, CAP: tl.constexpr):
-        # volatile polls (no atomic traffic), then an acquire whose value is used (lora_ops: a dropped
-        # acquire orders nothing); gives up after CAP polls and counts that
-        n = 0
-        done = tl.load(ptr, volatile=True)
-        while (done < target) & (n < CAP):
-            done = tl.load(ptr, volatile=True)
-            n += 1
-        done = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-        while (done < target) & (n < CAP):
-            done = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-            n += 1
-        if done < target:
-            tl.atomic_add(err_ptr, 1)
+        wait_count(ptr, target, err_ptr, CAP)  # gives up after CAP polls and counts that at err_ptr
         tl.debug_barrier()
 
+    globals()["wait_count"] = wait_count
     globals()["_spin"] = _spin  # the kernel calls it by name: Triton (and its interpreter) look it up in the module
 
     @triton.jit(do_not_specialize=["groups", "M"])

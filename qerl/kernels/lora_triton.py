@@ -10,6 +10,8 @@ import triton
 import triton.language as tl
 import triton.language.extra.cuda  # noqa: F401  (gdc_* for PDL)
 
+from qerl.kernels.device_wait import wait_count
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     from qerl.kernels.w4a16_triton import _patch_interpreter
 
@@ -70,14 +72,8 @@ def _expand(h_ptr, b_ptr, out_ptr, blk, M, N, rank, n1, n2, stride_hm, stride_om
     b = tl.load(b_ptr + n[:, None] * rank + j[None, :], mask=nm[:, None] & jm[None, :], other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    if SPIN:  # poll with plain volatile loads (no atomic traffic), then an acquire whose value
-        # is used (an unused one is dropped by the compiler, and then nothing orders the h loads)
-        done = tl.load(done_ptr, volatile=True)
-        while done < DONE:
-            done = tl.load(done_ptr, volatile=True)
-        done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
-        while done < DONE:
-            done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
+    if SPIN:  # until every shrink program has counted (device_wait: polls, then an acquire that orders the h loads)
+        wait_count(done_ptr, DONE, done_ptr, 0)
     seg_of_n = (n >= n1).to(tl.int32) + (n >= n2).to(tl.int32)
     out = tl.zeros([MP, BN], tl.float32)
     for seg in tl.static_range(NSEG):
