@@ -536,16 +536,21 @@ def test_lres_flags_set_the_resident_kernel_and_restore(ablate):
     from qerl.kernels import lora_resident as lr
     from qerl.rollout import engine as engine_mod
 
-    before = (engine_mod.LORA_RESIDENT, engine_mod.LORA_RESIDENT_PROGRAMS, lr.BK, lr.BN, lr.STAGES, lr.WARPS)
+    before = (engine_mod.LORA_RESIDENT, engine_mod.LORA_RESIDENT_PROGRAMS, lr.BK, lr.BN, lr.STAGES, lr.WARPS,
+              lr.PREFETCH)
     engine = _Engine()
     with ablate.variant_of(engine, "lora@lres16"):
         assert (engine_mod.LORA_RESIDENT, engine_mod.LORA_RESIDENT_PROGRAMS) == (True, 16)
     with ablate.variant_of(engine, "lora@lres:24:128:256:3:8"):
-        got = (engine_mod.LORA_RESIDENT, engine_mod.LORA_RESIDENT_PROGRAMS, lr.BK, lr.BN, lr.STAGES, lr.WARPS)
-        assert got == (True, 24, 128, 256, 3, 8)
-    assert (engine_mod.LORA_RESIDENT, engine_mod.LORA_RESIDENT_PROGRAMS, lr.BK, lr.BN, lr.STAGES, lr.WARPS) == before
+        got = (engine_mod.LORA_RESIDENT, engine_mod.LORA_RESIDENT_PROGRAMS, lr.BK, lr.BN, lr.STAGES, lr.WARPS,
+               lr.PREFETCH)
+        assert got == (True, 24, 128, 256, 3, 8, False)
+    with ablate.variant_of(engine, "lora@lres:16:64:128:2:4:p"):
+        assert (lr.BN, lr.PREFETCH) == (128, True)
+    assert (engine_mod.LORA_RESIDENT, engine_mod.LORA_RESIDENT_PROGRAMS, lr.BK, lr.BN, lr.STAGES, lr.WARPS,
+            lr.PREFETCH) == before
     for bad in ("lres:8:64:64:1", "lres:8:48:64:1:4", "lres:8:64:8:1:4", "lres:0:64:64:1:4", "lres:8:64:64:0:4",
-                "lres:8:64:64:1:3"):
+                "lres:8:64:64:1:3", "lres:8:64:64:1:4:q"):
         with pytest.raises(SystemExit, match="bad flag"):
             with ablate.variant_of(engine, f"lora@{bad}"):
                 pass

@@ -33,7 +33,7 @@ import os
 
 import torch
 
-__all__ = ["BK", "BN", "FIELDS", "MP", "STAGES", "WARPS", "resident_lora", "resident_reference", "table_row"]
+__all__ = ["BK", "BN", "FIELDS", "MP", "PREFETCH", "STAGES", "WARPS", "resident_lora", "resident_reference", "table_row"]
 
 FIELDS = 16  # table row width (12 used)
 MP = 16  # rows per step the kernel takes (the tl.dot minimum; decode steps of 1..16 rows)
@@ -44,6 +44,9 @@ BK = 64
 BN = 64
 STAGES = 1
 WARPS = 4
+# Each program prefetches its A slices and B blocks of a group into L2 before it waits for the group's
+# input (prefetch.global.L2), so its loads after the wait find them there instead of in DRAM.
+PREFETCH = False
 SPIN_CAP = 1 << 20
 
 
@@ -96,13 +99,20 @@ def _kernel():
         wait_count(ptr, target, err_ptr, CAP)  # gives up after CAP polls and counts that at err_ptr
         tl.debug_barrier()
 
+    @triton.jit
+    def _prefetch_l2(ptrs):
+        # fire-and-forget: each pointer's 128-byte line into L2 (PREFETCH); nothing waits on it
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
     globals()["wait_count"] = wait_count
+    globals()["_prefetch_l2"] = _prefetch_l2
     globals()["_spin"] = _spin  # the kernel calls it by name: Triton (and its interpreter) look it up in the module
 
     @triton.jit(do_not_specialize=["groups", "M"])
     def resident_kernel(base, tab_ptr, flags_ptr, xa_ptr, groups, M, RANK: tl.constexpr, RP: tl.constexpr,
                         MP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, FIELDS: tl.constexpr,
-                        CAP: tl.constexpr, STAGES: tl.constexpr):
+                        CAP: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr = False):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         rows = tl.arange(0, MP)
@@ -128,6 +138,13 @@ def _kernel():
             sx = tl.multiple_of(tl.load(t + 9), 8)
             target = tl.load(t + 10).to(tl.int32)
             xa = xa_ptr + g * MP * RP
+            if PREFETCH:  # this program's A slices and B blocks into L2 while its input is still to come
+                for k0 in tl.range(pid * BK, K, nprog * BK):
+                    for kp in tl.static_range(0, BK, 64):  # a line is 64 bf16
+                        _prefetch_l2(tl.where(rr < rt, a_ptr + rr * K + k0 + kp, a_ptr))
+                for c0 in tl.range(pid * BN, N, nprog * BN):
+                    for kp in tl.static_range(0, RANK, 64):
+                        _prefetch_l2(b_ptr + (c0 + cn) * RANK + kp)
             _spin(flags_ptr + 3 * g, target, err, CAP)
             acc = tl.zeros([MP, RP], tl.float32)
             for k0 in tl.range(pid * BK, K, nprog * BK, num_stages=STAGES):
@@ -167,5 +184,6 @@ def resident_lora(base: torch.Tensor, table: torch.Tensor, flags: torch.Tensor, 
         from qerl.kernels.w4a16_triton import _patch_interpreter
 
         _patch_interpreter()
+    prefetch = PREFETCH and os.environ.get("TRITON_INTERPRET") != "1"  # (inline PTX: not in the interpreter)
     _kernel()[(programs,)](base, table, flags, xa, groups, rows, RANK=rank, RP=xa.shape[-1], MP=MP, BK=BK, BN=BN,
-                           FIELDS=FIELDS, CAP=cap, STAGES=STAGES, num_warps=WARPS)
+                           FIELDS=FIELDS, CAP=cap, STAGES=STAGES, PREFETCH=prefetch, num_warps=WARPS)
