@@ -372,6 +372,15 @@ _READY_SIGNAL_SCRIPT = textwrap.dedent(
     got = ops.add_rms_norm_triton(None, table, w, 1e-6, ids=ids, chain_start=True, signal=s)
     out.append(("embed norm counts", int(s.flag[0]) == 4 and s.programs == 4
                 and same(got[1], ops.add_rms_norm_reference(None, table[ids], w, 1e-6)[1])))
+    # a gate (the resident LoRA kernel's programs counted in) is waited for, then the same bits; not with a delta
+    got = ops.add_rms_norm_triton(None, table, w, 1e-6, ids=ids, chain_start=True, gate=ready(torch.zeros(1)))
+    ok = same(got[1], ops.add_rms_norm_reference(None, table[ids], w, 1e-6)[1])
+    try:
+        ops.add_rms_norm_triton(d, h, w, 1e-6, ready(e), gate=ready(torch.zeros(1)))
+        ok = False
+    except ValueError:
+        pass
+    out.append(("embed norm gate", ok))
     s = signal(0)
     got = ops.silu_mul_triton(gu, eg, s)
     out.append(("silu counts", int(s.flag[0]) == 10 and s.programs == 10 and same(got, ops.silu_mul_triton(gu, eg))))
@@ -402,5 +411,5 @@ def test_ready_and_signal_under_interpreter():
     kernels each count their programs once, after their stores, and change nothing they write; the
     torch path refuses a Signal rather than leave a reader waiting."""
     results = run_interpreted(_READY_SIGNAL_SCRIPT, 0)
-    assert len(results) == 11
+    assert len(results) == 12
     assert all(ok for _, ok in results), results

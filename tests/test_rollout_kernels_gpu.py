@@ -537,11 +537,11 @@ def test_engine_lora_resident_kernel(fmt, config, monkeypatch):
     assert torch.equal(side.completion_ids[:, :24], res.completion_ids[:, :24])
     assert (side.logprobs[:, :24] - res.logprobs[:, :24]).abs().max().item() < 0.05
     assert (side.logprobs[:, :8] - plain.logprobs[:, :8]).abs().max().item() > 1e-3
-    states = [v[2] for v in engines[1]._graphs.values() if isinstance(v, tuple) and len(v) == 3 and v[2] is not None]
+    states = [v[2] for v in engines[1]._graphs.values() if isinstance(v, tuple) and isinstance(v[-1], engine_mod._Resident)]
     assert states, "no decode graph took the resident kernel"
     for st in states:
         torch.cuda.synchronize()
-        assert st.timeouts() == 0
+        assert st.timeouts() == 0 and int(st.flags[-1]) == st.programs  # every program counted itself in
         assert st.flags[2:3 * st.groups:3].tolist() == [st.programs] * st.groups
         groups = [g for layer in engines[1].layers for g in layer.groups()]
         worst = 0.0

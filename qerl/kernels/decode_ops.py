@@ -629,15 +629,20 @@ def add_rms_norm(delta, h, weight, eps, extra=None, signal=None):
     return add_rms_norm_triton(delta, h, weight, eps, extra, signal=signal)
 
 
-def embed_rms_norm(ids, table, weight, eps, signal=None):
+def embed_rms_norm(ids, table, weight, eps, signal=None, gate=None):
     """(table[ids], RMSNorm(table[ids]) * weight): the embedding lookup of the decode step's tokens
     inside the first norm's launch (no gather kernel of its own). It is the step's first kernel, so
     it starts the step's PDL chain: launched without PDL, it waits for everything before it
-    (decode_ops.PDL)."""
+    (decode_ops.PDL). `gate` (a Ready, its delta unused): its counter is waited for before anything
+    (the resident LoRA kernel's programs counting themselves in, so all are resident before the
+    step's chain can fill the SMs with kernels that wait on them)."""
     if not _on_gpu(table, "norm") or table.dtype != weight.dtype or not table.is_contiguous():
         _no_signal(signal, "embed_rms_norm")
+        if gate is not None:
+            gate.join()
         return add_rms_norm_reference(None, torch.nn.functional.embedding(ids, table), weight, eps)
-    return add_rms_norm_triton(None, table, weight, eps, ids=ids, chain_start=True, signal=signal)
+    kw = {"gate": gate} if gate is not None else {}
+    return add_rms_norm_triton(None, table, weight, eps, ids=ids, chain_start=True, signal=signal, **kw)
 
 
 def rotary_rows(x, cos, sin):
@@ -929,7 +934,7 @@ def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: 
     return out
 
 
-def add_rms_norm_triton(delta, h, weight, eps, extra=None, ids=None, chain_start=False, signal=None):
+def add_rms_norm_triton(delta, h, weight, eps, extra=None, ids=None, chain_start=False, signal=None, gate=None):
     """add_rms_norm's kernel; with `ids` (long [B]) h is the embedding table and row b is its
     row ids[b] (embed_rms_norm): returns (those rows, their norm). chain_start: launched without
     the PDL attribute (the first kernel of a decode step: it starts once everything before it has
@@ -946,11 +951,16 @@ def add_rms_norm_triton(delta, h, weight, eps, extra=None, ids=None, chain_start
     block = _next_pow2(n)
     pdl = pdl_on(h2)  # chain_start: still triggers its successor early; nothing for its wait to wait on
     has_extra = delta is not None and extra is not None
+    has_ready = bool(ready and has_extra)
+    if gate is not None:  # (embed_rms_norm) the kernel's one wait is the gate's
+        if has_ready:
+            raise ValueError("decode_ops: a norm waits on a gate or on a Ready delta, not both")
+        flag, target, has_ready = gate.flag, int(gate.target), True
     s_flag, s_on = _signal_args(signal, flag, rows)
     kern[(rows,)](d2, e2, h2, weight, h_out, x_out, n, float(eps), ids if ids is not None else h2, flag, target, s_flag,
                   HAS_DELTA=delta is not None, HAS_EXTRA=has_extra,
                   BLOCK=block, num_warps=min(16, max(1, block // 256)), PDL=pdl, W_EARLY=NORM_W_EARLY,
-                  HAS_IDS=ids is not None, HAS_READY=bool(ready and has_extra), EARLY=READY_EARLY_TRIGGER,
+                  HAS_IDS=ids is not None, HAS_READY=has_ready, EARLY=READY_EARLY_TRIGGER,
                   SIGNAL=s_on, launch_pdl=pdl and not chain_start)
     if ids is not None:
         return h_out, x_out

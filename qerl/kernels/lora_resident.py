@@ -16,8 +16,11 @@ stays resident on a few SMs for the whole step and synchronises with the main ch
 Table of groups: int64 [G, FIELDS], offsets in elements from `base` (a bf16 tensor), so the kernel
 casts no integer to a pointer (the interpreter cannot) and one table serves any buffers:
 x, a, b, out (element offsets), k, n, n1, n2 (segment bounds, as fuse.LinearGroup), rt, sx (x's row
-stride), in_target. flags: int32 [3 G + 1] zeros at the step's start; the last one counts waits that
-gave up (SPIN_CAP polls: a producer that never came; the delta is then garbage, never a hang).
+stride), in_target. flags: int32 [3 G + 2] zeros at the step's start; [3 G] counts waits that gave up
+(SPIN_CAP polls: a producer that never came; the delta is then garbage, never a hang), [3 G + 1] the
+programs that have started: the step's first kernel waits until all have (decode_ops.embed_rms_norm's
+gate), since they wait on each other and on the main chain, whose kernels could otherwise fill the SMs
+first and keep the rest from ever being placed (seen: 64 programs stalled a 7B step at batch 8).
 xa: fp32 [G, MP, RP] zeros at the step's start.
 
 The math equals qerl.kernels.lora_ops (shrink in fp32, rounded to the activation dtype, expand
@@ -122,6 +125,7 @@ def _kernel():
         cn = tl.arange(0, BN)
         rk = tl.arange(0, RANK)
         err = flags_ptr + 3 * groups
+        tl.atomic_add(err + 1, 1, sem="release", scope="gpu")  # resident: the step's first kernel waits for all
         for g in range(groups):
             t = tab_ptr + g * FIELDS
             # the hints table_row guarantees (16-byte aligned operands and rows, K a multiple of BK, N of

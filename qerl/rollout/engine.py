@@ -245,9 +245,9 @@ class _Norm:
         """(h + delta (+ extra), norm of that); `signal`: decode_ops'."""
         return add_rms_norm(delta, h, self.weight, self.eps, extra, signal)
 
-    def embed(self, ids: torch.Tensor, table: torch.Tensor, signal: Signal | None = None):
+    def embed(self, ids: torch.Tensor, table: torch.Tensor, signal: Signal | None = None, gate=None):
         """(table[ids], norm of that): the embedding lookup inside the norm's launch."""
-        return embed_rms_norm(ids, table, self.weight, self.eps, signal)
+        return embed_rms_norm(ids, table, self.weight, self.eps, signal, gate)
 
 
 class _Layer:
@@ -303,7 +303,7 @@ class _Resident:
         self.groups = len(groups)
         self.rank = groups[0].rank
         rp = 1 << max(0, (max(g._a.shape[0] for g in groups) - 1).bit_length())
-        self.flags = torch.zeros(3 * self.groups + 1, dtype=torch.int32, device=dev)
+        self.flags = torch.zeros(3 * self.groups + 2, dtype=torch.int32, device=dev)  # lora_resident's layout
         self.xa = torch.zeros(self.groups, lora_resident.MP, rp, dtype=torch.float32, device=dev)
         self.table = torch.zeros(self.groups, lora_resident.FIELDS, dtype=torch.int64, device=dev)
         self.entries: list[list[int]] = []
@@ -318,7 +318,12 @@ class _Resident:
         self.xa.zero_()
         if self.dry:
             self.flags[2:3 * self.groups:3] = self.programs
+            self.flags[-1] = self.programs
         self.start.record(main)
+
+    def gate(self) -> Ready:
+        """For the step's first kernel: wait until every program of the kernel has started."""
+        return Ready(self.flags[-1:], self.flags[-1:], self.programs, _resident_join)
 
     def signal(self) -> Signal:
         sig = Signal(self.flags[3 * len(self.signals):3 * len(self.signals) + 1])
@@ -362,7 +367,7 @@ class _Resident:
 
     def timeouts(self) -> int:
         """Waits that gave up (lora_resident.SPIN_CAP) since the last begin(): 0 unless a producer never came."""
-        return int(self.flags[-1])
+        return int(self.flags[-2])
 
 
 class RolloutEngine:
@@ -550,7 +555,7 @@ class RolloutEngine:
         for i, layer in enumerate(self.layers):
             s_in = sig()
             if h is None:
-                h, x = layer.attn_norm.embed(tok, self.embed.weight, s_in)
+                h, x = layer.attn_norm.embed(tok, self.embed.weight, s_in, res.gate() if res is not None else None)
             elif scale is None:
                 h, x = layer.attn_norm(delta, h, lo_down, s_in)
             kc, vc = self._k[i][:rows], self._v[i][:rows]
