@@ -112,7 +112,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   long: hold_read_*); joined at the step's end), sms:M (the kernels plan their grids for M SMs,
                   w4a16_triton._num_sms): what a kernel that kept N SMs through the step would cost the rest;
                   lres / lres4 / lres16 / lres32 (with lora: the captured decode step's LoRA by one resident
-                  kernel of 8 / 4 / 16 / 32 programs, engine.LORA_RESIDENT, qerl/kernels/lora_resident.py;
+                  kernel of engine.LORA_RESIDENT_PROGRAMS (32) / 4 / 16 / 32 programs, engine.LORA_RESIDENT,
+                  qerl/kernels/lora_resident.py;
                   where engine._resident_ok refuses, the side stream as before), lres:P:BK:BN:S:W[:p] (the same
                   with P programs, BK / BN shrink / expand tiles, S pipelining stages, W warps; p: each
                   program prefetches its adapter bytes of a group into L2 before it waits for the input)

@@ -19,6 +19,7 @@ _SCRIPT = textwrap.dedent(
     from qerl.kernels import lora_ops, lora_resident as lr
     torch.manual_seed(int(__import__("os").environ.get("SEED", "0")))
     rank, m = 16, 5
+    lr.BN = 64  # the segments here are 64 wide
     shapes = [(128, [128, 64, 64]), (256, [128]), (384, [64, 64])]  # (K, segment sizes)
     base = torch.zeros(4)
     table, keep, want = [], [], []
@@ -64,7 +65,8 @@ def test_resident_kernel_under_interpreter(seed):
     assert max(short["errs"]) <= 1e-6  # (the input was there: only the count was short)
 
 
-def test_table_row_refuses_what_the_kernel_cannot_take():
+def test_table_row_refuses_what_the_kernel_cannot_take(monkeypatch):
+    monkeypatch.setattr(lora_resident, "BN", 64)
     base = torch.zeros(4, dtype=torch.bfloat16)
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     a = torch.zeros(16, 64, dtype=torch.bfloat16)

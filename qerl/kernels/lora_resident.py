@@ -43,13 +43,16 @@ MP = 16  # rows per step the kernel takes (the tl.dot minimum; decode steps of 1
 # The kernel's tiles and pipelining, read at each launch (the ablation flag lres:P:BK:BN:S:W sets them):
 # BK columns of x / A per shrink step, BN output columns per expand step, STAGES software-pipelining
 # depth of both loops (1: every step waits out its loads' latency), WARPS per program.
+# Defaults: the best of session 59's H100 ablations at 7B batch 8 r32 (with 32 programs, engine.LORA_RESIDENT_PROGRAMS:
+# 0.853 of the no-LoRA step; 8 programs at BN 64, one stage: 0.414; NOTES_rollout.md section 51). BN 128 fits every
+# Qwen2.5 shape (3B-32B); a group that does not fit leaves the step to the side stream (engine._resident_ok).
 BK = 64
-BN = 64
-STAGES = 1
+BN = 128
+STAGES = 2
 WARPS = 4
 # Each program prefetches its A slices and B blocks of a group into L2 before it waits for the group's
 # input (prefetch.global.L2), so its loads after the wait find them there instead of in DRAM.
-PREFETCH = False
+PREFETCH = True
 SPIN_CAP = 1 << 20
 
 

@@ -181,7 +181,7 @@ SHARE_PROMPT_KEYS = os.environ.get("QERL_ROLLOUT_SHARE_PROMPT_KEYS", "1") == "1"
 # step 10-12% with empty kernels (NOTES_rollout.md sections 27, 50). Experimental, off
 # (QERL_LORA_RESIDENT=1, ablation flag `lres`); where it does not apply (`_resident_ok`) the side stream runs.
 LORA_RESIDENT = os.environ.get("QERL_LORA_RESIDENT", "0") == "1"
-LORA_RESIDENT_PROGRAMS = env_int("QERL_LORA_RESIDENT_PROGRAMS", 8)
+LORA_RESIDENT_PROGRAMS = env_int("QERL_LORA_RESIDENT_PROGRAMS", 32)  # 8 / 16 / 64 lose (NOTES_rollout.md section 51)
 
 
 class EngineError(ValueError):
