@@ -546,7 +546,10 @@ def test_lres_flags_set_the_resident_kernel_and_restore(ablate):
                lr.PREFETCH)
         assert got == (True, 24, 128, 256, 3, 8, False)
     with ablate.variant_of(engine, "lora@lres:16:64:128:2:4:p"):
-        assert (lr.BN, lr.PREFETCH) == (128, True)
+        assert (lr.BN, lr.PREFETCH, lr.WORK) == (128, True, True)
+    with ablate.variant_of(engine, "lora@lres:32:64:128:2:4:n"):
+        assert (lr.PREFETCH, lr.WORK) == (False, False)
+    assert lr.WORK
     assert (engine_mod.LORA_RESIDENT, engine_mod.LORA_RESIDENT_PROGRAMS, lr.BK, lr.BN, lr.STAGES, lr.WARPS,
             lr.PREFETCH) == before
     for bad in ("lres:8:64:64:1", "lres:8:48:64:1:4", "lres:8:64:8:1:4", "lres:0:64:64:1:4", "lres:8:64:64:0:4",

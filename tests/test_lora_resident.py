@@ -47,6 +47,14 @@ _SCRIPT = textwrap.dedent(
         errs_ops = [float((r - o).abs().max() / o.abs().max()) for r, o in want]
         res.append({"errs": errs, "errs_ops": errs_ops, "flags": flags.tolist(),
                     "untouched": all(bool(keep[4 * i + 3][m:].isnan().all()) for i in range(g))})
+    # WORK off (timing only): the same waits and counts, nothing written
+    lr.WORK = False
+    for i in range(g):
+        keep[4 * i + 3].fill_(float("nan"))
+    flags = torch.zeros(3 * g + 2, dtype=torch.int32)
+    flags[0:3 * g:3] = 3
+    lr.resident_lora(base, torch.tensor(table, dtype=torch.int64), flags, torch.zeros(g, lr.MP, 64), g, m, rank, 1, cap=8)
+    res.append({"flags": flags.tolist(), "untouched": all(bool(keep[4 * i + 3].isnan().all()) for i in range(g))})
     print("RESULTS" + json.dumps(res))
     """
 )
@@ -54,7 +62,8 @@ _SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_resident_kernel_under_interpreter(seed):
-    done, short, wide = run_interpreted(_SCRIPT, seed)
+    done, short, wide, idle = run_interpreted(_SCRIPT, seed)
+    assert idle["flags"] == [3, 1, 1] * 3 + [0, 1] and idle["untouched"], idle  # waits only: counted, nothing written
     assert max(wide["errs"]) <= 1e-6 and wide["flags"] == [3, 1, 1] * 3 + [0, 1], wide  # BK 128, two stages
     assert max(done["errs"]) <= 1e-6, done  # float32: the kernel's sums against torch's
     assert max(done["errs_ops"]) <= 1e-6, done  # the reference is lora_ops' product

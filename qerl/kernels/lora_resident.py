@@ -36,7 +36,7 @@ import os
 
 import torch
 
-__all__ = ["BK", "BN", "FIELDS", "MP", "PREFETCH", "STAGES", "WARPS", "resident_lora", "resident_reference", "table_row"]
+__all__ = ["BK", "BN", "FIELDS", "MP", "PREFETCH", "STAGES", "WARPS", "WORK", "resident_lora", "resident_reference", "table_row"]
 
 FIELDS = 16  # table row width (12 used)
 MP = 16  # rows per step the kernel takes (the tl.dot minimum; decode steps of 1..16 rows)
@@ -53,6 +53,9 @@ WARPS = 4
 # Each program prefetches its A slices and B blocks of a group into L2 before it waits for the group's
 # input (prefetch.global.L2), so its loads after the wait find them there instead of in DRAM.
 PREFETCH = True
+# False (timing only): every wait and count as usual, but no adapter loads, math or delta stores: what the
+# kernel's waits and polls alone cost the step (the delta buffers keep whatever they held).
+WORK = True
 SPIN_CAP = 1 << 20
 
 
@@ -118,7 +121,8 @@ def _kernel():
     @triton.jit(do_not_specialize=["groups", "M"])
     def resident_kernel(base, tab_ptr, flags_ptr, xa_ptr, groups, M, RANK: tl.constexpr, RP: tl.constexpr,
                         MP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, FIELDS: tl.constexpr,
-                        CAP: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr = False):
+                        CAP: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr = False,
+                        WORK: tl.constexpr = True):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         rows = tl.arange(0, MP)
@@ -145,7 +149,7 @@ def _kernel():
             sx = tl.multiple_of(tl.load(t + 9), 8)
             target = tl.load(t + 10).to(tl.int32)
             xa = xa_ptr + g * MP * RP
-            if PREFETCH:  # this program's A slices and B blocks into L2 while its input is still to come
+            if PREFETCH and WORK:  # this program's A slices and B blocks into L2 while its input is still to come
                 for k0 in tl.range(pid * BK, K, nprog * BK):
                     for kp in tl.static_range(0, BK, 64):  # a line is 64 bf16
                         _prefetch_l2(tl.where(rr < rt, a_ptr + rr * K + k0 + kp, a_ptr))
@@ -154,24 +158,26 @@ def _kernel():
                         _prefetch_l2(b_ptr + (c0 + cn) * RANK + kp)
             _spin(flags_ptr + 3 * g, target, err, CAP)
             acc = tl.zeros([MP, RP], tl.float32)
-            for k0 in tl.range(pid * BK, K, nprog * BK, num_stages=STAGES):
-                k = k0 + kk
-                # .cg: the producer wrote x just now, and an earlier group's x may have had this address (L1 is
-                # not coherent)
-                xk = tl.load(x_ptr + rows[:, None] * sx + k[None, :], mask=rm[:, None], other=0.0, cache_modifier=".cg")
-                ak = tl.load(a_ptr + rr[None, :] * K + k[:, None], mask=(rr < rt)[None, :], other=0.0)
-                acc = tl.dot(xk, ak, acc)
+            if WORK:
+                for k0 in tl.range(pid * BK, K, nprog * BK, num_stages=STAGES):
+                    k = k0 + kk
+                    # .cg: the producer wrote x just now, and an earlier group's x may have had this address (L1 is
+                    # not coherent)
+                    xk = tl.load(x_ptr + rows[:, None] * sx + k[None, :], mask=rm[:, None], other=0.0, cache_modifier=".cg")
+                    ak = tl.load(a_ptr + rr[None, :] * K + k[:, None], mask=(rr < rt)[None, :], other=0.0)
+                    acc = tl.dot(xk, ak, acc)
             tl.atomic_add(xa + rows[:, None] * RP + rr[None, :], acc, mask=rm[:, None] & (rr < rt)[None, :],
                           sem="relaxed", scope="gpu")
             tl.debug_barrier()  # every thread's partial before the arrival
             tl.atomic_add(flags_ptr + 3 * g + 1, 1, sem="release", scope="gpu")
             _spin(flags_ptr + 3 * g + 1, nprog, err, CAP)
-            for c0 in tl.range(pid * BN, N, nprog * BN, num_stages=STAGES):
-                seg = (c0 >= n1).to(tl.int32) + (c0 >= n2).to(tl.int32)
-                h = tl.load(xa + rows[:, None] * RP + seg * RANK + rk[None, :], cache_modifier=".cg")
-                bt = tl.load(b_ptr + (c0 + cn)[None, :] * RANK + rk[:, None])
-                y = tl.dot(h.to(bt.dtype), bt)
-                tl.store(o_ptr + rows[:, None] * N + (c0 + cn)[None, :], y.to(bt.dtype), mask=rm[:, None])
+            if WORK:
+                for c0 in tl.range(pid * BN, N, nprog * BN, num_stages=STAGES):
+                    seg = (c0 >= n1).to(tl.int32) + (c0 >= n2).to(tl.int32)
+                    h = tl.load(xa + rows[:, None] * RP + seg * RANK + rk[None, :], cache_modifier=".cg")
+                    bt = tl.load(b_ptr + (c0 + cn)[None, :] * RANK + rk[:, None])
+                    y = tl.dot(h.to(bt.dtype), bt)
+                    tl.store(o_ptr + rows[:, None] * N + (c0 + cn)[None, :], y.to(bt.dtype), mask=rm[:, None])
             tl.debug_barrier()  # every thread's delta before the count
             tl.atomic_add(flags_ptr + 3 * g + 2, 1, sem="release", scope="gpu")
 
@@ -193,4 +199,4 @@ def resident_lora(base: torch.Tensor, table: torch.Tensor, flags: torch.Tensor, 
         _patch_interpreter()
     prefetch = PREFETCH and os.environ.get("TRITON_INTERPRET") != "1"  # (inline PTX: not in the interpreter)
     _kernel()[(programs,)](base, table, flags, xa, groups, rows, RANK=rank, RP=xa.shape[-1], MP=MP, BK=BK, BN=BN,
-                           FIELDS=FIELDS, CAP=cap, STAGES=STAGES, PREFETCH=prefetch, num_warps=WARPS)
+                           FIELDS=FIELDS, CAP=cap, STAGES=STAGES, PREFETCH=prefetch, WORK=WORK, num_warps=WARPS)
