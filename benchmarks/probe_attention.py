@@ -152,7 +152,7 @@ def compile_stats(model: str, rows: int, keys: int, conf: dict) -> dict:
         splits, consts = decode_ops.partial_constexprs(rows, kv, heads // kv, HEAD_DIM, keys, True, rope=rope,
                                                        pos=rope, lead=SHARE_PROMPT_KEYS, pdl=True)
     opts = {key: consts.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in consts}
-    consts.update(HAS_READY=False, EARLY=False)  # no device-side LoRA join (engine.LORA_DEVICE_JOIN off)
+    consts.update(HAS_READY=False)  # no delta waited for on the device (engine.LORA_RESIDENT off)
     partial = decode_ops._triton_kernels()[3]
     sig = {name: "*bf16" for name in partial.arg_names}
     sig.update({name: "*fp32" for name in ("po_ptr", "pm_ptr", "pl_ptr")})

@@ -232,21 +232,17 @@ def _triton_kernels():
     from qerl.kernels.device_wait import wait_count
 
     @triton.jit
-    def _wait_ready(r_ptr, target):
-        wait_count(r_ptr, target, r_ptr, 0)  # (Ready) until the producer's programs have all counted
-
-    @triton.jit
-    def _pdl_enter(r_ptr, target, PDL: tl.constexpr, HAS_READY: tl.constexpr, EARLY: tl.constexpr = False):
+    def _pdl_enter(r_ptr, target, PDL: tl.constexpr, HAS_READY: tl.constexpr):
         # the PDL trigger and wait (see decode_ops.PDL), then a Ready's device wait; with a Ready the
-        # dependents launch only after it (unless EARLY, READY_EARLY_TRIGGER), so none of their
-        # programs holds an SM slot while this kernel waits on another stream
+        # dependents launch only after it, so none of their programs holds an SM slot while this
+        # kernel waits on another stream (triggering first lost: djearly, NOTES_rollout.md section 49)
         if PDL:
-            if EARLY or not HAS_READY:
+            if not HAS_READY:
                 tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         if HAS_READY:
-            _wait_ready(r_ptr, target)
-            if PDL and not EARLY:
+            wait_count(r_ptr, target, r_ptr, 0)  # until the producer's programs have all counted
+            if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
@@ -258,7 +254,6 @@ def _triton_kernels():
 
     # the kernels below call them by name: Triton (and its interpreter) look names up in the module
     globals()["wait_count"] = wait_count
-    globals()["_wait_ready"] = _wait_ready
     globals()["_pdl_enter"] = _pdl_enter
     globals()["_signal"] = _signal
 
@@ -266,7 +261,7 @@ def _triton_kernels():
     def add_rms_norm_kernel(d_ptr, e_ptr, h_ptr, w_ptr, h_out, x_out, n, eps, ids_ptr, r_ptr, r_target, s_ptr,
                             HAS_DELTA: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr,
                             PDL: tl.constexpr = False, W_EARLY: tl.constexpr = True, HAS_IDS: tl.constexpr = False,
-                            HAS_READY: tl.constexpr = False, EARLY: tl.constexpr = False, SIGNAL: tl.constexpr = False):
+                            HAS_READY: tl.constexpr = False, SIGNAL: tl.constexpr = False):
         # HAS_IDS (embed_rms_norm): h is row ids[row] of the table at h_ptr, written to h_out
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -275,7 +270,7 @@ def _triton_kernels():
         # read before the wait, so the multiply after the reduction waits on no load
         if W_EARLY:
             w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        _pdl_enter(r_ptr, r_target, PDL, HAS_READY, EARLY)
+        _pdl_enter(r_ptr, r_target, PDL, HAS_READY)
         if HAS_IDS:
             h = tl.load(h_ptr + tl.load(ids_ptr + row).to(tl.int64) * n + cols, mask=m, other=0.0)
             tl.store(h_out + row * n + cols, h, mask=m)
@@ -338,8 +333,8 @@ def _triton_kernels():
     @triton.jit
     def silu_mul_kernel(gu_ptr, e_ptr, out_ptr, inter, r_ptr, r_target, s_ptr, HAS_EXTRA: tl.constexpr,
                         BLOCK: tl.constexpr, PDL: tl.constexpr = False, HAS_READY: tl.constexpr = False,
-                        EARLY: tl.constexpr = False, SIGNAL: tl.constexpr = False):
-        _pdl_enter(r_ptr, r_target, PDL, HAS_READY, EARLY)
+                        SIGNAL: tl.constexpr = False):
+        _pdl_enter(r_ptr, r_target, PDL, HAS_READY)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < inter
@@ -397,7 +392,7 @@ def _triton_kernels():
                             PDL: tl.constexpr = False, EARLY_V: tl.constexpr = False, PREFETCH: tl.constexpr = False,
                             ROPE: tl.constexpr = False, HAS_EXTRA: tl.constexpr = False, COMBINE: tl.constexpr = False,
                             POS: tl.constexpr = False, LEAD: tl.constexpr = False, SLOT_FIRST: tl.constexpr = False,
-                            HAS_READY: tl.constexpr = False, EARLY: tl.constexpr = False):
+                            HAS_READY: tl.constexpr = False):
         # one (row, KV head, key chunk): the G query heads of that KV head against CHUNK keys,
         # online softmax; partial output, max and sum per query head to po / pm / pl.
         # ROPE (decode_attention_rope): q_ptr is the qkv projection [B, (KV G + 2 KV) D]; the
@@ -421,7 +416,7 @@ def _triton_kernels():
         gm = g < G
         start = s * CHUNK
         stop = tl.minimum(start + CHUNK, keys)
-        if PDL and (EARLY or not HAS_READY):  # see decode_ops.PDL (with a Ready: after its wait, _pdl_enter)
+        if PDL and not HAS_READY:  # see decode_ops.PDL (with a Ready: after its wait, as _pdl_enter)
             tl.extra.cuda.gdc_launch_dependents()
         if PREFETCH or ROPE or SLOT_FIRST:
             slot = tl.load(slot_ptr)
@@ -447,8 +442,8 @@ def _triton_kernels():
         if PDL:
             tl.extra.cuda.gdc_wait()
         if HAS_READY:
-            _wait_ready(r_ptr, r_target)
-            if PDL and not EARLY:
+            wait_count(r_ptr, r_target, r_ptr, 0)
+            if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
         if ROPE:
             dt = k_ptr.dtype.element_ty
@@ -770,10 +765,6 @@ NORM_W_EARLY = True
 # launch it saves), so it stays off unless QERL_ATTN_COMBINE=1. False: separate launches (the A/B
 # switches).
 ATTN_ROPE = True
-# A kernel that waits for a Ready lets its own dependents launch at its start, as without one,
-# instead of after the wait. Experimental (the dependents' programs then hold SM slots while this
-# kernel waits on the producing stream, which needs slots of its own): off.
-READY_EARLY_TRIGGER = False
 ATTN_COMBINE = os.environ.get("QERL_ATTN_COMBINE", "0") == "1"
 # Warps per attention program, and Triton's software-pipelining depth for its key loop (QERL_ATTN_STAGES;
 # None or 0: Triton's default, 3 on Hopper). Two stages hold 38 KB of shared memory instead of 70 KB and
@@ -925,7 +916,7 @@ def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: 
                              keys, splits, float(scale), e if e is not None else qkv, cos, sin,
                              counters if counters is not None else valid, out, pos if pos is not None else valid,
                              lead, shared, *(ready or (valid, 0, False))[:2],
-                             HAS_READY=bool(ready and ready[2] and e is not None), EARLY=READY_EARLY_TRIGGER,
+                             HAS_READY=bool(ready and ready[2] and e is not None),
                              launch_pdl=pdl_on(q), **consts)
     if counters is None:
         s_flag, s_on = _signal_args(signal, pm, b * heads)
@@ -960,7 +951,7 @@ def add_rms_norm_triton(delta, h, weight, eps, extra=None, ids=None, chain_start
     kern[(rows,)](d2, e2, h2, weight, h_out, x_out, n, float(eps), ids if ids is not None else h2, flag, target, s_flag,
                   HAS_DELTA=delta is not None, HAS_EXTRA=has_extra,
                   BLOCK=block, num_warps=min(16, max(1, block // 256)), PDL=pdl, W_EARLY=NORM_W_EARLY,
-                  HAS_IDS=ids is not None, HAS_READY=has_ready, EARLY=READY_EARLY_TRIGGER,
+                  HAS_IDS=ids is not None, HAS_READY=has_ready,
                   SIGNAL=s_on, launch_pdl=pdl and not chain_start)
     if ids is not None:
         return h_out, x_out
@@ -1006,5 +997,5 @@ def silu_mul_triton(gate_up, extra=None, signal=None):
     grid = (gu.shape[0], -(-inter // block))
     s_flag, s_on = _signal_args(signal, flag, grid[0] * grid[1])
     kern[grid](gu, e, out, inter, flag, target, s_flag, HAS_EXTRA=extra is not None, BLOCK=block, num_warps=4,
-               PDL=pdl_on(gu), HAS_READY=ready, EARLY=READY_EARLY_TRIGGER, SIGNAL=s_on, launch_pdl=pdl_on(gu))
+               PDL=pdl_on(gu), HAS_READY=ready, SIGNAL=s_on, launch_pdl=pdl_on(gu))
     return out.view(*gate_up.shape[:-1], inter)

@@ -36,7 +36,7 @@ import os
 
 import torch
 
-__all__ = ["BK", "BN", "FIELDS", "MP", "PREFETCH", "STAGES", "WARPS", "WORK", "resident_lora", "resident_reference", "table_row"]
+__all__ = ["BK", "BN", "FIELDS", "MP", "fits", "PREFETCH", "STAGES", "WARPS", "WORK", "resident_lora", "resident_reference", "table_row"]
 
 FIELDS = 16  # table row width (12 used)
 MP = 16  # rows per step the kernel takes (the tl.dot minimum; decode steps of 1..16 rows)
@@ -59,6 +59,12 @@ WORK = True
 SPIN_CAP = 1 << 20
 
 
+def fits(k: int, n: int, bounds: tuple[int, int]) -> bool:
+    """The kernel takes a group of input width k and n outputs split at `bounds`: K a multiple of BK,
+    N and the segment bounds multiples of BN."""
+    return not (k % BK or n % BN or bounds[0] % BN or bounds[1] % BN)
+
+
 def table_row(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
               bounds: tuple[int, int], in_target: int) -> list[int]:
     """One group's table row: x [M, K] (unit column stride), a [rt, K], b [N, rank], out [>= M, N]
@@ -73,7 +79,7 @@ def table_row(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Ten
     k, n = x.shape[1], b.shape[0]
     if x.stride(1) != 1 or not (a.is_contiguous() and b.is_contiguous() and out.is_contiguous()):
         raise ValueError("resident LoRA: x needs unit column stride, a / b / out contiguous")
-    if n % BN or bounds[0] % BN or bounds[1] % BN or out.shape[1] != n or a.shape[1] != k or k % BK:
+    if not fits(k, n, bounds) or out.shape[1] != n or a.shape[1] != k:
         raise ValueError(f"resident LoRA: N {n} and bounds {bounds} must be multiples of {BN}, K {k} of {BK}, "
                          f"out [.., {n}]")
     row = [off(x), off(a), off(b), off(out), k, n, bounds[0], bounds[1], a.shape[0], x.stride(0), int(in_target)]
@@ -193,10 +199,11 @@ def resident_lora(base: torch.Tensor, table: torch.Tensor, flags: torch.Tensor, 
         raise ValueError(f"resident LoRA takes at most {MP} rows (got {rows}) and xa [G, {MP}, power of two]")
     if rank & (rank - 1) or not 16 <= rank <= 128:
         raise ValueError(f"resident LoRA takes ranks 16, 32, 64 or 128, got {rank}")
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if interpret:
         from qerl.kernels.w4a16_triton import _patch_interpreter
 
         _patch_interpreter()
-    prefetch = PREFETCH and os.environ.get("TRITON_INTERPRET") != "1"  # (inline PTX: not in the interpreter)
+    prefetch = PREFETCH and not interpret  # (inline PTX: not in the interpreter)
     _kernel()[(programs,)](base, table, flags, xa, groups, rows, RANK=rank, RP=xa.shape[-1], MP=MP, BK=BK, BN=BN,
                            FIELDS=FIELDS, CAP=cap, STAGES=STAGES, PREFETCH=prefetch, WORK=WORK, num_warps=WARPS)

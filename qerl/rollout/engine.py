@@ -291,14 +291,14 @@ class _Resident:
     is recorded. `dry`: an eager warm-up of the same launches (each consumer's wait is passed in
     advance and the kernel runs after the forward), so nothing compiles inside a graph capture."""
 
-    KINDS = {"qkv": 0, "o": 1, "gate_up": 2, "down": 3}
+    KINDS = {kind: i for i, kind in enumerate(LORA_GROUP_KINDS)}  # _Layer.groups()' order
 
     def __init__(self, engine: "RolloutEngine", rows: int, dry: bool = False):
         from qerl.kernels import lora_resident
 
         self.engine, self.rows, self.dry = engine, rows, dry
         self.programs = LORA_RESIDENT_PROGRAMS
-        groups = [g for layer in engine.layers for g in layer.groups()]
+        groups = engine._groups()
         dev = engine.device
         self.groups = len(groups)
         self.rank = groups[0].rank
@@ -642,13 +642,15 @@ class RolloutEngine:
 
         if not kernels.available():
             return False
-        groups = [g for layer in self.layers for g in layer.groups()]
+        groups = self._groups()
         rank = groups[0].rank
-        bn = lora_resident.BN
         return (all(layer.silu and layer.q_norm is None for layer in self.layers) and rank in (16, 32, 64, 128)
-                and all(g.has_lora and g.rank == rank and g._a.dtype == self.dtype and g._b.shape[0] % bn == 0
-                        and g.bounds[0] % bn == 0 and g.bounds[1] % bn == 0 and g.in_features % lora_resident.BK == 0
-                        for g in groups))
+                and all(g.has_lora and g.rank == rank and g._a.dtype == self.dtype
+                        and lora_resident.fits(g.in_features, g._b.shape[0], g.bounds) for g in groups))
+
+    def _groups(self) -> list[LinearGroup]:
+        """Every linear group of the decoder, in the order a step runs them."""
+        return [g for layer in self.layers for g in layer.groups()]
 
     def _resident_delta(self, layer: int, kind: str, group: LinearGroup) -> torch.Tensor:
         """The resident kernel's delta buffer of one group (zeros at first: a dry step reads it unwritten)."""
@@ -684,8 +686,8 @@ class RolloutEngine:
         xs = {} if LORA_GEMV_XS is None else {"XS": LORA_GEMV_XS}
         return w4a16_gluon.defaults(PER_SM=per_sm, STREAMK=False, **xs)
 
-    def _resident_step(self, res: _Resident, fn):
-        """fn() with `res` as the state the forward records into (LORA_RESIDENT)."""
+    def _resident_step(self, res: _Resident | None, fn):
+        """fn() with `res` as the state the forward records into (LORA_RESIDENT; None: the side stream)."""
         self._res = res
         try:
             return fn()
@@ -730,7 +732,7 @@ class RolloutEngine:
                     with torch.cuda.graph(graph, pool=self._graph_pool()):
                         return self._decode_step(rows, keys, sampling) if whole else self._decode_logits(rows, keys)
 
-                out = self._resident_step(res, record) if res is not None else record()
+                out = self._resident_step(res, record)
                 if res is not None:
                     res.finish()
                 self._graphs[key] = graph = (graph, out, res)
@@ -789,7 +791,7 @@ class RolloutEngine:
         # the graphs hold the adapters' buffer addresses: a group that re-allocated them (new rank,
         # adapters added or removed) invalidates every captured graph
         buffers = tuple((g._per_module, g._a.data_ptr() if g._a is not None else 0, g._b.data_ptr() if g._b is not None else 0)
-                        for layer in self.layers for g in layer.groups())
+                        for g in self._groups())
         if buffers != self._lora_ptrs:
             self.release_graphs()
             self._lora_ptrs = buffers
