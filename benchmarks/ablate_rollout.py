@@ -114,10 +114,13 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   lres / lres4 / lres16 / lres32 (with lora: the captured decode step's LoRA by one resident
                   kernel of engine.LORA_RESIDENT_PROGRAMS (32) / 4 / 16 / 32 programs, engine.LORA_RESIDENT,
                   qerl/kernels/lora_resident.py;
-                  where engine._resident_ok refuses, the side stream as before), lres:P:BK:BN:S:W[:p][:n] (the same
-                  with P programs, BK / BN shrink / expand tiles, S pipelining stages, W warps; p: each
+                  where engine._resident_ok refuses, the side stream as before), lres:P:BK:BN:S:W[:p][:n][:sNS][:c][:x]
+                  (the same with P programs, BK / BN shrink / expand tiles, S pipelining stages, W warps; p: each
                   program prefetches its adapter bytes of a group into L2 before it waits for the input;
-                  n: timing only, the waits and counts without the loads, math and stores)
+                  n: timing only, the waits and counts without the loads, math and stores; sNS: each failed
+                  poll of the kernel naps NS ns first, lora_resident.SLEEP; timing only: c, the deltas'
+                  consumers poll once and never wait, engine.LORA_RESIDENT_WAIT off; x, as c and no resident
+                  kernel at all, engine.LORA_RESIDENT_KERNEL off)
 `--generate N` times N whole generate calls per variant instead (256-token prompts, 512 new tokens:
 the tok/s bench_rollout reports, prefill and every key bucket included) and prints their medians.
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
@@ -522,22 +525,26 @@ def _dropped_lora(engine: RolloutEngine):
 
 
 def _lres_flags(flags: list, name: str) -> list:
-    """Take the flag lres:P:BK:BN:S:W[:p][:n] out of `flags` (the resident LoRA kernel on, with P programs, BK / BN
-    tiles, S pipelining stages, W warps: qerl/kernels/lora_resident.py): its switches, [] without it."""
+    """Take the flag lres:P:BK:BN:S:W[:p][:n][:sNS][:c][:x] out of `flags` (the resident LoRA kernel on, with P
+    programs, BK / BN tiles, S pipelining stages, W warps, NS ns naps between polls, consumers that do not wait,
+    no kernel: qerl/kernels/lora_resident.py): its switches, [] without it."""
     from qerl.kernels import lora_resident
 
     out = []
     for f in [f for f in flags if f.startswith("lres:")]:
         flags.remove(f)
-        m = re.fullmatch(r"lres:(\d+):(\d+):(\d+):(\d+):(\d+)(:p)?(:n)?", f)
+        m = re.fullmatch(r"lres:(\d+):(\d+):(\d+):(\d+):(\d+)(:p)?(:n)?(?::s(\d+))?(:c)?(:x)?", f)
         pow2 = m is not None and all(int(v) and not int(v) & (int(v) - 1) for v in m.groups()[1:3] + m.groups()[4:5])
         if not pow2 or not (16 <= int(m[2]) and 16 <= int(m[3]) and int(m[1]) and int(m[4])):
-            raise SystemExit(f"bad flag {f!r} in {name!r}: lres:P:BK:BN:S:W[:p][:n] (P programs, BK and BN powers "
-                             "of two >= 16, S stages >= 1, W warps a power of two, p: prefetch into L2, n: waits only)")
+            raise SystemExit(f"bad flag {f!r} in {name!r}: lres:P:BK:BN:S:W[:p][:n][:sNS][:c][:x] (P programs, BK and "
+                             "BN powers of two >= 16, S stages >= 1, W warps a power of two, p: prefetch into L2, n: "
+                             "waits only, sNS: NS ns naps between polls, c: consumers never wait, x: no kernel)")
         out = [(engine_mod, "LORA_RESIDENT", True), (engine_mod, "LORA_RESIDENT_PROGRAMS", int(m[1])),
                (lora_resident, "BK", int(m[2])), (lora_resident, "BN", int(m[3])), (lora_resident, "STAGES", int(m[4])),
                (lora_resident, "WARPS", int(m[5])), (lora_resident, "PREFETCH", m[6] is not None),
-               (lora_resident, "WORK", m[7] is None)]
+               (lora_resident, "WORK", m[7] is None), (lora_resident, "SLEEP", int(m[8] or 0)),
+               (engine_mod, "LORA_RESIDENT_WAIT", m[9] is None and m[10] is None),
+               (engine_mod, "LORA_RESIDENT_KERNEL", m[10] is None)]
     return out
 
 

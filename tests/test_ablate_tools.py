@@ -548,12 +548,18 @@ def test_lres_flags_set_the_resident_kernel_and_restore(ablate):
     with ablate.variant_of(engine, "lora@lres:16:64:128:2:4:p"):
         assert (lr.BN, lr.PREFETCH, lr.WORK) == (128, True, True)
     with ablate.variant_of(engine, "lora@lres:32:64:128:2:4:n"):
-        assert (lr.PREFETCH, lr.WORK) == (False, False)
-    assert lr.WORK
+        assert (lr.PREFETCH, lr.WORK, lr.SLEEP) == (False, False, 0)
+    with ablate.variant_of(engine, "lora@lres:32:64:128:2:4:p:s200"):
+        assert (lr.PREFETCH, lr.WORK, lr.SLEEP) == (True, True, 200)
+    with ablate.variant_of(engine, "lora@lres:8:64:128:2:4:n:c"):
+        assert (lr.WORK, engine_mod.LORA_RESIDENT_WAIT, engine_mod.LORA_RESIDENT_KERNEL) == (False, False, True)
+    with ablate.variant_of(engine, "lora@lres:8:64:128:2:4:n:x"):
+        assert (engine_mod.LORA_RESIDENT_WAIT, engine_mod.LORA_RESIDENT_KERNEL) == (False, False)
+    assert lr.WORK and lr.SLEEP == 0 and engine_mod.LORA_RESIDENT_WAIT and engine_mod.LORA_RESIDENT_KERNEL
     assert (engine_mod.LORA_RESIDENT, engine_mod.LORA_RESIDENT_PROGRAMS, lr.BK, lr.BN, lr.STAGES, lr.WARPS,
             lr.PREFETCH) == before
     for bad in ("lres:8:64:64:1", "lres:8:48:64:1:4", "lres:8:64:8:1:4", "lres:0:64:64:1:4", "lres:8:64:64:0:4",
-                "lres:8:64:64:1:3", "lres:8:64:64:1:4:q"):
+                "lres:8:64:64:1:3", "lres:8:64:64:1:4:q", "lres:8:64:64:1:4:s"):
         with pytest.raises(SystemExit, match="bad flag"):
             with ablate.variant_of(engine, f"lora@{bad}"):
                 pass

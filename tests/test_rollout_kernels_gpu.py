@@ -495,7 +495,7 @@ def test_eager_rollouts_repeat_beside_other_processes():
     assert not differ, differ[:3]
 
 
-@pytest.mark.parametrize("config", [None, (16, 64, 128, 2, 4, True)])
+@pytest.mark.parametrize("config", [None, (16, 64, 128, 2, 4, True, 0), (32, 64, 128, 2, 4, True, 200)])
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_engine_lora_resident_kernel(fmt, config, monkeypatch):
     """engine.LORA_RESIDENT: the captured decode steps' LoRA deltas by one resident kernel
@@ -506,7 +506,7 @@ def test_engine_lora_resident_kernel(fmt, config, monkeypatch):
     against the model without). After the last replay of each graph: every group's delta equals
     the torch reference on the very input the kernel read, each group's output was counted by
     every program, and no wait gave up (a missed signal would hang or read a stale input). `config`:
-    programs, BK, BN, stages, warps, L2 prefetch (None: the defaults)."""
+    programs, BK, BN, stages, warps, L2 prefetch, ns naps between polls (None: the defaults)."""
     from qerl.kernels import lora_resident
     from qerl.nn.lora import LoraSettings, apply_lora
     from qerl.rl.rollout import RolloutSettings
@@ -514,7 +514,7 @@ def test_engine_lora_resident_kernel(fmt, config, monkeypatch):
 
     if config is not None:
         monkeypatch.setattr(engine_mod, "LORA_RESIDENT_PROGRAMS", config[0])
-        for name, value in zip(("BK", "BN", "STAGES", "WARPS", "PREFETCH"), config[1:]):
+        for name, value in zip(("BK", "BN", "STAGES", "WARPS", "PREFETCH", "SLEEP"), config[1:]):
             monkeypatch.setattr(lora_resident, name, value)
 
     model = apply_lora(_small_model(fmt), LoraSettings(r=16, lora_alpha=32)).eval()

@@ -36,7 +36,7 @@ import os
 
 import torch
 
-__all__ = ["BK", "BN", "FIELDS", "MP", "fits", "PREFETCH", "STAGES", "WARPS", "WORK", "resident_lora", "resident_reference", "table_row"]
+__all__ = ["BK", "BN", "FIELDS", "MP", "fits", "PREFETCH", "SLEEP", "STAGES", "WARPS", "WORK", "resident_lora", "resident_reference", "table_row"]
 
 FIELDS = 16  # table row width (12 used)
 MP = 16  # rows per step the kernel takes (the tl.dot minimum; decode steps of 1..16 rows)
@@ -56,6 +56,9 @@ PREFETCH = True
 # False (timing only): every wait and count as usual, but no adapter loads, math or delta stores: what the
 # kernel's waits and polls alone cost the step (the delta buffers keep whatever they held).
 WORK = True
+# > 0: each of the kernel's failed polls first naps about SLEEP ns (PTX nanosleep), so its waiting warps
+# leave their issue slots to the GEMV programs sharing their SMs (0: polls back to back)
+SLEEP = 0
 SPIN_CAP = 1 << 20
 
 
@@ -110,8 +113,8 @@ def _kernel():
     from qerl.kernels.device_wait import wait_count
 
     @triton.jit
-    def _spin(ptr, target, err_ptr, CAP: tl.constexpr):
-        wait_count(ptr, target, err_ptr, CAP)  # gives up after CAP polls and counts that at err_ptr
+    def _spin(ptr, target, err_ptr, CAP: tl.constexpr, SLEEP: tl.constexpr):
+        wait_count(ptr, target, err_ptr, CAP, SLEEP)  # gives up after CAP polls and counts that at err_ptr
         tl.debug_barrier()
 
     @triton.jit
@@ -128,7 +131,7 @@ def _kernel():
     def resident_kernel(base, tab_ptr, flags_ptr, xa_ptr, groups, M, RANK: tl.constexpr, RP: tl.constexpr,
                         MP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, FIELDS: tl.constexpr,
                         CAP: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr = False,
-                        WORK: tl.constexpr = True):
+                        WORK: tl.constexpr = True, SLEEP: tl.constexpr = 0):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         rows = tl.arange(0, MP)
@@ -162,7 +165,7 @@ def _kernel():
                 for c0 in tl.range(pid * BN, N, nprog * BN):
                     for kp in tl.static_range(0, RANK, 64):
                         _prefetch_l2(b_ptr + (c0 + cn) * RANK + kp)
-            _spin(flags_ptr + 3 * g, target, err, CAP)
+            _spin(flags_ptr + 3 * g, target, err, CAP, SLEEP)
             acc = tl.zeros([MP, RP], tl.float32)
             if WORK:
                 for k0 in tl.range(pid * BK, K, nprog * BK, num_stages=STAGES):
@@ -176,7 +179,7 @@ def _kernel():
                           sem="relaxed", scope="gpu")
             tl.debug_barrier()  # every thread's partial before the arrival
             tl.atomic_add(flags_ptr + 3 * g + 1, 1, sem="release", scope="gpu")
-            _spin(flags_ptr + 3 * g + 1, nprog, err, CAP)
+            _spin(flags_ptr + 3 * g + 1, nprog, err, CAP, SLEEP)
             if WORK:
                 for c0 in tl.range(pid * BN, N, nprog * BN, num_stages=STAGES):
                     seg = (c0 >= n1).to(tl.int32) + (c0 >= n2).to(tl.int32)
@@ -204,6 +207,7 @@ def resident_lora(base: torch.Tensor, table: torch.Tensor, flags: torch.Tensor, 
         from qerl.kernels.w4a16_triton import _patch_interpreter
 
         _patch_interpreter()
-    prefetch = PREFETCH and not interpret  # (inline PTX: not in the interpreter)
+    prefetch, sleep = (False, 0) if interpret else (PREFETCH, SLEEP)  # (inline PTX: not in the interpreter)
     _kernel()[(programs,)](base, table, flags, xa, groups, rows, RANK=rank, RP=xa.shape[-1], MP=MP, BK=BK, BN=BN,
-                           FIELDS=FIELDS, CAP=cap, STAGES=STAGES, PREFETCH=prefetch, WORK=WORK, num_warps=WARPS)
+                           FIELDS=FIELDS, CAP=cap, STAGES=STAGES, PREFETCH=prefetch, WORK=WORK, SLEEP=sleep,
+                           num_warps=WARPS)

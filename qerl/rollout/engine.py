@@ -182,6 +182,11 @@ SHARE_PROMPT_KEYS = os.environ.get("QERL_ROLLOUT_SHARE_PROMPT_KEYS", "1") == "1"
 # (QERL_LORA_RESIDENT=1, ablation flag `lres`); where it does not apply (`_resident_ok`) the side stream runs.
 LORA_RESIDENT = os.environ.get("QERL_LORA_RESIDENT", "0") == "1"
 LORA_RESIDENT_PROGRAMS = env_int("QERL_LORA_RESIDENT_PROGRAMS", 32)  # 8 / 16 / 64 lose (NOTES_rollout.md section 51)
+# Timing only (ablation flags lres:...:c / :x): the consumers of the deltas poll once and never wait (they may
+# add a stale delta), and with LORA_RESIDENT_KERNEL off no resident kernel runs at all (the producers
+# still signal, the consumers still poll): what the synchronisation costs the chain apart from its stalls
+LORA_RESIDENT_WAIT = True
+LORA_RESIDENT_KERNEL = True
 
 
 class EngineError(ValueError):
@@ -316,10 +321,14 @@ class _Resident:
         wait already met), and the event the kernel's launch waits on."""
         self.flags.zero_()
         self.xa.zero_()
-        if self.dry:
-            self.flags[2:3 * self.groups:3] = self.programs
-            self.flags[-1] = self.programs
+        if self.dry or not LORA_RESIDENT_KERNEL:  # (fill_: no host-to-device copy, which a capture refuses)
+            self.flags[2:3 * self.groups:3].fill_(self.programs)
+            self.flags[-1:].fill_(self.programs)
         self.start.record(main)
+        if not self.dry and LORA_RESIDENT_KERNEL:  # first in the graph (section 51 of NOTES_rollout.md: recorded last, it started 47 us late)
+            side = self.engine._side
+            side.wait_event(self.start)
+            self._kernel(side)
 
     def gate(self) -> Ready:
         """For the step's first kernel: wait until every program of the kernel has started."""
@@ -342,7 +351,8 @@ class _Resident:
         self.entries.append(lora_resident.table_row(self.engine._res_base, x2, group._a, group._b, out, group.bounds,
                                                     sig.programs))
         self.keep.append(x2)
-        return Ready(out[:self.rows], self.flags[3 * g + 2:3 * g + 3], self.programs, _resident_join)
+        return Ready(out[:self.rows], self.flags[3 * g + 2:3 * g + 3], self.programs if LORA_RESIDENT_WAIT else 0,
+                     _resident_join)
 
     def finish(self) -> None:
         """The table into device memory (after a capture: the graph's kernel reads it at each replay)."""
@@ -351,19 +361,24 @@ class _Resident:
         self.table.copy_(torch.tensor(self.entries, dtype=torch.int64))
 
     def launch(self, main, side) -> None:
-        """The kernel on the side stream, after the step's start (dry: after the whole forward), joined
-        back into the main stream (the step's one fork and one join)."""
-        from qerl.kernels import lora_resident
-
+        """The kernel on the side stream, after the step's start (dry: after the whole forward, whose
+        table it needs now), joined back into the main stream (the step's one fork and one join). A
+        captured step records it first (begin), so the graph launches it before the chain; its table is
+        read at replay, written by finish() after the capture."""
         if self.dry:
             self.finish()
             side.wait_stream(main)
-        else:
-            side.wait_event(self.start)
+            if LORA_RESIDENT_KERNEL:
+                self._kernel(side)
+        if self.dry or LORA_RESIDENT_KERNEL:  # (no kernel: the captured side stream holds nothing to join)
+            main.wait_stream(side)
+
+    def _kernel(self, side) -> None:
+        from qerl.kernels import lora_resident
+
         with torch.cuda.stream(side):
             lora_resident.resident_lora(self.engine._res_base, self.table, self.flags, self.xa, self.groups, self.rows,
                                         self.rank, self.programs)
-        main.wait_stream(side)
 
     def timeouts(self) -> int:
         """Waits that gave up (lora_resident.SPIN_CAP) since the last begin(): 0 unless a producer never came."""
