@@ -114,13 +114,14 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   lres / lres4 / lres16 / lres32 (with lora: the captured decode step's LoRA by one resident
                   kernel of engine.LORA_RESIDENT_PROGRAMS (32) / 4 / 16 / 32 programs, engine.LORA_RESIDENT,
                   qerl/kernels/lora_resident.py;
-                  where engine._resident_ok refuses, the side stream as before), lres:P:BK:BN:S:W[:p][:n][:sNS][:c][:x]
+                  where engine._resident_ok refuses, the side stream as before), lres:P:BK:BN:S:W[:p][:n][:sNS][:c][:x][:f]
                   (the same with P programs, BK / BN shrink / expand tiles, S pipelining stages, W warps; p: each
                   program prefetches its adapter bytes of a group into L2 before it waits for the input;
                   n: timing only, the waits and counts without the loads, math and stores; sNS: each failed
                   poll of the kernel naps NS ns first, lora_resident.SLEEP; timing only: c, the deltas'
                   consumers poll once and never wait, engine.LORA_RESIDENT_WAIT off; x, as c and no resident
-                  kernel at all, engine.LORA_RESIDENT_KERNEL off)
+                  kernel at all, engine.LORA_RESIDENT_KERNEL off; f: the LoRA groups keep NORM_FOLD and GLU,
+                  the fused GEMVs waiting for the delta in their epilogues, engine.LORA_RESIDENT_FUSED)
 `--generate N` times N whole generate calls per variant instead (256-token prompts, 512 new tokens:
 the tok/s bench_rollout reports, prefill and every key bucket included) and prints their medians.
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
@@ -525,26 +526,27 @@ def _dropped_lora(engine: RolloutEngine):
 
 
 def _lres_flags(flags: list, name: str) -> list:
-    """Take the flag lres:P:BK:BN:S:W[:p][:n][:sNS][:c][:x] out of `flags` (the resident LoRA kernel on, with P
-    programs, BK / BN tiles, S pipelining stages, W warps, NS ns naps between polls, consumers that do not wait,
-    no kernel: qerl/kernels/lora_resident.py): its switches, [] without it."""
+    """Take the flag lres:P:BK:BN:S:W[:p][:n][:sNS][:c][:x][:f] out of `flags` (the resident LoRA kernel on, with
+    P programs, BK / BN tiles, S pipelining stages, W warps, NS ns naps between polls, consumers that do not wait,
+    no kernel, the fusions kept: qerl/kernels/lora_resident.py): its switches, [] without it."""
     from qerl.kernels import lora_resident
 
     out = []
     for f in [f for f in flags if f.startswith("lres:")]:
         flags.remove(f)
-        m = re.fullmatch(r"lres:(\d+):(\d+):(\d+):(\d+):(\d+)(:p)?(:n)?(?::s(\d+))?(:c)?(:x)?", f)
+        m = re.fullmatch(r"lres:(\d+):(\d+):(\d+):(\d+):(\d+)(:p)?(:n)?(?::s(\d+))?(:c)?(:x)?(:f)?", f)
         pow2 = m is not None and all(int(v) and not int(v) & (int(v) - 1) for v in m.groups()[1:3] + m.groups()[4:5])
         if not pow2 or not (16 <= int(m[2]) and 16 <= int(m[3]) and int(m[1]) and int(m[4])):
-            raise SystemExit(f"bad flag {f!r} in {name!r}: lres:P:BK:BN:S:W[:p][:n][:sNS][:c][:x] (P programs, BK and "
-                             "BN powers of two >= 16, S stages >= 1, W warps a power of two, p: prefetch into L2, n: "
-                             "waits only, sNS: NS ns naps between polls, c: consumers never wait, x: no kernel)")
+            raise SystemExit(f"bad flag {f!r} in {name!r}: lres:P:BK:BN:S:W[:p][:n][:sNS][:c][:x][:f] (P programs, BK "
+                             "and BN powers of two >= 16, S stages >= 1, W warps a power of two, p: prefetch into L2, "
+                             "n: waits only, sNS: NS ns naps between polls, c: consumers never wait, x: no kernel, "
+                             "f: NORM_FOLD and GLU kept)")
         out = [(engine_mod, "LORA_RESIDENT", True), (engine_mod, "LORA_RESIDENT_PROGRAMS", int(m[1])),
                (lora_resident, "BK", int(m[2])), (lora_resident, "BN", int(m[3])), (lora_resident, "STAGES", int(m[4])),
                (lora_resident, "WARPS", int(m[5])), (lora_resident, "PREFETCH", m[6] is not None),
                (lora_resident, "WORK", m[7] is None), (lora_resident, "SLEEP", int(m[8] or 0)),
                (engine_mod, "LORA_RESIDENT_WAIT", m[9] is None and m[10] is None),
-               (engine_mod, "LORA_RESIDENT_KERNEL", m[10] is None)]
+               (engine_mod, "LORA_RESIDENT_KERNEL", m[10] is None), (engine_mod, "LORA_RESIDENT_FUSED", m[11] is not None)]
     return out
 
 
@@ -622,8 +624,8 @@ def variant_of(engine: RolloutEngine, name: str):
         if kind in gluon_cfg:
             w4a16_gluon.DEFAULT = {**gluon_before, **gluon_cfg[kind]}
         try:
-            if scale is not None:  # NORM_FOLD's consumer (never a LoRA group)
-                return original(group, x, kind, scale)
+            if scale is not None:  # NORM_FOLD's consumer (a LoRA group only under the resident kernel)
+                return original(group, x, kind, scale, source)
             return original(group, x, kind, source=source) if kind in kinds else (group.base_forward(x), None)
         finally:
             w4a16_gemv.PDL_LATE, w4a16_gluon.DEFAULT, w4a16_triton.RWG_MIN_M = before, gluon_before, rwg_before

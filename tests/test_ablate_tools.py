@@ -555,7 +555,11 @@ def test_lres_flags_set_the_resident_kernel_and_restore(ablate):
         assert (lr.WORK, engine_mod.LORA_RESIDENT_WAIT, engine_mod.LORA_RESIDENT_KERNEL) == (False, False, True)
     with ablate.variant_of(engine, "lora@lres:8:64:128:2:4:n:x"):
         assert (engine_mod.LORA_RESIDENT_WAIT, engine_mod.LORA_RESIDENT_KERNEL) == (False, False)
+        assert not engine_mod.LORA_RESIDENT_FUSED
+    with ablate.variant_of(engine, "lora@lres:32:64:128:2:4:p:f"):
+        assert (engine_mod.LORA_RESIDENT_FUSED, lr.PREFETCH, lr.WORK) == (True, True, True)
     assert lr.WORK and lr.SLEEP == 0 and engine_mod.LORA_RESIDENT_WAIT and engine_mod.LORA_RESIDENT_KERNEL
+    assert not engine_mod.LORA_RESIDENT_FUSED
     assert (engine_mod.LORA_RESIDENT, engine_mod.LORA_RESIDENT_PROGRAMS, lr.BK, lr.BN, lr.STAGES, lr.WARPS,
             lr.PREFETCH) == before
     for bad in ("lres:8:64:64:1", "lres:8:48:64:1:4", "lres:8:64:8:1:4", "lres:0:64:64:1:4", "lres:8:64:64:0:4",

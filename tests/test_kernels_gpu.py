@@ -938,6 +938,62 @@ def test_gluon_gemv_norm_fold(fmt):
     assert not bad, f"(M, res bit-equal, sums, [q vs fp32, q vs unfused, glu vs fp32, glu vs unfused]) {bad}"
 
 
+@pytest.mark.parametrize("cfg", [{}, {"STREAMK": True}, {"S": 2}], ids=["default", "sk", "split2"])
+def test_gluon_gemv_sync_epilogues(cfg):
+    """sync (the resident LoRA kernel's delta, w4a16_gluon.forward): with the flag already at its
+    target, GLU adds the delta to gate and up before the silu, equal to decode_ops.silu_mul of the
+    plain launch's product with the delta as its extra (bit for bit where every row sums its K slices
+    as the plain launch does; within 1e-2 in stream-K), and RES adds it to the product before the
+    residual (r = bf16(h + bf16(y + delta)), bf16(r w)); each launch counts N / 64 blocks out on its
+    signal; rows past M of the delta are not read (NaN there); the delta moves the outputs."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import decode_ops
+    from qerl.kernels import w4a16_gluon as G
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs Hopper (TMA, warp specialisation)")
+    hid, k_in = 1024, 2048
+    _t, st_o, _w = _layer("nvfp4", hid, k_in, seed=21)
+    _t, st_g, _w = _layer("nvfp4", 4096, hid, seed=22)
+    g = torch.Generator(device="cuda").manual_seed(23)
+    exact = "STREAMK" not in cfg
+    bad = []
+    for m in (2, 5, 8):
+        flags = torch.tensor([3, 0, 3, 0], dtype=torch.int32, device="cuda")  # [delta ready, signal] x 2
+        x = torch.randn(m, hid, device="cuda", generator=g).to(torch.bfloat16)
+        dg = torch.full((16, 4096), float("nan"), device="cuda", dtype=torch.bfloat16)
+        dg[:m] = torch.randn(m, 4096, device="cuda", generator=g) * 0.5
+        G.forward(x, st_g, config=cfg, glu=True, sync=(dg, flags[0:1], 3, flags[1:2]))  # occupancy measured
+        flags[1] = 0
+        yg = G.forward(x, st_g, config=cfg, glu=True, sync=(dg, flags[0:1], 3, flags[1:2]))
+        prod = G.forward(x, st_g, config=cfg)
+        want_g = decode_ops.silu_mul_reference(prod, dg[:m])
+        ok_g = torch.equal(yg, want_g) if exact else _rel(yg, want_g.float()) <= TOL
+        moved_g = _rel(decode_ops.silu_mul_reference(prod), want_g.float()) > 0.05
+
+        a = torch.randn(m, k_in, device="cuda", generator=g).to(torch.bfloat16)
+        h = torch.randn(m, hid, device="cuda", generator=g).to(torch.bfloat16)
+        w = (torch.rand(hid, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
+        do = torch.full((16, hid), float("nan"), device="cuda", dtype=torch.bfloat16)
+        do[:m] = torch.randn(m, hid, device="cuda", generator=g)
+        h_out = torch.full_like(h, float("nan"))
+        ss = torch.full((hid // 64, 8), float("nan"), device="cuda")
+        fold = ("res", h, w, h_out, ss)
+        G.forward(a, st_o, config=cfg, fold=fold, sync=(do, flags[2:3], 3, flags[3:4]))
+        flags[3] = 0
+        rw = G.forward(a, st_o, config=cfg, fold=fold, sync=(do, flags[2:3], 3, flags[3:4]))
+        y = G.forward(a, st_o, config=cfg)
+        r = (h.float() + (y.float() + do[:m].float()).to(torch.bfloat16).float()).to(torch.bfloat16)
+        rw_want = (r.float() * w.float()).to(torch.bfloat16)
+        ok_o = (torch.equal(h_out, r) and torch.equal(rw, rw_want)) if exact else max(_rel(h_out, r.float()), _rel(rw, rw_want.float())) <= TOL
+        counts = flags[[1, 3]].tolist()
+        if not (ok_g and ok_o and moved_g and counts == [4096 // 64, hid // 64]) or yg.isnan().any() or rw.isnan().any():
+            bad.append((m, ok_g, ok_o, moved_g, counts))
+    assert not bad, f"(M, glu as silu_mul with the delta, res as the norm's add with it, delta moved glu, counts) {bad}"
+    with pytest.raises(ValueError, match="sync"):
+        G.forward(x, st_g, sync=(dg, flags[0:1], 3, flags[1:2]))  # a plain launch takes no delta
+
+
 @pytest.mark.parametrize("m", (1, 4, 8))
 def test_gluon_gemv_x_smem_pdl_chain(m):
     """XS with PDL: the producer copies its weights before the wait and x only after it. A chain of

@@ -1,7 +1,8 @@
 """qerl.kernels.lora_resident: the resident LoRA kernel (Triton's interpreter, one program, in a
 subprocess, CPU float32) against its torch reference and lora_ops' reference on fresh random inputs:
 one, two and three segments, two K tiles, a row stride that is not K, rows that are no power of two;
-the flags it leaves (arrival, output counts) and a wait that gives up is counted, not hung."""
+the flags it leaves (arrival, output counts) and a wait that gives up is counted, not hung; a group
+whose input is a folded norm's (the rows' 1 / rms applied from per-block sums, NORM_FOLD)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ _SCRIPT = textwrap.dedent(
     lr.BN = 64  # the segments here are 64 wide
     shapes = [(128, [128, 64, 64]), (256, [128]), (384, [64, 64])]  # (K, segment sizes)
     base = torch.zeros(4)
-    table, keep, want = [], [], []
+    table, keep, want, outs = [], [], [], []
     for k, sizes in shapes:
         n = sum(sizes)
         edges = [sum(sizes[:i + 1]) for i in range(len(sizes))]
@@ -31,9 +32,16 @@ _SCRIPT = textwrap.dedent(
         a = torch.randn(len(sizes) * rank, k) * 0.1
         b = torch.randn(n, rank) * 0.1
         out = torch.full((lr.MP, n), float("nan"))
-        table.append(lr.table_row(base, x, a, b, out, bounds, 3))
-        keep += [x, a, b, out]
-        want.append((lr.resident_reference(x, a, b, bounds, rank), lora_ops.lora_delta_reference(x.contiguous(), a, b, bounds, rank)))
+        scale, xn = None, x.contiguous()
+        if k == 256:  # a folded norm's input: the kernel applies each row's 1 / rms from per-block sums
+            ss = torch.rand(k // 64 + 1, 8) * 50  # one block more than the input has: not read
+            scale = ("scale", ss, k // 64, 1e-5, k)
+            keep.append(ss)
+            xn = x / torch.sqrt(ss[:k // 64, :m].sum(0) / k + 1e-5)[:, None]
+        table.append(lr.table_row(base, x, a, b, out, bounds, 3, scale))
+        keep += [x, a, b]
+        outs.append(out)
+        want.append((lr.resident_reference(x, a, b, bounds, rank, scale), lora_ops.lora_delta_reference(xn, a, b, bounds, rank)))
     g = len(shapes)
     res = []
     for missing, lr.BK, lr.STAGES in ((False, 64, 1), (True, 64, 1), (False, 128, 2)):
@@ -43,18 +51,18 @@ _SCRIPT = textwrap.dedent(
             flags[3] = 2  # group 1's producer is one program short
         xa = torch.zeros(g, lr.MP, 64)
         lr.resident_lora(base, torch.tensor(table, dtype=torch.int64), flags, xa, g, m, rank, 1, cap=8)
-        errs = [float((keep[4 * i + 3][:m] - r).abs().max() / r.abs().max()) for i, (r, _) in enumerate(want)]
+        errs = [float((o[:m] - r).abs().max() / r.abs().max()) for o, (r, _) in zip(outs, want)]
         errs_ops = [float((r - o).abs().max() / o.abs().max()) for r, o in want]
         res.append({"errs": errs, "errs_ops": errs_ops, "flags": flags.tolist(),
-                    "untouched": all(bool(keep[4 * i + 3][m:].isnan().all()) for i in range(g))})
+                    "untouched": all(bool(o[m:].isnan().all()) for o in outs)})
     # WORK off (timing only): the same waits and counts, nothing written
     lr.WORK = False
-    for i in range(g):
-        keep[4 * i + 3].fill_(float("nan"))
+    for o in outs:
+        o.fill_(float("nan"))
     flags = torch.zeros(3 * g + 2, dtype=torch.int32)
     flags[0:3 * g:3] = 3
     lr.resident_lora(base, torch.tensor(table, dtype=torch.int64), flags, torch.zeros(g, lr.MP, 64), g, m, rank, 1, cap=8)
-    res.append({"flags": flags.tolist(), "untouched": all(bool(keep[4 * i + 3].isnan().all()) for i in range(g))})
+    res.append({"flags": flags.tolist(), "untouched": all(bool(o.isnan().all()) for o in outs)})
     print("RESULTS" + json.dumps(res))
     """
 )

@@ -16,7 +16,10 @@ stays resident on a few SMs for the whole step and synchronises with the main ch
 Table of groups: int64 [G, FIELDS], offsets in elements from `base` (a bf16 tensor), so the kernel
 casts no integer to a pointer (the interpreter cannot) and one table serves any buffers:
 x, a, b, out (element offsets), k, n, n1, n2 (segment bounds, as fuse.LinearGroup), rt, sx (x's row
-stride), in_target. flags: int32 [3 G + 2] zeros at the step's start; [3 G] counts waits that gave up
+stride), in_target, then for an input that is a folded norm's bf16(r * weight) (engine NORM_FOLD: the
+norm's scale is applied by the products, w4a16_gluon fold "scale"): ss (offset of its fp32 [nss, 8]
+per-block sums of r^2), nss (0: a plain input), eps (float32 bits); the shrink's sums of each row are
+then scaled by 1 / sqrt(sum of ss[:, row] / k + eps) before the expand, as the GEMV scales its products. flags: int32 [3 G + 2] zeros at the step's start; [3 G] counts waits that gave up
 (SPIN_CAP polls: a producer that never came; the delta is then garbage, never a hang), [3 G + 1] the
 programs that have started: the step's first kernel waits until all have (decode_ops.embed_rms_norm's
 gate), since they wait on each other and on the main chain, whose kernels could otherwise fill the SMs
@@ -33,12 +36,13 @@ from __future__ import annotations
 
 import functools
 import os
+import struct
 
 import torch
 
 __all__ = ["BK", "BN", "FIELDS", "MP", "fits", "PREFETCH", "SLEEP", "STAGES", "WARPS", "WORK", "resident_lora", "resident_reference", "table_row"]
 
-FIELDS = 16  # table row width (12 used)
+FIELDS = 16  # table row width (14 used)
 MP = 16  # rows per step the kernel takes (the tl.dot minimum; decode steps of 1..16 rows)
 # The kernel's tiles and pipelining, read at each launch (the ablation flag lres:P:BK:BN:S:W sets them):
 # BK columns of x / A per shrink step, BN output columns per expand step, STAGES software-pipelining
@@ -69,9 +73,10 @@ def fits(k: int, n: int, bounds: tuple[int, int]) -> bool:
 
 
 def table_row(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
-              bounds: tuple[int, int], in_target: int) -> list[int]:
+              bounds: tuple[int, int], in_target: int, scale: tuple | None = None) -> list[int]:
     """One group's table row: x [M, K] (unit column stride), a [rt, K], b [N, rank], out [>= M, N]
-    contiguous, all of base's dtype; in_target: how many producer programs signal."""
+    contiguous, all of base's dtype; in_target: how many producer programs signal; scale: the
+    NORM_FOLD consumer's ("scale", ss, blocks, eps, k) when x is bf16(r * weight) (M <= 8)."""
     size = base.element_size()
 
     def off(t: torch.Tensor) -> int:
@@ -88,14 +93,26 @@ def table_row(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Ten
     row = [off(x), off(a), off(b), off(out), k, n, bounds[0], bounds[1], a.shape[0], x.stride(0), int(in_target)]
     if any(v % 8 for v in row[:4] + row[9:10]):
         raise ValueError("resident LoRA: operands and x's rows must start 16-byte aligned (offsets multiples of 8)")
+    if scale is not None:
+        _, ss, blocks, eps, kn = scale
+        gap = ss.data_ptr() - base.data_ptr()
+        if (ss.dtype != torch.float32 or not ss.is_contiguous() or ss.shape[-1] != 8 or int(kn) != k
+                or gap % size or x.shape[0] > 8 or not 0 < int(blocks) <= ss.shape[0]):
+            raise ValueError("resident LoRA: a scale needs fp32 [>= blocks, 8] sums, K as the group's, at most 8 rows")
+        row += [gap // size, int(blocks), struct.unpack("<i", struct.pack("<f", float(eps)))[0]]
     return row + [0] * (FIELDS - len(row))
 
 
 def resident_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: tuple[int, int],
-                       rank: int) -> torch.Tensor:
-    """What the kernel writes for one group: per segment bf16(x @ A_seg^T in fp32) @ B_seg^T."""
+                       rank: int, scale: tuple | None = None) -> torch.Tensor:
+    """What the kernel writes for one group: per segment bf16(x @ A_seg^T in fp32) @ B_seg^T (with
+    `scale`, as table_row's: the fp32 sums times each row's 1 / sqrt(sum of its ss / k + eps) first)."""
     n = b.shape[0]
-    h = (x.float() @ a.float().t()).to(x.dtype)
+    h = x.float() @ a.float().t()
+    if scale is not None:
+        _, ss, blocks, eps, kn = scale
+        h = h / torch.sqrt(ss[:blocks, :x.shape[0]].float().sum(0) / kn + eps)[:, None]
+    h = h.to(x.dtype)
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     edges = [0, bounds[0], bounds[1], n]
     for s in range(3):
@@ -157,6 +174,7 @@ def _kernel():
             rt = tl.load(t + 8)
             sx = tl.multiple_of(tl.load(t + 9), 8)
             target = tl.load(t + 10).to(tl.int32)
+            nss = tl.load(t + 12).to(tl.int32)
             xa = xa_ptr + g * MP * RP
             if PREFETCH and WORK:  # this program's A slices and B blocks into L2 while its input is still to come
                 for k0 in tl.range(pid * BK, K, nprog * BK):
@@ -181,9 +199,22 @@ def _kernel():
             tl.atomic_add(flags_ptr + 3 * g + 1, 1, sem="release", scope="gpu")
             _spin(flags_ptr + 3 * g + 1, nprog, err, CAP, SLEEP)
             if WORK:
+                inv = tl.full([MP], 1.0, tl.float32)
+                if nss > 0:  # a folded norm's input: its rows' 1 / rms from the producer's per-block sums
+                    ss_ptr = (base + tl.load(t + 11)).to(tl.pointer_type(tl.float32), bitcast=True)
+                    eps = tl.load(t + 13).to(tl.int32).to(tl.float32, bitcast=True)
+                    sq = tl.zeros([MP], tl.float32)
+                    jj = tl.arange(0, 64)
+                    for j0 in range(0, nss, 64):
+                        j = j0 + jj
+                        v = tl.load(ss_ptr + j[:, None] * 8 + rows[None, :], mask=(j < nss)[:, None] & (rows < 8)[None, :],
+                                    other=0.0, cache_modifier=".cg")
+                        sq += tl.sum(v, axis=0)
+                    inv = 1.0 / tl.sqrt(sq / K.to(tl.float32) + eps)
                 for c0 in tl.range(pid * BN, N, nprog * BN, num_stages=STAGES):
                     seg = (c0 >= n1).to(tl.int32) + (c0 >= n2).to(tl.int32)
                     h = tl.load(xa + rows[:, None] * RP + seg * RANK + rk[None, :], cache_modifier=".cg")
+                    h = h * inv[:, None]
                     bt = tl.load(b_ptr + (c0 + cn)[None, :] * RANK + rk[:, None])
                     y = tl.dot(h.to(bt.dtype), bt)
                     tl.store(o_ptr + rows[:, None] * N + (c0 + cn)[None, :], y.to(bt.dtype), mask=rm[:, None])

@@ -368,7 +368,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
               EPI: gl.constexpr, SK: gl.constexpr, red, L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr,
               SBITS: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, GLU: gl.constexpr, glu_buf,
               h_ptr, hout_ptr, nw_ptr, ss_ptr, NSS, eps, KN, FOLD: gl.constexpr, SSP: gl.constexpr,
-              EB, MX: gl.constexpr, num_warps: gl.constexpr):
+              EB, MX: gl.constexpr, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC: gl.constexpr, num_warps: gl.constexpr):
     # activations: x as int32 pairs, element (sc, i) of the 5-D tile needs word column c = 2 sc + i
     LSC: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4, L5))))
     LI: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L5))))
@@ -438,7 +438,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
             else:
                 _epilogue_smem(alpha, b_lo, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
                                p, sblk, M, N, s0, s1, S, SP, HAS_BIAS, LRED, SK, k0, KB, 0, GLU, glu_buf,
-                               FOLD, h_ptr, hout_ptr, nw_ptr, ss_ptr)
+                               FOLD, h_ptr, hout_ptr, nw_ptr, ss_ptr, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC)
             gl.thread_barrier()  # every warp has read `red` before a later segment's epilogue rewrites it
             f = sblk * KB + s1
     else:
@@ -446,7 +446,8 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
                                            cz, NUM_STAGES, MT, XPF, L5, L2W, L2S, SBITS, XS, LX, GLU, EB, MX)
         _block_epilogue(alpha_ptr, bias_ptr, alpha, b_lo, b_hi, red, c_ptr, ws_ptr, lock_ptr, stamp_ptr, acc0, acc1,
                         acc2, acc3, p, blk, M, N, k0, k1, S, NW, SP, HAS_BIAS, MT, STAMP, HOIST, EPI, rows, sc5, zero5,
-                        LR, LR3, LRED, LRED1, GLU, glu_buf, FOLD, h_ptr, hout_ptr, nw_ptr, ss_ptr)
+                        LR, LR3, LRED, LRED1, GLU, glu_buf, FOLD, h_ptr, hout_ptr, nw_ptr, ss_ptr, dl_ptr, dflag_ptr,
+                        sig_ptr, DT, SYNC)
     if STAMP:
         _stamp(stamp_ptr, p, 3, "clock64")
         _stamp(stamp_ptr, p, 6, "globaltimer")
@@ -572,7 +573,8 @@ def _block_epilogue(alpha_ptr, bias_ptr, alpha, b_lo, b_hi, red, c_ptr, ws_ptr, 
                     acc3, p, blk, M, N, k0, k1, S, NW, SP: gl.constexpr, HAS_BIAS: gl.constexpr, MT: gl.constexpr,
                     STAMP: gl.constexpr, HOIST: gl.constexpr, EPI: gl.constexpr, rows, sc5, zero5, LR: gl.constexpr,
                     LR3: gl.constexpr, LRED: gl.constexpr, LRED1: gl.constexpr, GLU: gl.constexpr = False,
-                    glu_buf=None, FOLD: gl.constexpr = 0, h_ptr=None, hout_ptr=None, nw_ptr=None, ss_ptr=None):
+                    glu_buf=None, FOLD: gl.constexpr = 0, h_ptr=None, hout_ptr=None, nw_ptr=None, ss_ptr=None,
+                    dl_ptr=None, dflag_ptr=None, sig_ptr=None, DT=0, SYNC: gl.constexpr = False):
     """The split schedule's epilogue: one row block, K slice [k0, k1) of S."""
     if STAMP:
         _stamp(stamp_ptr, p, 2, "clock64")
@@ -620,7 +622,7 @@ def _block_epilogue(alpha_ptr, bias_ptr, alpha, b_lo, b_hi, red, c_ptr, ws_ptr, 
     elif EPI:
         _epilogue_smem(alpha, b_lo, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
                        p, blk, M, N, k0, k1, S, SP, HAS_BIAS, LRED, False, 0, 0, NW, GLU, glu_buf,
-                       FOLD, h_ptr, hout_ptr, nw_ptr, ss_ptr)
+                       FOLD, h_ptr, hout_ptr, nw_ptr, ss_ptr, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC)
     else:
         _epilogue_tokens(alpha, b_lo, b_hi, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
                          p, blk, M, N, k0, k1, S, SP, HAS_BIAS, LR3)
@@ -683,7 +685,8 @@ def _epilogue_tokens(alpha, b_lo, b_hi, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc
 def _epilogue_smem(alpha, bias, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
                    p, blk, M, N, k0, k1, S, SP: gl.constexpr, HAS_BIAS: gl.constexpr, LRED: gl.constexpr,
                    SK: gl.constexpr, f0, KB, NW, GLU: gl.constexpr = False, glu_buf=None, FOLD: gl.constexpr = 0,
-                   h_ptr=None, hout_ptr=None, nw_ptr=None, ss_ptr=None):
+                   h_ptr=None, hout_ptr=None, nw_ptr=None, ss_ptr=None, dl_ptr=None, dflag_ptr=None, sig_ptr=None,
+                   DT=0, SYNC: gl.constexpr = False):
     """MT = 8 through shared memory (EPI): each thread sums its two words i, writes its 16 partials
     [m, b, h] of warp w to `red` [4 m, 4 w, 8 g, 4 t, 2 b, 2 h] (16-byte rows, no bank conflict), one
     barrier, and reads back the four warps' values of its own (m, g, t) to sum them in registers:
@@ -699,7 +702,7 @@ def _epilogue_smem(alpha, bias, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, 
     n = blk * 64 + row
     _fixup_store(part, tok * 64 + row, 512, c_ptr, tok * N + n, (n < N) & (tok < M), alpha, bias, ws_ptr, lock_ptr,
                  p, blk, N, k0, k1, S, SP, HAS_BIAS, SK, f0, KB, NW, GLU, glu_buf, M, FOLD, h_ptr, hout_ptr, nw_ptr,
-                 ss_ptr, tok, n)
+                 ss_ptr, tok, n, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC)
 
 
 @gluon.jit
@@ -760,7 +763,7 @@ def _split_sum(part, off, WS: gl.constexpr, ws_ptr, lock_ptr, slot, blk, q0, nq,
 def _fixup_store(part, off, WS: gl.constexpr, c_ptr, c_off, c_mask, alpha, bias, ws_ptr, lock_ptr, p, blk, N, k0, k1,
                  S, SP: gl.constexpr, HAS_BIAS: gl.constexpr, SK: gl.constexpr, f0, KB, NW, GLU: gl.constexpr = False,
                  glu_buf=None, M=0, FOLD: gl.constexpr = 0, h_ptr=None, hout_ptr=None, nw_ptr=None, ss_ptr=None,
-                 tok=None, ncol=None):
+                 tok=None, ncol=None, dl_ptr=None, dflag_ptr=None, sig_ptr=None, DT=0, SYNC: gl.constexpr = False):
     """Split fixup and output of the shared-memory epilogues. A row block covered by several
     programs: each writes its partial to its WS-float workspace slot at `off`, and the last
     arrival sums all partials in program order (deterministic; all loads in flight at once) and
@@ -770,7 +773,11 @@ def _fixup_store(part, off, WS: gl.constexpr, c_ptr, c_off, c_mask, alpha, bias,
     NW + (blk - NW) S .. + S - 1.
     Stream-K (SK): this segment covers steps [k0, k1) of block blk (a program's first segment
     starts at its flat step f0); the block's programs are owner(blk KB) .. owner(blk KB + KB - 1)
-    and program q keeps the partial of its first segment in slot 2q, of its last in slot 2q + 1."""
+    and program q keeps the partial of its first segment in slot 2q, of its last in slot 2q + 1.
+    SYNC (GLU or FOLD == 1; the rollout engine's resident LoRA kernel, qerl/kernels/lora_resident.py):
+    the block's writer waits until the int32 at dflag_ptr reaches DT (the LoRA delta [M, N] at dl_ptr,
+    row stride N, is written), adds the delta to the product before the GLU / residual, and after
+    its stores adds one at sig_ptr (the block is out: the kernel reading this output waits for N / 64)."""
     done = k1 > k0
     if SK:
         T = gl.cdiv(N, 64) * KB
@@ -785,13 +792,33 @@ def _fixup_store(part, off, WS: gl.constexpr, c_ptr, c_off, c_mask, alpha, bias,
         out = part * alpha
         if HAS_BIAS:
             out += bias
+        if SYNC:
+            _wait_flag(dflag_ptr, DT)
         if GLU:
-            _glu_store(out.to(gl.bfloat16).to(gl.float32), glu_buf, c_ptr, blk, M, N // 2)
+            _glu_store(out.to(gl.bfloat16).to(gl.float32), glu_buf, c_ptr, blk, M, N // 2, dl_ptr, SYNC)
         elif FOLD == 1:
-            _fold_residual(out.to(gl.bfloat16), c_ptr, c_off, c_mask, h_ptr, hout_ptr, nw_ptr, ss_ptr, blk, M, N, tok,
-                           ncol)
+            y = out.to(gl.bfloat16)
+            if SYNC:  # as add_rms_norm's extra: the delta added to the product in bf16 before the residual
+                y = (y.to(gl.float32) + gl.load(dl_ptr + c_off, mask=c_mask, other=0.0, cache_modifier=".cg")
+                     .to(gl.float32)).to(gl.bfloat16)
+            _fold_residual(y, c_ptr, c_off, c_mask, h_ptr, hout_ptr, nw_ptr, ss_ptr, blk, M, N, tok, ncol)
         else:
             gl.store(c_ptr + c_off, out.to(gl.bfloat16), mask=c_mask)
+        if SYNC:
+            gl.thread_barrier()  # every thread's stores before the count
+            gl.atomic_add(sig_ptr, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _wait_flag(ptr, target):
+    # SYNC: until the int32 at ptr reaches target: volatile polls, then an acquire whose value is used
+    # (qerl/kernels/device_wait.py's wait_count, in Gluon)
+    done = gl.load(ptr, volatile=True)
+    while done < target:
+        done = gl.load(ptr, volatile=True)
+    done = gl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    while done < target:
+        done = gl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
 
 
 @gluon.jit
@@ -825,12 +852,13 @@ def _fold_scale(ss_ptr, NSS, eps, KN, LRED: gl.constexpr, SSP: gl.constexpr):
 
 
 @gluon.jit
-def _glu_store(out, glu_buf, c_ptr, blk, M, NI):
+def _glu_store(out, glu_buf, c_ptr, blk, M, NI, dl_ptr=None, SYNC: gl.constexpr = False):
     """GLU (MT = 8): `out` [4 m, 8 g, 4 t, 2 b, 2 h] holds pair block blk's gate rows (m = 0, 1: row
     16m + 8h + g) and up rows (m = 2, 3), as bf16 values, one warp per m. Through shared memory,
     each thread takes matching gate / up values and writes silu(gate) * up to y[token 2t + b,
     column 32 blk + 16m + 8h + g] of the [M, NI] output, rounded as decode_ops.silu_mul rounds (the
-    silu in fp32 to bf16, the product to bf16)."""
+    silu in fp32 to bf16, the product to bf16). SYNC: the LoRA delta [M, 2 NI] at dl_ptr added to
+    gate and up first, in bf16, as silu_mul's extra."""
     glu_buf.store(out)
     gl.thread_barrier()
     NWC: gl.constexpr = gl.num_warps()
@@ -838,10 +866,15 @@ def _glu_store(out, glu_buf, c_ptr, blk, M, NI):
                                         [4, 3, 2, 1, 0])
     g = glu_buf.slice(0, 2).load(LG)
     u = glu_buf.slice(2, 2).load(LG)
+    col, tok = _red_idx(LG, 2, blk * 32)
+    ok = (tok < M) & (col < NI)
+    if SYNC:
+        d = dl_ptr + tok * (2 * NI) + col
+        g = (g + gl.load(d, mask=ok, other=0.0, cache_modifier=".cg").to(gl.float32)).to(gl.bfloat16).to(gl.float32)
+        u = (u + gl.load(d + NI, mask=ok, other=0.0, cache_modifier=".cg").to(gl.float32)).to(gl.bfloat16).to(gl.float32)
     sg = (g / (1.0 + gl.exp(-g))).to(gl.bfloat16).to(gl.float32)
     y = (sg * u).to(gl.bfloat16)
-    col, tok = _red_idx(LG, 2, blk * 32)
-    gl.store(c_ptr + tok * NI + col, y, mask=(tok < M) & (col < NI))
+    gl.store(c_ptr + tok * NI + col, y, mask=ok)
 
 
 @gluon.jit
@@ -854,13 +887,14 @@ def _store_tokens(c_ptr, b, v, tok, n, M, N, HAS_BIAS: gl.constexpr):
 
 @gluon.jit
 def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, x_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr,
-                       h_ptr, hout_ptr, nw_ptr, ss_ptr, M, N, KB, S, NW, CS, NSS, eps, KN, EB,
-                       SP: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
+                       h_ptr, hout_ptr, nw_ptr, ss_ptr, M, N, KB, S, NW, CS, NSS, eps, KN, EB, dl_ptr, dflag_ptr,
+                       sig_ptr, DT, SP: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
                        MT: gl.constexpr, XPF: gl.constexpr, STAMP: gl.constexpr, HOIST: gl.constexpr,
                        EPI: gl.constexpr, PRODUCER_REGS: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr,
                        L2S: gl.constexpr, SK: gl.constexpr, TAIL: gl.constexpr, SBITS: gl.constexpr,
                        PWA: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, GLU: gl.constexpr,
-                       FOLD: gl.constexpr, SSP: gl.constexpr, MX: gl.constexpr, num_warps: gl.constexpr):
+                       FOLD: gl.constexpr, SSP: gl.constexpr, MX: gl.constexpr, SYNC: gl.constexpr,
+                       num_warps: gl.constexpr):
     # PWA: each consumer warp frees a stage itself (empty barriers of num_warps arrivals, qerl/kernels/ptx_pwa.py)
     p, blk, k0, k1, trow0, w_bufs, s_bufs, ready, empty = _setup(w_desc, s_desc, KB, S, NUM_STAGES, PDL,
                                                                  num_warps if PWA else 1)
@@ -901,7 +935,7 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, x_desc, alpha_ptr, bias_ptr, c_pt
         (_consumer, (xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w_bufs, s_bufs, x_bufs, ready,
                      empty, p, blk, M, N, KB, k0, k1, S, NW, SP, NUM_STAGES, HAS_BIAS, PDL, MT, XPF, STAMP, HOIST, EPI,
                      SK, red, L5, L2W, L2S, SBITS, XS, LX, GLU, glu_buf, h_ptr, hout_ptr, nw_ptr, ss_ptr, NSS, eps,
-                     KN, FOLD, SSP, EB, MX, num_warps)),
+                     KN, FOLD, SSP, EB, MX, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC, num_warps)),
         (_gluon_producer, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, trow0, k0, k1, KB, stamp_ptr,
                            p, NUM_STAGES, STAMP, XS, PDL, GLU)),
     ], [1], [PRODUCER_REGS])
@@ -1072,6 +1106,11 @@ def glu_descriptors(state: dict):
             TensorDescriptor(scale, [2, ds, 16], [ds * 16, 16, 1], [2, srows, 16], sl))
 
 
+def sync_count(state: dict) -> int:
+    """How many counts a `forward(..., sync=...)` launch adds to its signal: one per 64-row block."""
+    return state["n"] // 64
+
+
 def glu_usable(x: torch.Tensor, state: dict, bias=None) -> bool:
     """`forward(..., glu=True)` takes this launch: nvfp4 or mxfp4 [gate; up] with each half whole 64-row
     blocks, 2..8 tokens, no bias."""
@@ -1080,7 +1119,7 @@ def glu_usable(x: torch.Tensor, state: dict, bias=None) -> bool:
 
 
 def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | None = None,
-            glu: bool = False, fold: tuple | None = None) -> torch.Tensor:
+            glu: bool = False, fold: tuple | None = None, sync: tuple | None = None) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for x [M, K] bf16 (contiguous, M <= 8) and an nvfp4 or mxfp4 `state`
     (qerl.kernels.prepare). M = 1 puts x in every column of the MMA's B; M = 2..8 puts token g in
     column g (MT = 8), at the same MMA count per weight.
@@ -1103,7 +1142,13 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     norm's weight), and ss[blk, token] (fp32 [N / 64, 8]) gets each 64-column block's sum of h_out^2.
     ("scale", ss, blocks, eps, k): x is such a bf16(h_out * w), and each token's products are scaled by
     1 / sqrt(sum of its `blocks` partial sums / k + eps) before alpha and bias (and GLU). With one
-    rounding fewer than bf16(w * bf16(h_out * scale)) in the norm kernel, so not bit-equal to it."""
+    rounding fewer than bf16(w * bf16(h_out * scale)) in the norm kernel, so not bit-equal to it.
+
+    sync (with glu or fold "res", 2..8 tokens): (delta, flag, target, signal) for the rollout engine's
+    resident LoRA kernel (qerl/kernels/lora_resident.py): each row block's writer waits on the device
+    until the int32 flag reaches target, adds delta ([>= M, N] bf16, contiguous: the LoRA delta of the
+    whole [M, N] product) before the GLU or the residual add, and after its stores adds one to the
+    int32 signal, N / 64 counts in all (`sync_count`)."""
     if state["fmt"] not in FORMATS:
         raise ValueError(f"the Gluon GEMV takes nvfp4 or mxfp4 weights, got {state['fmt']}")
     mx = state["fmt"] == "mxfp4"
@@ -1124,6 +1169,12 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         raise ValueError("fold: ('res', ...) or ('scale', ...) at 2..8 tokens with HOIST_CONSTS and EPI_SMEM")
     if kind_fold == "res" and (glu or n % 64):
         raise ValueError("fold 'res' needs a plain product of whole 64-row blocks")
+    if sync is not None:
+        dl, dflag, dtarget, sig = sync
+        if not (glu or kind_fold == "res") or m < 2 or not (HOIST_CONSTS and EPI_SMEM):
+            raise ValueError("sync needs glu or fold 'res' at 2..8 tokens with HOIST_CONSTS and EPI_SMEM")
+        if dl.dtype != torch.bfloat16 or not dl.is_contiguous() or dl.shape[-1] != n or dl.shape[0] < m:
+            raise ValueError(f"sync: the delta must be contiguous bf16 [>= {m}, {n}], got {tuple(dl.shape)}")
     cfg = dict(DEFAULT)
     cfg.update({key: v for key, v in (config or {}).items() if key in DEFAULT or key in ("S", "STREAMK", "TAIL_SPLIT")})
     nw = int(cfg["num_warps"])
@@ -1139,7 +1190,8 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         xs = xs_auto(mt, triton.cdiv(n, 64), per_sm * W._num_sms(x.device.index or 0))
     x = x.contiguous()
     xs = bool(xs) and x.data_ptr() % 16 == 0  # TMA: a 16-byte aligned base
-    key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM, pwa, xs, glu, kind_fold, mx)  # (occupancy; SBITS keeps it)
+    key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM, pwa, xs, glu, kind_fold, mx,
+           sync is not None)  # (occupancy; SBITS keeps it)
     fits = min(_RESIDENT.get(key, per_sm), per_sm)
     s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), fits, mt,
                                                   glu_descriptors(state) if glu else None)
@@ -1168,12 +1220,14 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     kernel = _gluon_gemv_kernel[(grid,)](
         x.view(torch.int32), w_desc, s_desc, x_descriptor(x, mt) if xs else w_desc, state["alpha"], bias if bias is not None else c, c, ws,
         locks, stamps if stamps is not None else ws, h_in, h_out, w_norm, ss, m, n, kb, s, nw_whole, cs, int(nss),
-        float(eps), int(kn), int(state.get("exp_bias", 0)), FOLD={"res": 1, "scale": 2}.get(kind_fold, 0), SSP=ssp,
+        float(eps), int(kn), int(state.get("exp_bias", 0)),
+        *((dl, dflag, sig, int(dtarget)) if sync is not None else (c, locks, locks, 0)),
+        FOLD={"res": 1, "scale": 2}.get(kind_fold, 0), SSP=ssp,
         SP=sp, NUM_STAGES=ns, MX=mx,
         HAS_BIAS=bias is not None, PDL=pdl, MT=mt, XPF=xpf,
         STAMP=stamps is not None, HOIST=HOIST_CONSTS, EPI=EPI_SMEM, PRODUCER_REGS=preg, SK=kind == "sk", TAIL=kind == "tail",
         SBITS=SCALE_BITS and bool(state.get("scale_bits", False)), PWA=pwa, XS=xs, LX=_x_layout(nw, mt),
-        GLU=bool(glu),
+        GLU=bool(glu), SYNC=sync is not None,
         L5=l5, L2W=l2w, L2S=l2s, num_warps=nw, launch_pdl=pdl, **extra,
     )
     if key not in _RESIDENT:

@@ -187,6 +187,16 @@ LORA_RESIDENT_PROGRAMS = env_int("QERL_LORA_RESIDENT_PROGRAMS", 32)  # 8 / 16 / 
 # still signal, the consumers still poll): what the synchronisation costs the chain apart from its stalls
 LORA_RESIDENT_WAIT = True
 LORA_RESIDENT_KERNEL = True
+# True: with LORA_RESIDENT the LoRA groups keep the fusions of the no-LoRA step: NORM_FOLD (the o / down
+# GEMVs add their delta in the residual epilogue, the resident kernel scales its shrink by the folded
+# norm's 1 / rms) and GLU (the gate / up GEMV adds its delta before the silu); those launches wait for
+# the delta on the device and count their row blocks out for the next group (w4a16_gluon.forward sync).
+# Unfused, the resident kernel's synchronisation alone left a 7B b8 step at 0.879 of the no-LoRA step
+# (a172: the norm and silu launches, ~11 us a layer); fused and planned as without LoRA (lsm0) 0.913,
+# 14B 0.941 (a174, a176). But the kernel does not deliver the deltas by the fused GEMVs' epilogues:
+# 0.751-0.775 against 0.849 unfused (a173, a175; NOTES_rollout.md section 52), so off (ablation flag
+# `lres...:f` turns it on).
+LORA_RESIDENT_FUSED = False
 
 
 class EngineError(ValueError):
@@ -314,6 +324,8 @@ class _Resident:
         self.entries: list[list[int]] = []
         self.signals: list[Signal] = []
         self.keep: list[torch.Tensor] = []  # the groups' inputs stay allocated while the kernel may read them
+        self.scales: list[tuple | None] = []  # per group: the folded norm's scale its input carries (or None)
+        self.synced = 0  # groups whose delta a Gluon GEMV's epilogue waits for and adds (LORA_RESIDENT_FUSED)
         self.start = torch.cuda.Event()
 
     def begin(self, main) -> None:
@@ -339,7 +351,7 @@ class _Resident:
         self.signals.append(sig)
         return sig
 
-    def group(self, group: LinearGroup, x: torch.Tensor, source: tuple, kind: str) -> Ready:
+    def group(self, group: LinearGroup, x: torch.Tensor, source: tuple, kind: str, scale: tuple | None = None) -> Ready:
         from qerl.kernels import lora_resident
 
         layer, sig = source
@@ -349,8 +361,9 @@ class _Resident:
         out = self.engine._resident_delta(layer, kind, group)
         x2 = x.reshape(-1, group.in_features)
         self.entries.append(lora_resident.table_row(self.engine._res_base, x2, group._a, group._b, out, group.bounds,
-                                                    sig.programs))
+                                                    sig.programs, scale))
         self.keep.append(x2)
+        self.scales.append(scale)
         return Ready(out[:self.rows], self.flags[3 * g + 2:3 * g + 3], self.programs if LORA_RESIDENT_WAIT else 0,
                      _resident_join)
 
@@ -560,18 +573,23 @@ class RolloutEngine:
             cos, sin, at = self._cos[pos], self._sin[pos], None
         valid = self._valid[:rows]
         h, delta, lo_down = (None if fused else self.embed(tok)), None, None
-        plan = self._fold_plan(rows) if NORM_FOLD else None
+        res = self._res  # LORA_RESIDENT: this step's resident-kernel state (None: the side stream)
+        synced = res is not None and LORA_RESIDENT_FUSED
+        plan = self._fold_plan(rows, synced) if NORM_FOLD else None
         shared = (self._lead[:rows], self._shared) if SHARE_PROMPT_KEYS else ()
         scale = None  # NORM_FOLD: x is bf16(r * weight) and the next product applies this scale
-        res = self._res  # LORA_RESIDENT: this step's resident-kernel state (None: the side stream)
         if res is not None:
             res.begin(torch.cuda.current_stream(self.device))
+        # LORA_RESIDENT: one Signal per linear group's input, in the step's order (sig); s_in is the
+        # Signal of the next product's input, which its producer counts out
         sig = res.signal if res is not None else (lambda: None)
+        s_in = None
         for i, layer in enumerate(self.layers):
-            s_in = sig()
             if h is None:
+                s_in = sig()
                 h, x = layer.attn_norm.embed(tok, self.embed.weight, s_in, res.gate() if res is not None else None)
             elif scale is None:
+                s_in = sig()
                 h, x = layer.attn_norm(delta, h, lo_down, s_in)
             kc, vc = self._k[i][:rows], self._v[i][:rows]
             qkv, lo = self._linear(layer.qkv, x, "qkv", scale, (i, s_in))
@@ -586,20 +604,29 @@ class RolloutEngine:
                                          self.n_kv, lo, self._attn_counters, at, *shared, signal=s_in)
             fold_o, fold_down = plan[i] if plan else (False, False)
             if fold_o:
-                h, x, scale = layer.o.res_forward(attn, h, layer.mlp_norm.weight, layer.mlp_norm.eps)
+                h, x, scale, s_in = self._res_forward(layer.o, "o", attn, h, layer.mlp_norm, (i, s_in))
             else:
                 o, lo = self._linear(layer.o, attn, "o", source=(i, s_in))
                 s_in = sig()
                 h, x = layer.mlp_norm(o, h, lo, s_in)
                 scale = None
-            act = layer.gate_up.glu_forward(x, scale) if GLU and layer.silu else None
+            act = None
+            if GLU and layer.silu and synced and layer.gate_up.glu_usable(x, True):
+                s_next = sig()  # the down product's input, counted out by the GLU launch
+                ready = res.group(layer.gate_up, x, (i, s_in), "gate_up", scale)
+                with self._lora_gemv_plan("gate_up"):
+                    act = layer.gate_up.glu_forward(x, scale, sync=(ready, s_next))
+                s_in = s_next
+                res.synced += 1
+            elif GLU and layer.silu:
+                act = layer.gate_up.glu_forward(x, scale)
             if act is None:
                 gu, lo = self._linear(layer.gate_up, x, "gate_up", scale, (i, s_in))
                 s_in = sig()
                 act = layer.gate(gu, lo, s_in)
             if fold_down:
-                nxt = self.layers[i + 1].attn_norm
-                h, x, scale = layer.down.res_forward(act, h, nxt.weight, nxt.eps)
+                h, x, scale, s_in = self._res_forward(layer.down, "down", act, h, self.layers[i + 1].attn_norm,
+                                                      (i, s_in))
                 delta = lo_down = None
             else:
                 delta, lo_down = self._linear(layer.down, act, "down", source=(i, s_in))
@@ -609,11 +636,25 @@ class RolloutEngine:
             res.launch(torch.cuda.current_stream(self.device), self._side)
         return logits
 
-    def _fold_plan(self, rows: int) -> list[tuple[bool, bool]]:
+    def _res_forward(self, group: LinearGroup, kind: str, x: torch.Tensor, h: torch.Tensor, norm, source: tuple):
+        """NORM_FOLD producer: group.res_forward into `norm`'s input; with the resident LoRA kernel
+        (its delta waited for and added in the epilogue, the next group's input counted out on a new
+        Signal) -> (h, x, scale, that Signal or None)."""
+        if self._res is None or not group.has_lora:
+            return (*group.res_forward(x, h, norm.weight, norm.eps), None)
+        s_next = self._res.signal()
+        ready = self._res.group(group, x, source, kind)
+        with self._lora_gemv_plan(kind):
+            h, x2, scale = group.res_forward(x, h, norm.weight, norm.eps, sync=(ready, s_next))
+        self._res.synced += 1
+        return h, x2, scale, s_next
+
+    def _fold_plan(self, rows: int, synced: bool = False) -> list[tuple[bool, bool]]:
         """NORM_FOLD per layer: (fold the mlp norm into o -> gate/up, fold the next layer's input
-        norm into down -> next q/k/v); only where producer and consumer both take it."""
-        ok = [(layer.qkv.fold_usable(rows), layer.o.fold_usable(rows), layer.gate_up.fold_usable(rows),
-               layer.down.fold_usable(rows)) for layer in self.layers]
+        norm into down -> next q/k/v); only where producer and consumer both take it (synced: LoRA
+        groups too, whose deltas the resident kernel computes, LORA_RESIDENT_FUSED)."""
+        ok = [(layer.qkv.fold_usable(rows, synced), layer.o.fold_usable(rows, synced),
+               layer.gate_up.fold_usable(rows, synced), layer.down.fold_usable(rows, synced)) for layer in self.layers]
         return [(o and gu, d and i + 1 < len(ok) and ok[i + 1][0]) for i, (_q, o, gu, d) in enumerate(ok)]
 
     def _linear(self, group: LinearGroup, x: torch.Tensor, kind: str, scale: tuple | None = None,
@@ -626,7 +667,11 @@ class RolloutEngine:
         (Running the shrink first on the main stream, so the base product cannot starve it, was
         slower: 0.72-0.79 of the no-LoRA step at 14B r64 against 0.89; NOTES_rollout.md section 7.)"""
         if scale is not None:
-            return group.scale_forward(x, scale), None
+            if self._res is None or not group.has_lora:
+                return group.scale_forward(x, scale), None
+            with self._lora_gemv_plan(kind):  # (LORA_RESIDENT_FUSED: a LoRA group on a folded norm's input)
+                y = group.scale_forward(x, scale)
+            return y, self._res.group(group, x, source, kind, scale)
         if not group.has_lora:
             return group.base_forward(x), None
         if self._res is not None:

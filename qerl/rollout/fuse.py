@@ -140,6 +140,20 @@ def _lora_parts(mod: nn.Module):
     return [(mod.lora_A[n].weight, mod.lora_B[n].weight, mod.scaling[n]) for n in mod.active_adapters if n in mod.lora_A]
 
 
+def _sync(sync: tuple | None, state: dict) -> tuple | None:
+    """sync = (decode_ops.Ready of this group's LoRA delta, decode_ops.Signal of the next group's input),
+    from the rollout engine's resident LoRA kernel (engine.LORA_RESIDENT): the launch waits for the delta
+    on the device, adds it in its epilogue and counts its row blocks out on the Signal
+    (w4a16_gluon.forward sync). None: no delta, no count."""
+    if sync is None:
+        return None
+    from qerl.kernels import w4a16_gluon
+
+    ready, signal = sync
+    signal.programs = w4a16_gluon.sync_count(state)
+    return ready.delta, ready.flag, ready.target, signal.flag
+
+
 class LinearGroup:
     """Modules that read the same input (or one module), as one base product plus one low-rank
     product for all their LoRA adapters:
@@ -216,12 +230,13 @@ class LinearGroup:
         """The product without this group's LoRA (with it, where the modules apply it themselves)."""
         return self(x) if self._per_module else bf16_gemv.dense(self.base, x)
 
-    def fold_usable(self, rows: int) -> bool:
+    def fold_usable(self, rows: int, synced: bool = False) -> bool:
         """NORM_FOLD can take this group's product at `rows` tokens: one nvfp4 / mxfp4 QuantLinear (fused or
-        single) without a LoRA delta whose 2..8-token launch the 4-bit dispatch runs on the Gluon GEMV (the formats
-        w4a16_triton.WSMMA_FORMATS routes there)."""
+        single) without a LoRA delta (synced: or with one the resident LoRA kernel computes, `_sync`) whose
+        2..8-token launch the 4-bit dispatch runs on the Gluon GEMV (the formats w4a16_triton.WSMMA_FORMATS
+        routes there)."""
         base = self.base
-        if (self._per_module or self.has_lora or not isinstance(base, QuantLinear) or not 2 <= rows <= 8
+        if (self._per_module or (self.has_lora and not synced) or not isinstance(base, QuantLinear) or not 2 <= rows <= 8
                 or base.storage_device.type != "cuda"):
             return False
         from qerl.kernels import w4a16_triton
@@ -234,10 +249,10 @@ class LinearGroup:
         state = base.kernel_state()
         return state["n"] % 64 == 0 and w4a16_triton.routes_to_gluon_tokens(probe, state)
 
-    def res_forward(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float):
+    def res_forward(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, sync: tuple | None = None):
         """NORM_FOLD producer (`fold_usable`): (h + y, bf16((h + y) * weight), the consumer's scale
         spec) for y = this group's product, the residual add of the RMSNorm (weight, eps) that follows
-        it done in the product's epilogue (w4a16_gluon.forward fold "res")."""
+        it done in the product's epilogue (w4a16_gluon.forward fold "res"). sync: see `_sync`."""
         from qerl.kernels import w4a16_gluon
 
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
@@ -246,7 +261,8 @@ class LinearGroup:
         h2 = h.reshape(-1, n)
         h_out = torch.empty_like(h2)
         ss = torch.empty(n // 64, 8, dtype=torch.float32, device=x.device)
-        rw = w4a16_gluon.forward(x2, state, bias=self.base.bias, fold=("res", h2, weight, h_out, ss))
+        rw = w4a16_gluon.forward(x2, state, bias=self.base.bias, fold=("res", h2, weight, h_out, ss),
+                                 sync=_sync(sync, state))
         return h_out.view(h.shape), rw.view(h.shape), ("scale", ss, n // 64, float(eps), n)
 
     def scale_forward(self, x: torch.Tensor, scale: tuple) -> torch.Tensor:
@@ -258,26 +274,35 @@ class LinearGroup:
         return w4a16_gluon.forward(x2, self.base.kernel_state(), bias=self.base.bias,
                                    fold=scale).view(*x.shape[:-1], -1)
 
-    def glu_forward(self, x: torch.Tensor, scale: tuple | None = None) -> torch.Tensor | None:
-        """silu(gate) * up of a fused [gate; up] group in one Gluon GEMV launch (w4a16_gluon GLU), or
-        None where that launch does not apply: a LoRA delta to add first, weights not fused into one
-        nvfp4 / mxfp4 QuantLinear without bias, or a launch the 4-bit dispatch would not run on the Gluon GEMV
-        (off the GPU among them; a format w4a16_triton.WSMMA_FORMATS does not name)."""
+    def glu_usable(self, x: torch.Tensor, synced: bool = False) -> bool:
+        """`glu_forward` takes x (synced: with the resident LoRA kernel's delta, `_sync`)."""
         base = self.fused
-        if (self._per_module or self.has_lora or not isinstance(base, QuantLinear) or base.bias is not None
-                or x.device.type != "cuda"):
-            return None
+        if (self._per_module or (self.has_lora and not synced) or not isinstance(base, QuantLinear)
+                or base.bias is not None or x.device.type != "cuda"):
+            return False
         from qerl.kernels import w4a16_gluon, w4a16_triton
 
         # the formats the routing sends to the Gluon GEMV (checked first: the backend of another may refuse)
         if base.fmt not in w4a16_triton.WSMMA_FORMATS or base._resolved_backend(x) != "triton":
-            return None
-
+            return False
         x2 = x.reshape(-1, x.shape[-1])
         state = base.kernel_state()
-        if not (w4a16_gluon.glu_usable(x2, state) and w4a16_triton.routes_to_gluon_tokens(x2, state)):
+        return w4a16_gluon.glu_usable(x2, state) and w4a16_triton.routes_to_gluon_tokens(x2, state)
+
+    def glu_forward(self, x: torch.Tensor, scale: tuple | None = None, sync: tuple | None = None) -> torch.Tensor | None:
+        """silu(gate) * up of a fused [gate; up] group in one Gluon GEMV launch (w4a16_gluon GLU), or
+        None where that launch does not apply: a LoRA delta to add first (unless the resident LoRA
+        kernel computes it: `sync`, see `_sync`), weights not fused into one nvfp4 / mxfp4 QuantLinear
+        without bias, or a launch the 4-bit dispatch would not run on the Gluon GEMV (off the GPU among
+        them; a format w4a16_triton.WSMMA_FORMATS does not name)."""
+        if not self.glu_usable(x, sync is not None):
             return None
-        return w4a16_gluon.forward(x2.contiguous(), state, glu=True, fold=scale).view(*x.shape[:-1], -1)
+        from qerl.kernels import w4a16_gluon
+
+        x2 = x.reshape(-1, x.shape[-1])
+        state = self.fused.kernel_state()
+        return w4a16_gluon.forward(x2.contiguous(), state, glu=True, fold=scale,
+                                   sync=_sync(sync, state)).view(*x.shape[:-1], -1)
 
     def lora_workspace(self, rows: int) -> tuple[torch.Tensor, ...]:
         """Preallocated buffers for `lora` at up to `rows` rows (qerl.kernels.lora_ops.workspace)."""
