@@ -114,14 +114,15 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   lres / lres4 / lres16 / lres32 (with lora: the captured decode step's LoRA by one resident
                   kernel of engine.LORA_RESIDENT_PROGRAMS (32) / 4 / 16 / 32 programs, engine.LORA_RESIDENT,
                   qerl/kernels/lora_resident.py;
-                  where engine._resident_ok refuses, the side stream as before), lres:P:BK:BN:S:W[:p][:n][:sNS][:c][:x][:f]
+                  where engine._resident_ok refuses, the side stream as before), lres:P:BK:BN:S:W[:p][:n][:sNS][:c][:x][:f][:wNS]
                   (the same with P programs, BK / BN shrink / expand tiles, S pipelining stages, W warps; p: each
                   program prefetches its adapter bytes of a group into L2 before it waits for the input;
                   n: timing only, the waits and counts without the loads, math and stores; sNS: each failed
                   poll of the kernel naps NS ns first, lora_resident.SLEEP; timing only: c, the deltas'
                   consumers poll once and never wait, engine.LORA_RESIDENT_WAIT off; x, as c and no resident
                   kernel at all, engine.LORA_RESIDENT_KERNEL off; f: the LoRA groups keep NORM_FOLD and GLU,
-                  the fused GEMVs waiting for the delta in their epilogues, engine.LORA_RESIDENT_FUSED)
+                  the fused GEMVs waiting for the delta in their epilogues, engine.LORA_RESIDENT_FUSED; wNS:
+                  those epilogues' waits nap NS ns between polls, w4a16_gluon.SYNC_NAP)
 `--generate N` times N whole generate calls per variant instead (256-token prompts, 512 new tokens:
 the tok/s bench_rollout reports, prefill and every key bucket included) and prints their medians.
 `--rounds N` times the variant list N times over (A B C A B C ...) and summarises each variant by
@@ -526,27 +527,29 @@ def _dropped_lora(engine: RolloutEngine):
 
 
 def _lres_flags(flags: list, name: str) -> list:
-    """Take the flag lres:P:BK:BN:S:W[:p][:n][:sNS][:c][:x][:f] out of `flags` (the resident LoRA kernel on, with
+    """Take the flag lres:P:BK:BN:S:W[:p][:n][:sNS][:c][:x][:f][:wNS] out of `flags` (the resident LoRA kernel on, with
     P programs, BK / BN tiles, S pipelining stages, W warps, NS ns naps between polls, consumers that do not wait,
-    no kernel, the fusions kept: qerl/kernels/lora_resident.py): its switches, [] without it."""
-    from qerl.kernels import lora_resident
+    no kernel, the fusions kept, naps in the fused epilogues' waits: qerl/kernels/lora_resident.py): its switches,
+    [] without it."""
+    from qerl.kernels import lora_resident, w4a16_gluon
 
     out = []
     for f in [f for f in flags if f.startswith("lres:")]:
         flags.remove(f)
-        m = re.fullmatch(r"lres:(\d+):(\d+):(\d+):(\d+):(\d+)(:p)?(:n)?(?::s(\d+))?(:c)?(:x)?(:f)?", f)
+        m = re.fullmatch(r"lres:(\d+):(\d+):(\d+):(\d+):(\d+)(:p)?(:n)?(?::s(\d+))?(:c)?(:x)?(:f)?(?::w(\d+))?", f)
         pow2 = m is not None and all(int(v) and not int(v) & (int(v) - 1) for v in m.groups()[1:3] + m.groups()[4:5])
         if not pow2 or not (16 <= int(m[2]) and 16 <= int(m[3]) and int(m[1]) and int(m[4])):
-            raise SystemExit(f"bad flag {f!r} in {name!r}: lres:P:BK:BN:S:W[:p][:n][:sNS][:c][:x][:f] (P programs, BK "
+            raise SystemExit(f"bad flag {f!r} in {name!r}: lres:P:BK:BN:S:W[:p][:n][:sNS][:c][:x][:f][:wNS] (P programs, BK "
                              "and BN powers of two >= 16, S stages >= 1, W warps a power of two, p: prefetch into L2, "
                              "n: waits only, sNS: NS ns naps between polls, c: consumers never wait, x: no kernel, "
-                             "f: NORM_FOLD and GLU kept)")
+                             "f: NORM_FOLD and GLU kept, wNS: NS ns naps in their waits)")
         out = [(engine_mod, "LORA_RESIDENT", True), (engine_mod, "LORA_RESIDENT_PROGRAMS", int(m[1])),
                (lora_resident, "BK", int(m[2])), (lora_resident, "BN", int(m[3])), (lora_resident, "STAGES", int(m[4])),
                (lora_resident, "WARPS", int(m[5])), (lora_resident, "PREFETCH", m[6] is not None),
                (lora_resident, "WORK", m[7] is None), (lora_resident, "SLEEP", int(m[8] or 0)),
                (engine_mod, "LORA_RESIDENT_WAIT", m[9] is None and m[10] is None),
-               (engine_mod, "LORA_RESIDENT_KERNEL", m[10] is None), (engine_mod, "LORA_RESIDENT_FUSED", m[11] is not None)]
+               (engine_mod, "LORA_RESIDENT_KERNEL", m[10] is None), (engine_mod, "LORA_RESIDENT_FUSED", m[11] is not None),
+               (w4a16_gluon, "SYNC_NAP", int(m[12] or 0))]
     return out
 
 
@@ -761,6 +764,50 @@ def stamp_summary(graph, sm_mhz: float) -> dict:
     return out
 
 
+def resident_stamp_summary(engine: RolloutEngine, graph) -> dict | None:
+    """After stamp_summary's replay of `graph` with lora_resident.STAMP on at its capture: per group kind, the
+    median over the layers (us) of how long the resident kernel waited for the group's input after the
+    previous group's delta was out (wait), summed its K slices (shrink), met at the grid-wide count (meet),
+    wrote the delta (expand), input to delta (in_to_out), and against the group's own Gluon GEMV (the
+    k-th stamped Gluon launch of the replay is group k): the GEMV's span (gemv), when the delta was out
+    after the GEMV's first program started (out_after_gemv_start) and how long the GEMV ran on after it
+    (gemv_end_after_out: near 0 where the GEMV's epilogue waited for the delta). None: no resident kernel."""
+    import numpy as np
+
+    from qerl.kernels import lora_resident, w4a16_triton
+    from qerl.rollout import engine as engine_mod
+
+    res = next((v[-1] for v in engine._graphs.values() if isinstance(v, tuple) and v and v[0] is graph
+                and isinstance(v[-1], engine_mod._Resident)), None)
+    if res is None or res.stamps is None:
+        return None
+    times = lora_resident.stamp_times(res.stamps, res.groups, res.programs)
+    st = w4a16_triton.STAMP
+    arr = st["buf"].cpu().numpy() if st else None
+    spans = []  # (first start, last end) of each Gluon launch this replay ran, in launch order
+    for off, grid, _n, _k, _s, _m, kernel in (st["calls"] if st else []):
+        a = arr[off:off + grid * 8].reshape(grid, 8)
+        if kernel == "gluon" and not (a[:, 0] < 0).any():
+            spans.append((int(a[:, 5].min()), int(a[:, 6].max())))
+    paired = len(spans) == len(times)
+    per_kind: dict = defaultdict(list)
+    for g, t in enumerate(times):
+        row = {"shrink": t["sums"] - t["in_first"], "meet": t["met"] - t["sums"], "expand": t["out"] - t["met"],
+               "in_to_out": t["out"] - t["in_first"]}
+        if g:
+            row["wait"] = t["in_first"] - times[g - 1]["out"]
+        if paired:
+            start, end = spans[g]
+            row.update(gemv=end - start, out_after_gemv_start=t["out"] - start, gemv_end_after_out=end - t["out"])
+        per_kind[engine_mod.LORA_GROUP_KINDS[g % len(engine_mod.LORA_GROUP_KINDS)]].append(row)
+    out = {"programs": res.programs, "paired_with_gemvs": paired,
+           "step_us": round((times[-1]["out"] - times[0]["in_first"]) / 1e3, 1)}
+    for kind, rows in per_kind.items():
+        keys = sorted({k for r in rows for k in r})
+        out[kind] = {k: round(float(np.median([r[k] for r in rows if k in r])) / 1e3, 2) for k in keys}
+    return out
+
+
 def time_variant(engine: RolloutEngine, prompts: list, settings, with_timeline: bool, keys: int = 512) -> dict:
     """Capture the step graphs afresh (two generates) and time 64 replays of the `keys`-key graph."""
     rows = len(prompts) * settings.num_generations
@@ -845,7 +892,8 @@ def main() -> None:
     ap.add_argument("--timeline", nargs="*", default=[])
     ap.add_argument("--rounds", type=int, default=1, help="time the variant list this many times over (medians)")
     ap.add_argument("--stamp", nargs="*", default=[],
-                    help="variants to run once more with the 4-bit kernels' per-program clocks (stamp_summary)")
+                    help="variants to run once more with the 4-bit kernels' per-program clocks (stamp_summary) and, where the "
+                         "variant runs it, the resident LoRA kernel's per group (resident_stamp_summary)")
     ap.add_argument("--keys", type=int, default=512,
                     help="the key bucket of the timed step graph (a multiple of 256; 512: slots 257..512)")
     ap.add_argument("--generate", type=int, default=0,
@@ -884,21 +932,28 @@ def main() -> None:
             print(json.dumps({k: v for k, v in row.items() if k != "timeline"}), flush=True)  # with gpu_state
             save(result, a.out)
         for name in a.stamp:
-            from qerl.kernels import w4a16_triton
+            from qerl.kernels import lora_resident, w4a16_triton
 
             w4a16_triton.STAMP = {"buf": torch.empty(32 << 20, dtype=torch.int64, device="cuda"), "used": 0, "calls": []}
+            lora_resident.STAMP = True  # (the resident kernel's clocks, where the variant runs it)
             try:
                 with variant_of(engine, name), torch.inference_mode():
                     graph, ms = graph_step_ms(engine, prompts, settings, keys=a.keys)
                     state = gpu_state()
                     row = {"batch": batch, "variant": name, "stamped": True, "step_ms": round(ms, 4), "gpu_state": state,
                            "stamps": stamp_summary(graph, float(state.get("sm_mhz") or 1980))}
+                    resident = resident_stamp_summary(engine, graph)
+                    if resident is not None:
+                        row["resident_stamps"] = resident
             finally:
                 w4a16_triton.STAMP = None
+                lora_resident.STAMP = False
             result.setdefault("stamp_rows", []).append(row)
             print(f"stamps, batch {batch}, {name} (step {ms:.3f} ms with stamps):")
             for shape, v in row["stamps"].items():
                 print(f"  {shape}: {json.dumps(v)}")
+            if "resident_stamps" in row:
+                print(f"  resident LoRA kernel, per group kind (us, medians over the layers): {json.dumps(row['resident_stamps'])}")
             save(result, a.out)
     for r in result["rows"]:
         if "timeline" in r and "streams" in r["timeline"]:

@@ -59,7 +59,7 @@ def _signature(n: int, k: int, has_bias: bool, mt: int = 1, xs: bool = False, gl
 def compile_kernel(n: int, k: int, stages: int, warps: int, maxnreg, producer_regs: int, bias: bool, pdl: bool,
                    mt: int = 1, xpf: bool = False, stamp: bool = False, epi: bool = G.EPI_SMEM, sk: bool = False, tail: bool = False,
                    sbits: bool = False, pwa: bool = False, xs: bool = False, glu: bool = False, fold: int = 0,
-                   fmt: str = "nvfp4", sync: bool = False):
+                   fmt: str = "nvfp4", sync: int = 0):
     fn = G._gluon_gemv_kernel
     sig = _signature(n, k, bias, mt, xs, glu, fmt)
     l5, l2w, l2s = G._layouts(warps, fmt)
@@ -186,8 +186,8 @@ def main():
     ap.add_argument("--xs", action="store_true", help="gemv: x copied beside each weight stage (XS)")
     ap.add_argument("--glu", action="store_true", help="gemv, M > 1: silu(gate) * up of a [gate; up] layer (GLU)")
     ap.add_argument("--fold", type=int, default=0, help="gemv, M > 1: NORM_FOLD epilogue, 1 = RES, 2 = SCALE")
-    ap.add_argument("--sync", action="store_true", help="gemv, with --glu or --fold 1: the resident LoRA kernel's "
-                    "delta wait and signal in the epilogue (SYNC)")
+    ap.add_argument("--sync", type=int, default=0, help="gemv, with --glu or --fold 1: the resident LoRA kernel's "
+                    "delta wait and signal in the epilogue (SYNC = 1 + ns naps between polls; 0: off)")
     ap.add_argument("--dump", default=None, help="write ttgir / llir / ptx / sass here")
     a = ap.parse_args()
     if a.kernel == "wgmma":

@@ -558,12 +558,65 @@ def test_lres_flags_set_the_resident_kernel_and_restore(ablate):
         assert not engine_mod.LORA_RESIDENT_FUSED
     with ablate.variant_of(engine, "lora@lres:32:64:128:2:4:p:f"):
         assert (engine_mod.LORA_RESIDENT_FUSED, lr.PREFETCH, lr.WORK) == (True, True, True)
+        assert w4a16_gluon.SYNC_NAP == 0
+    with ablate.variant_of(engine, "lora@lres:32:64:128:2:4:p:s100:f:w200"):
+        assert (engine_mod.LORA_RESIDENT_FUSED, lr.SLEEP, w4a16_gluon.SYNC_NAP) == (True, 100, 200)
+    assert w4a16_gluon.SYNC_NAP == 0
     assert lr.WORK and lr.SLEEP == 0 and engine_mod.LORA_RESIDENT_WAIT and engine_mod.LORA_RESIDENT_KERNEL
     assert not engine_mod.LORA_RESIDENT_FUSED
     assert (engine_mod.LORA_RESIDENT, engine_mod.LORA_RESIDENT_PROGRAMS, lr.BK, lr.BN, lr.STAGES, lr.WARPS,
             lr.PREFETCH) == before
     for bad in ("lres:8:64:64:1", "lres:8:48:64:1:4", "lres:8:64:8:1:4", "lres:0:64:64:1:4", "lres:8:64:64:0:4",
-                "lres:8:64:64:1:3", "lres:8:64:64:1:4:q", "lres:8:64:64:1:4:s"):
+                "lres:8:64:64:1:3", "lres:8:64:64:1:4:q", "lres:8:64:64:1:4:s", "lres:8:64:64:1:4:f:w"):
         with pytest.raises(SystemExit, match="bad flag"):
             with ablate.variant_of(engine, f"lora@{bad}"):
                 pass
+
+
+def test_resident_stamp_summary_per_group_kind(ablate, monkeypatch):
+    """--stamp with the resident LoRA kernel: lora_resident.stamp_times reads its clocks per group (first /
+    last program's input seen, last sums, meet, delta out, SMs), and resident_stamp_summary turns them into
+    per-kind medians (us) paired with the k-th stamped Gluon launch of the replay (launches of other graphs,
+    left at -1, are skipped); without a resident state in the graph's entry it returns None."""
+    from qerl.kernels import lora_resident
+    from qerl.rollout import engine as engine_mod
+
+    groups, programs, layers = 8, 3, 2  # two layers of qkv / o / gate_up / down
+    stamps = torch.zeros(groups, programs, 8, dtype=torch.int64)
+    gemv = []
+    t = 0
+    for g in range(groups):
+        width = 1000 * (g % 4 + 1)  # each kind its own shape: shrink = width, meet = 500, expand = 2 * width
+        for p in range(programs):
+            stamps[g, p, 0] = t + 100 * p  # the last program sees the input 200 ns after the first
+            stamps[g, p, 1] = t + width - 50 * p
+            stamps[g, p, 2] = t + width + 500 - 10 * p
+            stamps[g, p, 3] = t + 3 * width + 500 - p
+            stamps[g, p, 4] = p % 2  # two SMs
+        gemv.append((t - 300, t + 3 * width + 700))  # the GEMV starts 300 ns before the input, ends 200 after the delta
+        t += 3 * width + 500 + 4000  # the next input 4 us after this delta
+    times = lora_resident.stamp_times(stamps.view(-1), groups, programs)
+    assert times[1] == {"in_first": 7500, "in_last": 7700, "sums": 9500, "met": 10000, "out": 14000, "sms": 2}
+
+    calls, buf = [], torch.full((4096,), -1, dtype=torch.int64)
+    calls.append((0, 2, 64, 64, 1, 8, "gluon"))  # a launch of another graph: never written
+    for g, (start, end) in enumerate(gemv):
+        off = 16 + g * 16
+        a = buf[off:off + 16].view(2, 8)
+        a.zero_()
+        a[:, 5] = torch.tensor([start, start + 50])
+        a[:, 6] = torch.tensor([end - 70, end])
+        calls.append((off, 2, 64, 64, 1, 8, "gluon"))
+    monkeypatch.setattr(w4a16_triton, "STAMP", {"buf": buf, "used": 0, "calls": calls})
+    res = engine_mod._Resident.__new__(engine_mod._Resident)
+    res.stamps, res.groups, res.programs = stamps.view(-1), groups, programs
+    graph = object()
+    engine = _Engine()
+    engine._graphs = {512: (graph, None, res), 256: (object(), None, None)}
+    out = ablate.resident_stamp_summary(engine, graph)
+    assert out["paired_with_gemvs"] and out["programs"] == programs
+    assert out["o"] == {"expand": 4.0, "gemv": 7.0, "gemv_end_after_out": 0.2, "in_to_out": 6.5, "meet": 0.5,
+                        "out_after_gemv_start": 6.8, "shrink": 2.0, "wait": 4.0}
+    assert out["qkv"]["shrink"] == 1.0 and out["qkv"]["wait"] == 4.0  # layer 0's first group has no wait
+    assert len(out) == 3 + layers * 2  # programs, paired, step_us + the four kinds
+    assert ablate.resident_stamp_summary(engine, engine._graphs[256][0]) is None

@@ -938,8 +938,8 @@ def test_gluon_gemv_norm_fold(fmt):
     assert not bad, f"(M, res bit-equal, sums, [q vs fp32, q vs unfused, glu vs fp32, glu vs unfused]) {bad}"
 
 
-@pytest.mark.parametrize("cfg", [{}, {"STREAMK": True}, {"S": 2}], ids=["default", "sk", "split2"])
-def test_gluon_gemv_sync_epilogues(cfg):
+@pytest.mark.parametrize("cfg", [{}, {"STREAMK": True}, {"S": 2}, {"nap": 200}], ids=["default", "sk", "split2", "nap200"])
+def test_gluon_gemv_sync_epilogues(cfg, monkeypatch):
     """sync (the resident LoRA kernel's delta, w4a16_gluon.forward): with the flag already at its
     target, GLU adds the delta to gate and up before the silu, equal to decode_ops.silu_mul of the
     plain launch's product with the delta as its extra (bit for bit where every row sums its K slices
@@ -952,6 +952,8 @@ def test_gluon_gemv_sync_epilogues(cfg):
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("needs Hopper (TMA, warp specialisation)")
+    cfg = dict(cfg)
+    monkeypatch.setattr(G, "SYNC_NAP", cfg.pop("nap", 0))  # (the build with naps in the wait; the flag is already set)
     hid, k_in = 1024, 2048
     _t, st_o, _w = _layer("nvfp4", hid, k_in, seed=21)
     _t, st_g, _w = _layer("nvfp4", 4096, hid, seed=22)

@@ -40,7 +40,8 @@ import struct
 
 import torch
 
-__all__ = ["BK", "BN", "FIELDS", "MP", "fits", "PREFETCH", "SLEEP", "STAGES", "WARPS", "WORK", "resident_lora", "resident_reference", "table_row"]
+__all__ = ["BK", "BN", "FIELDS", "MP", "fits", "PREFETCH", "SLEEP", "STAGES", "STAMP", "WARPS", "WORK", "resident_lora",
+           "resident_reference", "stamp_times", "table_row"]
 
 FIELDS = 16  # table row width (14 used)
 MP = 16  # rows per step the kernel takes (the tl.dot minimum; decode steps of 1..16 rows)
@@ -64,6 +65,10 @@ WORK = True
 # leave their issue slots to the GEMV programs sharing their SMs (0: polls back to back)
 SLEEP = 0
 SPIN_CAP = 1 << 20
+# Timing only: the kernel writes %globaltimer per group and program (`stamps`, int64 [G, P, 8]): [0] the
+# group's input seen, [1] its partial sums added, [2] every program arrived, [3] its delta out, [4] the SM
+# (the engine allocates the buffer when this is on at capture; `stamp_times` reads it; ablation --stamp)
+STAMP = False
 
 
 def fits(k: int, n: int, bounds: tuple[int, int]) -> bool:
@@ -128,6 +133,7 @@ def _kernel():
     import triton.language as tl
 
     from qerl.kernels.device_wait import wait_count
+    from qerl.kernels.w4a16_triton import _stamp
 
     @triton.jit
     def _spin(ptr, target, err_ptr, CAP: tl.constexpr, SLEEP: tl.constexpr):
@@ -143,12 +149,13 @@ def _kernel():
     globals()["wait_count"] = wait_count
     globals()["_prefetch_l2"] = _prefetch_l2
     globals()["_spin"] = _spin  # the kernel calls it by name: Triton (and its interpreter) look it up in the module
+    globals()["_stamp"] = _stamp
 
     @triton.jit(do_not_specialize=["groups", "M"])
-    def resident_kernel(base, tab_ptr, flags_ptr, xa_ptr, groups, M, RANK: tl.constexpr, RP: tl.constexpr,
+    def resident_kernel(base, tab_ptr, flags_ptr, xa_ptr, stamp_ptr, groups, M, RANK: tl.constexpr, RP: tl.constexpr,
                         MP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, FIELDS: tl.constexpr,
                         CAP: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr = False,
-                        WORK: tl.constexpr = True, SLEEP: tl.constexpr = 0):
+                        WORK: tl.constexpr = True, SLEEP: tl.constexpr = 0, STAMP: tl.constexpr = False):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         rows = tl.arange(0, MP)
@@ -184,6 +191,9 @@ def _kernel():
                     for kp in tl.static_range(0, RANK, 64):
                         _prefetch_l2(b_ptr + (c0 + cn) * RANK + kp)
             _spin(flags_ptr + 3 * g, target, err, CAP, SLEEP)
+            sp = g * nprog + pid  # this group's and program's stamp row
+            if STAMP:
+                _stamp(stamp_ptr, sp, 0, "globaltimer")
             acc = tl.zeros([MP, RP], tl.float32)
             if WORK:
                 for k0 in tl.range(pid * BK, K, nprog * BK, num_stages=STAGES):
@@ -196,8 +206,12 @@ def _kernel():
             tl.atomic_add(xa + rows[:, None] * RP + rr[None, :], acc, mask=rm[:, None] & (rr < rt)[None, :],
                           sem="relaxed", scope="gpu")
             tl.debug_barrier()  # every thread's partial before the arrival
+            if STAMP:
+                _stamp(stamp_ptr, sp, 1, "globaltimer")
             tl.atomic_add(flags_ptr + 3 * g + 1, 1, sem="release", scope="gpu")
             _spin(flags_ptr + 3 * g + 1, nprog, err, CAP, SLEEP)
+            if STAMP:
+                _stamp(stamp_ptr, sp, 2, "globaltimer")
             if WORK:
                 inv = tl.full([MP], 1.0, tl.float32)
                 if nss > 0:  # a folded norm's input: its rows' 1 / rms from the producer's per-block sums
@@ -220,15 +234,21 @@ def _kernel():
                     tl.store(o_ptr + rows[:, None] * N + (c0 + cn)[None, :], y.to(bt.dtype), mask=rm[:, None])
             tl.debug_barrier()  # every thread's delta before the count
             tl.atomic_add(flags_ptr + 3 * g + 2, 1, sem="release", scope="gpu")
+            if STAMP:
+                _stamp(stamp_ptr, sp, 3, "globaltimer")
+                _stamp(stamp_ptr, sp, 4, "smid")
 
     return resident_kernel
 
 
 def resident_lora(base: torch.Tensor, table: torch.Tensor, flags: torch.Tensor, xa: torch.Tensor, groups: int,
-                  rows: int, rank: int, programs: int, cap: int = SPIN_CAP) -> None:
+                  rows: int, rank: int, programs: int, cap: int = SPIN_CAP, stamps: torch.Tensor | None = None) -> None:
     """Launch the resident kernel over `groups` rows of `table` (see the module docstring) on the
     current stream; `programs` of them, which must all be resident at once (they wait on each other).
-    xa: fp32 [>= groups, MP, RP], RP a power of two >= every group's rt; `cap`: polls before a wait gives up."""
+    xa: fp32 [>= groups, MP, RP], RP a power of two >= every group's rt; `cap`: polls before a wait gives up;
+    stamps: int64 [>= groups * programs * 8] for the STAMP clocks (None: none; not in the interpreter)."""
+    if stamps is not None and (stamps.dtype != torch.int64 or stamps.numel() < groups * programs * 8):
+        raise ValueError(f"resident LoRA: stamps must be int64 with at least {groups * programs * 8} elements")
     if rows > MP or xa.shape[-2] != MP or xa.shape[-1] & (xa.shape[-1] - 1):
         raise ValueError(f"resident LoRA takes at most {MP} rows (got {rows}) and xa [G, {MP}, power of two]")
     if rank & (rank - 1) or not 16 <= rank <= 128:
@@ -238,7 +258,17 @@ def resident_lora(base: torch.Tensor, table: torch.Tensor, flags: torch.Tensor, 
         from qerl.kernels.w4a16_triton import _patch_interpreter
 
         _patch_interpreter()
-    prefetch, sleep = (False, 0) if interpret else (PREFETCH, SLEEP)  # (inline PTX: not in the interpreter)
-    _kernel()[(programs,)](base, table, flags, xa, groups, rows, RANK=rank, RP=xa.shape[-1], MP=MP, BK=BK, BN=BN,
-                           FIELDS=FIELDS, CAP=cap, STAGES=STAGES, PREFETCH=prefetch, WORK=WORK, SLEEP=sleep,
-                           num_warps=WARPS)
+    # (inline PTX: not in the interpreter)
+    prefetch, sleep, stamp = (False, 0, False) if interpret else (PREFETCH, SLEEP, stamps is not None)
+    _kernel()[(programs,)](base, table, flags, xa, stamps if stamp else flags, groups, rows, RANK=rank, RP=xa.shape[-1],
+                           MP=MP, BK=BK, BN=BN, FIELDS=FIELDS, CAP=cap, STAGES=STAGES, PREFETCH=prefetch, WORK=WORK,
+                           SLEEP=sleep, STAMP=stamp, num_warps=WARPS)
+
+
+def stamp_times(stamps: torch.Tensor, groups: int, programs: int) -> list[dict]:
+    """Per group, from a launch's STAMP clocks (ns, %globaltimer): when its first / last program saw the
+    input (in_first / in_last), the last one had added its partial sums (sums), every program had
+    arrived as the last one saw (met), the last program's delta was out (out), and how many SMs ran it."""
+    a = stamps[:groups * programs * 8].view(groups, programs, 8).cpu()
+    return [{"in_first": int(g[:, 0].min()), "in_last": int(g[:, 0].max()), "sums": int(g[:, 1].max()),
+             "met": int(g[:, 2].max()), "out": int(g[:, 3].max()), "sms": len(set(g[:, 4].tolist()))} for g in a]

@@ -792,8 +792,8 @@ def _fixup_store(part, off, WS: gl.constexpr, c_ptr, c_off, c_mask, alpha, bias,
         out = part * alpha
         if HAS_BIAS:
             out += bias
-        if SYNC:
-            _wait_flag(dflag_ptr, DT)
+        if SYNC:  # (SYNC - 1: ns naps between the wait's polls, SYNC_NAP)
+            _wait_flag(dflag_ptr, DT, SYNC - 1)
         if GLU:
             _glu_store(out.to(gl.bfloat16).to(gl.float32), glu_buf, c_ptr, blk, M, N // 2, dl_ptr, SYNC)
         elif FOLD == 1:
@@ -810,11 +810,16 @@ def _fixup_store(part, off, WS: gl.constexpr, c_ptr, c_off, c_mask, alpha, bias,
 
 
 @gluon.jit
-def _wait_flag(ptr, target):
+def _wait_flag(ptr, target, NAP: gl.constexpr):
     # SYNC: until the int32 at ptr reaches target: volatile polls, then an acquire whose value is used
-    # (qerl/kernels/device_wait.py's wait_count, in Gluon)
+    # (qerl/kernels/device_wait.py's wait_count, in Gluon). NAP > 0: each failed poll first naps about
+    # NAP ns (PTX nanosleep), so the waiting warps leave the SM's issue slots to the kernels beside them
+    # (the resident LoRA kernel computing this very delta among them)
     done = gl.load(ptr, volatile=True)
     while done < target:
+        if NAP > 0:
+            gl.inline_asm_elementwise("nanosleep.u32 $1;\n mov.u32 $0, 0;", "=r,r", [done * 0 + NAP], dtype=gl.int32,
+                                      is_pure=False, pack=1)
         done = gl.load(ptr, volatile=True)
     done = gl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
     while done < target:
@@ -972,6 +977,10 @@ STREAMK = None
 # Stream-K plans this many program slots fewer than the planned slots (timing switch: a slot taken by
 # another kernel's resident program delays one stream-K program by a whole program's run)
 SK_SPARE = 0
+# forward(sync=): each failed poll of the epilogue's wait for the delta first naps about this many ns
+# (0: polls back to back); passed to the kernel as SYNC = 1 + SYNC_NAP (0: no sync). Ablation flag
+# lres...:wNS; not measured yet (NOTES_rollout.md section 52)
+SYNC_NAP = 0
 # ... and this many more for GLU launches (forward(glu=True)). The 7B gate/up GLU GEMV at M = 8 (592
 # blocks, the only stream-K layer of the three models' decode steps) again had one program start
 # ~20 us late (a90 clocks, `start_last` 29.7 us against 9.1 without GLU); 4 spare slots remove it
@@ -1191,7 +1200,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     x = x.contiguous()
     xs = bool(xs) and x.data_ptr() % 16 == 0  # TMA: a 16-byte aligned base
     key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM, pwa, xs, glu, kind_fold, mx,
-           sync is not None)  # (occupancy; SBITS keeps it)
+           sync is not None and 1 + int(SYNC_NAP))  # (occupancy; SBITS keeps it)
     fits = min(_RESIDENT.get(key, per_sm), per_sm)
     s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), fits, mt,
                                                   glu_descriptors(state) if glu else None)
@@ -1227,7 +1236,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         HAS_BIAS=bias is not None, PDL=pdl, MT=mt, XPF=xpf,
         STAMP=stamps is not None, HOIST=HOIST_CONSTS, EPI=EPI_SMEM, PRODUCER_REGS=preg, SK=kind == "sk", TAIL=kind == "tail",
         SBITS=SCALE_BITS and bool(state.get("scale_bits", False)), PWA=pwa, XS=xs, LX=_x_layout(nw, mt),
-        GLU=bool(glu), SYNC=sync is not None,
+        GLU=bool(glu), SYNC=0 if sync is None else 1 + int(SYNC_NAP),
         L5=l5, L2W=l2w, L2S=l2s, num_warps=nw, launch_pdl=pdl, **extra,
     )
     if key not in _RESIDENT:

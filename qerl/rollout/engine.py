@@ -327,6 +327,9 @@ class _Resident:
         self.scales: list[tuple | None] = []  # per group: the folded norm's scale its input carries (or None)
         self.synced = 0  # groups whose delta a Gluon GEMV's epilogue waits for and adds (LORA_RESIDENT_FUSED)
         self.start = torch.cuda.Event()
+        # lora_resident.STAMP (timing only): the kernel's clocks per group and program
+        self.stamps = (torch.zeros(self.groups * self.programs * 8, dtype=torch.int64, device=dev)
+                       if lora_resident.STAMP else None)
 
     def begin(self, main) -> None:
         """At the step's start, on the main stream: flags and accumulators zeroed (dry: every consumer's
@@ -391,7 +394,7 @@ class _Resident:
 
         with torch.cuda.stream(side):
             lora_resident.resident_lora(self.engine._res_base, self.table, self.flags, self.xa, self.groups, self.rows,
-                                        self.rank, self.programs)
+                                        self.rank, self.programs, stamps=self.stamps)
 
     def timeouts(self) -> int:
         """Waits that gave up (lora_resident.SPIN_CAP) since the last begin(): 0 unless a producer never came."""
