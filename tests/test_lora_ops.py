@@ -22,9 +22,7 @@ _SCRIPT = textwrap.dedent(
     out = []
     for m, k, sizes, rank in ((1, 200, [96], 16), (3, 384, [64, 32, 32], 16), (8, 1000, [160, 160], 32), (17, 300, [48, 80, 16], 8),
                             (40, 2400, [96, 32], 16)):
-        n = sum(sizes)
-        edges = [sum(sizes[:i + 1]) for i in range(len(sizes))]
-        bounds = (edges[0] if len(sizes) > 1 else n, edges[1] if len(sizes) > 2 else n)
+        n, bounds = sum(sizes), lo.segment_bounds(sizes)
         x = torch.randn(m, k + 5)[:, :k]  # a row stride that is not k
         a = torch.randn(len(sizes) * rank, k) * 0.1
         b = torch.randn(n, rank) * 0.1

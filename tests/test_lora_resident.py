@@ -25,9 +25,7 @@ _SCRIPT = textwrap.dedent(
     base = torch.zeros(4)
     table, keep, want, outs = [], [], [], []
     for k, sizes in shapes:
-        n = sum(sizes)
-        edges = [sum(sizes[:i + 1]) for i in range(len(sizes))]
-        bounds = (edges[0] if len(sizes) > 1 else n, edges[1] if len(sizes) > 2 else n)
+        n, bounds = sum(sizes), lora_ops.segment_bounds(sizes)
         x = torch.randn(m, k + 8)[:, :k]  # a row stride that is not K
         a = torch.randn(len(sizes) * rank, k) * 0.1
         b = torch.randn(n, rank) * 0.1

@@ -57,9 +57,7 @@ def test_lora_delta_kernels_match_reference(rows, rank, group):
     k, sizes = {"qkv": (3584, [3584, 512, 512]), "o": (3584, [3584]), "gate_up": (3584, [18944, 18944]),
                 "down": (18944, [3584])}[group]
     gen = torch.Generator(device="cuda").manual_seed(rows + rank)
-    n = sum(sizes)
-    edges = [sum(sizes[:i + 1]) for i in range(len(sizes))]
-    bounds = (edges[0] if len(sizes) > 1 else n, edges[1] if len(sizes) > 2 else n)
+    n, bounds = sum(sizes), lora_ops.segment_bounds(sizes)
     x = torch.randn(rows, k, generator=gen, device="cuda").bfloat16()
     a = (torch.randn(len(sizes) * rank, k, generator=gen, device="cuda") * k ** -0.5).bfloat16()
     b = (torch.randn(n, rank, generator=gen, device="cuda") * 0.05).bfloat16()

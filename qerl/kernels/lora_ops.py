@@ -42,7 +42,15 @@ import torch
 from qerl.env import env_int
 
 __all__ = ["lora_add_", "lora_delta", "lora_delta_reference", "lora_delta_triton", "lora_expand_triton", "lora_fused_triton",
-           "lora_shrink_triton", "shrink_splits"]
+           "lora_shrink_triton", "segment_bounds", "shrink_splits"]
+
+
+def segment_bounds(sizes) -> tuple[int, int]:
+    """`bounds` of a group whose N outputs stack segments of these sizes: rows [0, n1), [n1, n2), [n2, N)
+    (one segment: (N, N); two: (s0, N))."""
+    edges = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+    n = edges[-1]
+    return (edges[0] if len(edges) > 1 else n, edges[1] if len(edges) > 2 else n)
 
 
 def lora_delta_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: tuple[int, int], rank: int,

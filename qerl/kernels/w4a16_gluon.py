@@ -1178,6 +1178,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         raise ValueError("fold: ('res', ...) or ('scale', ...) at 2..8 tokens with HOIST_CONSTS and EPI_SMEM")
     if kind_fold == "res" and (glu or n % 64):
         raise ValueError("fold 'res' needs a plain product of whole 64-row blocks")
+    sync_mode = 0 if sync is None else 1 + int(SYNC_NAP)  # the kernel's SYNC
     if sync is not None:
         dl, dflag, dtarget, sig = sync
         if not (glu or kind_fold == "res") or m < 2 or not (HOIST_CONSTS and EPI_SMEM):
@@ -1200,7 +1201,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     x = x.contiguous()
     xs = bool(xs) and x.data_ptr() % 16 == 0  # TMA: a 16-byte aligned base
     key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM, pwa, xs, glu, kind_fold, mx,
-           sync is not None and 1 + int(SYNC_NAP))  # (occupancy; SBITS keeps it)
+           sync_mode)  # (occupancy; SBITS keeps it)
     fits = min(_RESIDENT.get(key, per_sm), per_sm)
     s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), fits, mt,
                                                   glu_descriptors(state) if glu else None)
@@ -1236,7 +1237,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         HAS_BIAS=bias is not None, PDL=pdl, MT=mt, XPF=xpf,
         STAMP=stamps is not None, HOIST=HOIST_CONSTS, EPI=EPI_SMEM, PRODUCER_REGS=preg, SK=kind == "sk", TAIL=kind == "tail",
         SBITS=SCALE_BITS and bool(state.get("scale_bits", False)), PWA=pwa, XS=xs, LX=_x_layout(nw, mt),
-        GLU=bool(glu), SYNC=0 if sync is None else 1 + int(SYNC_NAP),
+        GLU=bool(glu), SYNC=sync_mode,
         L5=l5, L2W=l2w, L2S=l2s, num_warps=nw, launch_pdl=pdl, **extra,
     )
     if key not in _RESIDENT:

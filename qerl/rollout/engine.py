@@ -577,8 +577,8 @@ class RolloutEngine:
         valid = self._valid[:rows]
         h, delta, lo_down = (None if fused else self.embed(tok)), None, None
         res = self._res  # LORA_RESIDENT: this step's resident-kernel state (None: the side stream)
-        synced = res is not None and LORA_RESIDENT_FUSED
-        plan = self._fold_plan(rows, synced) if NORM_FOLD else None
+        fused = res is not None and LORA_RESIDENT_FUSED
+        plan = self._fold_plan(rows, fused) if NORM_FOLD else None
         shared = (self._lead[:rows], self._shared) if SHARE_PROMPT_KEYS else ()
         scale = None  # NORM_FOLD: x is bf16(r * weight) and the next product applies this scale
         if res is not None:
@@ -614,13 +614,9 @@ class RolloutEngine:
                 h, x = layer.mlp_norm(o, h, lo, s_in)
                 scale = None
             act = None
-            if GLU and layer.silu and synced and layer.gate_up.glu_usable(x, True):
-                s_next = sig()  # the down product's input, counted out by the GLU launch
-                ready = res.group(layer.gate_up, x, (i, s_in), "gate_up", scale)
-                with self._lora_gemv_plan("gate_up"):
-                    act = layer.gate_up.glu_forward(x, scale, sync=(ready, s_next))
-                s_in = s_next
-                res.synced += 1
+            if GLU and layer.silu and fused and layer.gate_up.glu_usable(x, True):
+                act, s_in = self._synced(layer.gate_up, "gate_up", x, (i, s_in), scale,
+                                         lambda sync: layer.gate_up.glu_forward(x, scale, sync=sync))
             elif GLU and layer.silu:
                 act = layer.gate_up.glu_forward(x, scale)
             if act is None:
@@ -641,16 +637,23 @@ class RolloutEngine:
 
     def _res_forward(self, group: LinearGroup, kind: str, x: torch.Tensor, h: torch.Tensor, norm, source: tuple):
         """NORM_FOLD producer: group.res_forward into `norm`'s input; with the resident LoRA kernel
-        (its delta waited for and added in the epilogue, the next group's input counted out on a new
-        Signal) -> (h, x, scale, that Signal or None)."""
+        (`_synced`) -> (h, x, scale, the Signal of the next group's input or None)."""
         if self._res is None or not group.has_lora:
             return (*group.res_forward(x, h, norm.weight, norm.eps), None)
+        out, s_next = self._synced(group, kind, x, source, None,
+                                   lambda sync: group.res_forward(x, h, norm.weight, norm.eps, sync=sync))
+        return (*out, s_next)
+
+    def _synced(self, group: LinearGroup, kind: str, x: torch.Tensor, source: tuple, scale: tuple | None, launch):
+        """LORA_RESIDENT_FUSED: launch(sync) runs a Gluon GEMV of this LoRA group that waits for the resident
+        kernel's delta in its epilogue and counts the next group's input out (fuse.LinearGroup's `sync`)
+        -> (its result, the Signal of the next group's input)."""
         s_next = self._res.signal()
-        ready = self._res.group(group, x, source, kind)
+        ready = self._res.group(group, x, source, kind, scale)
         with self._lora_gemv_plan(kind):
-            h, x2, scale = group.res_forward(x, h, norm.weight, norm.eps, sync=(ready, s_next))
+            out = launch((ready, s_next))
         self._res.synced += 1
-        return h, x2, scale, s_next
+        return out, s_next
 
     def _fold_plan(self, rows: int, synced: bool = False) -> list[tuple[bool, bool]]:
         """NORM_FOLD per layer: (fold the mlp norm into o -> gate/up, fold the next layer's input
@@ -669,18 +672,14 @@ class RolloutEngine:
         kernel's, a decode_ops.Ready.
         (Running the shrink first on the main stream, so the base product cannot starve it, was
         slower: 0.72-0.79 of the no-LoRA step at 14B r64 against 0.89; NOTES_rollout.md section 7.)"""
-        if scale is not None:
-            if self._res is None or not group.has_lora:
-                return group.scale_forward(x, scale), None
-            with self._lora_gemv_plan(kind):  # (LORA_RESIDENT_FUSED: a LoRA group on a folded norm's input)
-                y = group.scale_forward(x, scale)
+        if self._res is not None and group.has_lora:  # (with a scale: LORA_RESIDENT_FUSED, a folded norm's input)
+            with self._lora_gemv_plan(kind):
+                y = group.base_forward(x) if scale is None else group.scale_forward(x, scale)
             return y, self._res.group(group, x, source, kind, scale)
+        if scale is not None:
+            return group.scale_forward(x, scale), None
         if not group.has_lora:
             return group.base_forward(x), None
-        if self._res is not None:
-            with self._lora_gemv_plan(kind):
-                y = group.base_forward(x)
-            return y, self._res.group(group, x, source, kind)
         workspace = self._lora_workspace(group, kind)
         if self._side is None:
             return group.base_forward(x), group.lora(x, workspace)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from qerl.kernels import bf16_gemv
+from qerl.kernels.lora_ops import segment_bounds
 from qerl.nn.quant_linear import QuantLinear, _outside_inference_mode
 
 __all__ = ["LinearGroup", "base_layer"]
@@ -185,9 +186,7 @@ class LinearGroup:
         self._a: torch.Tensor | None = None
         self._b: torch.Tensor | None = None
         self.rank = 0
-        edges = [sum(self.sizes[:i + 1]) for i in range(len(self.sizes))]
-        n = edges[-1]
-        self.bounds = (edges[0] if len(edges) > 1 else n, edges[1] if len(edges) > 2 else n)
+        self.bounds = segment_bounds(self.sizes)
         self._per_module = self.base is None or len(self.sizes) > 3
         self.refresh()
 
