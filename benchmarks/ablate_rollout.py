@@ -114,7 +114,7 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   lres / lres4 / lres16 / lres32 (with lora: the captured decode step's LoRA by one resident
                   kernel of engine.LORA_RESIDENT_PROGRAMS (32) / 4 / 16 / 32 programs, engine.LORA_RESIDENT,
                   qerl/kernels/lora_resident.py;
-                  where engine._resident_ok refuses, the side stream as before), lres:P:BK:BN:S:W[:p][:n][:sNS][:c][:x][:f][:wNS]
+                  where engine._resident_ok refuses, the side stream as before), lres:P:BK:BN:S:W[:p][:n][:sNS][:c][:x][:f][:e][:r][:wNS]
                   (the same with P programs, BK / BN shrink / expand tiles, S pipelining stages, W warps; p: each
                   program prefetches its adapter bytes of a group into L2 before it waits for the input;
                   n: timing only, the waits and counts without the loads, math and stores; sNS: each failed
@@ -527,29 +527,35 @@ def _dropped_lora(engine: RolloutEngine):
 
 
 def _lres_flags(flags: list, name: str) -> list:
-    """Take the flag lres:P:BK:BN:S:W[:p][:n][:sNS][:c][:x][:f][:wNS] out of `flags` (the resident LoRA kernel on, with
+    """Take the flag lres:P:BK:BN:S:W[:p][:n][:sNS][:c][:x][:f][:e][:r][:wNS] out of `flags` (the resident LoRA kernel on, with
     P programs, BK / BN tiles, S pipelining stages, W warps, NS ns naps between polls, consumers that do not wait,
-    no kernel, the fusions kept, naps in the fused epilogues' waits: qerl/kernels/lora_resident.py): its switches,
+    no kernel, the fusions kept, their GEMVs expanding the deltas, the GEMVs planned around the kernel's programs,
+    naps in the fused epilogues' waits:
+    qerl/kernels/lora_resident.py): its switches,
     [] without it."""
     from qerl.kernels import lora_resident, w4a16_gluon
 
     out = []
     for f in [f for f in flags if f.startswith("lres:")]:
         flags.remove(f)
-        m = re.fullmatch(r"lres:(\d+):(\d+):(\d+):(\d+):(\d+)(:p)?(:n)?(?::s(\d+))?(:c)?(:x)?(:f)?(?::w(\d+))?", f)
+        m = re.fullmatch(r"lres:(\d+):(\d+):(\d+):(\d+):(\d+)(:p)?(:n)?(?::s(\d+))?(:c)?(:x)?(:f)?(:e)?(:r)?(?::w(\d+))?", f)
         pow2 = m is not None and all(int(v) and not int(v) & (int(v) - 1) for v in m.groups()[1:3] + m.groups()[4:5])
         if not pow2 or not (16 <= int(m[2]) and 16 <= int(m[3]) and int(m[1]) and int(m[4])):
-            raise SystemExit(f"bad flag {f!r} in {name!r}: lres:P:BK:BN:S:W[:p][:n][:sNS][:c][:x][:f][:wNS] (P programs, BK "
+            raise SystemExit(f"bad flag {f!r} in {name!r}: lres:P:BK:BN:S:W[:p][:n][:sNS][:c][:x][:f][:e][:r][:wNS] (P programs, BK "
                              "and BN powers of two >= 16, S stages >= 1, W warps a power of two, p: prefetch into L2, "
                              "n: waits only, sNS: NS ns naps between polls, c: consumers never wait, x: no kernel, "
-                             "f: NORM_FOLD and GLU kept, wNS: NS ns naps in their waits)")
+                             "f: NORM_FOLD and GLU kept, e: (with f) their GEMVs expand the deltas, r: the GEMVs plan "
+                             "around the kernel's programs, wNS: NS ns naps in their waits)")
         out = [(engine_mod, "LORA_RESIDENT", True), (engine_mod, "LORA_RESIDENT_PROGRAMS", int(m[1])),
                (lora_resident, "BK", int(m[2])), (lora_resident, "BN", int(m[3])), (lora_resident, "STAGES", int(m[4])),
                (lora_resident, "WARPS", int(m[5])), (lora_resident, "PREFETCH", m[6] is not None),
                (lora_resident, "WORK", m[7] is None), (lora_resident, "SLEEP", int(m[8] or 0)),
                (engine_mod, "LORA_RESIDENT_WAIT", m[9] is None and m[10] is None),
                (engine_mod, "LORA_RESIDENT_KERNEL", m[10] is None), (engine_mod, "LORA_RESIDENT_FUSED", m[11] is not None),
-               (w4a16_gluon, "SYNC_NAP", int(m[12] or 0))]
+               (engine_mod, "LORA_RESIDENT_EXPAND", m[12] is not None),
+               (engine_mod, "LORA_RESIDENT_RESERVE", m[13] is not None), (w4a16_gluon, "SYNC_NAP", int(m[14] or 0))]
+        if m[12] and not m[11]:
+            raise SystemExit(f"bad flag {f!r} in {name!r}: e (the GEMVs expand) needs f (the fused chain)")
     return out
 
 

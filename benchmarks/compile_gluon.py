@@ -38,7 +38,7 @@ from qerl.kernels import w4a16_gluon as G  # noqa: E402
 from qerl.kernels import w4a16_ws as WS  # noqa: E402
 
 
-def _signature(n: int, k: int, has_bias: bool, mt: int = 1, xs: bool = False, glu: bool = False,
+def _signature(n: int, k: int, has_bias: bool, mt: int = 1, xs: bool = False, glu: bool = False, lexp: int = 0,
                fmt: str = "nvfp4"):
     kb = k // 256
     state = {"words": torch.zeros(triton.cdiv(n, 64), kb, 64, 32, dtype=torch.int32), "fmt": fmt,
@@ -52,20 +52,21 @@ def _signature(n: int, k: int, has_bias: bool, mt: int = 1, xs: bool = False, gl
         "bias_ptr": "*bf16", "c_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
         "stamp_ptr": "*i64", "h_ptr": "*bf16", "hout_ptr": "*bf16", "nw_ptr": "*bf16", "ss_ptr": "*fp32",
         "M": "i32", "N": "i32", "KB": "i32", "S": "i32", "NW": "i32", "CS": "i32", "NSS": "i32", "eps": "fp32",
-        "KN": "i32", "EB": "i32", "dl_ptr": "*bf16", "dflag_ptr": "*i32", "sig_ptr": "*i32", "DT": "i32",
+        "KN": "i32", "EB": "i32", "dl_ptr": "*fp32" if lexp else "*bf16", "dflag_ptr": "*i32", "sig_ptr": "*i32",
+        "DT": "i32", "lb_ptr": "*i32", "LN1": "i32", "LN2": "i32", "LHS": "i32",
     }
 
 
 def compile_kernel(n: int, k: int, stages: int, warps: int, maxnreg, producer_regs: int, bias: bool, pdl: bool,
                    mt: int = 1, xpf: bool = False, stamp: bool = False, epi: bool = G.EPI_SMEM, sk: bool = False, tail: bool = False,
                    sbits: bool = False, pwa: bool = False, xs: bool = False, glu: bool = False, fold: int = 0,
-                   fmt: str = "nvfp4", sync: int = 0):
+                   fmt: str = "nvfp4", sync: int = 0, lexp: int = 0):
     fn = G._gluon_gemv_kernel
-    sig = _signature(n, k, bias, mt, xs, glu, fmt)
+    sig = _signature(n, k, bias, mt, xs, glu, lexp, fmt=fmt)
     l5, l2w, l2s = G._layouts(warps, fmt)
     # SP: the fixup's unrolled partial count (the wrapper passes next_power_of_2(S); 8 covers S <= 8)
     constexprs = {"NUM_STAGES": stages, "HAS_BIAS": bias, "PDL": pdl, "MT": mt, "XPF": xpf, "STAMP": stamp, "SP": 8,
-                  "HOIST": True, "EPI": epi, "SK": sk, "TAIL": tail, "SBITS": sbits, "PWA": pwa, "XS": xs, "GLU": glu, "FOLD": fold, "SYNC": sync, "SSP": 64, "MX": fmt == "mxfp4", "LX": G._x_layout(warps, mt), "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
+                  "HOIST": True, "EPI": epi, "SK": sk, "TAIL": tail, "SBITS": sbits, "PWA": pwa, "XS": xs, "GLU": glu, "FOLD": fold, "SYNC": sync, "LEXP": lexp, "SSP": 64, "MX": fmt == "mxfp4", "LX": G._x_layout(warps, mt), "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
     for name in constexprs:
         sig[name] = "constexpr"
     # pointers 16-byte aligned, as the JIT would specialise them on a GPU
@@ -188,6 +189,8 @@ def main():
     ap.add_argument("--fold", type=int, default=0, help="gemv, M > 1: NORM_FOLD epilogue, 1 = RES, 2 = SCALE")
     ap.add_argument("--sync", type=int, default=0, help="gemv, with --glu or --fold 1: the resident LoRA kernel's "
                     "delta wait and signal in the epilogue (SYNC = 1 + ns naps between polls; 0: off)")
+    ap.add_argument("--lexp", type=int, default=0, help="gemv, with --sync: the epilogue expands the LoRA delta at this "
+                    "rank from the resident kernel's shrink sums (LEXP, lora_resident.Expand; any product)")
     ap.add_argument("--dump", default=None, help="write ttgir / llir / ptx / sass here")
     a = ap.parse_args()
     if a.kernel == "wgmma":
@@ -195,7 +198,7 @@ def main():
     try:
         ck = compile_kernel(a.n, a.k, a.stages, a.warps, a.maxnreg, a.producer_regs, a.bias, a.pdl,
                             1 if (a.m or 1) == 1 else G.MAX_M, a.xpf, epi=not a.old_epi, sk=a.streamk, tail=a.tail, sbits=a.scale_bits,
-                            pwa=a.pwa, xs=a.xs, glu=a.glu, fold=a.fold, fmt=a.fmt, sync=a.sync)
+                            pwa=a.pwa, xs=a.xs, glu=a.glu, fold=a.fold, fmt=a.fmt, sync=a.sync, lexp=a.lexp)
     except Exception as e:  # noqa: BLE001
         print(f"compile FAILED: {type(e).__name__}: {e}")
         sys.exit(1)

@@ -561,13 +561,20 @@ def test_lres_flags_set_the_resident_kernel_and_restore(ablate):
         assert w4a16_gluon.SYNC_NAP == 0
     with ablate.variant_of(engine, "lora@lres:32:64:128:2:4:p:s100:f:w200"):
         assert (engine_mod.LORA_RESIDENT_FUSED, lr.SLEEP, w4a16_gluon.SYNC_NAP) == (True, 100, 200)
-    assert w4a16_gluon.SYNC_NAP == 0
+        assert not engine_mod.LORA_RESIDENT_EXPAND
+    with ablate.variant_of(engine, "lora@lres:32:256:512:2:8:p:f:e"):
+        assert (engine_mod.LORA_RESIDENT_FUSED, engine_mod.LORA_RESIDENT_EXPAND, lr.BN) == (True, True, 512)
+        assert not engine_mod.LORA_RESIDENT_RESERVE
+    with ablate.variant_of(engine, "lora@lres:32:256:512:2:8:p:f:r:w100"):
+        assert (engine_mod.LORA_RESIDENT_EXPAND, engine_mod.LORA_RESIDENT_RESERVE, w4a16_gluon.SYNC_NAP) == (False, True, 100)
+    assert w4a16_gluon.SYNC_NAP == 0 and not engine_mod.LORA_RESIDENT_EXPAND and not engine_mod.LORA_RESIDENT_RESERVE
     assert lr.WORK and lr.SLEEP == 0 and engine_mod.LORA_RESIDENT_WAIT and engine_mod.LORA_RESIDENT_KERNEL
     assert not engine_mod.LORA_RESIDENT_FUSED
     assert (engine_mod.LORA_RESIDENT, engine_mod.LORA_RESIDENT_PROGRAMS, lr.BK, lr.BN, lr.STAGES, lr.WARPS,
             lr.PREFETCH) == before
     for bad in ("lres:8:64:64:1", "lres:8:48:64:1:4", "lres:8:64:8:1:4", "lres:0:64:64:1:4", "lres:8:64:64:0:4",
-                "lres:8:64:64:1:3", "lres:8:64:64:1:4:q", "lres:8:64:64:1:4:s", "lres:8:64:64:1:4:f:w"):
+                "lres:8:64:64:1:3", "lres:8:64:64:1:4:q", "lres:8:64:64:1:4:s", "lres:8:64:64:1:4:f:w",
+                "lres:8:64:64:1:4:e"):
         with pytest.raises(SystemExit, match="bad flag"):
             with ablate.variant_of(engine, f"lora@{bad}"):
                 pass

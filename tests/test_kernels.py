@@ -827,6 +827,25 @@ def test_gluon_streamk_schedule():
     assert G.STREAMK is None  # auto: inside PDL chains where a split tail would apply
 
 
+def test_gemv_plan_reserves_slots(monkeypatch):
+    """w4a16_ws._plan(reserve=): the split plan fills the slots another kernel's resident programs leave
+    (w4a16_gluon.RESERVE, engine.LORA_RESIDENT_RESERVE). On an H100 at 4 per SM (528 slots) the 7B q/k/v GEMV
+    (72 blocks x 14 steps) takes S = 7 (504 programs), with 32 slots reserved S = 5 (360, all at once in the
+    496 left); the 7B down GEMV (56 x 74) 9 -> 8 slices (504 -> 448)."""
+    from qerl.kernels import w4a16_triton as W
+    from qerl.kernels import w4a16_ws as WS
+
+    monkeypatch.setattr(W, "_num_sms", lambda index: 132)
+    got = []
+    for n, k in ((4608, 3584), (3584, 18944)):
+        kb = k // 256
+        st = {"words": torch.zeros(n // 64, kb, 64, 32, dtype=torch.int32), "n": n, "kb": kb, "fmt": "nvfp4",
+              "scale": torch.zeros(n // 64, kb, 64, 16, dtype=torch.uint8), "locks": torch.zeros(n // 64, dtype=torch.int32)}
+        x = torch.zeros(8, k, dtype=torch.bfloat16)
+        got += [WS._plan(x, st, None, None, 4, 8)[:2], WS._plan(x, st, None, None, 4, 8, reserve=32)[:2]]
+    assert got == [(7, 504), (5, 360), (9, 504), (8, 448)], got
+
+
 def test_gluon_tail_split_plan():
     """The split-tail schedule: blocks below NW whole, the last wave's r = blocks % slots blocks in S
     slices of CS steps, as the kernel maps program p: every (block, step) once, the tail's programs

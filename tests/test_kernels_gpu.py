@@ -996,6 +996,94 @@ def test_gluon_gemv_sync_epilogues(cfg, monkeypatch):
         G.forward(x, st_g, sync=(dg, flags[0:1], 3, flags[1:2]))  # a plain launch takes no delta
 
 
+@pytest.mark.parametrize("cfg", [{"rank": 16}, {"rank": 32, "STREAMK": True}, {"rank": 64, "S": 2}, {"rank": 32, "nap": 200}],
+                         ids=["r16", "r32-sk", "r64-split2", "r32-nap200"])
+def test_gluon_gemv_expand_epilogues(cfg, monkeypatch):
+    """sync with a lora_resident.Expand (engine.LORA_RESIDENT_EXPAND): with the flag already at its target,
+    each block's writer adds sum over segments of bf16(h[:, seg]) @ B[seg rows]^T to its fp32 product
+    before alpha, in a plain launch (three segments), with a folded norm's scale (times the token's 1 / rms),
+    before the residual add (RES) and before the GLU (with a scale): against the fp32 reference of the
+    dequantised weights within 1e-2 per token; the delta moves the outputs; rows of h past M are not read
+    (NaN there); each launch counts N / 64 blocks out; what the expand cannot take is refused."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_gluon as G
+    from qerl.kernels.lora_resident import Expand
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs Hopper (TMA, warp specialisation)")
+    cfg = dict(cfg)
+    rank = cfg.pop("rank")
+    monkeypatch.setattr(G, "SYNC_NAP", cfg.pop("nap", 0))
+    hid, k_in = 1024, 2048
+    _t, st_q, w_q = _layer("nvfp4", 1536, hid, seed=31)
+    _t, st_o, w_o = _layer("nvfp4", hid, k_in, seed=32)
+    _t, st_g, w_g = _layer("nvfp4", 4096, hid, seed=33)
+    g = torch.Generator(device="cuda").manual_seed(34)
+
+    def expand(n, bounds):
+        h = torch.full((16, 4 * rank), float("nan"), device="cuda")
+        h[:8] = torch.randn(8, 4 * rank, device="cuda", generator=g)
+        b = (torch.randn(n, rank, device="cuda", generator=g) * 0.3).to(torch.bfloat16)
+        edges = [0, bounds[0], bounds[1], n]
+        delta = torch.zeros(8, n, device="cuda")
+        for i in range(3):
+            if edges[i + 1] > edges[i]:
+                seg = h[:8, i * rank:(i + 1) * rank].to(torch.bfloat16).float()
+                delta[:, edges[i]:edges[i + 1]] = seg @ b[edges[i]:edges[i + 1]].float().t()
+        return Expand(h, b, bounds, rank), delta
+
+    bad = []
+    flags = torch.zeros(8, dtype=torch.int32, device="cuda")
+    for m in (2, 5, 8):
+        x = torch.randn(m, hid, device="cuda", generator=g).to(torch.bfloat16)
+        ss = torch.rand(hid // 64 + 1, 8, device="cuda", generator=g) * 60 + 1
+        scale = ("scale", ss, hid // 64, 1e-5, hid)
+        inv = 1.0 / torch.sqrt(ss[:hid // 64, :m].sum(0) / hid + 1e-5)[:, None]
+        errs, moved, counts = [], [], []
+
+        def run(i, *args, **kw):  # twice: the first launch measures occupancy; the count of the second
+            flags[2 * i] = 3
+            G.forward(*args, config=cfg, **kw)
+            flags[2 * i + 1] = 0
+            out = G.forward(*args, config=cfg, **kw)
+            counts.append(int(flags[2 * i + 1]))
+            return out
+
+        eq, dq = expand(1536, (1024, 1280))  # q / k / v: three segments
+        sync = (eq, flags[0:1], 3, flags[1:2])
+        yq = run(0, x, st_q, sync=sync)
+        want = x.float() @ w_q.T + dq[:m]
+        errs.append(_rel(yq, want))
+        moved.append(_rel(G.forward(x, st_q), want))
+        ys = run(0, x, st_q, fold=scale, sync=sync)
+        want = (x.float() @ w_q.T + dq[:m]) * inv
+        errs.append(_rel(ys, want))
+        a = torch.randn(m, k_in, device="cuda", generator=g).to(torch.bfloat16)
+        hr = torch.randn(m, hid, device="cuda", generator=g).to(torch.bfloat16)
+        wn = (torch.rand(hid, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
+        h_out = torch.full_like(hr, float("nan"))
+        ss_o = torch.full((hid // 64, 8), float("nan"), device="cuda")
+        eo, do = expand(hid, (hid, hid))
+        rw = run(1, a, st_o, fold=("res", hr, wn, h_out, ss_o), sync=(eo, flags[2:3], 3, flags[3:4]))
+        r = hr.float() + a.float() @ w_o.T + do[:m]
+        errs += [_rel(h_out, r), _rel(rw, r * wn.float())]
+        moved.append(_rel(hr.float() + G.forward(a, st_o).float(), r))
+        eg, dg = expand(4096, (2048, 4096))
+        yg = run(2, x, st_g, glu=True, fold=scale, sync=(eg, flags[4:5], 3, flags[5:6]))
+        full = (x.float() @ w_g.T + dg[:m]) * inv
+        want = torch.nn.functional.silu(full[:, :2048]) * full[:, 2048:]
+        errs.append(max(_rel(yg[i:i + 1], want[i:i + 1]) for i in range(m)))
+        moved.append(_rel(G.forward(x, st_g, glu=True, fold=scale), want))
+        nan = any(t.isnan().any() for t in (yq, ys, rw, h_out, yg))
+        if max(errs) > TOL or min(moved) < 0.05 or nan or counts != [1536 // 64] * 2 + [hid // 64, 4096 // 64]:
+            bad.append((m, errs, moved, counts, nan))
+    assert not bad, f"(M, [q, q scaled, res h_out, res rw, glu] vs fp32, delta moved [q, res, glu], counts, NaN) {bad}"
+    with pytest.raises(ValueError, match="Expand"):
+        G.forward(x, st_q, sync=(Expand(eq.h, eq.b[:, :8].contiguous(), eq.bounds, 8), flags[0:1], 3, flags[1:2]))
+    with pytest.raises(ValueError, match="Expand"):
+        G.forward(x, st_g, glu=True, sync=(Expand(eq.h, eg.b, (1024, 4096), rank), flags[0:1], 3, flags[1:2]))
+
+
 @pytest.mark.parametrize("m", (1, 4, 8))
 def test_gluon_gemv_x_smem_pdl_chain(m):
     """XS with PDL: the producer copies its weights before the wait and x only after it. A chain of

@@ -2,7 +2,8 @@
 subprocess, CPU float32) against its torch reference and lora_ops' reference on fresh random inputs:
 one, two and three segments, two K tiles, a row stride that is not K, rows that are no power of two;
 the flags it leaves (arrival, output counts) and a wait that gives up is counted, not hung; a group
-whose input is a folded norm's (the rows' 1 / rms applied from per-block sums, NORM_FOLD)."""
+whose input is a folded norm's (the rows' 1 / rms applied from per-block sums, NORM_FOLD); groups
+the kernel only sums (table_row expand=False: their GEMV expands)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ _SCRIPT = textwrap.dedent(
     shapes = [(128, [128, 64, 64]), (256, [128]), (384, [64, 64])]  # (K, segment sizes)
     base = torch.zeros(4)
     table, keep, want, outs = [], [], [], []
+    keep_x, keep_a = [], []
     for k, sizes in shapes:
         n, bounds = sum(sizes), lora_ops.segment_bounds(sizes)
         x = torch.randn(m, k + 8)[:, :k]  # a row stride that is not K
@@ -38,6 +40,8 @@ _SCRIPT = textwrap.dedent(
             xn = x / torch.sqrt(ss[:k // 64, :m].sum(0) / k + 1e-5)[:, None]
         table.append(lr.table_row(base, x, a, b, out, bounds, 3, scale))
         keep += [x, a, b]
+        keep_x.append(x)
+        keep_a.append(a)
         outs.append(out)
         want.append((lr.resident_reference(x, a, b, bounds, rank, scale), lora_ops.lora_delta_reference(xn, a, b, bounds, rank)))
     g = len(shapes)
@@ -61,6 +65,18 @@ _SCRIPT = textwrap.dedent(
     flags[0:3 * g:3] = 3
     lr.resident_lora(base, torch.tensor(table, dtype=torch.int64), flags, torch.zeros(g, lr.MP, 64), g, m, rank, 1, cap=8)
     res.append({"flags": flags.tolist(), "untouched": all(bool(o.isnan().all()) for o in outs)})
+    # expand=False (the GEMV expands, engine.LORA_RESIDENT_EXPAND): only the shrink sums, unscaled, and the arrival
+    lr.WORK = True
+    rows_ = [r[:-(lr.FIELDS - 14)] + [0] * (lr.FIELDS - 14) for r in table]  # field 14 (expand) = 0
+    flags = torch.zeros(3 * g + 2, dtype=torch.int32)
+    flags[0:3 * g:3] = 3
+    xa = torch.full((g, lr.MP, 64), 0.0)
+    lr.resident_lora(base, torch.tensor(rows_, dtype=torch.int64), flags, xa, g, m, rank, 1, cap=8)
+    sums = [float((xa[i, :m, :a.shape[0]] - x @ a.t()).abs().max() / (x @ a.t()).abs().max())
+            for i, (x, a) in enumerate(zip(keep_x, keep_a))]
+    res.append({"errs": sums, "flags": flags.tolist(), "untouched": all(bool(o.isnan().all()) for o in outs),
+                "rest_zero": all(bool((xa[i, m:] == 0).all() and (xa[i, :, a.shape[0]:] == 0).all())
+                                 for i, a in enumerate(keep_a))})
     print("RESULTS" + json.dumps(res))
     """
 )
@@ -68,7 +84,11 @@ _SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_resident_kernel_under_interpreter(seed):
-    done, short, wide, idle = run_interpreted(_SCRIPT, seed)
+    done, short, wide, idle, sums = run_interpreted(_SCRIPT, seed)
+    # expand=False: the shrink's sums (unscaled, also for the folded norm's input) in xa and nothing past M / rt,
+    # the arrival counted, no delta written and no output count
+    assert max(sums["errs"]) <= 1e-6 and sums["rest_zero"] and sums["untouched"], sums
+    assert sums["flags"] == [3, 1, 0] * 3 + [0, 1], sums
     assert idle["flags"] == [3, 1, 1] * 3 + [0, 1] and idle["untouched"], idle  # waits only: counted, nothing written
     assert max(wide["errs"]) <= 1e-6 and wide["flags"] == [3, 1, 1] * 3 + [0, 1], wide  # BK 128, two stages
     assert max(done["errs"]) <= 1e-6, done  # float32: the kernel's sums against torch's
@@ -101,7 +121,10 @@ def test_table_row_refuses_what_the_kernel_cannot_take(monkeypatch):
                                 torch.zeros(16, 64, dtype=torch.bfloat16), (64, 64), 1)
     row = lora_resident.table_row(base, x, a, torch.zeros(64, 16, dtype=torch.bfloat16),
                                   torch.zeros(16, 64, dtype=torch.bfloat16), (64, 64), 7)
-    assert len(row) == lora_resident.FIELDS and row[4:11] == [64, 64, 64, 64, 16, 64, 7]
+    assert len(row) == lora_resident.FIELDS and row[4:11] == [64, 64, 64, 64, 16, 64, 7] and row[14] == 1
+    row = lora_resident.table_row(base, x, a, torch.zeros(64, 16, dtype=torch.bfloat16),
+                                  torch.zeros(16, 64, dtype=torch.bfloat16), (64, 64), 7, expand=False)
+    assert len(row) == lora_resident.FIELDS and row[14] == 0  # the GEMV expands
     with pytest.raises(ValueError, match="ranks 16"):
         lora_resident.resident_lora(base, torch.zeros(1, 16, dtype=torch.int64), torch.zeros(4, dtype=torch.int32),
                                     torch.zeros(1, 16, 64), 1, 2, 8, 1)

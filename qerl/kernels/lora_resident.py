@@ -13,13 +13,19 @@ stays resident on a few SMs for the whole step and synchronises with the main ch
         delta[:, my column blocks] = bf16(xa[g][:, segment]) @ B[block]^T
         add one to flags[3g + 2]                    (the consumer waits for `programs`, decode_ops.Ready)
 
+A group whose table row says `expand` = 0 stops after its arrival at flags[3g + 1]: its consumer, a Gluon
+GEMV (w4a16_gluon.forward with an `Expand` sync), waits there for all `programs` arrivals and computes
+bf16(xa[g]) @ B^T for its own output rows in its epilogue, so the kernel neither waits for the other
+programs nor reads B (engine.LORA_RESIDENT_EXPAND).
+
 Table of groups: int64 [G, FIELDS], offsets in elements from `base` (a bf16 tensor), so the kernel
 casts no integer to a pointer (the interpreter cannot) and one table serves any buffers:
 x, a, b, out (element offsets), k, n, n1, n2 (segment bounds, as fuse.LinearGroup), rt, sx (x's row
 stride), in_target, then for an input that is a folded norm's bf16(r * weight) (engine NORM_FOLD: the
 norm's scale is applied by the products, w4a16_gluon fold "scale"): ss (offset of its fp32 [nss, 8]
 per-block sums of r^2), nss (0: a plain input), eps (float32 bits); the shrink's sums of each row are
-then scaled by 1 / sqrt(sum of ss[:, row] / k + eps) before the expand, as the GEMV scales its products. flags: int32 [3 G + 2] zeros at the step's start; [3 G] counts waits that gave up
+then scaled by 1 / sqrt(sum of ss[:, row] / k + eps) before the expand, as the GEMV scales its products;
+expand (1: this kernel expands the group, 0: its GEMV does, the scale then applied there). flags: int32 [3 G + 2] zeros at the step's start; [3 G] counts waits that gave up
 (SPIN_CAP polls: a producer that never came; the delta is then garbage, never a hang), [3 G + 1] the
 programs that have started: the step's first kernel waits until all have (decode_ops.embed_rms_norm's
 gate), since they wait on each other and on the main chain, whose kernels could otherwise fill the SMs
@@ -37,13 +43,14 @@ from __future__ import annotations
 import functools
 import os
 import struct
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["BK", "BN", "FIELDS", "MP", "fits", "PREFETCH", "SLEEP", "STAGES", "STAMP", "WARPS", "WORK", "resident_lora",
+__all__ = ["BK", "BN", "Expand", "FIELDS", "MP", "fits", "PREFETCH", "SLEEP", "STAGES", "STAMP", "WARPS", "WORK", "resident_lora",
            "resident_reference", "stamp_times", "table_row"]
 
-FIELDS = 16  # table row width (14 used)
+FIELDS = 16  # table row width (15 used)
 MP = 16  # rows per step the kernel takes (the tl.dot minimum; decode steps of 1..16 rows)
 # The kernel's tiles and pipelining, read at each launch (the ablation flag lres:P:BK:BN:S:W sets them):
 # BK columns of x / A per shrink step, BN output columns per expand step, STAGES software-pipelining
@@ -71,6 +78,16 @@ SPIN_CAP = 1 << 20
 STAMP = False
 
 
+class Expand(NamedTuple):
+    """A group's LoRA delta as its Gluon GEMV computes it in the epilogue (table_row expand=False): h, the
+    group's fp32 shrink sums [MP, >= segments x rank] (this kernel's xa[g]), and b [N, rank] bf16, split
+    into segments at bounds (as fuse.LinearGroup); the delta is bf16(h[:, seg]) @ b[rows of seg]^T."""
+    h: torch.Tensor
+    b: torch.Tensor
+    bounds: tuple[int, int]
+    rank: int
+
+
 def fits(k: int, n: int, bounds: tuple[int, int]) -> bool:
     """The kernel takes a group of input width k and n outputs split at `bounds`: K a multiple of BK,
     N and the segment bounds multiples of BN."""
@@ -78,10 +95,11 @@ def fits(k: int, n: int, bounds: tuple[int, int]) -> bool:
 
 
 def table_row(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
-              bounds: tuple[int, int], in_target: int, scale: tuple | None = None) -> list[int]:
+              bounds: tuple[int, int], in_target: int, scale: tuple | None = None, expand: bool = True) -> list[int]:
     """One group's table row: x [M, K] (unit column stride), a [rt, K], b [N, rank], out [>= M, N]
     contiguous, all of base's dtype; in_target: how many producer programs signal; scale: the
-    NORM_FOLD consumer's ("scale", ss, blocks, eps, k) when x is bf16(r * weight) (M <= 8)."""
+    NORM_FOLD consumer's ("scale", ss, blocks, eps, k) when x is bf16(r * weight) (M <= 8); expand:
+    False when the group's GEMV expands (`Expand`; then out is not written)."""
     size = base.element_size()
 
     def off(t: torch.Tensor) -> int:
@@ -105,6 +123,9 @@ def table_row(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Ten
                 or gap % size or x.shape[0] > 8 or not 0 < int(blocks) <= ss.shape[0]):
             raise ValueError("resident LoRA: a scale needs fp32 [>= blocks, 8] sums, K as the group's, at most 8 rows")
         row += [gap // size, int(blocks), struct.unpack("<i", struct.pack("<f", float(eps)))[0]]
+    else:
+        row += [0, 0, 0]
+    row.append(int(bool(expand)))
     return row + [0] * (FIELDS - len(row))
 
 
@@ -146,10 +167,43 @@ def _kernel():
         tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                                   is_pure=False, pack=1)
 
+    @triton.jit
+    def _expand(base, t, flags_ptr, xa, stamp_ptr, g, sp, err, b_ptr, o_ptr, N, n1, n2, nss, K, pid, nprog, rows, rm,
+                rk, cn, RANK: tl.constexpr, RP: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, CAP: tl.constexpr,
+                STAGES: tl.constexpr, WORK: tl.constexpr, SLEEP: tl.constexpr, STAMP: tl.constexpr):
+        # a group this kernel expands: once every program's sums are in, this program's column blocks of the
+        # delta (rows scaled by a folded norm's 1 / rms first), then its count for the consumer
+        _spin(flags_ptr + 3 * g + 1, nprog, err, CAP, SLEEP)
+        if STAMP:
+            _stamp(stamp_ptr, sp, 2, "globaltimer")
+        if WORK:
+            inv = tl.full([MP], 1.0, tl.float32)
+            if nss > 0:  # a folded norm's input: its rows' 1 / rms from the producer's per-block sums
+                ss_ptr = (base + tl.load(t + 11)).to(tl.pointer_type(tl.float32), bitcast=True)
+                eps = tl.load(t + 13).to(tl.int32).to(tl.float32, bitcast=True)
+                sq = tl.zeros([MP], tl.float32)
+                jj = tl.arange(0, 64)
+                for j0 in range(0, nss, 64):
+                    j = j0 + jj
+                    v = tl.load(ss_ptr + j[:, None] * 8 + rows[None, :], mask=(j < nss)[:, None] & (rows < 8)[None, :],
+                                other=0.0, cache_modifier=".cg")
+                    sq += tl.sum(v, axis=0)
+                inv = 1.0 / tl.sqrt(sq / K.to(tl.float32) + eps)
+            for c0 in tl.range(pid * BN, N, nprog * BN, num_stages=STAGES):
+                seg = (c0 >= n1).to(tl.int32) + (c0 >= n2).to(tl.int32)
+                h = tl.load(xa + rows[:, None] * RP + seg * RANK + rk[None, :], cache_modifier=".cg")
+                h = h * inv[:, None]
+                bt = tl.load(b_ptr + (c0 + cn)[None, :] * RANK + rk[:, None])
+                y = tl.dot(h.to(bt.dtype), bt)
+                tl.store(o_ptr + rows[:, None] * N + (c0 + cn)[None, :], y.to(bt.dtype), mask=rm[:, None])
+        tl.debug_barrier()  # every thread's delta before the count
+        tl.atomic_add(flags_ptr + 3 * g + 2, 1, sem="release", scope="gpu")
+
     globals()["wait_count"] = wait_count
     globals()["_prefetch_l2"] = _prefetch_l2
     globals()["_spin"] = _spin  # the kernel calls it by name: Triton (and its interpreter) look it up in the module
     globals()["_stamp"] = _stamp
+    globals()["_expand"] = _expand
 
     @triton.jit(do_not_specialize=["groups", "M"])
     def resident_kernel(base, tab_ptr, flags_ptr, xa_ptr, stamp_ptr, groups, M, RANK: tl.constexpr, RP: tl.constexpr,
@@ -182,14 +236,16 @@ def _kernel():
             sx = tl.multiple_of(tl.load(t + 9), 8)
             target = tl.load(t + 10).to(tl.int32)
             nss = tl.load(t + 12).to(tl.int32)
+            rexp = tl.load(t + 14)  # 0: the group's GEMV expands (Expand), this kernel only sums and arrives
             xa = xa_ptr + g * MP * RP
             if PREFETCH and WORK:  # this program's A slices and B blocks into L2 while its input is still to come
                 for k0 in tl.range(pid * BK, K, nprog * BK):
                     for kp in tl.static_range(0, BK, 64):  # a line is 64 bf16
                         _prefetch_l2(tl.where(rr < rt, a_ptr + rr * K + k0 + kp, a_ptr))
-                for c0 in tl.range(pid * BN, N, nprog * BN):
-                    for kp in tl.static_range(0, RANK, 64):
-                        _prefetch_l2(b_ptr + (c0 + cn) * RANK + kp)
+                if rexp != 0:
+                    for c0 in tl.range(pid * BN, N, nprog * BN):
+                        for kp in tl.static_range(0, RANK, 64):
+                            _prefetch_l2(b_ptr + (c0 + cn) * RANK + kp)
             _spin(flags_ptr + 3 * g, target, err, CAP, SLEEP)
             sp = g * nprog + pid  # this group's and program's stamp row
             if STAMP:
@@ -209,31 +265,12 @@ def _kernel():
             if STAMP:
                 _stamp(stamp_ptr, sp, 1, "globaltimer")
             tl.atomic_add(flags_ptr + 3 * g + 1, 1, sem="release", scope="gpu")
-            _spin(flags_ptr + 3 * g + 1, nprog, err, CAP, SLEEP)
-            if STAMP:
-                _stamp(stamp_ptr, sp, 2, "globaltimer")
-            if WORK:
-                inv = tl.full([MP], 1.0, tl.float32)
-                if nss > 0:  # a folded norm's input: its rows' 1 / rms from the producer's per-block sums
-                    ss_ptr = (base + tl.load(t + 11)).to(tl.pointer_type(tl.float32), bitcast=True)
-                    eps = tl.load(t + 13).to(tl.int32).to(tl.float32, bitcast=True)
-                    sq = tl.zeros([MP], tl.float32)
-                    jj = tl.arange(0, 64)
-                    for j0 in range(0, nss, 64):
-                        j = j0 + jj
-                        v = tl.load(ss_ptr + j[:, None] * 8 + rows[None, :], mask=(j < nss)[:, None] & (rows < 8)[None, :],
-                                    other=0.0, cache_modifier=".cg")
-                        sq += tl.sum(v, axis=0)
-                    inv = 1.0 / tl.sqrt(sq / K.to(tl.float32) + eps)
-                for c0 in tl.range(pid * BN, N, nprog * BN, num_stages=STAGES):
-                    seg = (c0 >= n1).to(tl.int32) + (c0 >= n2).to(tl.int32)
-                    h = tl.load(xa + rows[:, None] * RP + seg * RANK + rk[None, :], cache_modifier=".cg")
-                    h = h * inv[:, None]
-                    bt = tl.load(b_ptr + (c0 + cn)[None, :] * RANK + rk[:, None])
-                    y = tl.dot(h.to(bt.dtype), bt)
-                    tl.store(o_ptr + rows[:, None] * N + (c0 + cn)[None, :], y.to(bt.dtype), mask=rm[:, None])
-            tl.debug_barrier()  # every thread's delta before the count
-            tl.atomic_add(flags_ptr + 3 * g + 2, 1, sem="release", scope="gpu")
+            if rexp == 0:  # the GEMV waits for every arrival and expands (Expand)
+                if STAMP:
+                    _stamp(stamp_ptr, sp, 2, "globaltimer")
+            else:
+                _expand(base, t, flags_ptr, xa, stamp_ptr, g, sp, err, b_ptr, o_ptr, N, n1, n2, nss, K, pid, nprog,
+                        rows, rm, rk, cn, RANK, RP, MP, BN, CAP, STAGES, WORK, SLEEP, STAMP)
             if STAMP:
                 _stamp(stamp_ptr, sp, 3, "globaltimer")
                 _stamp(stamp_ptr, sp, 4, "smid")

@@ -368,7 +368,8 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
               EPI: gl.constexpr, SK: gl.constexpr, red, L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr,
               SBITS: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, GLU: gl.constexpr, glu_buf,
               h_ptr, hout_ptr, nw_ptr, ss_ptr, NSS, eps, KN, FOLD: gl.constexpr, SSP: gl.constexpr,
-              EB, MX: gl.constexpr, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC: gl.constexpr, num_warps: gl.constexpr):
+              EB, MX: gl.constexpr, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC: gl.constexpr, lx, LEXP: gl.constexpr,
+              num_warps: gl.constexpr):
     # activations: x as int32 pairs, element (sc, i) of the 5-D tile needs word column c = 2 sc + i
     LSC: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4, L5))))
     LI: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L5))))
@@ -438,7 +439,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
             else:
                 _epilogue_smem(alpha, b_lo, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
                                p, sblk, M, N, s0, s1, S, SP, HAS_BIAS, LRED, SK, k0, KB, 0, GLU, glu_buf,
-                               FOLD, h_ptr, hout_ptr, nw_ptr, ss_ptr, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC)
+                               FOLD, h_ptr, hout_ptr, nw_ptr, ss_ptr, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC, lx, LEXP)
             gl.thread_barrier()  # every warp has read `red` before a later segment's epilogue rewrites it
             f = sblk * KB + s1
     else:
@@ -447,7 +448,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
         _block_epilogue(alpha_ptr, bias_ptr, alpha, b_lo, b_hi, red, c_ptr, ws_ptr, lock_ptr, stamp_ptr, acc0, acc1,
                         acc2, acc3, p, blk, M, N, k0, k1, S, NW, SP, HAS_BIAS, MT, STAMP, HOIST, EPI, rows, sc5, zero5,
                         LR, LR3, LRED, LRED1, GLU, glu_buf, FOLD, h_ptr, hout_ptr, nw_ptr, ss_ptr, dl_ptr, dflag_ptr,
-                        sig_ptr, DT, SYNC)
+                        sig_ptr, DT, SYNC, lx, LEXP)
     if STAMP:
         _stamp(stamp_ptr, p, 3, "clock64")
         _stamp(stamp_ptr, p, 6, "globaltimer")
@@ -574,7 +575,8 @@ def _block_epilogue(alpha_ptr, bias_ptr, alpha, b_lo, b_hi, red, c_ptr, ws_ptr, 
                     STAMP: gl.constexpr, HOIST: gl.constexpr, EPI: gl.constexpr, rows, sc5, zero5, LR: gl.constexpr,
                     LR3: gl.constexpr, LRED: gl.constexpr, LRED1: gl.constexpr, GLU: gl.constexpr = False,
                     glu_buf=None, FOLD: gl.constexpr = 0, h_ptr=None, hout_ptr=None, nw_ptr=None, ss_ptr=None,
-                    dl_ptr=None, dflag_ptr=None, sig_ptr=None, DT=0, SYNC: gl.constexpr = False):
+                    dl_ptr=None, dflag_ptr=None, sig_ptr=None, DT=0, SYNC: gl.constexpr = False, lx=None,
+                    LEXP: gl.constexpr = 0):
     """The split schedule's epilogue: one row block, K slice [k0, k1) of S."""
     if STAMP:
         _stamp(stamp_ptr, p, 2, "clock64")
@@ -622,7 +624,7 @@ def _block_epilogue(alpha_ptr, bias_ptr, alpha, b_lo, b_hi, red, c_ptr, ws_ptr, 
     elif EPI:
         _epilogue_smem(alpha, b_lo, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
                        p, blk, M, N, k0, k1, S, SP, HAS_BIAS, LRED, False, 0, 0, NW, GLU, glu_buf,
-                       FOLD, h_ptr, hout_ptr, nw_ptr, ss_ptr, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC)
+                       FOLD, h_ptr, hout_ptr, nw_ptr, ss_ptr, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC, lx, LEXP)
     else:
         _epilogue_tokens(alpha, b_lo, b_hi, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
                          p, blk, M, N, k0, k1, S, SP, HAS_BIAS, LR3)
@@ -686,7 +688,7 @@ def _epilogue_smem(alpha, bias, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, 
                    p, blk, M, N, k0, k1, S, SP: gl.constexpr, HAS_BIAS: gl.constexpr, LRED: gl.constexpr,
                    SK: gl.constexpr, f0, KB, NW, GLU: gl.constexpr = False, glu_buf=None, FOLD: gl.constexpr = 0,
                    h_ptr=None, hout_ptr=None, nw_ptr=None, ss_ptr=None, dl_ptr=None, dflag_ptr=None, sig_ptr=None,
-                   DT=0, SYNC: gl.constexpr = False):
+                   DT=0, SYNC: gl.constexpr = False, lx=None, LEXP: gl.constexpr = 0):
     """MT = 8 through shared memory (EPI): each thread sums its two words i, writes its 16 partials
     [m, b, h] of warp w to `red` [4 m, 4 w, 8 g, 4 t, 2 b, 2 h] (16-byte rows, no bank conflict), one
     barrier, and reads back the four warps' values of its own (m, g, t) to sum them in registers:
@@ -702,7 +704,7 @@ def _epilogue_smem(alpha, bias, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, 
     n = blk * 64 + row
     _fixup_store(part, tok * 64 + row, 512, c_ptr, tok * N + n, (n < N) & (tok < M), alpha, bias, ws_ptr, lock_ptr,
                  p, blk, N, k0, k1, S, SP, HAS_BIAS, SK, f0, KB, NW, GLU, glu_buf, M, FOLD, h_ptr, hout_ptr, nw_ptr,
-                 ss_ptr, tok, n, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC)
+                 ss_ptr, tok, n, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC, lx, LEXP)
 
 
 @gluon.jit
@@ -763,7 +765,8 @@ def _split_sum(part, off, WS: gl.constexpr, ws_ptr, lock_ptr, slot, blk, q0, nq,
 def _fixup_store(part, off, WS: gl.constexpr, c_ptr, c_off, c_mask, alpha, bias, ws_ptr, lock_ptr, p, blk, N, k0, k1,
                  S, SP: gl.constexpr, HAS_BIAS: gl.constexpr, SK: gl.constexpr, f0, KB, NW, GLU: gl.constexpr = False,
                  glu_buf=None, M=0, FOLD: gl.constexpr = 0, h_ptr=None, hout_ptr=None, nw_ptr=None, ss_ptr=None,
-                 tok=None, ncol=None, dl_ptr=None, dflag_ptr=None, sig_ptr=None, DT=0, SYNC: gl.constexpr = False):
+                 tok=None, ncol=None, dl_ptr=None, dflag_ptr=None, sig_ptr=None, DT=0, SYNC: gl.constexpr = False,
+                 lx=None, LEXP: gl.constexpr = 0):
     """Split fixup and output of the shared-memory epilogues. A row block covered by several
     programs: each writes its partial to its WS-float workspace slot at `off`, and the last
     arrival sums all partials in program order (deterministic; all loads in flight at once) and
@@ -777,7 +780,11 @@ def _fixup_store(part, off, WS: gl.constexpr, c_ptr, c_off, c_mask, alpha, bias,
     SYNC (GLU or FOLD == 1; the rollout engine's resident LoRA kernel, qerl/kernels/lora_resident.py):
     the block's writer waits until the int32 at dflag_ptr reaches DT (the LoRA delta [M, N] at dl_ptr,
     row stride N, is written), adds the delta to the product before the GLU / residual, and after
-    its stores adds one at sig_ptr (the block is out: the kernel reading this output waits for N / 64)."""
+    its stores adds one at sig_ptr (the block is out: the kernel reading this output waits for N / 64).
+    LEXP > 0 (the rank; SYNC with an `Expand`): the writer computes the delta itself instead of reading
+    it, `_lora_expand` (dl_ptr: the fp32 shrink sums h; lx: B, the segment bounds, h's row stride,
+    alpha), and adds it to the fp32 sum before alpha, so it takes the GLU, the residual add or a plain
+    store alike."""
     done = k1 > k0
     if SK:
         T = gl.cdiv(N, 64) * KB
@@ -789,16 +796,18 @@ def _fixup_store(part, off, WS: gl.constexpr, c_ptr, c_off, c_mask, alpha, bias,
         if blk >= NW:
             part, done = _split_sum(part, off, WS, ws_ptr, lock_ptr, p, blk, NW + (blk - NW) * S, S, SP, SK, 0, 0)
     if done:
+        if LEXP > 0:  # (SYNC) the LoRA delta of this block, computed here once the shrink's sums are in
+            part = _lora_expand(part, ncol - blk * 64, tok, blk, M, N, dl_ptr, lx, dflag_ptr, DT, SYNC - 1, LEXP, GLU)
         out = part * alpha
         if HAS_BIAS:
             out += bias
-        if SYNC:  # (SYNC - 1: ns naps between the wait's polls, SYNC_NAP)
+        if SYNC and LEXP == 0:  # (SYNC - 1: ns naps between the wait's polls, SYNC_NAP)
             _wait_flag(dflag_ptr, DT, SYNC - 1)
         if GLU:
-            _glu_store(out.to(gl.bfloat16).to(gl.float32), glu_buf, c_ptr, blk, M, N // 2, dl_ptr, SYNC)
+            _glu_store(out.to(gl.bfloat16).to(gl.float32), glu_buf, c_ptr, blk, M, N // 2, dl_ptr, SYNC and LEXP == 0)
         elif FOLD == 1:
             y = out.to(gl.bfloat16)
-            if SYNC:  # as add_rms_norm's extra: the delta added to the product in bf16 before the residual
+            if SYNC and LEXP == 0:  # as add_rms_norm's extra: the delta added to the product in bf16 before the residual
                 y = (y.to(gl.float32) + gl.load(dl_ptr + c_off, mask=c_mask, other=0.0, cache_modifier=".cg")
                      .to(gl.float32)).to(gl.bfloat16)
             _fold_residual(y, c_ptr, c_off, c_mask, h_ptr, hout_ptr, nw_ptr, ss_ptr, blk, M, N, tok, ncol)
@@ -807,6 +816,91 @@ def _fixup_store(part, off, WS: gl.constexpr, c_ptr, c_off, c_mask, alpha, bias,
         if SYNC:
             gl.thread_barrier()  # every thread's stores before the count
             gl.atomic_add(sig_ptr, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _lora_ids(row, tok):
+    """From the MT = 8 epilogue's rows 16m + 8h + g and tokens 2t + b (`_red_idx`): (m, g, t) as [4, 8, 4]
+    tensors, one element per thread, in the layout of the (h, b) = (0, 0) part of its [4 m, 8 g, 4 t, 2 b,
+    2 h] tiles (two gl.split): the C fragment of warp m's m16n8k16 MMA, thread (g, t) holding rows g and
+    g + 8 and columns 2t and 2t + 1."""
+    r0, _r1 = gl.split(row + tok * 0)
+    r00, _r01 = gl.split(r0)
+    q0, _q1 = gl.split(tok + row * 0)
+    q00, _q01 = gl.split(q0)
+    return r00 // 16, r00 % 8, q00 // 2
+
+
+@gluon.jit
+def _bf16x2(lo, hi):
+    """Two fp32 tensors -> int32 holding (bf16(lo), bf16(hi)): one 32-bit MMA operand register."""
+    lb = lo.to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.uint32)
+    hb = hi.to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.uint32)
+    return (lb | (hb << 16)).to(gl.int32, bitcast=True)
+
+
+@gluon.jit
+def _lora_afrag(lb_ptr, n0, g, t, KSI: gl.constexpr, LRANK: gl.constexpr):
+    """The m16n8k16 A fragment of K step KSI of the expand: thread (g, t) holds B rows n0 + g / n0 + g + 8
+    at rank pairs 8 KSI + t / + 4 (B [N, LRANK] bf16 read as int32 pairs); zeros past the rank."""
+    z = g * 0
+    if KSI < LRANK // 16:
+        RW: gl.constexpr = LRANK // 2
+        bl = lb_ptr + (n0 + g) * RW + t + KSI * 8
+        return gl.load(bl), gl.load(bl + 8 * RW), gl.load(bl + 4), gl.load(bl + 8 * RW + 4)
+    return z, z, z, z
+
+
+@gluon.jit
+def _lora_kstep(c0, c1, c2, c3, hk, hm, a0, a1, a2, a3, KSI: gl.constexpr, LRANK: gl.constexpr):
+    """One K step of the expand: h[token g, 16 KSI + 2t ..] (fp32, rounded to bf16) as the MMA's B."""
+    if KSI < LRANK // 16:
+        h0 = gl.load(hk + KSI * 16, mask=hm, other=0.0, cache_modifier=".cg")
+        h1 = gl.load(hk + KSI * 16 + 1, mask=hm, other=0.0, cache_modifier=".cg")
+        h8 = gl.load(hk + KSI * 16 + 8, mask=hm, other=0.0, cache_modifier=".cg")
+        h9 = gl.load(hk + KSI * 16 + 9, mask=hm, other=0.0, cache_modifier=".cg")
+        c0, c1, c2, c3 = _mma(c0, c1, c2, c3, a0, a1, a2, a3, _bf16x2(h0, h1), _bf16x2(h8, h9))
+    return c0, c1, c2, c3
+
+
+@gluon.jit
+def _lora_expand(part, row, tok, blk, M, N, h_ptr, lx, flag_ptr, target, NAP: gl.constexpr, LRANK: gl.constexpr,
+                 GLU: gl.constexpr):
+    """SYNC with LEXP = LRANK (the rollout engine's resident LoRA kernel sums the shrink, this GEMV expands):
+    part [4 m, 8 g, 4 t, 2 b, 2 h] (rows 16m + 8h + g of block blk, tokens 2t + b, before alpha) plus the
+    block's delta over alpha, sum_j bf16(h[tok, seg LRANK + j]) B[n, j] / alpha, as warp m's m16n8k16 MMAs
+    (rank / 16 K steps): A = 16 rows of B, B = h^T. B's fragments are loaded before the wait for the
+    shrink's sums (int32 at flag_ptr reaching target), h after it. lx = (B as int32 pairs, n1, n2: the
+    segment bounds, h's row stride, alpha's pointer). Over alpha because the caller multiplies by alpha,
+    and with SCALE by the token's RMS scale, which h, made from the unscaled x, needs too. GLU: warps 0-1
+    hold gate rows 32 blk + .., warps 2-3 up rows N / 2 + 32 blk + .. (`glu_descriptors`)."""
+    m, g, t = _lora_ids(row, tok)
+    if GLU:
+        n0 = gl.where(m < 2, blk * 32 + 16 * m, N // 2 + blk * 32 + 16 * (m - 2))
+    else:
+        n0 = blk * 64 + 16 * m
+    lb_ptr = lx[0]
+    a00, a01, a02, a03 = _lora_afrag(lb_ptr, n0, g, t, 0, LRANK)
+    a10, a11, a12, a13 = _lora_afrag(lb_ptr, n0, g, t, 1, LRANK)
+    a20, a21, a22, a23 = _lora_afrag(lb_ptr, n0, g, t, 2, LRANK)
+    a30, a31, a32, a33 = _lora_afrag(lb_ptr, n0, g, t, 3, LRANK)
+    r = 1.0 / gl.load(lx[4])
+    _wait_flag(flag_ptr, target, NAP)
+    seg = (n0 >= lx[1]).to(gl.int32) + (n0 >= lx[2]).to(gl.int32)
+    hk = h_ptr + g * lx[3] + seg * LRANK + 2 * t
+    hm = g < M
+    c0 = (g * 0).to(gl.float32)
+    c1 = c0
+    c2 = c0
+    c3 = c0
+    c0, c1, c2, c3 = _lora_kstep(c0, c1, c2, c3, hk, hm, a00, a01, a02, a03, 0, LRANK)
+    c0, c1, c2, c3 = _lora_kstep(c0, c1, c2, c3, hk, hm, a10, a11, a12, a13, 1, LRANK)
+    c0, c1, c2, c3 = _lora_kstep(c0, c1, c2, c3, hk, hm, a20, a21, a22, a23, 2, LRANK)
+    c0, c1, c2, c3 = _lora_kstep(c0, c1, c2, c3, hk, hm, a30, a31, a32, a33, 3, LRANK)
+    p0, p1 = gl.split(part)  # h = 0 / 1
+    p00, p01 = gl.split(p0)  # b = 0 / 1
+    p10, p11 = gl.split(p1)
+    return gl.join(gl.join(p00 + c0 * r, p01 + c1 * r), gl.join(p10 + c2 * r, p11 + c3 * r))
 
 
 @gluon.jit
@@ -893,13 +987,13 @@ def _store_tokens(c_ptr, b, v, tok, n, M, N, HAS_BIAS: gl.constexpr):
 @gluon.jit
 def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, x_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr,
                        h_ptr, hout_ptr, nw_ptr, ss_ptr, M, N, KB, S, NW, CS, NSS, eps, KN, EB, dl_ptr, dflag_ptr,
-                       sig_ptr, DT, SP: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
+                       sig_ptr, DT, lb_ptr, LN1, LN2, LHS, SP: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
                        MT: gl.constexpr, XPF: gl.constexpr, STAMP: gl.constexpr, HOIST: gl.constexpr,
                        EPI: gl.constexpr, PRODUCER_REGS: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr,
                        L2S: gl.constexpr, SK: gl.constexpr, TAIL: gl.constexpr, SBITS: gl.constexpr,
                        PWA: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, GLU: gl.constexpr,
                        FOLD: gl.constexpr, SSP: gl.constexpr, MX: gl.constexpr, SYNC: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       LEXP: gl.constexpr, num_warps: gl.constexpr):
     # PWA: each consumer warp frees a stage itself (empty barriers of num_warps arrivals, qerl/kernels/ptx_pwa.py)
     p, blk, k0, k1, trow0, w_bufs, s_bufs, ready, empty = _setup(w_desc, s_desc, KB, S, NUM_STAGES, PDL,
                                                                  num_warps if PWA else 1)
@@ -936,11 +1030,12 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, x_desc, alpha_ptr, bias_ptr, c_pt
                                             gl.SwizzledSharedLayout(1, 1, 1, [4, 3, 2, 1, 0]))
     else:
         glu_buf = red
+    lx = (lb_ptr, LN1, LN2, LHS, alpha_ptr)  # LEXP: what the epilogue's expand reads besides h (`_lora_expand`)
     gl.warp_specialize([
         (_consumer, (xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w_bufs, s_bufs, x_bufs, ready,
                      empty, p, blk, M, N, KB, k0, k1, S, NW, SP, NUM_STAGES, HAS_BIAS, PDL, MT, XPF, STAMP, HOIST, EPI,
                      SK, red, L5, L2W, L2S, SBITS, XS, LX, GLU, glu_buf, h_ptr, hout_ptr, nw_ptr, ss_ptr, NSS, eps,
-                     KN, FOLD, SSP, EB, MX, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC, num_warps)),
+                     KN, FOLD, SSP, EB, MX, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC, lx, LEXP, num_warps)),
         (_gluon_producer, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, trow0, k0, k1, KB, stamp_ptr,
                            p, NUM_STAGES, STAMP, XS, PDL, GLU)),
     ], [1], [PRODUCER_REGS])
@@ -977,6 +1072,11 @@ STREAMK = None
 # Stream-K plans this many program slots fewer than the planned slots (timing switch: a slot taken by
 # another kernel's resident program delays one stream-K program by a whole program's run)
 SK_SPARE = 0
+# Program slots the launch plans around (split slices, split tail, stream-K programs): another kernel's
+# programs resident beside it take them (the rollout engine's resident LoRA kernel: engine.LORA_RESIDENT_RESERVE
+# sets this while it records a step with one). With 4 programs per SM filling the register file, each
+# resident program costs one slot, so a launch planned for all of them runs its last programs as a second wave.
+RESERVE = 0
 # forward(sync=): each failed poll of the epilogue's wait for the delta first naps about this many ns
 # (0: polls back to back); passed to the kernel as SYNC = 1 + SYNC_NAP (0: no sync). Ablation flag
 # lres...:wNS; not measured yet (NOTES_rollout.md section 52)
@@ -1157,7 +1257,11 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     resident LoRA kernel (qerl/kernels/lora_resident.py): each row block's writer waits on the device
     until the int32 flag reaches target, adds delta ([>= M, N] bf16, contiguous: the LoRA delta of the
     whole [M, N] product) before the GLU or the residual add, and after its stores adds one to the
-    int32 signal, N / 64 counts in all (`sync_count`)."""
+    int32 signal, N / 64 counts in all (`sync_count`). With a lora_resident.Expand in place of the
+    delta (any product: plain, fold "res" or "scale", glu; 4 warps): the flag counts the resident
+    kernel's shrink sums in, and each writer computes its block's delta from them and B itself
+    (`_lora_expand`), added to the fp32 product before alpha (one bf16 rounding fewer than the delta
+    form's)."""
     if state["fmt"] not in FORMATS:
         raise ValueError(f"the Gluon GEMV takes nvfp4 or mxfp4 weights, got {state['fmt']}")
     mx = state["fmt"] == "mxfp4"
@@ -1178,18 +1282,34 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         raise ValueError("fold: ('res', ...) or ('scale', ...) at 2..8 tokens with HOIST_CONSTS and EPI_SMEM")
     if kind_fold == "res" and (glu or n % 64):
         raise ValueError("fold 'res' needs a plain product of whole 64-row blocks")
-    sync_mode = 0 if sync is None else 1 + int(SYNC_NAP)  # the kernel's SYNC
-    if sync is not None:
-        dl, dflag, dtarget, sig = sync
-        if not (glu or kind_fold == "res") or m < 2 or not (HOIST_CONSTS and EPI_SMEM):
-            raise ValueError("sync needs glu or fold 'res' at 2..8 tokens with HOIST_CONSTS and EPI_SMEM")
-        if dl.dtype != torch.bfloat16 or not dl.is_contiguous() or dl.shape[-1] != n or dl.shape[0] < m:
-            raise ValueError(f"sync: the delta must be contiguous bf16 [>= {m}, {n}], got {tuple(dl.shape)}")
     cfg = dict(DEFAULT)
     cfg.update({key: v for key, v in (config or {}).items() if key in DEFAULT or key in ("S", "STREAMK", "TAIL_SPLIT")})
     nw = int(cfg["num_warps"])
     if nw not in (4, 8):
         raise ValueError(f"num_warps must be 4 or 8, got {nw}")
+    sync_mode = 0 if sync is None else 1 + int(SYNC_NAP)  # the kernel's SYNC
+    lexp, lx = 0, None  # the kernel's LEXP and its (B, n1, n2, h's row stride) with an Expand
+    if sync is not None:
+        from qerl.kernels.lora_resident import Expand
+
+        dl, dflag, dtarget, sig = sync
+        if m < 2 or not (HOIST_CONSTS and EPI_SMEM):
+            raise ValueError("sync needs 2..8 tokens with HOIST_CONSTS and EPI_SMEM")
+        if isinstance(dl, Expand):
+            segs = 1 + int(dl.bounds[0] < n) + int(dl.bounds[1] < n)
+            if (nw != 4 or dl.rank not in (16, 32, 64) or dl.h.dtype != torch.float32 or dl.h.stride(1) != 1
+                    or dl.h.shape[0] < m or dl.h.shape[1] < segs * dl.rank or dl.b.dtype != torch.bfloat16
+                    or not dl.b.is_contiguous() or tuple(dl.b.shape) != (n, dl.rank) or dl.bounds[0] % 16
+                    or dl.bounds[1] % 16 or (glu and dl.bounds[0] != n // 2)):
+                raise ValueError("sync: an Expand needs 4 warps, rank 16 / 32 / 64, fp32 h [>= M, segments x rank] "
+                                 "with unit column stride, contiguous bf16 b [N, rank], bounds multiples of 16 "
+                                 "(GLU: the [gate; up] halves)")
+            lexp, lx = dl.rank, (dl.b.view(torch.int32), int(dl.bounds[0]), int(dl.bounds[1]), dl.h.stride(0))
+            dl = dl.h
+        elif not (glu or kind_fold == "res"):
+            raise ValueError("sync with a delta needs glu or fold 'res'")
+        elif dl.dtype != torch.bfloat16 or not dl.is_contiguous() or dl.shape[-1] != n or dl.shape[0] < m:
+            raise ValueError(f"sync: the delta must be contiguous bf16 [>= {m}, {n}], got {tuple(dl.shape)}")
     ns, per_sm = int(cfg["NUM_STAGES"]), int(cfg["PER_SM"])
     pdl = bool(W.PDL if cfg["PDL"] is None else cfg["PDL"])
     preg = int(cfg["PRODUCER_REGS"])
@@ -1201,14 +1321,14 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     x = x.contiguous()
     xs = bool(xs) and x.data_ptr() % 16 == 0  # TMA: a 16-byte aligned base
     key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM, pwa, xs, glu, kind_fold, mx,
-           sync_mode)  # (occupancy; SBITS keeps it)
+           sync_mode, lexp)  # (occupancy; SBITS keeps it)
     fits = min(_RESIDENT.get(key, per_sm), per_sm)
     s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), fits, mt,
-                                                  glu_descriptors(state) if glu else None)
-    slots = fits * W._num_sms(x.device.index or 0)
+                                                  glu_descriptors(state) if glu else None, RESERVE)
+    slots = max(1, fits * W._num_sms(x.device.index or 0) - RESERVE)
     xpf = not xs and (bool(cfg["XPF"]) if cfg["XPF"] is not None else xpf_auto(mt, s, grid, slots, k))
     free = cfg.get("S") is None and HOIST_CONSTS and EPI_SMEM  # the other schedules need both
-    resident = max(_RESIDENT.get(key, max(per_sm, 4)), fits) * W._num_sms(x.device.index or 0)  # 4: before measured
+    resident = max(_RESIDENT.get(key, max(per_sm, 4)), fits) * W._num_sms(x.device.index or 0) - RESERVE  # 4: before measured
     chain = pdl if W.CHAIN_ROUTING is None else W.CHAIN_ROUTING  # as w4a16_triton routes a PDL chain
     kind, grid, s, nw_whole, cs, sp = schedule(triton.cdiv(n, 64), kb, s, grid, slots, resident, chain, free,
                                                cfg.get("TAIL_SPLIT", TAIL_SPLIT), cfg.get("STREAMK", STREAMK),
@@ -1232,12 +1352,13 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         locks, stamps if stamps is not None else ws, h_in, h_out, w_norm, ss, m, n, kb, s, nw_whole, cs, int(nss),
         float(eps), int(kn), int(state.get("exp_bias", 0)),
         *((dl, dflag, sig, int(dtarget)) if sync is not None else (c, locks, locks, 0)),
+        *(lx if lx is not None else (locks, 0, 0, 0)),
         FOLD={"res": 1, "scale": 2}.get(kind_fold, 0), SSP=ssp,
         SP=sp, NUM_STAGES=ns, MX=mx,
         HAS_BIAS=bias is not None, PDL=pdl, MT=mt, XPF=xpf,
         STAMP=stamps is not None, HOIST=HOIST_CONSTS, EPI=EPI_SMEM, PRODUCER_REGS=preg, SK=kind == "sk", TAIL=kind == "tail",
         SBITS=SCALE_BITS and bool(state.get("scale_bits", False)), PWA=pwa, XS=xs, LX=_x_layout(nw, mt),
-        GLU=bool(glu), SYNC=sync_mode,
+        GLU=bool(glu), SYNC=sync_mode, LEXP=lexp,
         L5=l5, L2W=l2w, L2S=l2s, num_warps=nw, launch_pdl=pdl, **extra,
     )
     if key not in _RESIDENT:

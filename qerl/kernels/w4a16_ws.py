@@ -239,17 +239,17 @@ def descriptors(state: dict):
             TensorDescriptor.from_tensor(state["scale"].view(-1, 16), [srows, 16], sl))
 
 
-def _plan(x: torch.Tensor, state: dict, out, s_forced, per_sm: int, tokens: int = 1, descs=None):
+def _plan(x: torch.Tensor, state: dict, out, s_forced, per_sm: int, tokens: int = 1, descs=None, reserve: int = 0):
     """Host side of a warp-specialised GEMV launch: K slices per 64-row block (the fewest with
-    the longest slice that fills per_sm programs on every SM, or s_forced), TMA descriptors
-    (`descriptors`, or `descs` where the caller has its own), output [M, N], counters and
+    the longest slice that fills per_sm programs on every SM less `reserve` slots, or s_forced), TMA
+    descriptors (`descriptors`, or `descs` where the caller has its own), output [M, N], counters and
     workspace (tokens x 64 fp32 per program) -> (S, grid, w_desc, s_desc, c, locks, ws)."""
     n, kb = state["n"], state["kb"]
     blocks = triton.cdiv(n, 64)
     if s_forced is not None:
         s = max(1, min(int(s_forced), kb))
     else:
-        slots = per_sm * W._num_sms(x.device.index or 0)
+        slots = max(1, per_sm * W._num_sms(x.device.index or 0) - reserve)
         s_max = max(1, min(kb, slots // blocks))
         steps = -(-kb // s_max)
         s = -(-kb // steps)  # fewest slices with the same longest slice

@@ -197,6 +197,19 @@ LORA_RESIDENT_KERNEL = True
 # 0.751-0.775 against 0.849 unfused (a173, a175; NOTES_rollout.md section 52), so off (ablation flag
 # `lres...:f` turns it on).
 LORA_RESIDENT_FUSED = False
+# True (with LORA_RESIDENT_FUSED, ranks 16-64): the fused o, gate/up and down GEMVs expand their LoRA delta
+# themselves from the resident kernel's shrink sums (w4a16_gluon.forward with a lora_resident.Expand), so
+# the kernel only sums and arrives for those groups: no meet of its programs, no B reads, no delta buffer.
+# Session 61 (a177-a178) timed the kernel's expand of the 7B gate/up delta at 10-15 us of a ~25 us GEMV; with
+# the GEMVs expanding, the sums are out 8.7 us after the input (a179), but the step stays at 0.775 of the
+# no-LoRA step, and the expand in the epilogues alone (no kernel) costs 0.914 -> 0.844 (a179 / a180;
+# NOTES_rollout.md section 53). Off (ablation flag `lres...:f:e`).
+LORA_RESIDENT_EXPAND = False
+# True: while a step with the resident kernel is recorded, the Gluon GEMVs plan for the program slots its
+# programs leave (w4a16_gluon.RESERVE = LORA_RESIDENT_PROGRAMS): with the no-LoRA plan of 4 programs per SM
+# the 7B gate/up stream-K launch otherwise runs 28 of its 524 programs as a second wave. a180: 0.774 -> 0.788 of
+# the no-LoRA step (7B b8 r32, 32 programs, fused), still far under the side stream's 0.868. Off (flag `:r`).
+LORA_RESIDENT_RESERVE = False
 
 
 class EngineError(ValueError):
@@ -338,6 +351,7 @@ class _Resident:
         self.xa.zero_()
         if self.dry or not LORA_RESIDENT_KERNEL:  # (fill_: no host-to-device copy, which a capture refuses)
             self.flags[2:3 * self.groups:3].fill_(self.programs)
+            self.flags[1:3 * self.groups:3].fill_(self.programs)  # (the sums an expanding GEMV waits for)
             self.flags[-1:].fill_(self.programs)
         self.start.record(main)
         if not self.dry and LORA_RESIDENT_KERNEL:  # first in the graph (section 51 of NOTES_rollout.md: recorded last, it started 47 us late)
@@ -354,7 +368,11 @@ class _Resident:
         self.signals.append(sig)
         return sig
 
-    def group(self, group: LinearGroup, x: torch.Tensor, source: tuple, kind: str, scale: tuple | None = None) -> Ready:
+    def group(self, group: LinearGroup, x: torch.Tensor, source: tuple, kind: str, scale: tuple | None = None,
+              in_gemv: bool = False) -> Ready:
+        """Record group `kind` of layer source[0] into the kernel's table -> its delta as a Ready for the
+        consumer; in_gemv (LORA_RESIDENT_EXPAND): the consumer, a Gluon GEMV, expands it itself, the Ready
+        holding a lora_resident.Expand of the shrink sums, ready when every program has arrived."""
         from qerl.kernels import lora_resident
 
         layer, sig = source
@@ -364,11 +382,14 @@ class _Resident:
         out = self.engine._resident_delta(layer, kind, group)
         x2 = x.reshape(-1, group.in_features)
         self.entries.append(lora_resident.table_row(self.engine._res_base, x2, group._a, group._b, out, group.bounds,
-                                                    sig.programs, scale))
+                                                    sig.programs, scale, expand=not in_gemv))
         self.keep.append(x2)
         self.scales.append(scale)
-        return Ready(out[:self.rows], self.flags[3 * g + 2:3 * g + 3], self.programs if LORA_RESIDENT_WAIT else 0,
-                     _resident_join)
+        target = self.programs if LORA_RESIDENT_WAIT else 0
+        if in_gemv:
+            expand = lora_resident.Expand(self.xa[g], group._b, group.bounds, self.rank)
+            return Ready(expand, self.flags[3 * g + 1:3 * g + 2], target, _resident_join)
+        return Ready(out[:self.rows], self.flags[3 * g + 2:3 * g + 3], target, _resident_join)
 
     def finish(self) -> None:
         """The table into device memory (after a capture: the graph's kernel reads it at each replay)."""
@@ -649,7 +670,7 @@ class RolloutEngine:
         kernel's delta in its epilogue and counts the next group's input out (fuse.LinearGroup's `sync`)
         -> (its result, the Signal of the next group's input)."""
         s_next = self._res.signal()
-        ready = self._res.group(group, x, source, kind, scale)
+        ready = self._res.group(group, x, source, kind, scale, LORA_RESIDENT_EXPAND and group.rank <= 64)
         with self._lora_gemv_plan(kind):
             out = launch((ready, s_next))
         self._res.synced += 1
@@ -751,10 +772,17 @@ class RolloutEngine:
     def _resident_step(self, res: _Resident | None, fn):
         """fn() with `res` as the state the forward records into (LORA_RESIDENT; None: the side stream)."""
         self._res = res
+        reserve = res is not None and LORA_RESIDENT_RESERVE and LORA_RESIDENT_KERNEL
+        if reserve:
+            from qerl.kernels import w4a16_gluon
+
+            w4a16_gluon.RESERVE = res.programs
         try:
             return fn()
         finally:
             self._res = None
+            if reserve:
+                w4a16_gluon.RESERVE = 0
 
     def _sample_and_advance(self, logits: torch.Tensor, rows: int, sampling: tuple) -> None:
         """Sample token self._step for every row, record it, and move the state one token on.
