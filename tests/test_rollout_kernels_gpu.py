@@ -589,3 +589,34 @@ def test_engine_lora_resident_kernel(fmt, case, monkeypatch):
     assert same >= need, (same, diff, side.logprobs[:, :4], res.logprobs[:, :4])
     assert diff < 0.05
     assert (side.logprobs[:, :8] - plain.logprobs[:, :8]).abs().max().item() > 1e-3
+
+
+def test_failed_prefill_capture_leaves_later_captures_working(monkeypatch):
+    """A prefill capture that CUDA invalidates (here a device synchronize inside it) runs that prefill eagerly
+    with a warning and gives up the graph pool: torch's capture_end raises before it ends the pool's
+    allocation, so the decode captures after it would fail with "already recording to mempool_id" on the same
+    pool (seen in session 61's resident tests). They must capture, and the rollout equal an engine's without the
+    failure."""
+    from qerl.rl.rollout import RolloutSettings
+    from qerl.rollout.engine import RolloutEngine
+
+    model = _small_model("bf16").eval()
+    prompts = [torch.randint(0, 4096, (n,)).tolist() for n in (5, 70, 33)]
+    settings = RolloutSettings(num_generations=2, max_new_tokens=24, temperature=0.0, stop_ids=[10**9], pad_id=0)
+    engine = RolloutEngine(model, max_batch=8, max_len=256)
+    prefill = engine._prefill
+
+    def breaking(*args):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not allowed in a capture: CUDA invalidates it
+        return prefill(*args)
+
+    monkeypatch.setattr(engine, "_prefill", breaking)
+    with torch.inference_mode(), pytest.warns(UserWarning, match="not captured"):
+        engine.generate(prompts, settings)  # the prefill's capture fails here
+    with torch.inference_mode():
+        got = engine.generate(prompts, settings)  # decode steps captured after it, then replayed
+        want = RolloutEngine(model, max_batch=8, max_len=256).generate(prompts, settings)
+    assert "eager" in engine._graphs.values()
+    assert any(isinstance(v, tuple) for k, v in engine._graphs.items() if k[0] != "prefill")
+    assert torch.equal(got.completion_ids, want.completion_ids)

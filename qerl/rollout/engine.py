@@ -583,6 +583,10 @@ class RolloutEngine:
             first = str(exc).splitlines()[0] if str(exc) else ""
             warnings.warn(f"rollout engine: the prefill of {ids.shape[0]} x {ids.shape[1]} tokens was not captured in a "
                           f"CUDA graph and runs eagerly ({type(exc).__name__}: {first})")
+            # a capture CUDA invalidated leaves its pool marked as recording (torch's capture_end raises before it
+            # ends the pool's allocation): later captures take a fresh pool, or each would fail with "already
+            # recording to mempool_id"
+            self._pool = None
             return "eager"
         return graph, inputs, captured
 
