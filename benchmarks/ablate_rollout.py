@@ -77,8 +77,7 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   would apply), notail (no split tail; default: where w4a16_gluon.tail_plan finds
                   one beyond the resident programs), nosbits (its scales by the float conversion, not
                   the integer one), sks1 / 2 / 4 / 8 / 16 / 32 (stream-K planned for that many slots fewer,
-                  w4a16_gluon.SK_SPARE, on top of SK_SPARE_GLU for GLU launches), nobpf (with lres...:f:e, no
-                  L2 prefetch of B before the GEMVs' wait, w4a16_gluon.EXPAND_PREFETCH), noglu (the gate/up
+                  w4a16_gluon.SK_SPARE, on top of SK_SPARE_GLU for GLU launches), noglu (the gate/up
                   product and the silu kernel as two launches, not engine.GLU's one), norope / nocomb
                   (RoPE / the split combine in launches of their own, not inside the attention kernel), comb (the combine inside), oldepi (its epilogues
                   without the shared-memory sum), lsm0 / lsm1 / lsm2 (a LoRA group's Gluon GEMV planned
@@ -187,7 +186,6 @@ def _switches() -> dict:
         "nosk": [(w4a16_gluon, "STREAMK", False)],
         "notail": [(w4a16_gluon, "TAIL_SPLIT", False)],
         **{f"sks{n}": [(w4a16_gluon, "SK_SPARE", n)] for n in (1, 2, 4, 8, 16, 32)},
-        "nobpf": [(w4a16_gluon, "EXPAND_PREFETCH", False)],
         "nosbits": [(w4a16_gluon, "SCALE_BITS", False), (w4a16_wgmma, "SCALE_BITS", False)],
         "lsm2": [(engine_mod, "LORA_GEMV_PER_SM", 2)],
         "lsm1": [(engine_mod, "LORA_GEMV_PER_SM", 1)],

@@ -53,7 +53,7 @@ def _signature(n: int, k: int, has_bias: bool, mt: int = 1, xs: bool = False, gl
         "stamp_ptr": "*i64", "h_ptr": "*bf16", "hout_ptr": "*bf16", "nw_ptr": "*bf16", "ss_ptr": "*fp32",
         "M": "i32", "N": "i32", "KB": "i32", "S": "i32", "NW": "i32", "CS": "i32", "NSS": "i32", "eps": "fp32",
         "KN": "i32", "EB": "i32", "dl_ptr": "*fp32" if lexp else "*bf16", "dflag_ptr": "*i32", "sig_ptr": "*i32",
-        "DT": "i32", "lb_ptr": "*i32", "LN1": "i32", "LN2": "i32", "LHS": "i32", "LPF": "i32",
+        "DT": "i32", "lb_ptr": "*i32", "LN1": "i32", "LN2": "i32", "LHS": "i32",
     }
 
 

@@ -25,7 +25,8 @@ stride), in_target, then for an input that is a folded norm's bf16(r * weight) (
 norm's scale is applied by the products, w4a16_gluon fold "scale"): ss (offset of its fp32 [nss, 8]
 per-block sums of r^2), nss (0: a plain input), eps (float32 bits); the shrink's sums of each row are
 then scaled by 1 / sqrt(sum of ss[:, row] / k + eps) before the expand, as the GEMV scales its products;
-expand (1: this kernel expands the group, 0: its GEMV does, the scale then applied there). flags: int32 [3 G + 2] zeros at the step's start; [3 G] counts waits that gave up
+expand (1: this kernel expands the group, 0: its GEMV does, the scale then applied there).
+flags: int32 [3 G + 2] zeros at the step's start; [3 G] counts waits that gave up
 (SPIN_CAP polls: a producer that never came; the delta is then garbage, never a hang), [3 G + 1] the
 programs that have started: the step's first kernel waits until all have (decode_ops.embed_rms_norm's
 gate), since they wait on each other and on the main chain, whose kernels could otherwise fill the SMs

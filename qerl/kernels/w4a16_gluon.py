@@ -410,9 +410,6 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
         _stamp(stamp_ptr, p, 5, "globaltimer")
     if HOIST:
         alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, blk, N, rows, HAS_BIAS, not EPI)
-    if LEXP > 0:  # (SYNC with an Expand) the rows of B this program's first block expands, into L2 (EXPAND_PREFETCH)
-        if lx[5] != 0:
-            _lora_prefetch_b(lx[0], blk, N, LEXP, GLU, num_warps)
     if PDL:  # x, the output and the workspace only after the previous kernel (the producer needs no wait)
         _gdc("wait")
     if STAMP:
@@ -867,24 +864,6 @@ def _lora_kstep(c0, c1, c2, c3, hk, hm, a0, a1, a2, a3, KSI: gl.constexpr, LRANK
 
 
 @gluon.jit
-def _lora_prefetch_b(lb_ptr, blk, N, LRANK: gl.constexpr, GLU: gl.constexpr, num_warps: gl.constexpr):
-    """prefetch.global.L2 of the 128-byte lines of B (LRANK bf16 a row) that `_lora_expand` will read for block
-    blk: its 64 rows (GLU: 32 gate rows and the 32 up rows N / 2 further), LRANK lines, one per thread."""
-    i = gl.arange(0, 32 * num_warps, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-    j = gl.minimum(i, LRANK - 1)
-    RW: gl.constexpr = LRANK // 2  # a row in int32 pairs; a line is 32 of them
-    if GLU:
-        half: gl.constexpr = LRANK // 2
-        row0 = gl.where(j < half, blk * 32, N // 2 + blk * 32)
-        line = gl.where(j < half, j, j - half)
-    else:
-        row0 = blk * 64 + j * 0
-        line = j
-    gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lb_ptr + row0 * RW + line * 32],
-                              dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _lora_expand(part, row, tok, blk, M, N, h_ptr, lx, flag_ptr, target, NAP: gl.constexpr, LRANK: gl.constexpr,
                  GLU: gl.constexpr):
     """SYNC with LEXP = LRANK (the rollout engine's resident LoRA kernel sums the shrink, this GEMV expands):
@@ -1008,7 +987,7 @@ def _store_tokens(c_ptr, b, v, tok, n, M, N, HAS_BIAS: gl.constexpr):
 @gluon.jit
 def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, x_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr,
                        h_ptr, hout_ptr, nw_ptr, ss_ptr, M, N, KB, S, NW, CS, NSS, eps, KN, EB, dl_ptr, dflag_ptr,
-                       sig_ptr, DT, lb_ptr, LN1, LN2, LHS, LPF, SP: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
+                       sig_ptr, DT, lb_ptr, LN1, LN2, LHS, SP: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
                        MT: gl.constexpr, XPF: gl.constexpr, STAMP: gl.constexpr, HOIST: gl.constexpr,
                        EPI: gl.constexpr, PRODUCER_REGS: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr,
                        L2S: gl.constexpr, SK: gl.constexpr, TAIL: gl.constexpr, SBITS: gl.constexpr,
@@ -1051,7 +1030,7 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, x_desc, alpha_ptr, bias_ptr, c_pt
                                             gl.SwizzledSharedLayout(1, 1, 1, [4, 3, 2, 1, 0]))
     else:
         glu_buf = red
-    lx = (lb_ptr, LN1, LN2, LHS, alpha_ptr, LPF)  # LEXP: what the epilogue's expand reads besides h (`_lora_expand`)
+    lx = (lb_ptr, LN1, LN2, LHS, alpha_ptr)  # LEXP: what the epilogue's expand reads besides h (`_lora_expand`)
     gl.warp_specialize([
         (_consumer, (xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w_bufs, s_bufs, x_bufs, ready,
                      empty, p, blk, M, N, KB, k0, k1, S, NW, SP, NUM_STAGES, HAS_BIAS, PDL, MT, XPF, STAMP, HOIST, EPI,
@@ -1098,14 +1077,9 @@ SK_SPARE = 0
 # sets this while it records a step with one). With 4 programs per SM filling the register file, each
 # resident program costs one slot, so a launch planned for all of them runs its last programs as a second wave.
 RESERVE = 0
-# forward(sync=) with an Expand: each program prefetches the rows of B its first block's expand reads into L2
-# before the PDL wait, so the epilogue's loads of B wait on L2 rather than on DRAM behind the weight stream.
-# Measured no gain (a181, 7B b8 r32 with no resident kernel: 0.838 with it, 0.842 without, ablation flag nobpf):
-# what the expand costs the epilogues is not B's DRAM latency.
-EXPAND_PREFETCH = True
 # forward(sync=): each failed poll of the epilogue's wait for the delta first naps about this many ns
 # (0: polls back to back); passed to the kernel as SYNC = 1 + SYNC_NAP (0: no sync). Ablation flag
-# lres...:wNS; not measured yet (NOTES_rollout.md section 52)
+# lres...:wNS; 200 / 1000 ns changed nothing (a177, NOTES_rollout.md section 53)
 SYNC_NAP = 0
 # ... and this many more for GLU launches (forward(glu=True)). The 7B gate/up GLU GEMV at M = 8 (592
 # blocks, the only stream-K layer of the three models' decode steps) again had one program start
@@ -1330,8 +1304,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
                 raise ValueError("sync: an Expand needs 4 warps, rank 16 / 32 / 64, fp32 h [>= M, segments x rank] "
                                  "with unit column stride, contiguous bf16 b [N, rank], bounds multiples of 16 "
                                  "(GLU: the [gate; up] halves)")
-            lexp, lx = dl.rank, (dl.b.view(torch.int32), int(dl.bounds[0]), int(dl.bounds[1]), dl.h.stride(0),
-                                 int(bool(EXPAND_PREFETCH)))
+            lexp, lx = dl.rank, (dl.b.view(torch.int32), int(dl.bounds[0]), int(dl.bounds[1]), dl.h.stride(0))
             dl = dl.h
         elif not (glu or kind_fold == "res"):
             raise ValueError("sync with a delta needs glu or fold 'res'")
@@ -1379,7 +1352,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         locks, stamps if stamps is not None else ws, h_in, h_out, w_norm, ss, m, n, kb, s, nw_whole, cs, int(nss),
         float(eps), int(kn), int(state.get("exp_bias", 0)),
         *((dl, dflag, sig, int(dtarget)) if sync is not None else (c, locks, locks, 0)),
-        *(lx if lx is not None else (locks, 0, 0, 0, 0)),
+        *(lx if lx is not None else (locks, 0, 0, 0)),
         FOLD={"res": 1, "scale": 2}.get(kind_fold, 0), SSP=ssp,
         SP=sp, NUM_STAGES=ns, MX=mx,
         HAS_BIAS=bias is not None, PDL=pdl, MT=mt, XPF=xpf,
