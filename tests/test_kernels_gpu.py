@@ -737,6 +737,25 @@ def test_wgmma_kernel(fmt, cfg):
     _check_gluon_gemm(fmt, dict(cfg, PATH="wgmma"), ms, 0)
 
 
+SK_CASES = [{"SK": 1}, {"SK": 1, "SK_SLOTS": 40}, {"SK": 1, "SK_SLOTS": 7, "SK_MIN": 1, "PDL": True},
+            {"SK": 1, "CPS": 1, "NSD": 4, "LAG": 2, "SK_SLOTS": 16}]
+
+
+@pytest.mark.parametrize("cfg", SK_CASES, ids=["-".join(f"{k}{v}" for k, v in c.items()) for c in SK_CASES])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_wgmma_stream_k(fmt, cfg):
+    """The wgmma GEMM's stream-K schedule (SK = 1; w4a16_wgmma.stream_k_plan): on the 132 SMs, all tiles
+    shared (17 / 72 / 112 tiles); on 40, 16 or 7 planned slots, whole waves of one-tile programs
+    followed by shared tails, runs of one step (SK_MIN 1) and PDL; M = 300 (two token tiles) falls back
+    to the split. _check_gluon_gemm's checks: fp32 reference within 1e-2 on a NaN-poisoned output with
+    bias, bit-identical re-runs (the parts are summed in owner order), the tile counters back at 0, and
+    a CUDA-graph replay at M = 64."""
+    pytest.importorskip("triton.experimental.gluon")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs Hopper (TMA, wgmma, warp specialisation)")
+    _check_gluon_gemm(fmt, dict(cfg, PATH="wgmma"), (65, 100, 256, 300), 2)
+
+
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 def test_per_warp_arrive_same_bits(pdl):
     """Per-warp stage release (PWA, qerl/kernels/ptx_pwa.py) changes only who frees a ring stage and
