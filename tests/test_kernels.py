@@ -360,10 +360,14 @@ THREE_PER_SM = {"R": 1, "NSW": 2, "NSX": 2, "maxnreg": 80, "XREL": 1}
                                        ("nvfp4", 128, {"BM": 128, "NSX": 2, "PWA": 1}),
                                        ("nvfp4", 32, {**THREE_PER_SM, "PWA": 1}),
                                        ("nvfp4", 32, {"R": 1, "KP": 2, "XREL": 1, "NSX": 4}),
-                                       ("mxfp4", 64, {"R": 1, "KP": 2, "NSX": 4, "PDL": True})],
+                                       ("mxfp4", 64, {"R": 1, "KP": 2, "NSX": 4, "PDL": True}),
+                                       ("nvfp4", 64, {"R": 1, "SK": 1, "PWA": 1}),
+                                       ("nvfp4", 32, {**THREE_PER_SM, "SK": 1, "PWA": 1}),
+                                       ("mxfp4", 64, {"SK": 1, "PDL": True})],
                          ids=["M64", "M32", "M16-R1", "M64-pdl", "M64-two-per-SM-xrel", "mxfp4-M64", "mxfp4-M32-two",
                               "BM128", "BM128-R1", "M64-pwa", "M64-two-xrel-pwa", "mxfp4-M64-pwa-pdl", "BM128-pwa",
-                              "M32-three-per-SM", "M32-KP2", "mxfp4-M64-KP2-pdl"])
+                              "M32-three-per-SM", "M32-KP2", "mxfp4-M64-KP2-pdl", "M64-R1-SK-pwa",
+                              "M32-three-per-SM-SK-pwa", "mxfp4-M64-SK-pdl"])
 def test_rwg_kernel_builds_for_hopper(fmt, m, cfg):
     """Offline sm_90a build of w4a16_rwg (no GPU needed): the register layouts convert trivially to
     the wgmma register operand (assert_trivial fails the build otherwise), no spills, the rings fit,
@@ -390,7 +394,11 @@ def test_rwg_kernel_builds_for_hopper(fmt, m, cfg):
         fit = min(65536 // (regs * ck.metadata.num_warps * 32), 233472 // (ck.metadata.shared + 1024))
         assert fit == {104: 2, 80: 3}[cfg["maxnreg"]]
     ptx = ck.asm["ptx"]
-    assert ptx.count("wgmma.mma_async") == 32 * kp and ptx.count("griddepcontrol") == (3 if cfg.get("PDL") else 0)
+    if cfg.get("SK"):  # stream-K: two segments of steps (the compiler may fold the second's peeled step into
+        # its loop, which runs at least once there); one more wait before the first segment's part
+        assert ptx.count("wgmma.mma_async") >= 48 and ptx.count("griddepcontrol") == (4 if cfg.get("PDL") else 0)
+    else:
+        assert ptx.count("wgmma.mma_async") == 32 * kp and ptx.count("griddepcontrol") == (3 if cfg.get("PDL") else 0)
     if kp == 2:  # one program per SM: the two MMA warpgroups, the loaders' (padded) one, ~100 KB of rings
         assert ck.metadata.num_warps == 12 and 65536 // (regs * 12 * 32) == 1
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -728,7 +736,9 @@ def test_small_m_wgmma_rule():
 
 
 def test_wgmma_config_errors_are_one_line():
-    """Configs the wgmma kernel cannot build are refused before compiling, with the reason."""
+    """Configs the wgmma kernel cannot build are refused before compiling, with the reason; stream-K is
+    dropped where it cannot run."""
+    from qerl.kernels import w4a16_rwg as R
     from qerl.kernels.w4a16_wgmma import kernel_args
 
     with pytest.raises(ValueError, match="BM=256 needs maxnreg"):
@@ -736,8 +746,11 @@ def test_wgmma_config_errors_are_one_line():
     with pytest.raises(ValueError, match="BN must be 64 or 128"):
         kernel_args("nvfp4", 64, {"BN": 96})
     assert kernel_args("nvfp4", 64, {"maxnreg": 80})[0]["BM"] == 64  # the two-per-SM form builds
-    with pytest.raises(ValueError, match="SK .stream-K. runs with BN=64"):
-        kernel_args("nvfp4", 100, {"SK": 1, "BN": 128, "LOADS": 1})
+    # SK (stream-K) is a launch modifier: the forms that cannot run it (rwg's KP = 2, the wgmma GEMM's 128-row
+    # and LOADS forms) run without it, so `{"SK": 1}` can ride on every routed config
+    assert "SK" not in R.kernel_args(32, {"R": 1, "KP": 2, "NSX": 4, "SK": 1})[0]
+    assert R.kernel_args(32, {"R": 1, "SK": 1})[0]["SK"] is True
+    assert kernel_args("nvfp4", 100, {"SK": 1, "BN": 128, "LOADS": 1})[0]["SK"] is False
     assert kernel_args("nvfp4", 256, {"SK": 1})[0]["SK"] is True
 
 
@@ -837,6 +850,22 @@ def test_wgmma_stream_k_schedule():
             assert reads == [slot for _, slot in written[t]]
         slots_used = [slot for parts in written.values() for _, slot in parts]
         assert len(set(slots_used)) == len(slots_used) and max(slots_used) < 2 * p_sk
+
+
+def test_stream_k_key_keeps_the_routed_tiles():
+    """`{"SK": 1}` (stream-K for rwg / the wgmma GEMM) is a path key: the fused Triton kernel, which
+    ignores it, keeps its heuristic tiles (with PDL still applied), and rwg accepts it beside its own keys."""
+    from qerl.kernels import w4a16_triton as W
+
+    tiles = {"BM": 16, "BO": 64, "BK": 256}
+    assert W._kernel_config({"SK": 1, "SK_MIN": 1}, tiles) == tiles
+    assert W._kernel_config({"SK": 1, "PDL": True}, tiles) == dict(tiles, PDL=True)
+    assert W._kernel_config({"SK": 1, "BO": 32}, tiles) == {"BO": 32}  # a tile config still replaces the heuristic
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_rwg as R
+
+    consts, cfg = R.kernel_args(64, {"R": 1, "SK": 1, "SK_SLOTS": 40, "PATH": "rwg"})
+    assert consts["SK"] is True and cfg["SK_SLOTS"] == 40
 
 
 def test_gluon_streamk_schedule():

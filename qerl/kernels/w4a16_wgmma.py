@@ -485,6 +485,24 @@ def _sk_share(acc, ws_ptr, lock_ptr, p, tile, first, KB, T_DP, P_SK, T_SK, BN: g
 
 
 @gluon.jit
+def _sk_first_part(acc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, M, N, KB, T_DP, P_SK, T_SK,
+                   BN: gl.constexpr, BM: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr):
+    """The end of a stream-K program's first segment when a second follows (always a strict part of its
+    tile): the part through _sk_share; on the last arrival the sum is stored from the accumulator's
+    layout (no shared-memory round trip, whose addresses the compiler would hoist; see _mma_sk)."""
+    if PDL:
+        _gdc("wait")  # the workspace and the output only after the previous kernel
+    done, total = _sk_share(acc, ws_ptr, lock_ptr, p, tile, True, KB, T_DP, P_SK, T_SK, BN, BM)
+    if done:
+        n = tile * BN + gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, acc.type.layout)), 1)
+        m = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(0, acc.type.layout)), 0)
+        out = total * gl.load(alpha_ptr)
+        if HAS_BIAS:
+            out += gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)
+        gl.store(c_ptr + m * N + n, out.to(gl.bfloat16), mask=(n < N) & (m < M))
+
+
+@gluon.jit
 def _mma_sk(d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr,
             p, g0, g1, M, N, KB, T_DP, P_SK, T_SK, NSD: gl.constexpr, CPS: gl.constexpr, NSX: gl.constexpr,
             BM: gl.constexpr, LAG: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
@@ -505,16 +523,8 @@ def _mma_sk(d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, alpha_ptr, bias_
                      na, NSD, CPS, NSX, LAG)
     first = ga == g1
     if ga < g1:
-        if PDL:
-            _gdc("wait")  # the workspace and the output only after the previous kernel
-        done, total = _sk_share(acc, ws_ptr, lock_ptr, p, tile, True, KB, T_DP, P_SK, T_SK, BN, BM)
-        if done:
-            n = tile * BN + gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, ACC)), 1)
-            m = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(0, ACC)), 0)
-            out = total * gl.load(alpha_ptr)
-            if HAS_BIAS:
-                out += gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)
-            gl.store(c_ptr + m * N + n, out.to(gl.bfloat16), mask=(n < N) & (m < M))
+        _sk_first_part(acc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, M, N, KB, T_DP, P_SK, T_SK, BN, BM,
+                       HAS_BIAS, PDL)
         tile += 1
         acc = _sk_chunks(gl.zeros([BN, BM], gl.float32, ACC), d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty,
                          na, na + (g1 - ga) * 4, NSD, CPS, NSX, LAG)
@@ -617,11 +627,13 @@ def _wgmma_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lo
 
 
 # CPS 2 x NSD 3: best or even of the ring shapes timed on the H100 (NOTES_w4a16.md section 13)
-# SK = 1: stream-K over the last partial wave (stream_k_plan), off until timed on a GPU (env
-# QERL_W4A16_WGMMA_SK=1 turns it on for every launch without a config); SK_MIN: its programs' shortest
-# run of weight steps; SK_SLOTS: the program slots it plans for (None: the SMs x PER_SM)
+# SK = 1: stream-K over the last partial wave (stream_k_plan; None: STREAM_K); SK_MIN: its programs'
+# shortest run of weight steps; SK_SLOTS: the program slots it plans for (None: the SMs x PER_SM)
 DEFAULT = dict(BM=None, BN=64, LOADS=0, C0=None, NSW=4, NSD=3, CPS=2, NSX=4, LAG=1, DW=4, DEC_REGS=96, LOAD_REGS=24,
-               PER_SM=None, maxnreg=None, PDL=None, SK=env_int("QERL_W4A16_WGMMA_SK", 0), SK_MIN=2, SK_SLOTS=None)
+               PER_SM=None, maxnreg=None, PDL=None, SK=None, SK_MIN=2, SK_SLOTS=None)
+# stream-K where a launch's config does not say: off until timed on a GPU (NOTES_w4a16.md section 39);
+# env QERL_W4A16_WGMMA_SK=1, or benchmarks/ablate_rollout.py's flag wsk
+STREAM_K = env_int("QERL_W4A16_WGMMA_SK", 0)
 _RESIDENT: dict = {}
 _KEYS = set(DEFAULT) | {"S"}
 
@@ -728,15 +740,17 @@ def kernel_args(fmt: str, m: int, config: dict | None = None) -> tuple[dict, dic
     try:
         hash(items)
     except TypeError:  # an unhashable config value: not memoised
-        return _kernel_args.__wrapped__(fmt, m, items, W.PDL)
-    return _kernel_args(fmt, m, items, W.PDL)
+        return _kernel_args.__wrapped__(fmt, m, items, W.PDL, STREAM_K)
+    return _kernel_args(fmt, m, items, W.PDL, STREAM_K)
 
 
 @functools.lru_cache(maxsize=1024)
-def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool) -> tuple[dict, dict]:
+def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool, sk_default: int = 0) -> tuple[dict, dict]:
     config = dict(items)
     cfg = dict(DEFAULT)
     cfg.update({key: v for key, v in (config or {}).items() if key in _KEYS})
+    if cfg["SK"] is None:
+        cfg["SK"] = int(sk_default or 0)
     nsw, nsd, cps, nsx, lag, dw, bn = (int(cfg[key]) for key in ("NSW", "NSD", "CPS", "NSX", "LAG", "DW", "BN"))
     bm = int(cfg["BM"] or block_m(m))
     loads = int(cfg["LOADS"])
@@ -761,9 +775,7 @@ def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool) -> tuple[dic
         raise ValueError(f"rings need {smem_bytes(bm, nsw, nsd, cps, nsx, bn)} B of shared memory (H100: 232448); "
                          "lower NSW / NSD / NSX")
     if int(cfg["SK"]) and (bn != 64 or loads):
-        if "SK" in config:
-            raise ValueError("SK (stream-K) runs with BN=64 and the loader warps (LOADS=0)")
-        cfg["SK"] = 0  # on by default (QERL_W4A16_WGMMA_SK): not for the 128-row or LOADS forms
+        cfg["SK"] = 0  # a launch modifier (w4a16_triton._PATH_KEYS): the 128-row and LOADS forms run without it
     cfg["PDL"] = bool(pdl_default if cfg["PDL"] is None else cfg["PDL"])
     l2w, l2s, l3 = decoder_layouts(fmt, dw)
     consts = dict(BM=bm, LOADS=loads, NSW=nsw, NSD=nsd, CPS=cps, NSX=nsx, LAG=lag, DW=dw, FMT=0 if fmt == "nvfp4" else 1,
