@@ -868,6 +868,27 @@ def test_stream_k_key_keeps_the_routed_tiles():
     assert consts["SK"] is True and cfg["SK_SLOTS"] == 40
 
 
+def test_capture_check_collects_loads_only_while_capturing(monkeypatch):
+    """qerl.kernels.capture_check: its hook on Triton's kernel_load_start_hook chain records a kernel load
+    only while the current stream captures, and leaves the chain as it found it."""
+    pytest.importorskip("triton")
+    from triton import knobs
+
+    from qerl.kernels.capture_check import loads_during_capture
+
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    before = list(knobs.runtime.kernel_load_start_hook.calls)
+    with loads_during_capture() as loads:
+        knobs.runtime.kernel_load_start_hook(None, None, "warm_kernel", None, "h0")
+        capturing[0] = True
+        knobs.runtime.kernel_load_start_hook(None, None, "late_kernel", None, "h1")
+    knobs.runtime.kernel_load_start_hook(None, None, "after_kernel", None, "h2")
+    assert loads == ["late_kernel"]
+    assert knobs.runtime.kernel_load_start_hook.calls == before
+
+
 def test_gluon_streamk_schedule():
     """The Gluon GEMV's stream-K schedule, simulated on the host with the kernel's formulas: every
     (row block, K step) is covered by exactly one program, each program's runs differ by at most
