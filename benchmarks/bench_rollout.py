@@ -85,8 +85,13 @@ def build(preset: str, fmt: str, seed: int = 0):
 
 
 def timed_generate(engine: RolloutEngine, prompts, settings, repeats: int) -> tuple[float, dict]:
+    """(tokens / s, engine stats + "capture_loads": the Triton / Gluon kernels first loaded inside one of the
+    warm-up's graph captures, which should be none: qerl.kernels.capture_check)."""
+    from qerl.kernels.capture_check import loads_during_capture
+
     gen = torch.Generator(device="cuda").manual_seed(0)
-    engine.generate(prompts, settings, gen)  # warm-up: kernels compiled, graphs captured
+    with loads_during_capture() as loads:
+        engine.generate(prompts, settings, gen)  # warm-up: kernels compiled, graphs captured
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -95,7 +100,7 @@ def timed_generate(engine: RolloutEngine, prompts, settings, repeats: int) -> tu
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     tokens = int(batch.completion_mask.sum())
-    return tokens / statistics.median(times), dict(engine.stats)
+    return tokens / statistics.median(times), dict(engine.stats, capture_loads=sorted(set(loads)))
 
 
 def hf_generate_tps(model, prompts, new_tokens: int) -> float:
@@ -341,6 +346,7 @@ def run(args) -> None:
                         "lora0_tokens_per_s": next((x["tokens_per_s"] for x in rows if x.get("model") == preset and x.get("format") == fmt
                                                     and x.get("batch") == b and x.get("lora_rank") == 0), None) if rank else None,
                         "prefill_s": round(stats["prefill_s"], 4), "decode_s": round(stats["decode_s"], 4),
+                        "capture_loads": stats["capture_loads"],
                         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
                         "gpu_state": gpu_state(),
                         # nf4 only: "baseline" or "fused<=N" (QERL_NF4_FUSED_MAX_M, the labelled fused NF4 decode)
@@ -349,7 +355,8 @@ def run(args) -> None:
                     rows.append(row)
                     save()
                     ratio = f" x{tps / bf16_tps[b]:.2f} of bf16" if b in bf16_tps and fmt != "bf16" else ""
-                    log(f"  {fmt} batch {b} lora {rank}: {tps:.1f} tok/s{ratio} (prefill {stats['prefill_s']*1e3:.0f} ms, decode {stats['decode_s']:.2f} s)")
+                    log(f"  {fmt} batch {b} lora {rank}: {tps:.1f} tok/s{ratio} (prefill {stats['prefill_s']*1e3:.0f} ms, decode {stats['decode_s']:.2f} s)"
+                        + (f"; kernels loaded inside a capture: {stats['capture_loads']}" if stats["capture_loads"] else ""))
                     if rank:
                         engine.release_graphs()
             except torch.cuda.OutOfMemoryError:
