@@ -821,7 +821,8 @@ def test_wgmma_stream_k_schedule():
     assert stream_k_plan(17, 4, 132) == (0, 34)  # runs of >= 2 steps: 34 programs, not 68 or 132
     assert stream_k_plan(5, 1, 132) == (0, 5)  # never fewer programs than tail tiles
     cases = [(80, 20, 132, 2), (432, 20, 132, 2), (592, 14, 132, 2), (17, 4, 132, 2), (150, 4, 132, 1),
-             (864, 20, 132, 2), (40, 8, 132, 2), (7, 3, 5, 1), (13, 5, 6, 3), (9, 2, 4, 2), (3, 7, 2, 1)]
+             (864, 20, 132, 2), (40, 8, 132, 2), (7, 3, 5, 1), (13, 5, 6, 3), (9, 2, 4, 2), (3, 7, 2, 1),
+             (264, 20, 132, 2), (17, 4, 17, 2)]  # (whole waves: every program one tile)
     for tiles, kb, slots, min_steps in cases:
         t_dp, p_sk = stream_k_plan(tiles, kb, slots, min_steps)
         assert t_dp % slots == 0 and 0 <= tiles - t_dp < slots
@@ -831,6 +832,9 @@ def test_wgmma_stream_k_schedule():
         assert runs[0][0] == 0 and runs[-1][1] == tiles * kb
         assert all(a[1] == b[0] for a, b in zip(runs, runs[1:]))  # contiguous: each step exactly once
         assert all(runs[p] == (p * kb, p * kb + kb) for p in range(t_dp))
+        if p_sk == 0:
+            assert t_dp == tiles
+            continue
         lens = [g1 - g0 for g0, g1 in runs[t_dp:]]
         assert max(lens) - min(lens) <= 1 and min(lens) >= 1 and max(lens) <= kb
         written = {}

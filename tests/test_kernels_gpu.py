@@ -738,7 +738,7 @@ def test_wgmma_kernel(fmt, cfg):
 
 
 SK_CASES = [{"SK": 1}, {"SK": 1, "SK_SLOTS": 40}, {"SK": 1, "SK_SLOTS": 7, "SK_MIN": 1, "PDL": True},
-            {"SK": 1, "CPS": 1, "NSD": 4, "LAG": 2, "SK_SLOTS": 16}]
+            {"SK": 1, "CPS": 1, "NSD": 4, "LAG": 2, "SK_SLOTS": 16}, {"SK": 1, "SK_SLOTS": 17}]
 
 
 @pytest.mark.parametrize("cfg", SK_CASES, ids=["-".join(f"{k}{v}" for k, v in c.items()) for c in SK_CASES])
@@ -746,7 +746,8 @@ SK_CASES = [{"SK": 1}, {"SK": 1, "SK_SLOTS": 40}, {"SK": 1, "SK_SLOTS": 7, "SK_M
 def test_wgmma_stream_k(fmt, cfg):
     """The wgmma GEMM's stream-K schedule (SK = 1; w4a16_wgmma.stream_k_plan): on the 132 SMs, all tiles
     shared (17 / 72 / 112 tiles); on 40, 16 or 7 planned slots, whole waves of one-tile programs
-    followed by shared tails, runs of one step (SK_MIN 1) and PDL; M = 300 (two token tiles) falls back
+    followed by shared tails, runs of one step (SK_MIN 1) and PDL; on 17 slots the 1058-row layer's 17
+    tiles are one whole wave (the stream-K kernel with no tail); M = 300 (two token tiles) falls back
     to the split. _check_gluon_gemm's checks: fp32 reference within 1e-2 on a NaN-poisoned output with
     bias, bit-identical re-runs (the parts are summed in owner order), the tile counters back at 0, and
     a CUDA-graph replay at M = 64."""

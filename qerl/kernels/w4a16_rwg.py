@@ -533,15 +533,13 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     per_sm = cfg["PER_SM"] or _RESIDENT.get(key) or max(1, min(2 if kp == 1 else 1, 232448 // smem_bytes(
         bm, rows // 64, consts["NSW"], consts["NSX"], kp)))
     slots = int(per_sm) * W._num_sms(x.device.index or 0)
-    t_dp, p_sk = tiles, 0
-    if consts.get("SK"):
-        if mt == 1:
-            t_dp, p_sk = WG.stream_k_plan(tiles, kb, int(cfg["SK_SLOTS"] or slots), int(cfg["SK_MIN"]))
-        if p_sk == 0:  # whole waves or several token tiles: the split
-            consts = dict(consts, SK=False)
-    if p_sk:
+    if consts.get("SK") and mt > 1:  # several token tiles: the split
+        consts = dict(consts, SK=False)
+    if consts.get("SK"):  # (whole waves keep the stream-K kernel, one tile per program: see w4a16_wgmma.forward)
+        t_dp, p_sk = WG.stream_k_plan(tiles, kb, int(cfg["SK_SLOTS"] or slots), int(cfg["SK_MIN"]))
         s, programs, parts = 1, t_dp + p_sk, 2 * p_sk
     else:
+        t_dp, p_sk = tiles, 0
         s = max(1, min(int(cfg["S"]), kb)) if cfg.get("S") is not None else WG.split(tiles, kb, slots)
         if kp == 2:
             s = min(s, kb // 2)

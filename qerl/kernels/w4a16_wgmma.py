@@ -659,6 +659,8 @@ def stream_k_runs(tiles: int, kb: int, t_dp: int, p_sk: int) -> list[tuple[int, 
     """Every program's flat weight steps [g0, g1) (step g: tile g // kb, K step g % kb), as the
     kernel's _sk_range computes them."""
     runs = [(p * kb, (p + 1) * kb) for p in range(t_dp)]
+    if p_sk == 0:  # whole waves: the kernel runs its plain one-tile programs (P_SK passed as 1, never read)
+        return runs
     tot = (tiles - t_dp) * kb
     start = [t_dp * kb + (q * tot) // p_sk for q in range(p_sk + 1)]
     return runs + list(zip(start[:-1], start[1:]))
@@ -811,16 +813,15 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     per_sm = cfg["PER_SM"] or _RESIDENT.get(key) or max(1, min(2, 232448 // smem))
     slots = int(per_sm) * W._num_sms(x.device.index or 0)
     sk_slots = int(cfg["SK_SLOTS"] or slots)
-    t_dp, p_sk = stream_k_plan(tiles, kb, sk_slots, int(cfg["SK_MIN"])) if consts["SK"] and mt == 1 else (tiles, 0)
-    if p_sk == 0:  # no stream-K: whole waves, several token tiles, or not asked for
+    if consts["SK"] and mt > 1:  # several token tiles: the split
         consts = dict(consts, SK=False)
-    if p_sk:
+    if consts["SK"]:  # (whole waves, P_SK = 0, keep the stream-K kernel: one tile per program, no parts; so a plan
+        # that moves with the measured residency never changes the kernel's specialisation)
+        t_dp, p_sk = stream_k_plan(tiles, kb, sk_slots, int(cfg["SK_MIN"]))
         s, programs, parts = 1, t_dp + p_sk, 2 * p_sk  # two parts per stream-K program: its two tiles
-    elif cfg.get("S") is not None:
-        s = max(1, min(int(cfg["S"]), kb))
     else:
-        s = split(tiles, kb, slots, cfg["C0"])
-    if not p_sk:
+        t_dp, p_sk = tiles, 0
+        s = max(1, min(int(cfg["S"]), kb)) if cfg.get("S") is not None else split(tiles, kb, slots, cfg["C0"])
         programs, parts = tiles * s, tiles * s if s > 1 else 0
     x_desc, w_desc, s_desc = descriptors(x, state, bm)
     c, locks, ws = launch_buffers(x, state, out, tiles, s, bn * bm, parts=parts)
