@@ -30,6 +30,7 @@ Output: one line per (shape, M) as it goes, an optional variant sweep, then a ma
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import math
@@ -434,6 +435,23 @@ def candidate_sweep(deadline: float, out_path: str | None, shapes, ms, pick, for
 GEMV_SHAPES = [(n, k) for n, k in dict.fromkeys((n, k) for _, _, n, k in linear_shapes())]
 
 
+def candidate_medians(rows: list[dict]) -> list[str]:
+    """Per (M, format, candidate): the median speedup over bf16 with each shape counted once per model layer it
+    is (14B and 32B share q/k/v and o), as the sweep's medians are, and over how many of the 16 cells; a
+    candidate whose output missed the fp32 reference (err >= 1e-2) is marked BAD."""
+    cells = collections.Counter((n, k) for _, _, n, k in linear_shapes())
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["m"], r["fmt"], r["cfg"]), []).append(r)
+    lines = []
+    for (m, fmt, cfg), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        weighted = [r["bf16_us"] / r["us"] for r in rs for _ in range(cells.get((r["n"], r["k"]), 1))]
+        bad = sum(r["err"] >= 1e-2 for r in rs)
+        lines.append(f"M={m} {fmt} {cfg}: median x{statistics.median(weighted):.3f} over {len(weighted)} cells"
+                     + (f" ({bad} BAD)" if bad else ""))
+    return lines
+
+
 def time_candidates(layer: Layer, x: torch.Tensor, st: dict, fmt: str, cands, bf: float, rows: list,
                     deadline: float | None = None) -> list[str]:
     """Check each (name, config) of the forward against the fp32 reference on x, then time it
@@ -486,6 +504,8 @@ def gemv_explore(deadline: float, out_path: str | None, ms=(1,), cands=None, sha
     log("\n## candidate explore (us per call, x = speedup vs bf16 in this process)")
     rows = candidate_sweep(deadline, out_path, shapes or GEMV_SHAPES, ms,
                            lambda n, k, m, fmt: [(a, c) for a, c in cands if runs(a, c, fmt)], formats)
+    for line in candidate_medians(rows):
+        log("  " + line)
     ws_mod = sys.modules.get("qerl.kernels.w4a16_ws")
     if ws_mod is not None:
         log(f"  resident programs per SM (ws: NS, warps, maxnreg, CPT): {ws_mod._RESIDENT}")

@@ -55,3 +55,20 @@ def test_candidate_configs_of_the_fused_nf4_kernel_get_their_own_columns():
     assert header.startswith("| M | nvfp4 | mxfp4 | nf4 | nf4-fused | nf4-fused:split4 | nvfp4 vs nf4 |")
     assert next(line for line in text.splitlines() if line.startswith("| 16 |")).startswith("| 16 | 3.00 | 2.40 | 0.75 | 1.50 | 2.00 |")
     assert bench.weight_bytes("nf4-fused:split4", 64, 128) == bench.weight_bytes("nf4", 64, 128) == 64 * 128 // 2 + 64 * 128 // 64 * 4
+
+
+def test_candidate_medians_count_shared_shapes_as_the_sweep_does():
+    """`--cands`'s closing summary: a shape that is several model layers (14B / 32B q/k/v: 7168 x 5120) counts
+    once per layer in the median, as the sweep's 16 cells do; candidates are kept apart per M and format, and
+    one whose output missed the reference is marked."""
+    bench = _bench()
+
+    def row(n, k, cfg, us, err=1e-3):
+        return {"n": n, "k": k, "m": 256, "fmt": "nvfp4", "cfg": cfg, "us": us, "bf16_us": 10.0, "err": err}
+
+    rows = [row(7168, 5120, "sk", 5.0), row(3584, 3584, "sk", 20.0), row(2048, 2048, "sk", 20.0),
+            row(7168, 5120, "default", 10.0, err=0.5)]
+    lines = bench.candidate_medians(rows)
+    # [2, 2, 0.5, 0.5] with 7168x5120 counted twice (once per model): 1.25; once, [2, 0.5, 0.5] would give 0.5
+    assert "M=256 nvfp4 sk: median x1.250 over 4 cells" in lines
+    assert "M=256 nvfp4 default: median x1.000 over 2 cells (1 BAD)" in lines
