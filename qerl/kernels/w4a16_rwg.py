@@ -244,8 +244,7 @@ def _consumer_sk(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alp
                  ACC: gl.constexpr, AOP: gl.constexpr, num_warps: gl.constexpr):
     """Stream-K (SK): flat steps [g0, g1) as at most two straight-line segments, one per output tile
     (w4a16_wgmma._mma_sk's scheme and fixup; the rings count from g0 across the boundary)."""
-    tile = g0 // KB
-    ga = gl.minimum(g1, (tile + 1) * KB)
+    tile, ga = WG._sk_split(g0, g1, KB)
     acc = _mma_steps(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, g0, ga, g0, exp_bias, NSW, NSX, BM,
                      FMT, XREL, RT, ST, LW2, LS3, LW3, ACC, AOP, 1, 0, num_warps)
     first = ga == g1
@@ -261,42 +260,23 @@ def _consumer_sk(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alp
 
 @gluon.jit
 def _w_loader_sk(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, g0, g1, KB, R: gl.constexpr, NSW: gl.constexpr):
-    """_w_loader over flat steps [g0, g1): tile and K step carried across the tile boundary."""
-    SROWS: gl.constexpr = s_desc.block_type.shape[0]
-    tile = g0 // KB
-    kk = g0 - tile * KB
-    for g in range(g0, g1):
-        i = g - g0
-        iw = i % NSW
-        mbarrier.wait(w_empty.index(iw), ((i // NSW) & 1) ^ 1)  # stages start free
-        mbarrier.expect(w_ready.index(iw), R * (w_desc.block_type.nbytes + s_desc.block_type.nbytes))
-        for r in gl.static_range(R):
-            row = ((tile * R + r) * KB + kk) * 64
-            tma.async_copy_global_to_shared(w_desc, [row, 0], w_ready.index(iw), w_bufs.index(iw).slice(64 * r, 64))
-            tma.async_copy_global_to_shared(s_desc, [(row // 64) * SROWS, 0], w_ready.index(iw),
-                                            s_bufs.index(iw).slice(SROWS * r, SROWS))
-        kk += 1
-        if kk == KB:
-            kk = 0
-            tile += 1
+    """_w_loader over flat steps [g0, g1): one call per segment (tile), the ring counted on across them."""
+    tile, ga = WG._sk_split(g0, g1, KB)
+    _w_loader(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, tile * R * KB * 64, g0 - tile * KB, ga - tile * KB,
+              KB, R, NSW, 0)
+    if ga < g1:
+        _w_loader(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, (tile + 1) * R * KB * 64, 0, g1 - ga, KB, R, NSW,
+                  ga - g0)
 
 
 @gluon.jit
 def _x_loader_sk(x_desc, x_bufs, x_ready, x_empty, g0, g1, KB, NSX: gl.constexpr, PDL: gl.constexpr):
-    """_x_loader over flat steps [g0, g1) of one token tile: the K position restarts at a tile boundary."""
-    if PDL:
-        _gdc("wait")
-    kk = g0 % KB
-    for g in range(g0, g1):
-        i = g - g0
-        ix = i % NSX
-        mbarrier.wait(x_empty.index(ix), ((i // NSX) & 1) ^ 1)
-        mbarrier.expect(x_ready.index(ix), 4 * x_desc.block_type.nbytes)
-        for c in gl.static_range(4):
-            tma.async_copy_global_to_shared(x_desc, [0, kk * 256 + c * 64], x_ready.index(ix), x_bufs.index(4 * ix + c))
-        kk += 1
-        if kk == KB:
-            kk = 0
+    """_x_loader over flat steps [g0, g1) of one token tile: one call per segment, the K position back at 0
+    in the second, the ring counted on across them."""
+    tile, ga = WG._sk_split(g0, g1, KB)
+    _x_loader(x_desc, x_bufs, x_ready, x_empty, 0, g0 - tile * KB, ga - tile * KB, NSX, PDL, 0)
+    if ga < g1:
+        _x_loader(x_desc, x_bufs, x_ready, x_empty, 0, 0, g1 - ga, NSX, False, ga - g0)
 
 
 @gluon.jit
@@ -330,13 +310,14 @@ def _kp_odd(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, red, red
 
 @gluon.jit
 def _w_loader(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, KB, R: gl.constexpr,
-              NSW: gl.constexpr):
+              NSW: gl.constexpr, i0=0):
     """The R row tiles of each step (tile r of the program at TMA row trow0 + (r KB + step) 64)
     into rows [64 r, 64 r + 64) of a weight stage, its scales into SROWS rows of 16 bytes (64 nvfp4,
-    32 mxfp4); a tile past the last row block reads as zeros."""
+    32 mxfp4); a tile past the last row block reads as zeros. i0: the program's steps before k0 in
+    the ring (a stream-K program's first segment)."""
     SROWS: gl.constexpr = s_desc.block_type.shape[0]
     for kk in range(k0, k1):
-        i = kk - k0
+        i = i0 + kk - k0
         iw = i % NSW
         mbarrier.wait(w_empty.index(iw), ((i // NSW) & 1) ^ 1)  # stages start free
         mbarrier.expect(w_ready.index(iw), R * (w_desc.block_type.nbytes + s_desc.block_type.nbytes))
@@ -348,12 +329,12 @@ def _w_loader(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, K
 
 
 @gluon.jit
-def _x_loader(x_desc, x_bufs, x_ready, x_empty, m0, k0, k1, NSX: gl.constexpr, PDL: gl.constexpr):
-    """The four x chunks [BM, 64] of each step into one activation stage."""
+def _x_loader(x_desc, x_bufs, x_ready, x_empty, m0, k0, k1, NSX: gl.constexpr, PDL: gl.constexpr, i0=0):
+    """The four x chunks [BM, 64] of each step into one activation stage (i0 as _w_loader's)."""
     if PDL:  # x is the previous kernel's output (the weights need no wait)
         _gdc("wait")
     for kk in range(k0, k1):
-        i = kk - k0
+        i = i0 + kk - k0
         ix = i % NSX
         mbarrier.wait(x_empty.index(ix), ((i // NSX) & 1) ^ 1)
         mbarrier.expect(x_ready.index(ix), 4 * x_desc.block_type.nbytes)

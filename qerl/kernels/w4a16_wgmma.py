@@ -278,9 +278,10 @@ def _w_issue(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, KB, i,
 
 
 @gluon.jit
-def _x_issue(x_desc, x_bufs, x_ready, m0, k0, i, NSX: gl.constexpr):
-    """Activation chunk i of this program (K = 64 (4 k0 + i) ...) into ring stage i % NSX."""
-    ix = i % NSX
+def _x_issue(x_desc, x_bufs, x_ready, m0, k0, i, NSX: gl.constexpr, i0=0):
+    """Activation chunk i from k0 (K = 64 (4 k0 + i) ...) into ring stage (i0 + i) % NSX (i0: the program's
+    chunks before this run of them, a stream-K program's first segment)."""
+    ix = (i0 + i) % NSX
     mbarrier.expect(x_ready.index(ix), x_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(x_desc, [m0, (k0 * 4 + i) * 64], x_ready.index(ix), x_bufs.index(ix))
 
@@ -294,12 +295,28 @@ def _w_loader(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, K
 
 
 @gluon.jit
-def _x_loader(x_desc, x_bufs, x_ready, x_empty, m0, k0, k1, NSX: gl.constexpr, PDL: gl.constexpr):
+def _x_loader(x_desc, x_bufs, x_ready, x_empty, m0, k0, k1, NSX: gl.constexpr, PDL: gl.constexpr, i0=0):
+    """The activation chunks of K steps [k0, k1), ring stages counted on from i0 (_x_issue)."""
     if PDL:  # x is the previous kernel's output (the weights need no wait)
         _gdc("wait")
     for i in range((k1 - k0) * 4):
-        mbarrier.wait(x_empty.index(i % NSX), ((i // NSX) & 1) ^ 1)
-        _x_issue(x_desc, x_bufs, x_ready, m0, k0, i, NSX)
+        mbarrier.wait(x_empty.index((i0 + i) % NSX), (((i0 + i) // NSX) & 1) ^ 1)
+        _x_issue(x_desc, x_bufs, x_ready, m0, k0, i, NSX, i0)
+
+
+@gluon.jit
+def _chunk_mma(acc, i, d_bufs, x_bufs, d_ready, x_ready, NSD: gl.constexpr, CPS: gl.constexpr, NSX: gl.constexpr,
+               LAG: gl.constexpr):
+    """Chunk i of the program: wait for its decoded stage (at the stage's first chunk) and its activation
+    stage, issue acc += W_chunk @ x_chunk^T as an async wgmma, and keep LAG in flight."""
+    g = i // CPS
+    st = g % NSD
+    ix = i % NSX
+    if i % CPS == 0:
+        mbarrier.wait(d_ready.index(st), (g // NSD) & 1)
+    mbarrier.wait(x_ready.index(ix), (i // NSX) & 1)
+    acc = warpgroup_mma(d_bufs.index(st * CPS + i % CPS), x_bufs.index(ix).permute((1, 0)), acc, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=LAG, deps=(acc,))
 
 
 @gluon.jit
@@ -324,14 +341,7 @@ def _mma(d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, alpha_ptr, bias_ptr
         for t in range(min(NSX, nq)):
             _x_issue(x_desc, x_bufs, x_ready, m0, k0, t, NSX)
     for i in range(nq):
-        g = i // CPS
-        st = g % NSD
-        ix = i % NSX
-        if i % CPS == 0:
-            mbarrier.wait(d_ready.index(st), (g // NSD) & 1)
-        mbarrier.wait(x_ready.index(ix), (i // NSX) & 1)
-        acc = warpgroup_mma(d_bufs.index(st * CPS + i % CPS), x_bufs.index(ix).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=LAG, deps=(acc,))
+        acc = _chunk_mma(acc, i, d_bufs, x_bufs, d_ready, x_ready, NSD, CPS, NSX, LAG)
         # the wgmma of chunk i - LAG has retired: its activation stage is free, and its decoded
         # stage too if it was that stage's last chunk
         r = i - LAG
@@ -402,6 +412,13 @@ def _sk_start(q, T_DP, P_SK, T_SK, KB):
 
 
 @gluon.jit
+def _sk_split(g0, g1, KB):
+    """(tile, ga): a run [g0, g1) of flat steps is [g0, ga) of `tile`, then [ga, g1) of tile + 1 when ga < g1."""
+    tile = g0 // KB
+    return tile, gl.minimum(g1, (tile + 1) * KB)
+
+
+@gluon.jit
 def _sk_range(T_DP, P_SK, T_SK, KB):
     """(p, g0, g1): this program's flat weight steps (step g = tile g // KB, K step g % KB)."""
     p = gl.program_id(0)
@@ -415,18 +432,12 @@ def _sk_range(T_DP, P_SK, T_SK, KB):
 
 @gluon.jit
 def _x_loader_sk(x_desc, x_bufs, x_ready, x_empty, g0, g1, KB, NSX: gl.constexpr, PDL: gl.constexpr):
-    """Activation chunks for flat steps [g0, g1): the K position restarts at 0 where a tile ends."""
-    if PDL:
-        _gdc("wait")
-    kc = (g0 % KB) * 4
-    for i in range((g1 - g0) * 4):
-        ix = i % NSX
-        mbarrier.wait(x_empty.index(ix), ((i // NSX) & 1) ^ 1)
-        mbarrier.expect(x_ready.index(ix), x_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [0, kc * 64], x_ready.index(ix), x_bufs.index(ix))
-        kc += 1
-        if kc == KB * 4:
-            kc = 0
+    """Activation chunks for flat steps [g0, g1): _x_loader per segment, the K position back at 0 in the
+    second, the ring counted on across them."""
+    tile, ga = _sk_split(g0, g1, KB)
+    _x_loader(x_desc, x_bufs, x_ready, x_empty, 0, g0 - tile * KB, ga - tile * KB, NSX, PDL, 0)
+    if ga < g1:
+        _x_loader(x_desc, x_bufs, x_ready, x_empty, 0, 0, g1 - ga, NSX, False, (ga - g0) * 4)
 
 
 @gluon.jit
@@ -435,14 +446,7 @@ def _sk_chunks(acc, d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, i0, i1, 
     """acc += chunks [i0, i1) of the program (as _mma's loop; the rings' count runs on across segments),
     then every one of them retired and its stages freed."""
     for i in range(i0, i1):
-        gi = i // CPS
-        st = gi % NSD
-        ix = i % NSX
-        if i % CPS == 0:
-            mbarrier.wait(d_ready.index(st), (gi // NSD) & 1)
-        mbarrier.wait(x_ready.index(ix), (i // NSX) & 1)
-        acc = warpgroup_mma(d_bufs.index(st * CPS + i % CPS), x_bufs.index(ix).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=LAG, deps=(acc,))
+        acc = _chunk_mma(acc, i, d_bufs, x_bufs, d_ready, x_ready, NSD, CPS, NSX, LAG)
         if i - LAG >= i0:  # chunk i - LAG retired
             _release(d_empty, x_empty, i - LAG, CPS, NSD, NSX)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -478,7 +482,7 @@ def _sk_share(acc, ws_ptr, lock_ptr, p, tile, first, KB, T_DP, P_SK, T_SK, BN: g
     if done:
         total = gl.zeros_like(acc)
         for q in range(q_first, q_last + 1):
-            sq = 2 * q + gl.where(((q * (T_SK * KB)) // P_SK) // KB == tile - T_DP, 0, 1)
+            sq = 2 * q + gl.where(_sk_start(q, T_DP, P_SK, T_SK, KB) // KB == tile, 0, 1)  # q's first tile?
             total += gl.load(ws_ptr + sq * (BN * BM) + off, cache_modifier=".cg")
         gl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch
     return done, total
@@ -516,8 +520,7 @@ def _mma_sk(d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, alpha_ptr, bias_
     BN: gl.constexpr = 16 * num_warps
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BM, 16])
-    tile = g0 // KB
-    ga = gl.minimum(g1, (tile + 1) * KB)
+    tile, ga = _sk_split(g0, g1, KB)
     na = (ga - g0) * 4
     acc = _sk_chunks(gl.zeros([BN, BM], gl.float32, ACC), d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, 0,
                      na, NSD, CPS, NSX, LAG)
@@ -540,7 +543,7 @@ def _sk_epilogue(acc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, fir
     once; a shared one goes through _sk_share and the last arrival stores the sum."""
     if PDL:
         _gdc("wait")
-    done = tile >= 0
+    done = tile >= 0  # True, as a runtime value: the shared branch below reassigns it
     total = acc
     if tile >= T_DP:
         q_first, q_last = _sk_owners(tile, KB, T_DP, P_SK, T_SK)
@@ -822,7 +825,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     else:
         t_dp, p_sk = tiles, 0
         s = max(1, min(int(cfg["S"]), kb)) if cfg.get("S") is not None else split(tiles, kb, slots, cfg["C0"])
-        programs, parts = tiles * s, tiles * s if s > 1 else 0
+        programs, parts = tiles * s, None  # (launch_buffers: the split's parts)
     x_desc, w_desc, s_desc = descriptors(x, state, bm)
     c, locks, ws = launch_buffers(x, state, out, tiles, s, bn * bm, parts=parts)
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
