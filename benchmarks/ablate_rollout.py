@@ -74,8 +74,7 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   xs / xsall / noxs (its producer copies x beside each weight stage: at M = 2..8 / at every M /
                   never), sk / nosk (its stream-K
                   schedule forced on every launch / off; default: in PDL chains where a split tail
-                  would apply), rsk / wsk (stream-K over the last partial wave in rwg / the wgmma GEMM,
-                  w4a16_rwg.STREAM_K / w4a16_wgmma.STREAM_K, NOTES_w4a16.md section 39), notail (no split tail; default: where w4a16_gluon.tail_plan finds
+                  would apply), notail (no split tail; default: where w4a16_gluon.tail_plan finds
                   one beyond the resident programs), nosbits (its scales by the float conversion, not
                   the integer one), sks1 / 2 / 4 / 8 / 16 / 32 (stream-K planned for that many slots fewer,
                   w4a16_gluon.SK_SPARE, on top of SK_SPARE_GLU for GLU launches), noglu (the gate/up
@@ -185,8 +184,6 @@ def _switches() -> dict:
         "lsm0": [(engine_mod, "LORA_GEMV_PER_SM", 0)],
         "sk": [(w4a16_gluon, "STREAMK", True)],
         "nosk": [(w4a16_gluon, "STREAMK", False)],
-        "rsk": [(w4a16_rwg, "STREAM_K", 1)],
-        "wsk": [(w4a16_wgmma, "STREAM_K", 1)],
         "notail": [(w4a16_gluon, "TAIL_SPLIT", False)],
         **{f"sks{n}": [(w4a16_gluon, "SK_SPARE", n)] for n in (1, 2, 4, 8, 16, 32)},
         "nosbits": [(w4a16_gluon, "SCALE_BITS", False), (w4a16_wgmma, "SCALE_BITS", False)],

@@ -627,24 +627,3 @@ def test_resident_stamp_summary_per_group_kind(ablate, monkeypatch):
     assert out["qkv"]["shrink"] == 1.0 and out["qkv"]["wait"] == 4.0  # layer 0's first group has no wait
     assert len(out) == 3 + layers * 2  # programs, paired, step_us + the four kinds
     assert ablate.resident_stamp_summary(engine, engine._graphs[256][0]) is None
-
-
-def test_stream_k_flags_apply_and_restore(ablate):
-    """rsk / wsk turn stream-K on for rwg / the wgmma GEMM where a launch's config does not say (their
-    STREAM_K), through the memoised kernel arguments; a config naming SK still decides, and the defaults
-    are back after the variant."""
-    pytest.importorskip("triton.experimental.gluon")
-    from qerl.kernels import w4a16_rwg, w4a16_wgmma
-
-    engine = _Engine()
-    assert w4a16_rwg.kernel_args(32, {"R": 1})[0]["SK"] is False
-    assert w4a16_wgmma.kernel_args("nvfp4", 256)[0]["SK"] is False
-    with ablate.variant_of(engine, "base@rsk"):
-        assert w4a16_rwg.kernel_args(32, {"R": 1})[0]["SK"] is True
-        assert w4a16_rwg.kernel_args(32, {"R": 1, "SK": 0})[0]["SK"] is False
-        assert w4a16_wgmma.kernel_args("nvfp4", 256)[0]["SK"] is False
-    with ablate.variant_of(engine, "base@wsk"):
-        assert w4a16_wgmma.kernel_args("nvfp4", 256)[0]["SK"] is True
-        assert w4a16_rwg.kernel_args(32, {"R": 1})[0]["SK"] is False
-    assert w4a16_rwg.STREAM_K == 0 and w4a16_wgmma.STREAM_K == 0
-    assert w4a16_rwg.kernel_args(32, {"R": 1})[0]["SK"] is False

@@ -314,8 +314,7 @@ def _compile_gluon():
 WGMMA_BUILDS = [("nvfp4", 64, None), ("mxfp4", 256, None), ("nvfp4", 16, {"CPS": 4, "NSD": 2, "DW": 8}),
                 ("mxfp4", 128, {"CPS": 1, "NSD": 4, "LAG": 2, "PDL": True}),
                 ("nvfp4", 256, {"BN": 128, "LOADS": 1, "NSD": 2, "NSX": 3, "PDL": True}),
-                ("mxfp4", 256, {"DW": 8, "LOADS": 1}), ("nvfp4", 256, {"SK": 1, "PDL": True}),
-                ("mxfp4", 100, {"SK": 1, "CPS": 1, "NSD": 4, "LAG": 2})]
+                ("mxfp4", 256, {"DW": 8, "LOADS": 1})]
 
 
 @pytest.mark.parametrize("fmt,m,cfg", WGMMA_BUILDS, ids=[f"{f}-M{m}-{c or 'default'}" for f, m, c in WGMMA_BUILDS])
@@ -337,10 +336,8 @@ def test_wgmma_kernel_builds_for_hopper(fmt, m, cfg):
     ptx = ck.asm["ptx"]
     # one fence per decoded stage, and one per raw weight tile read before it is handed back to TMA
     assert ptx.count("fence.proxy.async") == 4 // consts["CPS"] + consts["num_warps"] // 4  # R = BN / 64 tiles
-    # stream-K: two straight-line segments (two wgmma loops) and one more wait before the first segment's part
-    sk = consts["SK"]
-    assert ptx.count("wgmma.mma_async") == (8 if sk else 4)
-    assert ptx.count("griddepcontrol") == ((4 if sk else 3) if consts["PDL"] else 0)
+    assert ptx.count("wgmma.mma_async") == 4
+    assert ptx.count("griddepcontrol") == (3 if consts["PDL"] else 0)
 
 
 # the three-programs-per-SM rwg form the routing picks at 24..32 tokens (w4a16_triton.RWG_THREE_PER_SM, R = 1),
@@ -360,14 +357,10 @@ THREE_PER_SM = {"R": 1, "NSW": 2, "NSX": 2, "maxnreg": 80, "XREL": 1}
                                        ("nvfp4", 128, {"BM": 128, "NSX": 2, "PWA": 1}),
                                        ("nvfp4", 32, {**THREE_PER_SM, "PWA": 1}),
                                        ("nvfp4", 32, {"R": 1, "KP": 2, "XREL": 1, "NSX": 4}),
-                                       ("mxfp4", 64, {"R": 1, "KP": 2, "NSX": 4, "PDL": True}),
-                                       ("nvfp4", 64, {"R": 1, "SK": 1, "PWA": 1}),
-                                       ("nvfp4", 32, {**THREE_PER_SM, "SK": 1, "PWA": 1}),
-                                       ("mxfp4", 64, {"SK": 1, "PDL": True})],
+                                       ("mxfp4", 64, {"R": 1, "KP": 2, "NSX": 4, "PDL": True})],
                          ids=["M64", "M32", "M16-R1", "M64-pdl", "M64-two-per-SM-xrel", "mxfp4-M64", "mxfp4-M32-two",
                               "BM128", "BM128-R1", "M64-pwa", "M64-two-xrel-pwa", "mxfp4-M64-pwa-pdl", "BM128-pwa",
-                              "M32-three-per-SM", "M32-KP2", "mxfp4-M64-KP2-pdl", "M64-R1-SK-pwa",
-                              "M32-three-per-SM-SK-pwa", "mxfp4-M64-SK-pdl"])
+                              "M32-three-per-SM", "M32-KP2", "mxfp4-M64-KP2-pdl"])
 def test_rwg_kernel_builds_for_hopper(fmt, m, cfg):
     """Offline sm_90a build of w4a16_rwg (no GPU needed): the register layouts convert trivially to
     the wgmma register operand (assert_trivial fails the build otherwise), no spills, the rings fit,
@@ -394,11 +387,7 @@ def test_rwg_kernel_builds_for_hopper(fmt, m, cfg):
         fit = min(65536 // (regs * ck.metadata.num_warps * 32), 233472 // (ck.metadata.shared + 1024))
         assert fit == {104: 2, 80: 3}[cfg["maxnreg"]]
     ptx = ck.asm["ptx"]
-    if cfg.get("SK"):  # stream-K: two segments of steps (the compiler may fold the second's peeled step into
-        # its loop, which runs at least once there); one more wait before the first segment's part
-        assert ptx.count("wgmma.mma_async") >= 48 and ptx.count("griddepcontrol") == (4 if cfg.get("PDL") else 0)
-    else:
-        assert ptx.count("wgmma.mma_async") == 32 * kp and ptx.count("griddepcontrol") == (3 if cfg.get("PDL") else 0)
+    assert ptx.count("wgmma.mma_async") == 32 * kp and ptx.count("griddepcontrol") == (3 if cfg.get("PDL") else 0)
     if kp == 2:  # one program per SM: the two MMA warpgroups, the loaders' (padded) one, ~100 KB of rings
         assert ck.metadata.num_warps == 12 and 65536 // (regs * 12 * 32) == 1
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -736,9 +725,7 @@ def test_small_m_wgmma_rule():
 
 
 def test_wgmma_config_errors_are_one_line():
-    """Configs the wgmma kernel cannot build are refused before compiling, with the reason; stream-K is
-    dropped where it cannot run."""
-    from qerl.kernels import w4a16_rwg as R
+    """Configs the wgmma kernel cannot build are refused before compiling, with the reason."""
     from qerl.kernels.w4a16_wgmma import kernel_args
 
     with pytest.raises(ValueError, match="BM=256 needs maxnreg"):
@@ -746,12 +733,6 @@ def test_wgmma_config_errors_are_one_line():
     with pytest.raises(ValueError, match="BN must be 64 or 128"):
         kernel_args("nvfp4", 64, {"BN": 96})
     assert kernel_args("nvfp4", 64, {"maxnreg": 80})[0]["BM"] == 64  # the two-per-SM form builds
-    # SK (stream-K) is a launch modifier: the forms that cannot run it (rwg's KP = 2, the wgmma GEMM's 128-row
-    # and LOADS forms) run without it, so `{"SK": 1}` can ride on every routed config
-    assert "SK" not in R.kernel_args(32, {"R": 1, "KP": 2, "NSX": 4, "SK": 1})[0]
-    assert R.kernel_args(32, {"R": 1, "SK": 1})[0]["SK"] is True
-    assert kernel_args("nvfp4", 100, {"SK": 1, "BN": 128, "LOADS": 1})[0]["SK"] is False
-    assert kernel_args("nvfp4", 256, {"SK": 1})[0]["SK"] is True
 
 
 def test_wgmma_host_caches_follow_their_layer():
@@ -802,74 +783,6 @@ def test_large_m_wgmma_rule_and_split():
     assert W._large_m_wgmma(4608, 512, 132) is None
     assert split(112, 20, 132) == 1 and split(32, 43, 132) == 4 and split(40, 8, 132) == 3
     assert split(80, 20, 132, c0=2.0) == 3 and split(864, 20, 132, c0=2.0) == 1
-
-
-def test_wgmma_stream_k_schedule():
-    """The wgmma GEMM's stream-K schedule (SK = 1), on the host with the kernel's formulas
-    (stream_k_runs = _sk_range, stream_k_owners = _sk_owners): whole waves stay one tile per program;
-    the tail's runs cover every remaining (tile, K step) exactly once, differ by at most one step, and
-    cross at most one tile boundary; the owners the epilogue computes are exactly the programs whose
-    runs touch the tile; the (program, segment) workspace slots the fixup reads are the ones the owners
-    wrote; and a program's first segment, when a second follows, is always a shared part (the kernel
-    stores it without the coalescing round trip on that assumption)."""
-    pytest.importorskip("triton.experimental.gluon")
-    from qerl.kernels.w4a16_wgmma import stream_k_owners, stream_k_plan, stream_k_runs
-
-    assert stream_k_plan(80, 20, 132) == (0, 132)  # 5120^2 at M = 256: every SM shares the 80 tiles
-    assert stream_k_plan(432, 20, 132) == (396, 132)  # 27648 x 5120: 3 whole waves, 36 tiles shared
-    assert stream_k_plan(264, 20, 132) == (264, 0)  # whole waves: nothing to share
-    assert stream_k_plan(17, 4, 132) == (0, 34)  # runs of >= 2 steps: 34 programs, not 68 or 132
-    assert stream_k_plan(5, 1, 132) == (0, 5)  # never fewer programs than tail tiles
-    cases = [(80, 20, 132, 2), (432, 20, 132, 2), (592, 14, 132, 2), (17, 4, 132, 2), (150, 4, 132, 1),
-             (864, 20, 132, 2), (40, 8, 132, 2), (7, 3, 5, 1), (13, 5, 6, 3), (9, 2, 4, 2), (3, 7, 2, 1),
-             (264, 20, 132, 2), (17, 4, 17, 2)]  # (whole waves: every program one tile)
-    for tiles, kb, slots, min_steps in cases:
-        t_dp, p_sk = stream_k_plan(tiles, kb, slots, min_steps)
-        assert t_dp % slots == 0 and 0 <= tiles - t_dp < slots
-        t_sk = tiles - t_dp
-        runs = stream_k_runs(tiles, kb, t_dp, p_sk)
-        assert len(runs) == t_dp + p_sk
-        assert runs[0][0] == 0 and runs[-1][1] == tiles * kb
-        assert all(a[1] == b[0] for a, b in zip(runs, runs[1:]))  # contiguous: each step exactly once
-        assert all(runs[p] == (p * kb, p * kb + kb) for p in range(t_dp))
-        if p_sk == 0:
-            assert t_dp == tiles
-            continue
-        lens = [g1 - g0 for g0, g1 in runs[t_dp:]]
-        assert max(lens) - min(lens) <= 1 and min(lens) >= 1 and max(lens) <= kb
-        written = {}
-        for q, (g0, g1) in enumerate(runs[t_dp:]):
-            segs = [(t, i) for i, t in enumerate(range(g0 // kb, (g1 - 1) // kb + 1))]
-            assert len(segs) <= 2
-            for t, seg in segs:
-                written.setdefault(t, []).append((q, 2 * q + seg))
-            if len(segs) == 2:  # the first segment is a strict part of its tile
-                assert g0 % kb != 0
-        for t in range(t_dp, tiles):
-            q_first, q_last = stream_k_owners(t, kb, t_dp, p_sk, t_sk)
-            owners = [q for q, _ in written[t]]
-            assert owners == list(range(q_first, q_last + 1)), (tiles, kb, slots, t)
-            # the slot the fixup reads for owner q: 2 q where the tile is q's first, else 2 q + 1
-            reads = [2 * q + (0 if ((q * t_sk * kb) // p_sk) // kb == t - t_dp else 1) for q in owners]
-            assert reads == [slot for _, slot in written[t]]
-        slots_used = [slot for parts in written.values() for _, slot in parts]
-        assert len(set(slots_used)) == len(slots_used) and max(slots_used) < 2 * p_sk
-
-
-def test_stream_k_key_keeps_the_routed_tiles():
-    """`{"SK": 1}` (stream-K for rwg / the wgmma GEMM) is a path key: the fused Triton kernel, which
-    ignores it, keeps its heuristic tiles (with PDL still applied), and rwg accepts it beside its own keys."""
-    from qerl.kernels import w4a16_triton as W
-
-    tiles = {"BM": 16, "BO": 64, "BK": 256}
-    assert W._kernel_config({"SK": 1, "SK_MIN": 1}, tiles) == tiles
-    assert W._kernel_config({"SK": 1, "PDL": True}, tiles) == dict(tiles, PDL=True)
-    assert W._kernel_config({"SK": 1, "BO": 32}, tiles) == {"BO": 32}  # a tile config still replaces the heuristic
-    pytest.importorskip("triton.experimental.gluon")
-    from qerl.kernels import w4a16_rwg as R
-
-    consts, cfg = R.kernel_args(64, {"R": 1, "SK": 1, "SK_SLOTS": 40, "PATH": "rwg"})
-    assert consts["SK"] is True and cfg["SK_SLOTS"] == 40
 
 
 def test_capture_check_collects_loads_only_while_capturing(monkeypatch):

@@ -737,49 +737,6 @@ def test_wgmma_kernel(fmt, cfg):
     _check_gluon_gemm(fmt, dict(cfg, PATH="wgmma"), ms, 0)
 
 
-SK_CASES = [{"SK": 1}, {"SK": 1, "SK_SLOTS": 40}, {"SK": 1, "SK_SLOTS": 7, "SK_MIN": 1, "PDL": True},
-            {"SK": 1, "CPS": 1, "NSD": 4, "LAG": 2, "SK_SLOTS": 16}, {"SK": 1, "SK_SLOTS": 17}]
-
-
-@pytest.mark.parametrize("cfg", SK_CASES, ids=["-".join(f"{k}{v}" for k, v in c.items()) for c in SK_CASES])
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_wgmma_stream_k(fmt, cfg):
-    """The wgmma GEMM's stream-K schedule (SK = 1; w4a16_wgmma.stream_k_plan): on the 132 SMs, all tiles
-    shared (17 / 72 / 112 tiles); on 40, 16 or 7 planned slots, whole waves of one-tile programs
-    followed by shared tails, runs of one step (SK_MIN 1) and PDL; on 17 slots the 1058-row layer's 17
-    tiles are one whole wave (the stream-K kernel with no tail); M = 300 (two token tiles) falls back
-    to the split. _check_gluon_gemm's checks: fp32 reference within 1e-2 on a NaN-poisoned output with
-    bias, bit-identical re-runs (the parts are summed in owner order), the tile counters back at 0, and
-    a CUDA-graph replay at M = 64."""
-    pytest.importorskip("triton.experimental.gluon")
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("needs Hopper (TMA, wgmma, warp specialisation)")
-    _check_gluon_gemm(fmt, dict(cfg, PATH="wgmma"), (65, 100, 256, 300), 2)
-
-
-RWG_SK_CASES = [{"R": 1, "SK": 1}, {"SK": 1, "SK_SLOTS": 40},
-                {"BM": 32, "R": 1, "NSW": 2, "NSX": 2, "maxnreg": 80, "XREL": 1, "PWA": 1, "SK": 1, "SK_SLOTS": 7,
-                 "SK_MIN": 1, "PDL": True},
-                {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1, "SK": 1, "SK_SLOTS": 16},
-                {"BM": 128, "R": 1, "NSX": 2, "XREL": 1, "SK": 1}]
-
-
-@pytest.mark.parametrize("cfg", RWG_SK_CASES, ids=["R1", "R2-slots40", "three-per-SM-slots7-min1-pdl-pwa",
-                                                   "two-per-SM-slots16", "BM128-R1"])
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_rwg_stream_k(fmt, cfg):
-    """w4a16_rwg's stream-K schedule (SK = 1, KP = 1): the shared tails on the SMs and on 40 / 16 / 7
-    planned slots (whole waves of one-tile programs first), 64- and 128-row tiles, the two- and
-    three-per-SM register forms with per-warp release, runs of one step and PDL; M past one token tile
-    (100 at BM 64, 300 at BM 128) falls back to the split. _check_gluon_gemm's checks (fp32 reference
-    within 1e-2, NaN poison, bias, bit-identical re-runs, counters back at 0, graph replay at M = 64)."""
-    pytest.importorskip("triton.experimental.gluon")
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("needs Hopper (TMA, wgmma, warp specialisation)")
-    ms = (65, 128, 300) if cfg.get("BM") == 128 else (17, 32, 100) if cfg.get("BM") == 32 else (17, 33, 64, 100)
-    _check_gluon_gemm(fmt, dict(cfg, PATH="rwg"), ms, 3)
-
-
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 def test_per_warp_arrive_same_bits(pdl):
     """Per-warp stage release (PWA, qerl/kernels/ptx_pwa.py) changes only who frees a ring stage and

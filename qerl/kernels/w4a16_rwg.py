@@ -36,8 +36,7 @@ KP = 2 (`_rwg_kp_kernel`, R = 1): a second 4-warp MMA partition takes the odd st
 hands its accumulator to the first through shared memory; the rings need an even number of stages, so that
 each stage belongs to one MMA warpgroup (with an odd ring a warpgroup can reach a stage two phases ahead of
 its last wait there, where the parity wait passes at once).
-Schedule: as w4a16_wgmma (tile p // S, K slice p % S, deterministic fixup; SK = 1, KP = 1 and one token
-tile: its stream-K over the last partial wave, `_consumer_sk`, off until timed). Scales: one per two
+Schedule: as w4a16_wgmma (tile p // S, K slice p % S, deterministic fixup). Scales: one per two
 words (nvfp4, FP8-E4M3 per 16 K) or per four (mxfp4, E8M0 per 32 K), broadcast onto the words in
 registers before the decode. One launch, no host sync, capturable.
 """
@@ -58,7 +57,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from qerl.env import env_int
 from qerl.kernels import layout
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels import w4a16_wgmma as WG
@@ -194,14 +192,12 @@ def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empt
 
 
 @gluon.jit
-def _mma_steps(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, k0, k1, base, exp_bias,
-               NSW: gl.constexpr, NSX: gl.constexpr, BM: gl.constexpr, FMT: gl.constexpr, XREL: gl.constexpr,
-               RT: gl.constexpr, ST: gl.constexpr, LW2: gl.constexpr, LS3: gl.constexpr, LW3: gl.constexpr,
-               ACC: gl.constexpr, AOP: gl.constexpr, KP: gl.constexpr, PART: gl.constexpr, num_warps: gl.constexpr):
+def _mma_steps(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, k0, k1, exp_bias, NSW: gl.constexpr,
+               NSX: gl.constexpr, BM: gl.constexpr, FMT: gl.constexpr, XREL: gl.constexpr, RT: gl.constexpr,
+               ST: gl.constexpr, LW2: gl.constexpr, LS3: gl.constexpr, LW3: gl.constexpr, ACC: gl.constexpr,
+               AOP: gl.constexpr, KP: gl.constexpr, PART: gl.constexpr, num_warps: gl.constexpr):
     """The MMA warpgroups' main loop: steps k0 + PART, k0 + PART + KP, ... < k1 (KP MMA warpgroups
-    on alternate steps of one tile, this one number PART), every wgmma retired -> the accumulator.
-    base: the program's first step, where the rings' count starts (k0 itself but for a stream-K
-    program's second segment)."""
+    on alternate steps of one tile, this one number PART), every wgmma retired -> the accumulator."""
     ROWS: gl.constexpr = 16 * num_warps
     t1 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, LW3)))
     t3 = gl.expand_dims(gl.expand_dims(t1, 0), 0)  # [1, 1, 4]: the quad lane t
@@ -216,10 +212,10 @@ def _mma_steps(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, k0, k
     # the first step outside the loop: with a loop that may run zero times, the path that skips it
     # reached the final wait with zeroed accumulator registers and ptxas serialised every wgmma
     # (C7515); the split never makes an empty slice (nor, with KP = 2, one of a single step)
-    acc = _step(acc, k0 + PART, base, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, zw, r0, r1, r2,
-                r3, s0_, s1_, s2_, s3_, exp_bias, NSW, NSX, FMT, XREL, ROWS, LW2, LS3, LW3, AOP, KP)
+    acc = _step(acc, k0 + PART, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, zw, r0, r1, r2, r3,
+                s0_, s1_, s2_, s3_, exp_bias, NSW, NSX, FMT, XREL, ROWS, LW2, LS3, LW3, AOP, KP)
     for kk in range(k0 + PART + KP, k1, KP):
-        acc = _step(acc, kk, base, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, zw, r0, r1, r2, r3, s0_,
+        acc = _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, zw, r0, r1, r2, r3, s0_,
                     s1_, s2_, s3_, exp_bias, NSW, NSX, FMT, XREL, ROWS, LW2, LS3, LW3, AOP, KP)
     return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
@@ -230,53 +226,10 @@ def _consumer(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_
               BM: gl.constexpr, FMT: gl.constexpr, XREL: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
               RT: gl.constexpr, ST: gl.constexpr, LW2: gl.constexpr, LS3: gl.constexpr, LW3: gl.constexpr,
               ACC: gl.constexpr, AOP: gl.constexpr, num_warps: gl.constexpr):
-    acc = _mma_steps(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, k0, k1, k0, exp_bias, NSW, NSX, BM,
-                     FMT, XREL, RT, ST, LW2, LS3, LW3, ACC, AOP, 1, 0, num_warps)
+    acc = _mma_steps(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, k0, k1, exp_bias, NSW, NSX, BM, FMT,
+                     XREL, RT, ST, LW2, LS3, LW3, ACC, AOP, 1, 0, num_warps)
     WG._tile_epilogue(acc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, n0, m0, M, N, k0, k1, S,
                       16 * num_warps, BM, HAS_BIAS, PDL, num_warps)
-
-
-@gluon.jit
-def _consumer_sk(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr,
-                 lock_ptr, p, g0, g1, M, N, KB, T_DP, P_SK, T_SK, exp_bias, NSW: gl.constexpr, NSX: gl.constexpr,
-                 BM: gl.constexpr, FMT: gl.constexpr, XREL: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
-                 RT: gl.constexpr, ST: gl.constexpr, LW2: gl.constexpr, LS3: gl.constexpr, LW3: gl.constexpr,
-                 ACC: gl.constexpr, AOP: gl.constexpr, num_warps: gl.constexpr):
-    """Stream-K (SK): flat steps [g0, g1) as at most two straight-line segments, one per output tile
-    (w4a16_wgmma._mma_sk's scheme and fixup; the rings count from g0 across the boundary)."""
-    tile, ga = WG._sk_split(g0, g1, KB)
-    acc = _mma_steps(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, g0, ga, g0, exp_bias, NSW, NSX, BM,
-                     FMT, XREL, RT, ST, LW2, LS3, LW3, ACC, AOP, 1, 0, num_warps)
-    first = ga == g1
-    if ga < g1:
-        WG._sk_first_part(acc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, M, N, KB, T_DP, P_SK, T_SK,
-                          16 * num_warps, BM, HAS_BIAS, PDL)
-        tile += 1
-        acc = _mma_steps(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, ga, g1, g0, exp_bias, NSW, NSX,
-                         BM, FMT, XREL, RT, ST, LW2, LS3, LW3, ACC, AOP, 1, 0, num_warps)
-    WG._sk_epilogue(acc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, first, M, N, KB, T_DP, P_SK, T_SK,
-                    16 * num_warps, BM, HAS_BIAS, PDL, num_warps)
-
-
-@gluon.jit
-def _w_loader_sk(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, g0, g1, KB, R: gl.constexpr, NSW: gl.constexpr):
-    """_w_loader over flat steps [g0, g1): one call per segment (tile), the ring counted on across them."""
-    tile, ga = WG._sk_split(g0, g1, KB)
-    _w_loader(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, tile * R * KB * 64, g0 - tile * KB, ga - tile * KB,
-              KB, R, NSW, 0)
-    if ga < g1:
-        _w_loader(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, (tile + 1) * R * KB * 64, 0, g1 - ga, KB, R, NSW,
-                  ga - g0)
-
-
-@gluon.jit
-def _x_loader_sk(x_desc, x_bufs, x_ready, x_empty, g0, g1, KB, NSX: gl.constexpr, PDL: gl.constexpr):
-    """_x_loader over flat steps [g0, g1) of one token tile: one call per segment, the K position back at 0
-    in the second, the ring counted on across them."""
-    tile, ga = WG._sk_split(g0, g1, KB)
-    _x_loader(x_desc, x_bufs, x_ready, x_empty, 0, g0 - tile * KB, ga - tile * KB, NSX, PDL, 0)
-    if ga < g1:
-        _x_loader(x_desc, x_bufs, x_ready, x_empty, 0, 0, g1 - ga, NSX, False, ga - g0)
 
 
 @gluon.jit
@@ -287,8 +240,8 @@ def _kp_lead(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, red, re
              ACC: gl.constexpr, AOP: gl.constexpr, num_warps: gl.constexpr):
     """KP = 2, the even steps (default partition): adds the odd steps' accumulator from shared memory
     once it is there, then the epilogue."""
-    acc = _mma_steps(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, k0, k1, k0, exp_bias, NSW, NSX, BM,
-                     FMT, XREL, RT, ST, LW2, LS3, LW3, ACC, AOP, 2, 0, num_warps)
+    acc = _mma_steps(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, k0, k1, exp_bias, NSW, NSX, BM, FMT,
+                     XREL, RT, ST, LW2, LS3, LW3, ACC, AOP, 2, 0, num_warps)
     mbarrier.wait(red_bar, 0)
     acc = acc + red.load(ACC)
     WG._tile_epilogue(acc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, n0, m0, M, N, k0, k1, S,
@@ -302,22 +255,21 @@ def _kp_odd(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, red, red
             ACC: gl.constexpr, AOP: gl.constexpr):
     """KP = 2, the odd steps (a 4-warp worker partition): its accumulator into shared memory for the
     lead warpgroup (the arrive follows a barrier of this partition's warps, so every store is in)."""
-    acc = _mma_steps(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, k0, k1, k0, exp_bias, NSW, NSX, BM,
-                     FMT, XREL, RT, ST, LW2, LS3, LW3, ACC, AOP, 2, 1, 4)
+    acc = _mma_steps(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, k0, k1, exp_bias, NSW, NSX, BM, FMT,
+                     XREL, RT, ST, LW2, LS3, LW3, ACC, AOP, 2, 1, 4)
     red.store(acc)
     mbarrier.arrive(red_bar, count=1)
 
 
 @gluon.jit
 def _w_loader(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, KB, R: gl.constexpr,
-              NSW: gl.constexpr, i0=0):
+              NSW: gl.constexpr):
     """The R row tiles of each step (tile r of the program at TMA row trow0 + (r KB + step) 64)
     into rows [64 r, 64 r + 64) of a weight stage, its scales into SROWS rows of 16 bytes (64 nvfp4,
-    32 mxfp4); a tile past the last row block reads as zeros. i0: the program's steps before k0 in
-    the ring (a stream-K program's first segment)."""
+    32 mxfp4); a tile past the last row block reads as zeros."""
     SROWS: gl.constexpr = s_desc.block_type.shape[0]
     for kk in range(k0, k1):
-        i = i0 + kk - k0
+        i = kk - k0
         iw = i % NSW
         mbarrier.wait(w_empty.index(iw), ((i // NSW) & 1) ^ 1)  # stages start free
         mbarrier.expect(w_ready.index(iw), R * (w_desc.block_type.nbytes + s_desc.block_type.nbytes))
@@ -329,12 +281,12 @@ def _w_loader(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, K
 
 
 @gluon.jit
-def _x_loader(x_desc, x_bufs, x_ready, x_empty, m0, k0, k1, NSX: gl.constexpr, PDL: gl.constexpr, i0=0):
-    """The four x chunks [BM, 64] of each step into one activation stage (i0 as _w_loader's)."""
+def _x_loader(x_desc, x_bufs, x_ready, x_empty, m0, k0, k1, NSX: gl.constexpr, PDL: gl.constexpr):
+    """The four x chunks [BM, 64] of each step into one activation stage."""
     if PDL:  # x is the previous kernel's output (the weights need no wait)
         _gdc("wait")
     for kk in range(k0, k1):
-        i = i0 + kk - k0
+        i = kk - k0
         ix = i % NSX
         mbarrier.wait(x_empty.index(ix), ((i // NSX) & 1) ^ 1)
         mbarrier.expect(x_ready.index(ix), 4 * x_desc.block_type.nbytes)
@@ -345,41 +297,28 @@ def _x_loader(x_desc, x_bufs, x_ready, x_empty, m0, k0, k1, NSX: gl.constexpr, P
 
 @gluon.jit
 def _rwg_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, M, N, KB, S, MT, exp_bias,
-                T_DP, P_SK, T_SK, BM: gl.constexpr, NSW: gl.constexpr, NSX: gl.constexpr, FMT: gl.constexpr,
-                XREL: gl.constexpr, HAS_BIAS: gl.constexpr, PWA: gl.constexpr,
+                BM: gl.constexpr, NSW: gl.constexpr, NSX: gl.constexpr, FMT: gl.constexpr, XREL: gl.constexpr,
+                HAS_BIAS: gl.constexpr, PWA: gl.constexpr,
                 PDL: gl.constexpr, LOAD_REGS: gl.constexpr, RT: gl.constexpr, ST: gl.constexpr, LW2: gl.constexpr,
-                LS3: gl.constexpr, LW3: gl.constexpr, ACC: gl.constexpr, AOP: gl.constexpr, SK: gl.constexpr = False,
-                num_warps: gl.constexpr = 4):
+                LS3: gl.constexpr, LW3: gl.constexpr, ACC: gl.constexpr, AOP: gl.constexpr, num_warps: gl.constexpr):
     R: gl.constexpr = num_warps // 4
     if PDL:
         _gdc("launch_dependents")
-    if SK:  # stream-K over the last partial wave (one token tile; w4a16_wgmma.stream_k_plan)
-        p, g0, g1 = WG._sk_range(T_DP, P_SK, T_SK, KB)
-    else:
-        p, tile, nt, mt, k0, k1 = WG._tile_slice(KB, S, MT)
+    p, tile, nt, mt, k0, k1 = WG._tile_slice(KB, S, MT)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NSW, 64 * R, 32], w_desc.layout)
     s_bufs = gl.allocate_shared_memory(s_desc.dtype, [NSW, s_desc.block_type.shape[0] * R, 16], s_desc.layout)
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [4 * NSX] + x_desc.block_type.shape, x_desc.layout)
     # PWA: each MMA warp frees the stages itself (empty barriers of num_warps arrivals, qerl/kernels/ptx_pwa.py)
     w_ready, w_empty = _ring_barriers(NSW, num_warps if PWA else 1)
     x_ready, x_empty = _ring_barriers(NSX, num_warps if PWA else 1)
-    if SK:
-        gl.warp_specialize([
-            (_consumer_sk, (w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr,
-                            ws_ptr, lock_ptr, p, g0, g1, M, N, KB, T_DP, P_SK, T_SK, exp_bias, NSW, NSX, BM, FMT, XREL,
-                            HAS_BIAS, PDL, RT, ST, LW2, LS3, LW3, ACC, AOP, num_warps)),
-            (_w_loader_sk, (w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, g0, g1, KB, R, NSW)),
-            (_x_loader_sk, (x_desc, x_bufs, x_ready, x_empty, g0, g1, KB, NSX, PDL)),
-        ], [1, 1], [LOAD_REGS, LOAD_REGS])
-    else:
-        trow0 = nt * R * KB * 64
-        gl.warp_specialize([
-            (_consumer, (w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr,
-                         ws_ptr, lock_ptr, p, tile, nt * 64 * R, mt * BM, M, N, k0, k1, S, exp_bias, NSW, NSX, BM, FMT,
-                         XREL, HAS_BIAS, PDL, RT, ST, LW2, LS3, LW3, ACC, AOP, num_warps)),
-            (_w_loader, (w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, KB, R, NSW)),
-            (_x_loader, (x_desc, x_bufs, x_ready, x_empty, mt * BM, k0, k1, NSX, PDL)),
-        ], [1, 1], [LOAD_REGS, LOAD_REGS])
+    trow0 = nt * R * KB * 64
+    gl.warp_specialize([
+        (_consumer, (w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr,
+                     lock_ptr, p, tile, nt * 64 * R, mt * BM, M, N, k0, k1, S, exp_bias, NSW, NSX, BM, FMT, XREL,
+                     HAS_BIAS, PDL, RT, ST, LW2, LS3, LW3, ACC, AOP, num_warps)),
+        (_w_loader, (w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, KB, R, NSW)),
+        (_x_loader, (x_desc, x_bufs, x_ready, x_empty, mt * BM, k0, k1, NSX, PDL)),
+    ], [1, 1], [LOAD_REGS, LOAD_REGS])
 
 
 @gluon.jit
@@ -418,13 +357,8 @@ def kernel_for(kp) -> object:
     return _rwg_kp_kernel if int(kp) == 2 else _rwg_kernel
 
 
-# SK = 1: stream-K over the last partial wave (w4a16_wgmma.stream_k_plan; KP = 1, one token tile; None:
-# STREAM_K), SK_MIN / SK_SLOTS as there
 DEFAULT = dict(BM=None, R=2, NSW=4, NSX=3, XREL=0, LOAD_REGS=24, PER_SM=None, maxnreg=None, PDL=None, S=None, PWA=None,
-               KP=1, MMA_REGS=160, SK=None, SK_MIN=2, SK_SLOTS=None)
-# stream-K where a launch's config does not say: off until timed on a GPU (NOTES_w4a16.md section 39);
-# env QERL_W4A16_RWG_SK=1, or benchmarks/ablate_rollout.py's flag rsk
-STREAM_K = env_int("QERL_W4A16_RWG_SK", 0)
+               KP=1, MMA_REGS=160)
 # Per-warp release of the weight and activation stages (qerl/kernels/ptx_pwa.py): no CTA barrier in
 # the MMA loop. Config key PWA overrides per call (None: this switch). Decode steps (a64, H100, same
 # process): 7B at 32 / 64 rows +1.1% / +0.5%. NOTES_w4a16.md section 22.
@@ -439,16 +373,13 @@ def smem_bytes(bm: int, r: int, nsw: int, nsx: int, kp: int = 1) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool, pwa_default: bool,
-                 sk_default: int = 0) -> tuple[dict, dict]:
+def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool, pwa_default: bool) -> tuple[dict, dict]:
     cfg = dict(DEFAULT)
     # path keys and the other kernels' launch modifiers are ignored
     unknown = {key for key, _ in items} - set(DEFAULT) - W._PATH_KEYS - W._MOD_KEYS
     if unknown:
         raise ValueError(f"unknown rwg config keys {sorted(unknown)}; known: {sorted(DEFAULT)}")
     cfg.update({key: v for key, v in items if key in DEFAULT})
-    if cfg["SK"] is None:
-        cfg["SK"] = int(sk_default or 0)
     bm = int(cfg["BM"] or (16 if m <= 16 else 32 if m <= 32 else 64))
     r, nsw, nsx, kp = int(cfg["R"]), int(cfg["NSW"]), int(cfg["NSX"]), int(cfg["KP"])
     if bm not in (16, 32, 64, 128) or r not in (1, 2) or nsw < 1 or nsx < 1:
@@ -470,20 +401,16 @@ def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool, pwa_default:
                   PWA=pwa,
                   LOAD_REGS=int(cfg["LOAD_REGS"]), RT=rot_mag, ST=rot_sign, LW2=lw2, LS3=ls3, LW3=lw3, ACC=acc,
                   AOP=aop, num_warps=4 * r)
-    if int(cfg["SK"]) and kp == 2:
-        cfg["SK"] = 0  # a launch modifier (w4a16_triton._PATH_KEYS): the KP form runs without it
     if kp == 2:  # _rwg_kp_kernel: the odd steps' partition gets MMA_REGS; no per-warp release (ptx_pwa's
         # rewrite knows one MMA partition per kernel)
         consts["MMA_REGS"] = int(cfg["MMA_REGS"])
         del consts["PWA"]
-    else:
-        consts["SK"] = bool(int(cfg["SK"]))
     return consts, cfg
 
 
 def kernel_args(m: int, config: dict | None = None, fmt: str = "nvfp4") -> tuple[dict, dict]:
     """(constexpr arguments of _rwg_kernel, the resolved config); memoised, shared read-only."""
-    return _kernel_args(fmt, m, tuple(sorted((config or {}).items())), W.PDL, PER_WARP_ARRIVE, STREAM_K)
+    return _kernel_args(fmt, m, tuple(sorted((config or {}).items())), W.PDL, PER_WARP_ARRIVE)
 
 
 def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | None = None) -> torch.Tensor:
@@ -496,8 +423,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     the module doc), LOAD_REGS (setmaxnreg of the loader warps), S (forced K slices), PER_SM, maxnreg,
     PDL, PWA (per-warp stage release, qerl/kernels/ptx_pwa.py; None: PER_WARP_ARRIVE), KP (1, or 2 with R = 1:
     two MMA warpgroups on alternate 256-K steps of one tile, _rwg_kp_kernel; slices of >= 2 steps), MMA_REGS
-    (KP = 2: setmaxnreg of the odd steps' warpgroup), SK / SK_MIN / SK_SLOTS (stream-K over the last
-    partial wave, KP = 1 and M <= BM: w4a16_wgmma.stream_k_plan)."""
+    (KP = 2: setmaxnreg of the odd steps' warpgroup)."""
     x = WG.checked_input(x, state, "rwg")
     fmt, n, kb, m = state["fmt"], state["n"], state["kb"], x.shape[0]
     consts, cfg = kernel_args(m, config, fmt)
@@ -513,26 +439,18 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     # (the KP = 2 kernel's 12 warps at ~168 registers fit one program per SM)
     per_sm = cfg["PER_SM"] or _RESIDENT.get(key) or max(1, min(2 if kp == 1 else 1, 232448 // smem_bytes(
         bm, rows // 64, consts["NSW"], consts["NSX"], kp)))
-    slots = int(per_sm) * W._num_sms(x.device.index or 0)
-    if consts.get("SK") and mt > 1:  # several token tiles: the split
-        consts = dict(consts, SK=False)
-    if consts.get("SK"):  # (whole waves keep the stream-K kernel, one tile per program: see w4a16_wgmma.forward)
-        t_dp, p_sk = WG.stream_k_plan(tiles, kb, int(cfg["SK_SLOTS"] or slots), int(cfg["SK_MIN"]))
-        s, programs, parts = 1, t_dp + p_sk, 2 * p_sk
+    if cfg.get("S") is not None:
+        s = max(1, min(int(cfg["S"]), kb))
     else:
-        t_dp, p_sk = tiles, 0
-        s = max(1, min(int(cfg["S"]), kb)) if cfg.get("S") is not None else WG.split(tiles, kb, slots)
-        if kp == 2:
-            s = min(s, kb // 2)
-        programs, parts = tiles * s, None
+        s = WG.split(tiles, kb, int(per_sm) * W._num_sms(x.device.index or 0))
+    if kp == 2:
+        s = min(s, kb // 2)
     x_desc, w_desc, s_desc = WG.descriptors(x, state, bm)
-    c, locks, ws = WG.launch_buffers(x, state, out, tiles, s, rows * bm, parts=parts)
+    c, locks, ws = WG.launch_buffers(x, state, out, tiles, s, rows * bm)
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
-    plan = () if kp == 2 else (t_dp, max(p_sk, 1), tiles - t_dp)  # _rwg_kernel's stream-K arguments
-    kernel = kernel_for(kp)[(programs,)](
+    kernel = kernel_for(kp)[(tiles * s,)](
         x_desc, w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws, locks, m, n, kb, s, mt,
-        int(state.get("exp_bias", 0)), *plan, HAS_BIAS=bias is not None, launch_pdl=consts["PDL"], **consts,
-        **extra,
+        int(state.get("exp_bias", 0)), HAS_BIAS=bias is not None, launch_pdl=consts["PDL"], **consts, **extra,
     )
     if key not in _RESIDENT:
         _RESIDENT[key] = WG._resident(kernel, consts["num_warps"]) or per_sm

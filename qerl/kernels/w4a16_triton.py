@@ -1038,10 +1038,9 @@ def _kernel_config(config: dict | None, default: dict) -> dict:
 
 
 # PWA (per-warp stage release, qerl/kernels/ptx_pwa.py) belongs to the Gluon GEMV and rwg, XS (x beside
-# the weight stages) to the Gluon GEMV, SK / SK_MIN / SK_SLOTS (stream-K over the last partial wave) to
-# rwg and the wgmma GEMM; the other kernels ignore them, so a config of path keys and these keeps every
-# kernel's own tiles (`{"SK": 1}` times the routed kernels with stream-K)
-_PATH_KEYS = {"PATH", "CHUNKS", "SIDE", "PWA", "XS", "SK", "SK_MIN", "SK_SLOTS"}
+# the weight stages) to the Gluon GEMV; the other kernels ignore them, so a config of path keys and
+# these keeps every kernel's own tiles
+_PATH_KEYS = {"PATH", "CHUNKS", "SIDE", "PWA", "XS"}
 _MOD_KEYS = {"PDL", "PDL_LATE", "PF"}  # launch modifiers: never replace the tile heuristic
 _GEMV_KEYS = {"BN", "num_warps", "PER_SM", "S", "WAVES", "PACKED", "DECODE_F32", "num_stages", "ACC2D", "CH", "PDL",
               "PDL_LATE", "PF"}

@@ -45,10 +45,6 @@ Schedule: program p owns output tile p // S (64 weight rows x BM tokens; tokens 
 programs on the same weight rows run together) and reduction steps [j*KB//S, (j+1)*KB//S),
 j = p % S. A tile split over several programs goes through an fp32 workspace and a per-tile
 counter; the last arrival sums the partials in program order (deterministic) and writes bf16.
-Stream-K (config SK = 1, off by default until timed; one token tile, BN = 64): the tiles of whole
-waves stay one program each, the last partial wave's tiles are shared out in equal runs of weight
-steps over every slot (stream_k_plan), so no SM idles while one still works; a run crosses at most
-one tile boundary and its parts go through the same kind of counter.
 One launch, no host sync, CUDA-graph capturable. `benchmarks/compile_gluon.py --kernel wgmma`
 compiles it offline for sm_90a.
 """
@@ -70,7 +66,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from qerl.env import env_int
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels.w4a16_triton import _KA, _KM, _KS, _R1, _R2, _R3, _S0, _S3  # the bit layout (layout.py)
 from qerl.kernels.w4a16_ws import _gdc, _mul2, _ring_barriers, _rotr
@@ -278,10 +273,9 @@ def _w_issue(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, KB, i,
 
 
 @gluon.jit
-def _x_issue(x_desc, x_bufs, x_ready, m0, k0, i, NSX: gl.constexpr, i0=0):
-    """Activation chunk i from k0 (K = 64 (4 k0 + i) ...) into ring stage (i0 + i) % NSX (i0: the program's
-    chunks before this run of them, a stream-K program's first segment)."""
-    ix = (i0 + i) % NSX
+def _x_issue(x_desc, x_bufs, x_ready, m0, k0, i, NSX: gl.constexpr):
+    """Activation chunk i of this program (K = 64 (4 k0 + i) ...) into ring stage i % NSX."""
+    ix = i % NSX
     mbarrier.expect(x_ready.index(ix), x_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(x_desc, [m0, (k0 * 4 + i) * 64], x_ready.index(ix), x_bufs.index(ix))
 
@@ -295,28 +289,12 @@ def _w_loader(w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, K
 
 
 @gluon.jit
-def _x_loader(x_desc, x_bufs, x_ready, x_empty, m0, k0, k1, NSX: gl.constexpr, PDL: gl.constexpr, i0=0):
-    """The activation chunks of K steps [k0, k1), ring stages counted on from i0 (_x_issue)."""
+def _x_loader(x_desc, x_bufs, x_ready, x_empty, m0, k0, k1, NSX: gl.constexpr, PDL: gl.constexpr):
     if PDL:  # x is the previous kernel's output (the weights need no wait)
         _gdc("wait")
     for i in range((k1 - k0) * 4):
-        mbarrier.wait(x_empty.index((i0 + i) % NSX), (((i0 + i) // NSX) & 1) ^ 1)
-        _x_issue(x_desc, x_bufs, x_ready, m0, k0, i, NSX, i0)
-
-
-@gluon.jit
-def _chunk_mma(acc, i, d_bufs, x_bufs, d_ready, x_ready, NSD: gl.constexpr, CPS: gl.constexpr, NSX: gl.constexpr,
-               LAG: gl.constexpr):
-    """Chunk i of the program: wait for its decoded stage (at the stage's first chunk) and its activation
-    stage, issue acc += W_chunk @ x_chunk^T as an async wgmma, and keep LAG in flight."""
-    g = i // CPS
-    st = g % NSD
-    ix = i % NSX
-    if i % CPS == 0:
-        mbarrier.wait(d_ready.index(st), (g // NSD) & 1)
-    mbarrier.wait(x_ready.index(ix), (i // NSX) & 1)
-    acc = warpgroup_mma(d_bufs.index(st * CPS + i % CPS), x_bufs.index(ix).permute((1, 0)), acc, is_async=True)
-    return warpgroup_mma_wait(num_outstanding=LAG, deps=(acc,))
+        mbarrier.wait(x_empty.index(i % NSX), ((i // NSX) & 1) ^ 1)
+        _x_issue(x_desc, x_bufs, x_ready, m0, k0, i, NSX)
 
 
 @gluon.jit
@@ -341,7 +319,14 @@ def _mma(d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, alpha_ptr, bias_ptr
         for t in range(min(NSX, nq)):
             _x_issue(x_desc, x_bufs, x_ready, m0, k0, t, NSX)
     for i in range(nq):
-        acc = _chunk_mma(acc, i, d_bufs, x_bufs, d_ready, x_ready, NSD, CPS, NSX, LAG)
+        g = i // CPS
+        st = g % NSD
+        ix = i % NSX
+        if i % CPS == 0:
+            mbarrier.wait(d_ready.index(st), (g // NSD) & 1)
+        mbarrier.wait(x_ready.index(ix), (i // NSX) & 1)
+        acc = warpgroup_mma(d_bufs.index(st * CPS + i % CPS), x_bufs.index(ix).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=LAG, deps=(acc,))
         # the wgmma of chunk i - LAG has retired: its activation stage is free, and its decoded
         # stage too if it was that stage's last chunk
         r = i - LAG
@@ -398,169 +383,6 @@ def _tile_epilogue(acc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, n
 
 
 @gluon.jit
-def _release(d_empty, x_empty, r, CPS: gl.constexpr, NSD: gl.constexpr, NSX: gl.constexpr):
-    """Chunk r's wgmma retired: free its activation stage, and its decoded stage after its last chunk."""
-    mbarrier.arrive(d_empty.index(((r + CPS * NSD) // CPS) % NSD), count=1, pred=r % CPS == CPS - 1)
-    mbarrier.arrive(x_empty.index((r + NSX) % NSX), count=1)
-
-
-@gluon.jit
-def _sk_start(q, T_DP, P_SK, T_SK, KB):
-    """Flat weight step where program q of the stream-K part starts (SK programs own equal runs of the
-    T_SK tail tiles' steps); q = P_SK gives the end. The tiles before T_DP are one program each."""
-    return T_DP * KB + (q * (T_SK * KB)) // P_SK
-
-
-@gluon.jit
-def _sk_split(g0, g1, KB):
-    """(tile, ga): a run [g0, g1) of flat steps is [g0, ga) of `tile`, then [ga, g1) of tile + 1 when ga < g1."""
-    tile = g0 // KB
-    return tile, gl.minimum(g1, (tile + 1) * KB)
-
-
-@gluon.jit
-def _sk_range(T_DP, P_SK, T_SK, KB):
-    """(p, g0, g1): this program's flat weight steps (step g = tile g // KB, K step g % KB)."""
-    p = gl.program_id(0)
-    g0 = p * KB
-    g1 = g0 + KB
-    if p >= T_DP:
-        g0 = _sk_start(p - T_DP, T_DP, P_SK, T_SK, KB)
-        g1 = _sk_start(p - T_DP + 1, T_DP, P_SK, T_SK, KB)
-    return p, g0, g1
-
-
-@gluon.jit
-def _x_loader_sk(x_desc, x_bufs, x_ready, x_empty, g0, g1, KB, NSX: gl.constexpr, PDL: gl.constexpr):
-    """Activation chunks for flat steps [g0, g1): _x_loader per segment, the K position back at 0 in the
-    second, the ring counted on across them."""
-    tile, ga = _sk_split(g0, g1, KB)
-    _x_loader(x_desc, x_bufs, x_ready, x_empty, 0, g0 - tile * KB, ga - tile * KB, NSX, PDL, 0)
-    if ga < g1:
-        _x_loader(x_desc, x_bufs, x_ready, x_empty, 0, 0, g1 - ga, NSX, False, (ga - g0) * 4)
-
-
-@gluon.jit
-def _sk_chunks(acc, d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, i0, i1, NSD: gl.constexpr,
-               CPS: gl.constexpr, NSX: gl.constexpr, LAG: gl.constexpr):
-    """acc += chunks [i0, i1) of the program (as _mma's loop; the rings' count runs on across segments),
-    then every one of them retired and its stages freed."""
-    for i in range(i0, i1):
-        acc = _chunk_mma(acc, i, d_bufs, x_bufs, d_ready, x_ready, NSD, CPS, NSX, LAG)
-        if i - LAG >= i0:  # chunk i - LAG retired
-            _release(d_empty, x_empty, i - LAG, CPS, NSD, NSX)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    for r in range(gl.maximum(i1 - LAG, i0), i1):
-        _release(d_empty, x_empty, r, CPS, NSD, NSX)
-    return acc
-
-
-@gluon.jit
-def _sk_owners(tile, KB, T_DP, P_SK, T_SK):
-    """(q_first, q_last): the stream-K programs (counted from T_DP) whose runs cover tail tile `tile`."""
-    s0 = (tile - T_DP) * KB
-    tot = T_SK * KB
-    return ((s0 + 1) * P_SK - 1) // tot, ((s0 + KB) * P_SK - 1) // tot
-
-
-@gluon.jit
-def _sk_share(acc, ws_ptr, lock_ptr, p, tile, first, KB, T_DP, P_SK, T_SK, BN: gl.constexpr, BM: gl.constexpr):
-    """A shared tail tile's part: written to workspace slot 2 q (the program's first segment) or 2 q + 1
-    (its second), q = p - T_DP, in the accumulator's own layout (no shared-memory round trip); then the
-    tile's counter moves. (done, total): done on the last arrival, which sums every owner's part in owner
-    order (deterministic) and resets the counter."""
-    rows = gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, acc.type.layout)), 1)
-    cols = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(0, acc.type.layout)), 0)
-    off = rows * BM + cols
-    q_first, q_last = _sk_owners(tile, KB, T_DP, P_SK, T_SK)
-    slot = 2 * (p - T_DP) + gl.where(first, 0, 1)
-    gl.store(ws_ptr + slot * (BN * BM) + off, acc)
-    gl.thread_barrier()  # every warp's part is written before the counter moves
-    count = gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    done = count == q_last - q_first
-    total = acc
-    if done:
-        total = gl.zeros_like(acc)
-        for q in range(q_first, q_last + 1):
-            sq = 2 * q + gl.where(_sk_start(q, T_DP, P_SK, T_SK, KB) // KB == tile, 0, 1)  # q's first tile?
-            total += gl.load(ws_ptr + sq * (BN * BM) + off, cache_modifier=".cg")
-        gl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch
-    return done, total
-
-
-@gluon.jit
-def _sk_first_part(acc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, M, N, KB, T_DP, P_SK, T_SK,
-                   BN: gl.constexpr, BM: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr):
-    """The end of a stream-K program's first segment when a second follows (always a strict part of its
-    tile): the part through _sk_share; on the last arrival the sum is stored from the accumulator's
-    layout (no shared-memory round trip, whose addresses the compiler would hoist; see _mma_sk)."""
-    if PDL:
-        _gdc("wait")  # the workspace and the output only after the previous kernel
-    done, total = _sk_share(acc, ws_ptr, lock_ptr, p, tile, True, KB, T_DP, P_SK, T_SK, BN, BM)
-    if done:
-        n = tile * BN + gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, acc.type.layout)), 1)
-        m = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(0, acc.type.layout)), 0)
-        out = total * gl.load(alpha_ptr)
-        if HAS_BIAS:
-            out += gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)
-        gl.store(c_ptr + m * N + n, out.to(gl.bfloat16), mask=(n < N) & (m < M))
-
-
-@gluon.jit
-def _mma_sk(d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr,
-            p, g0, g1, M, N, KB, T_DP, P_SK, T_SK, NSD: gl.constexpr, CPS: gl.constexpr, NSX: gl.constexpr,
-            BM: gl.constexpr, LAG: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
-            num_warps: gl.constexpr):
-    """The MMA partition of the stream-K schedule: flat steps [g0, g1) in at most two segments, one per
-    output tile they touch (a stream-K run is at most a tile long). Written out as two straight-line
-    segments, not a loop: in a loop the compiler hoists the epilogue's [BN, BM] addresses and keeps them
-    live beside the accumulator (1.8 KB of spills per thread in the offline build). A first segment
-    followed by a second is always a shared part; its fixup (on the last arrival) stores from the
-    accumulator's layout. The last segment ends in the coalesced epilogue."""
-    BN: gl.constexpr = 16 * num_warps
-    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BM, 16])
-    tile, ga = _sk_split(g0, g1, KB)
-    na = (ga - g0) * 4
-    acc = _sk_chunks(gl.zeros([BN, BM], gl.float32, ACC), d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, 0,
-                     na, NSD, CPS, NSX, LAG)
-    first = ga == g1
-    if ga < g1:
-        _sk_first_part(acc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, M, N, KB, T_DP, P_SK, T_SK, BN, BM,
-                       HAS_BIAS, PDL)
-        tile += 1
-        acc = _sk_chunks(gl.zeros([BN, BM], gl.float32, ACC), d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty,
-                         na, na + (g1 - ga) * 4, NSD, CPS, NSX, LAG)
-    _sk_epilogue(acc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, first, M, N, KB, T_DP, P_SK, T_SK, BN,
-                 BM, HAS_BIAS, PDL, num_warps)
-
-
-@gluon.jit
-def _sk_epilogue(acc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, p, tile, first, M, N, KB, T_DP, P_SK, T_SK,
-                 BN: gl.constexpr, BM: gl.constexpr, HAS_BIAS: gl.constexpr, PDL: gl.constexpr,
-                 num_warps: gl.constexpr):
-    """A program's last segment: a whole tile (before T_DP, or a tail tile with one owner) is stored at
-    once; a shared one goes through _sk_share and the last arrival stores the sum."""
-    if PDL:
-        _gdc("wait")
-    done = tile >= 0  # True, as a runtime value: the shared branch below reassigns it
-    total = acc
-    if tile >= T_DP:
-        q_first, q_last = _sk_owners(tile, KB, T_DP, P_SK, T_SK)
-        if q_last > q_first:
-            done, total = _sk_share(acc, ws_ptr, lock_ptr, p, tile, first, KB, T_DP, P_SK, T_SK, BN, BM)
-    if done:
-        LO: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, num_warps], [0, 1])
-        part = gl.convert_layout(total, LO)
-        n = tile * BN + gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, LO)), 1)
-        m = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(0, LO)), 0)
-        out = part * gl.load(alpha_ptr)
-        if HAS_BIAS:
-            out += gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)
-        gl.store(c_ptr + m * N + n, out.to(gl.bfloat16), mask=(n < N) & (m < M))
-
-
-@gluon.jit
 def _tile_slice(KB, S, MT):
     """This program's (p, output tile, its weight-row tile nt and token tile mt, K steps [k0, k1)):
     tile p // S (tokens vary fastest), K slice p % S of S."""
@@ -574,20 +396,15 @@ def _tile_slice(KB, S, MT):
 
 @gluon.jit
 def _wgmma_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, M, N, KB, S, MT,
-                  exp_bias, T_DP, P_SK, T_SK, BM: gl.constexpr, NSW: gl.constexpr, NSD: gl.constexpr, CPS: gl.constexpr,
+                  exp_bias, BM: gl.constexpr, NSW: gl.constexpr, NSD: gl.constexpr, CPS: gl.constexpr,
                   NSX: gl.constexpr, LAG: gl.constexpr, DW: gl.constexpr, FMT: gl.constexpr, LOADS: gl.constexpr,
                   HAS_BIAS: gl.constexpr, PDL: gl.constexpr, DEC_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
-                  L2W: gl.constexpr, L2S: gl.constexpr, L3: gl.constexpr, SK: gl.constexpr = False,
-                  num_warps: gl.constexpr = 4):
+                  L2W: gl.constexpr, L2S: gl.constexpr, L3: gl.constexpr, num_warps: gl.constexpr):
     SROWS: gl.constexpr = s_desc.block_type.shape[0]  # 64 (nvfp4) or 32 (mxfp4) rows of 16 bytes per tile
     R: gl.constexpr = num_warps // 4  # 64-row weight tiles per program: one per MMA warpgroup
     if PDL:
         _gdc("launch_dependents")
-    if SK:  # stream-K over the last partial wave (one token tile, one row tile per program, loader warps)
-        gl.static_assert((R == 1) & (LOADS == 0), "stream-K: BN = 64 with loader warps")
-        p, g0, g1 = _sk_range(T_DP, P_SK, T_SK, KB)
-    else:
-        p, tile, nt, mt, k0, k1 = _tile_slice(KB, S, MT)
+    p, tile, nt, mt, k0, k1 = _tile_slice(KB, S, MT)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NSW] + w_desc.block_type.shape, w_desc.layout)
     s_bufs = gl.allocate_shared_memory(s_desc.dtype, [NSW] + s_desc.block_type.shape, s_desc.layout)
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [NSX] + x_desc.block_type.shape, x_desc.layout)
@@ -595,85 +412,33 @@ def _wgmma_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lo
     w_ready, w_empty = _ring_barriers(NSW)
     x_ready, x_empty = _ring_barriers(NSX)
     d_ready, d_empty = _ring_barriers(NSD)
-    # (the argument tuples are spelled out again per form: layouts and constexprs do not survive a tuple variable)
-    if SK:  # weight step g is raw tile row g * 64 (one row tile, one token tile): the loaders and the decoder
-        # walk flat steps across tile boundaries unchanged
+    trow0 = nt * R * KB * 64
+    # (the argument tuples are spelled out twice: layouts and constexprs do not survive a tuple variable)
+    if LOADS:  # the MMA partition issues the copies: MMA + decoder warps only (12 warps: 168 registers)
         gl.warp_specialize([
-            (_mma_sk, (d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr,
-                       lock_ptr, p, g0, g1, M, N, KB, T_DP, P_SK, T_SK, NSD, CPS, NSX, BM, LAG, HAS_BIAS, PDL,
-                       num_warps)),
-            (_decoder, (w_bufs, s_bufs, d_bufs, w_ready, w_empty, d_ready, d_empty, exp_bias, g0, g1, NSW, NSD,
+            (_mma, (d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr,
+                    p, tile, nt * 64 * R, mt * BM, M, N, k0, k1, S, x_desc, w_desc, s_desc, w_bufs, s_bufs, w_ready,
+                    w_empty, trow0, KB, NSD, CPS, NSX, NSW, SROWS, R, BM, LAG, LOADS, HAS_BIAS, PDL, num_warps)),
+            (_decoder, (w_bufs, s_bufs, d_bufs, w_ready, w_empty, d_ready, d_empty, exp_bias, k0, k1, NSW, NSD,
                         CPS, FMT, R, L2W, L2S, L3)),
-            (_w_loader, (w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, 0, g0, g1, KB, SROWS, NSW, R)),
-            (_x_loader_sk, (x_desc, x_bufs, x_ready, x_empty, g0, g1, KB, NSX, PDL)),
-        ], [DW, 1, 1], [DEC_REGS, LOAD_REGS, LOAD_REGS])
+        ], [DW], [DEC_REGS])
     else:
-        trow0 = nt * R * KB * 64
-        if LOADS:  # the MMA partition issues the copies: MMA + decoder warps only (12 warps: 168 registers)
-            gl.warp_specialize([
-                (_mma, (d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr,
-                        p, tile, nt * 64 * R, mt * BM, M, N, k0, k1, S, x_desc, w_desc, s_desc, w_bufs, s_bufs, w_ready,
-                        w_empty, trow0, KB, NSD, CPS, NSX, NSW, SROWS, R, BM, LAG, LOADS, HAS_BIAS, PDL, num_warps)),
-                (_decoder, (w_bufs, s_bufs, d_bufs, w_ready, w_empty, d_ready, d_empty, exp_bias, k0, k1, NSW, NSD,
-                            CPS, FMT, R, L2W, L2S, L3)),
-            ], [DW], [DEC_REGS])
-        else:
-            gl.warp_specialize([
-                (_mma, (d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr,
-                        p, tile, nt * 64 * R, mt * BM, M, N, k0, k1, S, x_desc, w_desc, s_desc, w_bufs, s_bufs, w_ready,
-                        w_empty, trow0, KB, NSD, CPS, NSX, NSW, SROWS, R, BM, LAG, LOADS, HAS_BIAS, PDL, num_warps)),
-                (_decoder, (w_bufs, s_bufs, d_bufs, w_ready, w_empty, d_ready, d_empty, exp_bias, k0, k1, NSW, NSD,
-                            CPS, FMT, R, L2W, L2S, L3)),
-                (_w_loader, (w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, KB, SROWS, NSW, R)),
-                (_x_loader, (x_desc, x_bufs, x_ready, x_empty, mt * BM, k0, k1, NSX, PDL)),
-            ], [DW, 1, 1], [DEC_REGS, LOAD_REGS, LOAD_REGS])
+        gl.warp_specialize([
+            (_mma, (d_bufs, x_bufs, d_ready, d_empty, x_ready, x_empty, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr,
+                    p, tile, nt * 64 * R, mt * BM, M, N, k0, k1, S, x_desc, w_desc, s_desc, w_bufs, s_bufs, w_ready,
+                    w_empty, trow0, KB, NSD, CPS, NSX, NSW, SROWS, R, BM, LAG, LOADS, HAS_BIAS, PDL, num_warps)),
+            (_decoder, (w_bufs, s_bufs, d_bufs, w_ready, w_empty, d_ready, d_empty, exp_bias, k0, k1, NSW, NSD,
+                        CPS, FMT, R, L2W, L2S, L3)),
+            (_w_loader, (w_desc, s_desc, w_bufs, s_bufs, w_ready, w_empty, trow0, k0, k1, KB, SROWS, NSW, R)),
+            (_x_loader, (x_desc, x_bufs, x_ready, x_empty, mt * BM, k0, k1, NSX, PDL)),
+        ], [DW, 1, 1], [DEC_REGS, LOAD_REGS, LOAD_REGS])
 
 
 # CPS 2 x NSD 3: best or even of the ring shapes timed on the H100 (NOTES_w4a16.md section 13)
-# SK = 1: stream-K over the last partial wave (stream_k_plan; None: STREAM_K); SK_MIN: its programs'
-# shortest run of weight steps; SK_SLOTS: the program slots it plans for (None: the SMs x PER_SM)
 DEFAULT = dict(BM=None, BN=64, LOADS=0, C0=None, NSW=4, NSD=3, CPS=2, NSX=4, LAG=1, DW=4, DEC_REGS=96, LOAD_REGS=24,
-               PER_SM=None, maxnreg=None, PDL=None, SK=None, SK_MIN=2, SK_SLOTS=None)
-# stream-K where a launch's config does not say: off until timed on a GPU (NOTES_w4a16.md section 39);
-# env QERL_W4A16_WGMMA_SK=1, or benchmarks/ablate_rollout.py's flag wsk
-STREAM_K = env_int("QERL_W4A16_WGMMA_SK", 0)
+               PER_SM=None, maxnreg=None, PDL=None)
 _RESIDENT: dict = {}
 _KEYS = set(DEFAULT) | {"S"}
-
-
-def stream_k_plan(tiles: int, kb: int, slots: int, min_steps: int = 2) -> tuple[int, int]:
-    """(T_DP, P_SK) of the stream-K schedule: the first T_DP tiles (whole waves of `slots`) one program
-    each, the other T_SK = tiles - T_DP tiles' kb steps each shared out in equal runs over P_SK programs
-    (at most `slots`, at least T_SK so that a run spans at most two tiles, runs of >= min_steps where
-    that allows more than T_SK). (tiles, 0) where the tiles fill whole waves: nothing to share.
-
-    Why: at M = 256 a program owns a 64-row x 256-token tile at ~75% of an SM's tensor-core rate, and
-    the tiles leave the last wave part empty: 5120^2 has 80 tiles on 132 SMs (52 idle for the whole
-    launch), 27648 x 5120 432 (3.27 waves, a fourth wave 27% full). Sharing the last wave's steps
-    evenly lets every SM finish together, for the price of fp32 parts only on the shared tiles."""
-    t_sk = tiles % slots
-    if t_sk == 0:
-        return tiles, 0
-    p_sk = max(t_sk, min(slots, (t_sk * kb) // max(1, min_steps)))
-    return tiles - t_sk, p_sk
-
-
-def stream_k_runs(tiles: int, kb: int, t_dp: int, p_sk: int) -> list[tuple[int, int]]:
-    """Every program's flat weight steps [g0, g1) (step g: tile g // kb, K step g % kb), as the
-    kernel's _sk_range computes them."""
-    runs = [(p * kb, (p + 1) * kb) for p in range(t_dp)]
-    if p_sk == 0:  # whole waves: the kernel runs its plain one-tile programs (P_SK passed as 1, never read)
-        return runs
-    tot = (tiles - t_dp) * kb
-    start = [t_dp * kb + (q * tot) // p_sk for q in range(p_sk + 1)]
-    return runs + list(zip(start[:-1], start[1:]))
-
-
-def stream_k_owners(tile: int, kb: int, t_dp: int, p_sk: int, t_sk: int) -> tuple[int, int]:
-    """(q_first, q_last): the stream-K programs (counted from T_DP) sharing a tail tile, as the kernel's
-    _sk_epilogue computes them."""
-    s0, tot = (tile - t_dp) * kb, t_sk * kb
-    return ((s0 + 1) * p_sk - 1) // tot, ((s0 + kb) * p_sk - 1) // tot
 
 
 def block_m(m: int) -> int:
@@ -745,17 +510,15 @@ def kernel_args(fmt: str, m: int, config: dict | None = None) -> tuple[dict, dic
     try:
         hash(items)
     except TypeError:  # an unhashable config value: not memoised
-        return _kernel_args.__wrapped__(fmt, m, items, W.PDL, STREAM_K)
-    return _kernel_args(fmt, m, items, W.PDL, STREAM_K)
+        return _kernel_args.__wrapped__(fmt, m, items, W.PDL)
+    return _kernel_args(fmt, m, items, W.PDL)
 
 
 @functools.lru_cache(maxsize=1024)
-def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool, sk_default: int = 0) -> tuple[dict, dict]:
+def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool) -> tuple[dict, dict]:
     config = dict(items)
     cfg = dict(DEFAULT)
     cfg.update({key: v for key, v in (config or {}).items() if key in _KEYS})
-    if cfg["SK"] is None:
-        cfg["SK"] = int(sk_default or 0)
     nsw, nsd, cps, nsx, lag, dw, bn = (int(cfg[key]) for key in ("NSW", "NSD", "CPS", "NSX", "LAG", "DW", "BN"))
     bm = int(cfg["BM"] or block_m(m))
     loads = int(cfg["LOADS"])
@@ -779,13 +542,11 @@ def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool, sk_default: 
     if smem_bytes(bm, nsw, nsd, cps, nsx, bn) > 232448:
         raise ValueError(f"rings need {smem_bytes(bm, nsw, nsd, cps, nsx, bn)} B of shared memory (H100: 232448); "
                          "lower NSW / NSD / NSX")
-    if int(cfg["SK"]) and (bn != 64 or loads):
-        cfg["SK"] = 0  # a launch modifier (w4a16_triton._PATH_KEYS): the 128-row and LOADS forms run without it
     cfg["PDL"] = bool(pdl_default if cfg["PDL"] is None else cfg["PDL"])
     l2w, l2s, l3 = decoder_layouts(fmt, dw)
     consts = dict(BM=bm, LOADS=loads, NSW=nsw, NSD=nsd, CPS=cps, NSX=nsx, LAG=lag, DW=dw, FMT=0 if fmt == "nvfp4" else 1,
                   PDL=cfg["PDL"], DEC_REGS=int(cfg["DEC_REGS"]), LOAD_REGS=int(cfg["LOAD_REGS"]),
-                  L2W=l2w, L2S=l2s, L3=l3, SK=bool(int(cfg["SK"])), num_warps=bn // 16)
+                  L2W=l2w, L2S=l2s, L3=l3, num_warps=bn // 16)
     return consts, cfg
 
 
@@ -800,8 +561,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     LOAD_REGS (setmaxnreg of the decoder and loader warps), S (forced K slices per tile), C0 (the
     split rule's fixed cost per program, split(); None = the one-wave rule), LOADS (1: the MMA
     warps issue the TMA copies, no loader warps), PER_SM,
-    maxnreg, PDL, SK (1: stream-K over the last partial wave, one token tile only: stream_k_plan), SK_MIN,
-    SK_SLOTS."""
+    maxnreg, PDL."""
     x = checked_input(x, state, "wgmma")
     fmt, n, kb, m = state["fmt"], state["n"], state["kb"], x.shape[0]
     consts, cfg = kernel_args(fmt, m, config)
@@ -814,25 +574,16 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
                                           "num_warps")) + (cfg["maxnreg"],)
     smem = smem_bytes(bm, consts["NSW"], consts["NSD"], consts["CPS"], consts["NSX"], bn)
     per_sm = cfg["PER_SM"] or _RESIDENT.get(key) or max(1, min(2, 232448 // smem))
-    slots = int(per_sm) * W._num_sms(x.device.index or 0)
-    sk_slots = int(cfg["SK_SLOTS"] or slots)
-    if consts["SK"] and mt > 1:  # several token tiles: the split
-        consts = dict(consts, SK=False)
-    if consts["SK"]:  # (whole waves, P_SK = 0, keep the stream-K kernel: one tile per program, no parts; so a plan
-        # that moves with the measured residency never changes the kernel's specialisation)
-        t_dp, p_sk = stream_k_plan(tiles, kb, sk_slots, int(cfg["SK_MIN"]))
-        s, programs, parts = 1, t_dp + p_sk, 2 * p_sk  # two parts per stream-K program: its two tiles
+    if cfg.get("S") is not None:
+        s = max(1, min(int(cfg["S"]), kb))
     else:
-        t_dp, p_sk = tiles, 0
-        s = max(1, min(int(cfg["S"]), kb)) if cfg.get("S") is not None else split(tiles, kb, slots, cfg["C0"])
-        programs, parts = tiles * s, None  # (launch_buffers: the split's parts)
+        s = split(tiles, kb, int(per_sm) * W._num_sms(x.device.index or 0), cfg["C0"])
     x_desc, w_desc, s_desc = descriptors(x, state, bm)
-    c, locks, ws = launch_buffers(x, state, out, tiles, s, bn * bm, parts=parts)
+    c, locks, ws = launch_buffers(x, state, out, tiles, s, bn * bm)
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
-    kernel = _wgmma_kernel[(programs,)](
+    kernel = _wgmma_kernel[(tiles * s,)](
         x_desc, w_desc, s_desc, state["alpha"], bias if bias is not None else c, c, ws, locks, m, n, kb, s, mt,
-        int(state.get("exp_bias", 0)), t_dp, max(p_sk, 1), tiles - t_dp, HAS_BIAS=bias is not None,
-        launch_pdl=consts["PDL"], **consts, **extra,
+        int(state.get("exp_bias", 0)), HAS_BIAS=bias is not None, launch_pdl=consts["PDL"], **consts, **extra,
     )
     if key not in _RESIDENT:
         _RESIDENT[key] = _resident(kernel, consts["num_warps"]) or per_sm
@@ -854,19 +605,17 @@ def checked_input(x: torch.Tensor, state: dict, kernel: str) -> torch.Tensor:
     return x
 
 
-def launch_buffers(x: torch.Tensor, state: dict, out, tiles: int, s: int, tile_elems: int, parts: int | None = None):
+def launch_buffers(x: torch.Tensor, state: dict, out, tiles: int, s: int, tile_elems: int):
     """(c, locks, ws) of a Gluon GEMM launch: the bf16 output [M, N] (`out` itself when it is one), the
     layer's tile counters (a fresh zeroed set if it has fewer than `tiles`) and the fp32 split
-    workspace (tile_elems per program when S > 1; per part where `parts` is given)."""
+    workspace (tile_elems per program when S > 1)."""
     m, n = x.shape[0], state["n"]
     direct = out is not None and out.is_contiguous() and tuple(out.shape) == (m, n) and out.dtype == torch.bfloat16
     c = out if direct else torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
     locks = state["locks"]
     if tiles > locks.numel():
         locks = torch.zeros(tiles, dtype=torch.int32, device=x.device)
-    if parts is None:
-        parts = tiles * s if s > 1 else 0
-    ws = torch.empty(max(1, parts * tile_elems), device=x.device, dtype=torch.float32)
+    ws = torch.empty(tiles * s * tile_elems if s > 1 else 1, device=x.device, dtype=torch.float32)
     return c, locks, ws
 
 
@@ -892,7 +641,6 @@ def compile_gemm_offline(fn, fmt: str, m: int, n: int, k: int, consts: dict, cfg
     sig = {"x_desc": mangle_type(x_desc), "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc),
            "alpha_ptr": "*fp32", "bias_ptr": "*bf16", "c_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
            "M": "i32", "N": "i32", "KB": "i32", "S": "i32", "MT": "i32", "exp_bias": "i32"}
-    sig.update({name: "i32" for name in ("T_DP", "P_SK", "T_SK") if name in fn.arg_names})  # the stream-K plan
     consts = dict(consts, HAS_BIAS=bias, FMT=2 if sbits and fmt == "nvfp4" else consts["FMT"])
     sig.update({name: "constexpr" for name in consts})
     # pointers 16-byte aligned, as the JIT specialises them on a GPU
