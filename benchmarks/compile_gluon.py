@@ -161,6 +161,10 @@ def main_wgmma(a):
         for ext in ("ttgir", "ptx"):
             with open(os.path.join(a.dump, f"wgmma.{ext}"), "w") as f:
                 f.write(ck.asm[ext])
+        sass = _sass(ck.asm["cubin"])
+        if sass is not None:  # to read beside ncu's SASS-level stall samples (--page source --print-source sass)
+            with open(os.path.join(a.dump, "wgmma.sass"), "w") as f:
+                f.write(sass)
         print(f"dumped to {a.dump}")
 
 

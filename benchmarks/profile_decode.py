@@ -10,6 +10,7 @@ Answers whether the decode path is limited by DRAM bandwidth or by issued instru
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 
@@ -25,14 +26,19 @@ def main():
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--path", default=None, help="force a forward path (gemv, fused, ws) instead of the dispatch")
+    ap.add_argument("--config", default=None,
+                    help='JSON config for w4a16_triton.forward (e.g. \'{"PATH": "wgmma", "BM": 128}\'), with or instead of --path')
     a = ap.parse_args()
     w = (torch.randn(a.n, a.k, device="cuda") * 0.02).to(torch.bfloat16)
     state = prepare(a.fmt, quantize_weight(w, a.fmt))
     x = torch.randn(a.m, a.k, device="cuda", dtype=torch.bfloat16)
     from qerl.kernels import w4a16_triton as W
 
+    config = json.loads(a.config) if a.config else None
+    if a.path is not None:
+        config = {**(config or {}), "PATH": a.path}
     for _ in range(a.reps):
-        y = linear(x, state, a.fmt) if a.path is None else W.forward(x, state, config={"PATH": a.path})
+        y = linear(x, state, a.fmt) if config is None else W.forward(x, state, config=config)
     torch.cuda.synchronize()
     print("ok", tuple(y.shape))
 
