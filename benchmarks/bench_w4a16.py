@@ -138,11 +138,11 @@ def copy_bandwidth_gbps() -> float:
 META: dict = {}  # gpu, torch, triton, date, command, copy_gbps of this run (set by main)
 
 
-def dump_rows(out_path: str | None, rows: list) -> None:
+def dump_rows(out_path: str | None, rows: list, **extra) -> None:
     """Write an explore mode's rows with the run's metadata (as they come: a cut-short run keeps them)."""
     if out_path:
         with open(out_path, "w") as f:
-            json.dump({**META, "rows": rows}, f, indent=1)
+            json.dump({**META, **extra, "rows": rows}, f, indent=1)
 
 
 def write_probe(path: str | None, rows: list, **extra) -> None:
@@ -504,8 +504,10 @@ def gemv_explore(deadline: float, out_path: str | None, ms=(1,), cands=None, sha
     log("\n## candidate explore (us per call, x = speedup vs bf16 in this process)")
     rows = candidate_sweep(deadline, out_path, shapes or GEMV_SHAPES, ms,
                            lambda n, k, m, fmt: [(a, c) for a, c in cands if runs(a, c, fmt)], formats)
-    for line in candidate_medians(rows):
+    medians = candidate_medians(rows)
+    for line in medians:
         log("  " + line)
+    dump_rows(out_path, rows, candidate_medians=medians)  # the closing summary in the JSON too
     ws_mod = sys.modules.get("qerl.kernels.w4a16_ws")
     if ws_mod is not None:
         log(f"  resident programs per SM (ws: NS, warps, maxnreg, CPT): {ws_mod._RESIDENT}")
