@@ -340,6 +340,24 @@ def test_wgmma_kernel_builds_for_hopper(fmt, m, cfg):
     assert ptx.count("griddepcontrol") == (3 if consts["PDL"] else 0)
 
 
+def test_x_stream_probe_builds_for_hopper():
+    """benchmarks/probe_x_stream.py (the activation copies of the M = 256 GEMM with nothing else) builds for sm_90a:
+    one TMA copy and two ring waits in the PTX, no spills, the ring within an H100's shared memory."""
+    pytest.importorskip("triton.experimental.gluon")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "probe_x_stream", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probe_x_stream.py"))
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    ck = probe.compile_offline(k=5120, bm=256, nsx=4)
+    regs, spills = _compile_gluon()._resources(ck.asm["cubin"])
+    assert spills == 0 and regs > 0
+    assert 4 * 256 * 64 * 2 <= ck.metadata.shared <= 232448
+    ptx = ck.asm["ptx"]
+    assert ptx.count("cp.async.bulk.tensor") == 1 and ptx.count("mbarrier.try_wait") == 2
+
+
 # the three-programs-per-SM rwg form the routing picks at 24..32 tokens (w4a16_triton.RWG_THREE_PER_SM, R = 1),
 # built offline below and checked against the routing in test_rwg_three_per_sm_rule
 THREE_PER_SM = {"R": 1, "NSW": 2, "NSX": 2, "maxnreg": 80, "XREL": 1}
