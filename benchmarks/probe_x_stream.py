@@ -19,7 +19,6 @@ from each copied chunk can move it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -31,7 +30,10 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_w4a16 import time_per_call, write_probe  # noqa: E402
+from qerl.kernels.w4a16_wgmma import _x_layout  # noqa: E402
 from qerl.kernels.w4a16_ws import _ring_barriers  # noqa: E402
 
 
@@ -62,7 +64,8 @@ def _x_stream_kernel(x_desc, n, SHIFT, NSX: gl.constexpr, num_warps: gl.constexp
 
 
 def descriptor(x: torch.Tensor, bm: int) -> TensorDescriptor:
-    return TensorDescriptor.from_tensor(x, [bm, 64], gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16))
+    """x in [BM, 64] boxes with the GEMM's own shared layout (w4a16_wgmma.descriptors)."""
+    return TensorDescriptor.from_tensor(x, [bm, 64], _x_layout(bm))
 
 
 def launch(x_desc, n: int, programs: int, shift: int, nsx: int):
@@ -81,26 +84,6 @@ def compile_offline(k: int = 5120, bm: int = 256, nsx: int = 6):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
-def time_us(fn, reps: int = 200) -> float:
-    """Median of `reps` back-to-back launches in one CUDA graph, per launch."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return sorted(times)[len(times) // 2]
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--k", type=int, default=5120)
@@ -117,16 +100,13 @@ def main(argv=None):
     rows = []
     for programs in (int(v) for v in a.programs.split(",")):
         for shift in (int(v) for v in a.shifts.split(",")):
-            us = time_us(lambda: launch(x_desc, n, programs, shift, a.nsx))
+            us = time_per_call(lambda i: launch(x_desc, n, programs, shift, a.nsx), 200)
             per_sm = n * chunk / us / 1e3  # GB/s into one program's shared memory
             rows.append(dict(programs=programs, shift=shift, k=a.k, bm=a.bm, nsx=a.nsx, us=us,
                              per_program_gbps=per_sm, total_gbps=per_sm * programs))
             print(f"programs {programs:4d} shift {shift:3d}: {us:7.2f} us  {per_sm:6.1f} GB/s per program, "
                   f"{per_sm * programs / 1e3:5.2f} TB/s in all", flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-                       "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+    write_probe(a.out, rows, triton=triton.__version__)
 
 
 if __name__ == "__main__":

@@ -300,15 +300,20 @@ def test_triton_kernels_under_interpreter():
     assert len(results) > 40
 
 
-def _compile_gluon():
-    """benchmarks/compile_gluon.py as a module (the offline sm_90a build helpers)."""
+def _benchmark_module(name: str):
+    """benchmarks/<name>.py as a module."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "compile_gluon", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "compile_gluon.py"))
-    cg = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cg)
-    return cg
+        name, os.path.join(os.path.dirname(__file__), "..", "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compile_gluon():
+    """benchmarks/compile_gluon.py as a module (the offline sm_90a build helpers)."""
+    return _benchmark_module("compile_gluon")
 
 
 WGMMA_BUILDS = [("nvfp4", 64, None), ("mxfp4", 256, None), ("nvfp4", 16, {"CPS": 4, "NSD": 2, "DW": 8}),
@@ -344,13 +349,7 @@ def test_x_stream_probe_builds_for_hopper():
     """benchmarks/probe_x_stream.py (the activation copies of the M = 256 GEMM with nothing else) builds for sm_90a:
     one TMA copy and two ring waits in the PTX, no spills, the ring within an H100's shared memory."""
     pytest.importorskip("triton.experimental.gluon")
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "probe_x_stream", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probe_x_stream.py"))
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    ck = probe.compile_offline(k=5120, bm=256, nsx=4)
+    ck = _benchmark_module("probe_x_stream").compile_offline(k=5120, bm=256, nsx=4)
     regs, spills = _compile_gluon()._resources(ck.asm["cubin"])
     assert spills == 0 and regs > 0
     assert 4 * 256 * 64 * 2 <= ck.metadata.shared <= 232448
