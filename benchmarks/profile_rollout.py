@@ -27,6 +27,7 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_rollout, also when loaded as a module
 
 from bench_rollout import build  # noqa: E402
 
@@ -35,7 +36,7 @@ from qerl.rollout.engine import RolloutEngine  # noqa: E402
 
 KINDS = [  # (kind, regex on the kernel name), first match wins
     ("attention", r"attn_partial|attn_combine|fmha|sdpa|flash|attention"),
-    ("4-bit GEMM", r"w4a16|gluon_gemv|_gemv_kernel|wgmma|wsmma|_rwg_kernel|nf4_dequant"),
+    ("4-bit GEMM", r"w4a16|gluon_gemv|_gemv_kernel|wgmma|wsmma|_rwg|nf4_dequant|nf4_fused|w4_to_bf16"),
     ("cuBLAS GEMM", r"nvjet|gemm|splitK|cutlass|xmma"),
     ("norm/rope/silu", r"add_rms_norm|rope_cache|silu_mul"),
     ("LoRA", r"lora_shrink|lora_expand"),

@@ -357,6 +357,23 @@ def test_x_stream_probe_builds_for_hopper():
     assert ptx.count("cp.async.bulk.tensor") == 1 and ptx.count("mbarrier.try_wait") == 2
 
 
+def test_profile_rollout_counts_every_4bit_kernel_as_a_4bit_gemm():
+    """benchmarks/profile_rollout.py groups kernel times by name; every Triton / Gluon kernel of the 4-bit products
+    (the w4a16 modules and the NF4 ones) must land in "4-bit GEMM". Session 64's first 32-row profiles put rwg's KP
+    kernel (`_rwg_kp_kernel`) under "other": half of the 7B step's 4-bit time."""
+    pytest.importorskip("triton.experimental.gluon")
+    import importlib
+
+    kind_of = _benchmark_module("profile_rollout").kind_of
+    names = set()
+    for mod in ("w4a16_triton", "w4a16_wgmma", "w4a16_rwg", "w4a16_ws", "w4a16_gluon", "w4a16_gemv", "nf4_triton"):
+        m = importlib.import_module(f"qerl.kernels.{mod}")
+        names |= {n for n, f in vars(m).items() if n.endswith("kernel") and type(f).__name__ in ("JITFunction", "GluonJITFunction")}
+    assert {"_rwg_kernel", "_rwg_kp_kernel", "_wgmma_kernel", "_gluon_gemv_kernel", "_nf4_fused_kernel"} <= names
+    assert {n: kind_of(n) for n in names} == {n: "4-bit GEMM" for n in names}
+    assert kind_of("attn_partial_kernel") == "attention" and kind_of("lora_shrink_kernel") == "LoRA"
+
+
 # the three-programs-per-SM rwg form the routing picks at 24..32 tokens (w4a16_triton.RWG_THREE_PER_SM, R = 1),
 # built offline below and checked against the routing in test_rwg_three_per_sm_rule
 THREE_PER_SM = {"R": 1, "NSW": 2, "NSX": 2, "maxnreg": 80, "XREL": 1}
