@@ -39,7 +39,9 @@ Rows (memory.json): {"model", "format", "gpu", "generations", "completion_len", 
 "step_s"} plus "batch" (prompts per step), "completions", the peak of each phase and the build.
 peak_gib is the peak of memory reserved by PyTorch's allocator over the step (what the card must
 hold, fragmentation included; the CUDA context, ~0.5 GiB, comes on top); peak_allocated_gib is the
-peak of live tensors. "oom_retries" (when any): [{"step", "gave_way"}] for each training phase that ran
+peak of live tensors. "alloc_retries" / "full_gc_collections": the CUDA allocator's retries (cache freed,
+driver asked again) and Python's generation-2 collections during the reported step, the pauses that explain
+an outlying phase time. "oom_retries" (when any): [{"step", "gave_way"}] for each training phase that ran
 out of memory and trained again after a plan gave memory back ("checkpoint_layers" or "rollout_memory"),
 kept also when the retry ran out too (status "oom"). grpo_step.json: {"model", "format", "batch", "step_s", "bf16_step_s",
 "speedup"} with speedup = bf16 LoRA step time / this step time, same model, batch and micro-batch
@@ -107,6 +109,15 @@ class _Memory:
 
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
         return rss, rss
+
+    def stalls(self) -> tuple[int, int]:
+        """(the CUDA allocator's retries so far: each time it freed its cached blocks and asked the driver
+        again, a pause of up to ~1 s; Python's full (generation-2) garbage collections so far): counted
+        around a step, they say whether an outlying phase time was one of these pauses."""
+        import gc
+
+        retries = int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) if self.cuda else 0
+        return retries, int(gc.get_stats()[2]["collections"])
 
 
 def run_one(args, preset: str, fmt: str, batch: int) -> dict:
@@ -196,6 +207,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
         for step in range(args.steps):
             timer = PhaseTimer(device)
             mem.mark()
+            stalls0 = mem.stalls()
             t_step = time.perf_counter()
             aqn.resample(step)
             phase = "rollout"
@@ -230,6 +242,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
                 rollout_tokens=tokens, rollout_tokens_per_s=round(tokens / max(timer.seconds["rollout_s"], 1e-9), 1),
                 loss=stats["loss"], grad_norm=stats["grad_norm"], rollout_memory_released=plan.released,
                 uncheckpointed_layers=uncheckpointed,
+                **dict(zip(("alloc_retries", "full_gc_collections"), (n - n0 for n, n0 in zip(mem.stalls(), stalls0)))),
             )
             if step == 0 and args.steps > 1:
                 row["warmup_step_s"] = round(step_s, 3)

@@ -246,6 +246,8 @@ def test_bench_grpo_step_runs_on_a_tiny_model(tmp_path, checkpointing):
         assert (r["gradient_checkpointing"], r["share_prompt"]) == ((True, False) if checkpointing == "on" else (False, True))
         # "auto", the default: a CPU plans no free layer, every layer checkpointed (when checkpointing is on)
         assert (r["checkpoint_layers"], r["uncheckpointed_layers"]) == ("auto", 0)
+        # the pauses counted over the reported step: no CUDA allocator on a CPU, whole collections counted
+        assert r["alloc_retries"] == 0 and isinstance(r["full_gc_collections"], int) and r["full_gc_collections"] >= 0
     rows = {r["format"]: r for r in steps["rows"]}
     assert set(rows["nvfp4"]) >= {"model", "format", "batch", "step_s", "bf16_step_s", "speedup"}
     assert rows["nvfp4"]["bf16_step_s"] == rows["bf16"]["step_s"]
@@ -253,6 +255,19 @@ def test_bench_grpo_step_runs_on_a_tiny_model(tmp_path, checkpointing):
     assert "| tiny-llama | nvfp4 | 1 | 1 | 1 | ok |" in proc.stdout  # one weight copy: the kernel layout's
     assert [r["weight_copies"] for r in memory["rows"]] == [1, 1]
     assert all(r["command"].startswith("python benchmarks/bench_grpo_step.py") for r in memory["rows"])
+
+
+def test_bench_counts_the_full_collections_between_two_reads():
+    import gc
+    import torch
+
+    mem = _bench_module()._Memory(torch.device("cpu"))
+    before = mem.stalls()
+    gc.collect()
+    gc.collect()
+    after = mem.stalls()
+    assert after[0] == before[0] == 0
+    assert after[1] - before[1] == 2
 
 
 def _bench_module():
