@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import subprocess
@@ -114,8 +115,6 @@ class _Memory:
         """(the CUDA allocator's retries so far: each time it freed its cached blocks and asked the driver
         again, a pause of up to ~1 s; Python's full (generation-2) garbage collections so far): counted
         around a step, they say whether an outlying phase time was one of these pauses."""
-        import gc
-
         retries = int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) if self.cuda else 0
         return retries, int(gc.get_stats()[2]["collections"])
 
@@ -233,6 +232,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
             plan_next_step_memory(policy, settings, [rollout], plan, layers_plan)  # as train() does
             step_s = time.perf_counter() - t_step
             tokens = int(rollout.completion_mask.sum())
+            alloc_retries, full_gcs = (n - n0 for n, n0 in zip(mem.stalls(), stalls0))
             row.update(
                 step_s=round(step_s, 3), **{p: round(timer.seconds.get(p, 0.0), 3) for p in PHASES},
                 peak_gib=round(max(rollout_peak[1], train_peak[1]), 3),
@@ -242,7 +242,7 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
                 rollout_tokens=tokens, rollout_tokens_per_s=round(tokens / max(timer.seconds["rollout_s"], 1e-9), 1),
                 loss=stats["loss"], grad_norm=stats["grad_norm"], rollout_memory_released=plan.released,
                 uncheckpointed_layers=uncheckpointed,
-                **dict(zip(("alloc_retries", "full_gc_collections"), (n - n0 for n, n0 in zip(mem.stalls(), stalls0)))),
+                alloc_retries=alloc_retries, full_gc_collections=full_gcs,
             )
             if step == 0 and args.steps > 1:
                 row["warmup_step_s"] = round(step_s, 3)
