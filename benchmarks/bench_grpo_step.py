@@ -339,20 +339,38 @@ def _key(row: dict) -> tuple:
     return (*_setup(row), row["format"], _row_copies(row), nf4_decode_of(row))
 
 
+def _pair(row: dict) -> tuple:
+    """What a row and its bf16 baseline share; a one-step row includes the warm-up (compiles,
+    captures), so it is compared only with its like."""
+    return (*_setup(row), row.get("steps", 1) > 1)
+
+
+def same_call_baselines(part: dict) -> None:
+    """Give each non-bf16 row of one call's memory.json the bf16 step of that call with the same
+    setup (`bf16_same_call`: step_s and date), so that a later call's bf16 row, which replaces this
+    one in a combined file, does not become its baseline. A combined file (its command a list) is
+    left alone: its rows come from several calls and keep what they carry."""
+    if isinstance(part.get("command"), list):
+        return
+    bf16 = {_pair(r): r for r in part["rows"] if r["format"] == "bf16" and r["status"] == "ok"}
+    for r in part["rows"]:
+        base = bf16.get(_pair(r))
+        if r["format"] != "bf16" and base is not None:
+            r["bf16_same_call"] = {"step_s": base["step_s"], "date": base.get("date", part.get("date"))}
+
+
 def step_rows(memory_rows: list[dict]) -> list[dict]:
     """grpo_step.json rows: every measured (ok) configuration, with the bf16 LoRA step of the same
     model and batch as its baseline (None where that one did not run or did not fit)."""
     from qerl.nn.quant_linear import nf4_decode_of
 
-    def pair(r):  # a one-step row includes the warm-up (compiles, captures): compared only with its like
-        return (*_setup(r), r.get("steps", 1) > 1)
-
-    bf16 = {pair(r): r for r in memory_rows if r["format"] == "bf16" and r["status"] == "ok"}
+    bf16 = {_pair(r): r for r in memory_rows if r["format"] == "bf16" and r["status"] == "ok"}
     out = []
     for r in memory_rows:
         if r["status"] != "ok":
             continue
-        base_row = bf16.get(pair(r))
+        # the bf16 step of the row's own call where it had one (combine keeps it), else the latest bf16 row
+        base_row = r.get("bf16_same_call") or bf16.get(_pair(r))
         base = base_row["step_s"] if base_row else None
         out.append({"model": r["model"], "format": r["format"], "batch": r["batch"], "step_s": r["step_s"],
                     "bf16_step_s": base, "speedup": round(base / r["step_s"], 3) if base else None,
@@ -389,6 +407,7 @@ def sweep(args) -> dict:
     if args.append and os.path.exists(mem_path):
         with open(mem_path) as f:
             old = json.load(f)
+        same_call_baselines(old)  # a bf16 row this call re-measures must not become their baseline
         rows = [dict({"command": old.get("command"), "date": old.get("date")}, **r) for r in old["rows"]]
     meta = {
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -432,9 +451,12 @@ def sweep(args) -> dict:
 
 def combine(paths: list[str], out_dir: str) -> dict:
     """Merge the memory.json files of several calls (a later file's row of the same model, format,
-    batch and micro-batch replaces an earlier one; rows keep the command and date of their call)
-    into out_dir's memory.json and grpo_step.json. A combined file can be one of them."""
+    batch and micro-batch replaces an earlier one; rows keep the command and date of their call,
+    and the bf16 step of their call where it ran one: same_call_baselines) into out_dir's
+    memory.json and grpo_step.json. A combined file can be one of them."""
     parts = [json.load(open(p)) for p in paths]
+    for part in parts:
+        same_call_baselines(part)
     rows: dict[tuple, dict] = {}
     for part in parts:
         for r in part["rows"]:

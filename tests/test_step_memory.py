@@ -316,6 +316,17 @@ def test_bench_pairs_baselines_and_combines_calls(tmp_path):
     assert [(r["format"], r["step_s"], r["command"]) for r in out["rows"]] == [("bf16", 20.0, "first"), ("nvfp4", 15.0, "second")]
     steps = json.loads((tmp_path / "out" / "grpo_step.json").read_text())
     assert steps["command"] == ["first", "second"] and steps["rows"][1]["speedup"] == round(20.0 / 15.0, 3)
+    # a later call's bf16 row replaces the earlier one, but the earlier call's nvfp4 row keeps its own
+    # call's bf16 step as its baseline (the ratio of one process), and says when that baseline ran
+    g = tmp_path / "g.json"
+    g.write_text(json.dumps({"gpu": "g", "command": "bf16 again", "date": "d7", "rows": [row("bf16", 30.0), row("nf4", 60.0)]}))
+    out = bench.combine([str(a), str(g)], str(tmp_path / "later_bf16"))
+    steps = {r["format"]: r for r in json.loads((tmp_path / "later_bf16" / "grpo_step.json").read_text())["rows"]}
+    assert steps["nvfp4"]["bf16_step_s"] == 20.0 and steps["nvfp4"]["speedup"] == 1.25 and steps["nvfp4"]["bf16_date"] == "d1"
+    assert steps["nf4"]["speedup"] == 0.5 and steps["bf16"]["step_s"] == 30.0
+    # ... and again when the combined file is combined once more (the pairing travels in the rows)
+    again = bench.combine([str(tmp_path / "later_bf16" / "memory.json")], str(tmp_path / "later_again"))
+    assert [r["speedup"] for r in bench.step_rows(again["rows"]) if r["format"] == "nvfp4"] == [1.25]
     # rows from before the single-copy change (no field: two copies of the 4-bit weights) are kept
     # beside a single-copy row of the same configuration, not replaced by it
     c = tmp_path / "c.json"
