@@ -345,6 +345,11 @@ def _pair(row: dict) -> tuple:
     return (*_setup(row), row.get("steps", 1) > 1)
 
 
+def _bf16_baselines(rows: list[dict]) -> dict[tuple, dict]:
+    """The measured bf16 rows by `_pair` (the last one wins)."""
+    return {_pair(r): r for r in rows if r["format"] == "bf16" and r["status"] == "ok"}
+
+
 def same_call_baselines(part: dict) -> None:
     """Give each non-bf16 row of one call's memory.json the bf16 step of that call with the same
     setup (`bf16_same_call`: step_s and date), so that a later call's bf16 row, which replaces this
@@ -352,7 +357,7 @@ def same_call_baselines(part: dict) -> None:
     left alone: its rows come from several calls and keep what they carry."""
     if isinstance(part.get("command"), list):
         return
-    bf16 = {_pair(r): r for r in part["rows"] if r["format"] == "bf16" and r["status"] == "ok"}
+    bf16 = _bf16_baselines(part["rows"])
     for r in part["rows"]:
         base = bf16.get(_pair(r))
         if r["format"] != "bf16" and base is not None:
@@ -364,7 +369,7 @@ def step_rows(memory_rows: list[dict]) -> list[dict]:
     model and batch as its baseline (None where that one did not run or did not fit)."""
     from qerl.nn.quant_linear import nf4_decode_of
 
-    bf16 = {_pair(r): r for r in memory_rows if r["format"] == "bf16" and r["status"] == "ok"}
+    bf16 = _bf16_baselines(memory_rows)
     out = []
     for r in memory_rows:
         if r["status"] != "ok":
