@@ -529,7 +529,11 @@ def _one_line(e: ValidationError, source: str) -> str:
         if kind not in ("value_error",) and not isinstance(given, (dict, list)):
             text += f" (got {given!r})"
         msg = f"{key}: {text}"
-    more = f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    more = ""
+    if len(errors) > 1:
+        # name where the others are, so one run shows every key to fix (the line stays one line)
+        rest = list(dict.fromkeys(_dotted(tuple(err.get("loc", ()))) or "(recipe)" for err in errors[1:]))
+        more = f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''}, at {', '.join(rest)})"
     return f"{source}: {msg}{more}"
 
 

@@ -249,6 +249,9 @@ def _runs_in(db: Path) -> int:
         ({"benchmarks": [{"name": "mmlu"}]}, [], ["'mmlu'", *BENCHMARKS]),
         ({}, ["--set", "formats=bf16,int4"], ["'int4'", *FORMATS]),
         ({}, ["--set", "generation.max_tokens=3"], ["generation.max_tokens", "max_new_tokens"]),
+        # several mistakes: the first explained, every other one located, still one line
+        ({"formats": ["bf16", "fp8"], "colour": "red", "generation": {"max_tokens": 3}}, [],
+         ["'fp8'", "2 more errors, at ", "colour", "generation.max_tokens"]),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line_before_any_run(tmp_path, data, args, expected):
