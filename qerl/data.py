@@ -139,7 +139,7 @@ def _load(name: str, split: str, data_dir, limit: int | None) -> list[Problem]:
     root = resolve_data_dir(data_dir)
     rel = _LOCAL_FILES[(name, split)]
     if root is not None:
-        source = "argument data_dir" if data_dir not in (None, "") else f"env {DATA_DIR_ENV}"
+        source = "the data_dir setting" if data_dir not in (None, "") else f"env {DATA_DIR_ENV}"
         path = root / rel
         if not root.is_dir():
             raise DataError(
