@@ -508,11 +508,16 @@ def _dotted(loc: tuple) -> str:
     return out
 
 
+def _where(error: dict) -> str:
+    """The dotted recipe key a validation error is about ("(recipe)" for the whole recipe)."""
+    return _dotted(tuple(error.get("loc", ()))) or "(recipe)"
+
+
 def _one_line(e: ValidationError, source: str) -> str:
     errors = e.errors(include_url=False)
     first = errors[0]
     loc = tuple(first.get("loc", ()))
-    key = _dotted(loc) or "(recipe)"
+    key = _where(first)
     kind = first.get("type", "")
     if kind == "extra_forbidden":
         section_loc = loc[:-1]
@@ -532,7 +537,7 @@ def _one_line(e: ValidationError, source: str) -> str:
     more = ""
     if len(errors) > 1:
         # name where the others are, so one run shows every key to fix (the line stays one line)
-        rest = list(dict.fromkeys(_dotted(tuple(err.get("loc", ()))) or "(recipe)" for err in errors[1:]))
+        rest = list(dict.fromkeys(_where(err) for err in errors[1:]))
         more = f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''}, at {', '.join(rest)})"
     return f"{source}: {msg}{more}"
 
