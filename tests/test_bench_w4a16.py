@@ -72,3 +72,24 @@ def test_candidate_medians_count_shared_shapes_as_the_sweep_does():
     # [2, 2, 0.5, 0.5] with 7168x5120 counted twice (once per model): 1.25; once, [2, 0.5, 0.5] would give 0.5
     assert "M=256 nvfp4 sk: median x1.250 over 4 cells" in lines
     assert "M=256 nvfp4 default: median x1.000 over 2 cells (1 BAD)" in lines
+
+
+def test_chain_clock_probe_reads_its_modes_and_refuses_bad_ones():
+    """benchmarks/probe_chain_clocks.py: "rule" is the routing with no config, NAME:{json} a Gluon config; a bare
+    name other than rule, or a config that is not a JSON object, stops with a one-line error before any GPU work."""
+    import json
+
+    import pytest
+
+    spec = importlib.util.spec_from_file_location("probe_chain_clocks",
+                                                  os.path.join(ROOT, "benchmarks", "probe_chain_clocks.py"))
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert probe.parse_modes('rule; g2:{"PATH": "wsmma", "PER_SM": 2};') == [
+        ("rule", None), ("g2", {"PATH": "wsmma", "PER_SM": 2})]
+    with pytest.raises(ValueError, match="'rule' or NAME"):
+        probe.parse_modes("rule;split")
+    with pytest.raises(ValueError, match="JSON object"):
+        probe.parse_modes("g:[1, 2]")
+    with pytest.raises(json.JSONDecodeError):
+        probe.parse_modes("g:{PER_SM: 2}")
