@@ -145,6 +145,27 @@ def dump_rows(out_path: str | None, rows: list, **extra) -> None:
             json.dump({**META, **extra, "rows": rows}, f, indent=1)
 
 
+def probe_rows(shapes: str, ms: str, modes: list, clocks) -> list[dict]:
+    """The probes' loop: per "NxK" of `shapes` and M of `ms` (comma lists), bf16 and each (name, config) of `modes`
+    timed as the sweep times them, plus clocks(layer, m, config) -> dict of per-program clocks; each row printed
+    as JSON when measured."""
+    rows = []
+    for shape in shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        layer = Layer(n, k, ("nvfp4",), seed=1)
+        for m in (int(v) for v in ms.split(",")):
+            bf = measure(layer, m, "bf16", "forward")
+            for name, cfg in modes:
+                us = measure(layer, m, "nvfp4", "forward", cfg)
+                row = {"n": n, "k": k, "m": m, "mode": name, "config": cfg, "us": round(us, 2),
+                       "bf16_us": round(bf, 2), "speedup": round(bf / us, 3), **clocks(layer, m, cfg)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        del layer
+        torch.cuda.empty_cache()
+    return rows
+
+
 def write_probe(path: str | None, rows: list, **extra) -> None:
     """A probe script's JSON (gpu, torch, `extra`, its command line, rows); nothing when path is None."""
     if path:

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_w4a16 import Layer, activations, measure, write_probe  # noqa: E402
+from bench_w4a16 import Layer, activations, probe_rows, write_probe  # noqa: E402
 
 
 def parse_modes(text: str) -> list[tuple[str, dict | None]]:
@@ -89,20 +89,8 @@ def main(argv=None) -> int:
     from qerl.kernels import w4a16_triton
 
     w4a16_triton.PDL = a.pdl  # routing and launches of the decode chain (QERL_W4A16_PDL=1), or single launches
-    rows = []
-    for shape in a.shapes.split(","):
-        n, k = (int(v) for v in shape.split("x"))
-        layer = Layer(n, k, ("nvfp4",), seed=1)
-        for m in (int(v) for v in a.ms.split(",")):
-            bf = measure(layer, m, "bf16", "forward")
-            for name, cfg in modes:
-                us = measure(layer, m, "nvfp4", "forward", cfg)
-                row = {"n": n, "k": k, "m": m, "mode": name, "config": cfg, "us": round(us, 2), "bf16_us": round(bf, 2),
-                       "speedup": round(bf / us, 3), "clocks": chain_clocks(layer, m, cfg, a.calls, a.sm_mhz)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        del layer
-        torch.cuda.empty_cache()
+    rows = probe_rows(a.shapes, a.ms, modes,
+                      lambda layer, m, cfg: {"clocks": chain_clocks(layer, m, cfg, a.calls, a.sm_mhz)})
     write_probe(a.out, rows, sm_mhz=a.sm_mhz, pdl=a.pdl)
     return 0
 

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_w4a16 import Layer, measure, write_probe  # noqa: E402
+from bench_w4a16 import Layer, probe_rows, write_probe  # noqa: E402
 
 
 def _mode(spec: str) -> tuple[str, dict]:
@@ -83,21 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     sm_mhz = a.sm_mhz
-    rows = []
     modes = [_mode(s) for s in a.modes.split(";")]
-    for shape in a.shapes.split(","):
-        n, k = (int(v) for v in shape.split("x"))
-        layer = Layer(n, k, ("nvfp4",), seed=1)
-        for m in (int(v) for v in a.ms.split(",")):
-            bf = measure(layer, m, "bf16", "forward")
-            for name, cfg in modes:
-                us = measure(layer, m, "nvfp4", "forward", cfg)
-                row = {"n": n, "k": k, "m": m, "mode": name, "config": cfg, "us": round(us, 2),
-                       "bf16_us": round(bf, 2), "speedup": round(bf / us, 3), **stamped(layer, m, cfg, sm_mhz)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        del layer
-        torch.cuda.empty_cache()
+    rows = probe_rows(a.shapes, a.ms, modes, lambda layer, m, cfg: stamped(layer, m, cfg, sm_mhz))
     write_probe(a.out, rows, sm_mhz=sm_mhz)
     return 0
 
