@@ -357,6 +357,21 @@ def test_x_stream_probe_builds_for_hopper():
     assert ptx.count("cp.async.bulk.tensor") == 1 and ptx.count("mbarrier.try_wait") == 2
 
 
+def test_cluster_reduce_probe_reports_each_form(capsys):
+    """benchmarks/probe_cluster_reduce.py compiles its two cross-CTA forms offline in child processes (a compiler
+    assertion must not take the probe down) and prints one result per form: built, with its cluster instructions
+    counted, or not, with the compiler's error."""
+    pytest.importorskip("triton.experimental.gluon")
+    import ast
+
+    probe = _benchmark_module("probe_cluster_reduce")
+    assert probe.main([]) == 0
+    results = [ast.literal_eval(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["kind"] for r in results] == list(probe.KINDS)
+    for r in results:
+        assert set(r["ptx_counts"]) == {"mapa", "shared::cluster", "barrier.cluster"} if r["ok"] else r["error"]
+
+
 def test_profile_rollout_counts_every_4bit_kernel_as_a_4bit_gemm():
     """benchmarks/profile_rollout.py groups kernel times by name; every Triton / Gluon kernel of the 4-bit products
     (the w4a16 modules and the NF4 ones) must land in "4-bit GEMM". Session 64's first 32-row profiles put rwg's KP
