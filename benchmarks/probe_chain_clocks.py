@@ -30,6 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_w4a16 import Layer, activations, probe_rows, write_probe  # noqa: E402
 
+STAMP_WORDS = 8  # int64 words a stamped program writes (w4a16_triton.STAMP)
+MAX_GRID = 4096  # programs per call the stamp buffer is sized for (the layers here launch <= 528)
+
 
 def parse_modes(text: str) -> list[tuple[str, dict | None]]:
     """'rule;g2:{"PER_SM": 2}' -> [("rule", None), ("g2", {"PER_SM": 2})]; ValueError on a bad item."""
@@ -63,7 +66,7 @@ def chain_clocks(layer: Layer, m: int, config: dict | None, calls: int, sm_mhz: 
     for i in range(len(states)):  # compile and measure residency outside the capture
         call(i)
     torch.cuda.synchronize()
-    W.STAMP = {"buf": torch.full((calls * 8 * 4096,), -1, dtype=torch.int64, device="cuda"), "used": 0, "calls": []}
+    W.STAMP = {"buf": torch.full((calls * STAMP_WORDS * MAX_GRID,), -1, dtype=torch.int64, device="cuda"), "used": 0, "calls": []}
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
