@@ -70,6 +70,9 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   weight stages (XS) on / off, e.g. g:qkv+o:p2s6, g:down:p4s3x, g:gate_up:p4s3q,
                   g:down:p4s3y; the late-trigger flags of NOTES_rollout.md section 23 (g:...l, nlate /
                   slate / nslate) lost and are in 570eaa6's tree only),
+                  cl / nocl (the Gluon GEMV's split fixup through a cluster's shared memory wherever the
+                  clusters fit / never; default: in PDL chains on layers of short per-program loops,
+                  w4a16_gluon.CLUSTER_FIXUP, qerl/kernels/ptx_cluster.py),
                   xpf / noxpf (Gluon GEMV loads x a step ahead or not), noxpf8 (not by rule at M = 2..8),
                   xs / xsall / noxs (its producer copies x beside each weight stage: at M = 2..8 / at every M /
                   never), sk / nosk (its stream-K
@@ -236,6 +239,8 @@ def _switches() -> dict:
         "xpf": [(w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "XPF": True})],
         "noxpf": [(w4a16_gluon, "DEFAULT", {**w4a16_gluon.DEFAULT, "XPF": False})],
         "noxpf8": [(w4a16_gluon, "XPF_TOKENS_MIN_K", 0)],
+        "cl": [(w4a16_gluon, "CLUSTER_FIXUP", True)],
+        "nocl": [(w4a16_gluon, "CLUSTER_FIXUP", False)],
         "xs": [(w4a16_gluon, "X_SMEM", None)],
         "xsall": [(w4a16_gluon, "X_SMEM", True)],
         "noxs": [(w4a16_gluon, "X_SMEM", False)],

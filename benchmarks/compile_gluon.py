@@ -3,7 +3,7 @@
 qerl/kernels/w4a16_wgmma.py).
 
     .venv/bin/python benchmarks/compile_gluon.py [--n 7168] [--k 5120] [--stages 6] [--warps 4]
-        [--maxnreg R (default 64, 0 = none)] [--producer-regs 24] [--bias] [--pdl] [--xpf] [--streamk] [--tail] [--scale-bits] [--pwa] [--xs] [--glu] [--dump DIR]
+        [--maxnreg R (default 64, 0 = none)] [--producer-regs 24] [--bias] [--pdl] [--xpf] [--streamk] [--tail] [--scale-bits] [--pwa] [--xs] [--glu] [--cluster S] [--dump DIR]
     .venv/bin/python benchmarks/compile_gluon.py --kernel wgmma [--fmt nvfp4] [--m 64]
         [--config '{"CPS": 4, "NSD": 2}'] [--bias] [--scale-bits] [--dump DIR]
 
@@ -60,13 +60,13 @@ def _signature(n: int, k: int, has_bias: bool, mt: int = 1, xs: bool = False, gl
 def compile_kernel(n: int, k: int, stages: int, warps: int, maxnreg, producer_regs: int, bias: bool, pdl: bool,
                    mt: int = 1, xpf: bool = False, stamp: bool = False, epi: bool = G.EPI_SMEM, sk: bool = False, tail: bool = False,
                    sbits: bool = False, pwa: bool = False, xs: bool = False, glu: bool = False, fold: int = 0,
-                   fmt: str = "nvfp4", sync: int = 0, lexp: int = 0):
+                   fmt: str = "nvfp4", sync: int = 0, lexp: int = 0, cluster: int = 0):
     fn = G._gluon_gemv_kernel
     sig = _signature(n, k, bias, mt, xs, glu, lexp, fmt=fmt)
     l5, l2w, l2s = G._layouts(warps, fmt)
     # SP: the fixup's unrolled partial count (the wrapper passes next_power_of_2(S); 8 covers S <= 8)
     constexprs = {"NUM_STAGES": stages, "HAS_BIAS": bias, "PDL": pdl, "MT": mt, "XPF": xpf, "STAMP": stamp, "SP": 8,
-                  "HOIST": True, "EPI": epi, "SK": sk, "TAIL": tail, "SBITS": sbits, "PWA": pwa, "XS": xs, "GLU": glu, "FOLD": fold, "SYNC": sync, "LEXP": lexp, "SSP": 64, "MX": fmt == "mxfp4", "LX": G._x_layout(warps, mt), "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
+                  "HOIST": True, "EPI": epi, "SK": sk, "TAIL": tail, "SBITS": sbits, "PWA": pwa, "XS": xs, "GLU": glu, "FOLD": fold, "SYNC": sync, "LEXP": lexp, "CL": cluster, "SSP": 64, "MX": fmt == "mxfp4", "LX": G._x_layout(warps, mt), "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
     for name in constexprs:
         sig[name] = "constexpr"
     # pointers 16-byte aligned, as the JIT would specialise them on a GPU
@@ -195,6 +195,8 @@ def main():
                     "delta wait and signal in the epilogue (SYNC = 1 + ns naps between polls; 0: off)")
     ap.add_argument("--lexp", type=int, default=0, help="gemv, with --sync: the epilogue expands the LoRA delta at this "
                     "rank from the resident kernel's shrink sums (LEXP, lora_resident.Expand; any product)")
+    ap.add_argument("--cluster", type=int, default=0, help="gemv: the split fixup through a cluster of this many "
+                    "programs' shared memory (CL, qerl/kernels/ptx_cluster.py; 0: the global workspace)")
     ap.add_argument("--dump", default=None, help="write ttgir / llir / ptx / sass here")
     a = ap.parse_args()
     if a.kernel == "wgmma":
@@ -202,7 +204,8 @@ def main():
     try:
         ck = compile_kernel(a.n, a.k, a.stages, a.warps, a.maxnreg, a.producer_regs, a.bias, a.pdl,
                             1 if (a.m or 1) == 1 else G.MAX_M, a.xpf, epi=not a.old_epi, sk=a.streamk, tail=a.tail, sbits=a.scale_bits,
-                            pwa=a.pwa, xs=a.xs, glu=a.glu, fold=a.fold, fmt=a.fmt, sync=a.sync, lexp=a.lexp)
+                            pwa=a.pwa, xs=a.xs, glu=a.glu, fold=a.fold, fmt=a.fmt, sync=a.sync, lexp=a.lexp,
+                            cluster=a.cluster)
     except Exception as e:  # noqa: BLE001
         print(f"compile FAILED: {type(e).__name__}: {e}")
         sys.exit(1)

@@ -508,6 +508,79 @@ def test_ptx_pwa_rewrite_rules():
         ptx_pwa.rewrite(no_arrive)
 
 
+_CLUSTER_PTX = """
+.extern .shared .align 16 .b8 global_smem[];
+.visible .entry k(
+	.param .u64 k_param_0
+)
+{
+	.reg .b32 	%r<4>;
+	mov.b64 	%rd1, k_param_0;
+	mov.u32 	%r1, %tid.x;
+	shr.u32 	%r2, %r1, 5;
+	@%p1 bra 	$L__BB0_2;
+	// qerl-cluster-v2 %r3
+$L__BB0_2:
+	mov.u32 	%r3, %tid.x;
+	ret;
+}
+"""
+
+
+def test_ptx_cluster_rewrite_rules():
+    """The cluster fixup's entry code (qerl/kernels/ptx_cluster.py) on a small PTX text: unmarked PTX is
+    untouched; marked, the leader's mbarrier initialisation and every thread's cluster arrive go in once, right before the
+    entry's first %tid.x read (before the warp-specialised branch); a text without such a read, or with a
+    branch before it, raises. The region's size matches what a launch adds."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import ptx_cluster
+
+    unmarked = _CLUSTER_PTX.replace("// qerl-cluster-v2 %r3", "")
+    assert ptx_cluster.rewrite(unmarked) == unmarked
+    out = ptx_cluster.rewrite(_CLUSTER_PTX)
+    lines = out.split("\n")
+    arrive = next(i for i, s in enumerate(lines) if "barrier.cluster.arrive.release.aligned;" in s)
+    assert out.count("barrier.cluster.arrive") == 1 and out.count("%cluster_ctarank") == 1
+    assert lines[arrive + 2].strip().startswith("mov.u32 \t%r1, %tid.x;")
+    assert "@%qcl_p mbarrier.init.shared::cta.b64 [%qcl_a], %qcl_b;" in out and "sub.u32 %qcl_a, %qcl_a, 16;" in out
+    assert "@%qcl_p fence.mbarrier_init.release.cluster;" in out
+    with pytest.raises(ptx_cluster.RewriteError, match="tid"):
+        ptx_cluster.rewrite(_CLUSTER_PTX.replace("%tid.x", "%ctaid.x"))
+    with pytest.raises(ptx_cluster.RewriteError, match="control flow"):
+        ptx_cluster.rewrite(_CLUSTER_PTX.replace("\tmov.b64 \t%rd1, k_param_0;", "\t@%p2 bra \t$L__BB0_2;"))
+    assert ptx_cluster.extra_bytes(7, 64) == 16 + 6 * 256 and ptx_cluster.extra_bytes(2, 512) == 16 + 2048
+
+
+@pytest.mark.parametrize("mt,cl", [(1, 7), (8, 4), (8, 8)])
+def test_gluon_gemv_cluster_fixup_builds(mt, cl):
+    """Offline sm_90a build of the Gluon GEMV with the cluster fixup (CL): the entry code sits before the
+    worker warps' branch, the consumers wait on the cluster barrier once, peers store their partials
+    into the leader's shared memory (mapa + st.shared::cluster) and arrive on its mbarrier (one remote arrive,
+    release at cluster scope), the leader try_waits on it and reads CL - 1 slots; the global counter's atomics
+    are gone; no spills at 64
+    registers; CL = 0 builds carry none of it."""
+    pytest.importorskip("triton.experimental.gluon")
+    cg = _compile_gluon()
+    for c in (0, cl):
+        ck = cg.compile_kernel(3584, 3584, 3, 4, 64, 24, True, True, mt, False, sbits=True, pwa=mt > 1, cluster=c)
+        regs, spills = cg._resources(ck.asm["cubin"])
+        assert spills == 0 and regs <= 64
+        ptx = ck.asm["ptx"]
+        if not c:
+            assert "cluster" not in ptx.replace("shared::cluster", "") and "atom.global" in ptx
+            continue
+        body = ptx.split("\n")
+        arrive = next(i for i, s in enumerate(body) if "barrier.cluster.arrive" in s)
+        branch = next(i for i, s in enumerate(body) if "shfl.sync.idx" in s)
+        assert arrive < branch
+        assert ptx.count("barrier.cluster.wait") == 1
+        assert ptx.count("mbarrier.arrive.release.cluster.shared::cluster.b64") == 1
+        assert ptx.count("mbarrier.try_wait.parity.acquire.cluster") == 1
+        assert ptx.count("st.shared::cluster.f32") >= 1 and "mapa.shared::cluster" in ptx
+        assert "atom.global" not in ptx  # no counter in global memory
+        assert ptx.count("ld.shared.f32") >= cl - 1
+
+
 def _init_counts(ptx: str) -> list[int]:
     """The arrival counts of the kernel's mbarrier.init, in PTX order."""
     import re

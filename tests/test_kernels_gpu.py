@@ -1148,3 +1148,76 @@ def _check_gluon_gemm(fmt: str, conf: dict, ms, seed: int, also=None):
     x.copy_(torch.randn(64, k, device="cuda").to(torch.bfloat16))
     g.replay()
     assert _rel(out, x.float() @ w32.T) < TOL
+
+
+CLUSTER_CASES = [(3584, 3584, (2, 3, 8, None)), (1058, 1024, (4,)), (7168, 5120, (None,))]
+
+
+@pytest.mark.parametrize("n,k,ss", CLUSTER_CASES, ids=[f"{n}x{k}" for n, k, _ in CLUSTER_CASES])
+def test_gluon_gemv_cluster_fixup(n, k, ss):
+    """The split fixup through the cluster's shared memory (CLUSTER, qerl/kernels/ptx_cluster.py) adds the
+    same partials in the same order as the global workspace: for S = 2 / 3 / 4 / 8 forced and the rule's S
+    (None: 7 on 3584^2, 4 on 7168 x 5120 at 4 programs per SM), M = 1 / 3 / 8 (the M = 1 and the 8-token
+    epilogues), with a bias (N = 1058: the last block part past N), PDL off (and on for the rule's S), the output on a NaN-poisoned buffer is bit-identical to CLUSTER off, within 1e-2 of the
+    fp32 reference, and equal on a re-run; the launches really ran as clusters (CLUSTERS records each
+    size the device can hold; none of these layers has more blocks than co-resident clusters)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_gluon as G
+    from qerl.kernels import w4a16_triton as W
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs Hopper (clusters, TMA, warp specialisation)")
+    t, st, w32 = _layer("nvfp4", n, k, seed=n + k)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    bad = []
+    for m in (1, 3, 8):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        ref = x.float() @ w32.T + bias.float()
+        for s in ss:
+            for pdl in (False, True) if s is None else (False,):
+                base = {"PATH": "wsmma", "PDL": pdl, **({"S": s} if s else {})}
+                W.forward(x, st, config=dict(base, CLUSTER=False))  # the first launch measures occupancy
+                plain = W.forward(x, st, bias=bias, config=dict(base, CLUSTER=False))
+                y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                W.forward(x, st, bias=bias, config=dict(base, CLUSTER=True), out=y)
+                again = W.forward(x, st, bias=bias, config=dict(base, CLUSTER=True))
+                err = _rel(y, ref)
+                if not (torch.equal(y, plain) and torch.equal(again, y) and err < TOL):
+                    bad.append((m, s, pdl, err, torch.equal(y, plain), torch.equal(again, y)))
+    assert not bad, bad
+    sizes = {cl for cl, _mt, _most in G.CLUSTERS.values()}
+    assert sizes and all(most > 0 for _cl, _mt, most in G.CLUSTERS.values()), G.CLUSTERS
+    assert max(sizes) >= 2
+
+
+@pytest.mark.parametrize("m", (1, 4))
+def test_gluon_gemv_cluster_fixup_pdl_chain(m):
+    """Cluster launches chained with PDL in a CUDA graph (the decode step's form: the next launch's clusters
+    start while this one runs): a chain of dependent 3584 x 3584 launches (S = 7) replayed on fresh inputs
+    equals the eager chain with the global fixup, bit for bit."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_triton as W
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs Hopper (clusters, TMA, warp specialisation)")
+    n = 3584
+    layers = [_layer("nvfp4", n, n, seed=90 + i)[1] for i in range(3)]
+    order = [0, 1, 2, 0, 1, 2, 0]
+
+    def chain(x, cfg):
+        for i in order:
+            x = W.forward(x, layers[i], config=cfg)
+        return x
+
+    cfg = {"PATH": "wsmma", "PDL": True, "CLUSTER": True}
+    static_x = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+    chain(static_x, cfg)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = chain(static_x, cfg)
+    for seed in range(4):
+        x = torch.randn(m, n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)).to(torch.bfloat16)
+        static_x.copy_(x)
+        g.replay()
+        assert torch.equal(out, chain(x, {"PATH": "wsmma", "PDL": False, "CLUSTER": False})), seed

@@ -190,6 +190,28 @@ def test_engine_per_warp_arrive_changes_nothing(monkeypatch):
     assert torch.equal(runs[0].logprobs, runs[1].logprobs)
 
 
+def test_engine_cluster_fixup_changes_nothing(monkeypatch):
+    """The Gluon GEMV's split fixup through a cluster's shared memory (w4a16_gluon.CLUSTER_FIXUP,
+    qerl/kernels/ptx_cluster.py) inside graphed, PDL-chained nvfp4 decode steps: a sampled rollout with it
+    on wherever the clusters fit equals the one with it off, token for token and logprob for logprob, and
+    cluster launches were really planned on this model."""
+    from qerl.kernels import w4a16_gluon
+
+    planned = []
+    real = w4a16_gluon.cluster_fits
+
+    def counting(*args, **kwargs):
+        planned.append(real(*args, **kwargs))
+        return planned[-1]
+
+    monkeypatch.setattr(w4a16_gluon, "cluster_fits", counting)
+    runs = _rollouts_per_switches("nvfp4", monkeypatch, 1.0, [{"w4a16_gluon.CLUSTER_FIXUP": False},
+                                                              {"w4a16_gluon.CLUSTER_FIXUP": True}])
+    assert any(planned)
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+    assert torch.equal(runs[0].logprobs, runs[1].logprobs)
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_engine_prefill_graph_replays_the_eager_prefill(fmt):
     """A small prefill runs eagerly the first time, then as a CUDA graph fed with the new

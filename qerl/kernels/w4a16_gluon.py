@@ -72,9 +72,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from qerl.kernels import ptx_cluster
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels.w4a16_triton import _KA, _KM, _KS, _R1, _R2, _R3, _S0, _S3  # the bit layout (layout.py)
 from qerl.kernels.w4a16_ws import _copy_tile, _gdc, _mul2, _plan, _producer, _resident, _rotr, _setup  # shared
+
+ptx_cluster.install()  # the cluster fixup's entry code (CLUSTER; only kernels that emit its mark)
 
 # nvfp4 group scale: FP8-E4M3 value times 2^(126 - J), J = layout.NVFP4_EXP_OFFSET = 8 (w4a16_triton._scales)
 _SCALE_MUL = gl.constexpr(3.3230699894622897e35)  # 2^118
@@ -369,7 +372,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
               SBITS: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, GLU: gl.constexpr, glu_buf,
               h_ptr, hout_ptr, nw_ptr, ss_ptr, NSS, eps, KN, FOLD: gl.constexpr, SSP: gl.constexpr,
               EB, MX: gl.constexpr, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC: gl.constexpr, lx, LEXP: gl.constexpr,
-              num_warps: gl.constexpr):
+              CL: gl.constexpr, num_warps: gl.constexpr):
     # activations: x as int32 pairs, element (sc, i) of the 5-D tile needs word column c = 2 sc + i
     LSC: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4, L5))))
     LI: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L5))))
@@ -448,7 +451,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
         _block_epilogue(alpha_ptr, bias_ptr, alpha, b_lo, b_hi, red, c_ptr, ws_ptr, lock_ptr, stamp_ptr, acc0, acc1,
                         acc2, acc3, p, blk, M, N, k0, k1, S, NW, SP, HAS_BIAS, MT, STAMP, HOIST, EPI, rows, sc5, zero5,
                         LR, LR3, LRED, LRED1, GLU, glu_buf, FOLD, h_ptr, hout_ptr, nw_ptr, ss_ptr, dl_ptr, dflag_ptr,
-                        sig_ptr, DT, SYNC, lx, LEXP)
+                        sig_ptr, DT, SYNC, lx, LEXP, CL)
     if STAMP:
         _stamp(stamp_ptr, p, 3, "clock64")
         _stamp(stamp_ptr, p, 6, "globaltimer")
@@ -576,15 +579,16 @@ def _block_epilogue(alpha_ptr, bias_ptr, alpha, b_lo, b_hi, red, c_ptr, ws_ptr, 
                     LR3: gl.constexpr, LRED: gl.constexpr, LRED1: gl.constexpr, GLU: gl.constexpr = False,
                     glu_buf=None, FOLD: gl.constexpr = 0, h_ptr=None, hout_ptr=None, nw_ptr=None, ss_ptr=None,
                     dl_ptr=None, dflag_ptr=None, sig_ptr=None, DT=0, SYNC: gl.constexpr = False, lx=None,
-                    LEXP: gl.constexpr = 0):
-    """The split schedule's epilogue: one row block, K slice [k0, k1) of S."""
+                    LEXP: gl.constexpr = 0, CL: gl.constexpr = 0):
+    """The split schedule's epilogue: one row block, K slice [k0, k1) of S (CL > 0: the block's S = CL
+    programs are one cluster, fixed up through the leader's shared memory; EPI only)."""
     if STAMP:
         _stamp(stamp_ptr, p, 2, "clock64")
     if not HOIST:  # (A/B switch) the constants loaded after the main loop, as before HOIST
         alpha, b_lo, b_hi = _tile_consts(alpha_ptr, bias_ptr, blk, N, rows, HAS_BIAS, not EPI)
     if MT == 1 and EPI:
         _epilogue_smem1(alpha, b_lo, red, c_ptr, ws_ptr, lock_ptr, acc0, acc2, p, blk, N, k0, k1, S, SP, HAS_BIAS,
-                        LRED1, False, 0, 0, NW)
+                        LRED1, False, 0, 0, NW, CL)
     elif MT == 1:
         # acc0 (= acc1): row 16m + g, acc2 (= acc3): row 16m + 8 + g, for every lane t of the quad
         # (all B columns equal x): keep lane t = 0 (sc % 4 == 0), sum the word columns and the warps.
@@ -624,7 +628,7 @@ def _block_epilogue(alpha_ptr, bias_ptr, alpha, b_lo, b_hi, red, c_ptr, ws_ptr, 
     elif EPI:
         _epilogue_smem(alpha, b_lo, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
                        p, blk, M, N, k0, k1, S, SP, HAS_BIAS, LRED, False, 0, 0, NW, GLU, glu_buf,
-                       FOLD, h_ptr, hout_ptr, nw_ptr, ss_ptr, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC, lx, LEXP)
+                       FOLD, h_ptr, hout_ptr, nw_ptr, ss_ptr, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC, lx, LEXP, CL)
     else:
         _epilogue_tokens(alpha, b_lo, b_hi, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, acc3,
                          p, blk, M, N, k0, k1, S, SP, HAS_BIAS, LR3)
@@ -688,7 +692,7 @@ def _epilogue_smem(alpha, bias, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, 
                    p, blk, M, N, k0, k1, S, SP: gl.constexpr, HAS_BIAS: gl.constexpr, LRED: gl.constexpr,
                    SK: gl.constexpr, f0, KB, NW, GLU: gl.constexpr = False, glu_buf=None, FOLD: gl.constexpr = 0,
                    h_ptr=None, hout_ptr=None, nw_ptr=None, ss_ptr=None, dl_ptr=None, dflag_ptr=None, sig_ptr=None,
-                   DT=0, SYNC: gl.constexpr = False, lx=None, LEXP: gl.constexpr = 0):
+                   DT=0, SYNC: gl.constexpr = False, lx=None, LEXP: gl.constexpr = 0, CL: gl.constexpr = 0):
     """MT = 8 through shared memory (EPI): each thread sums its two words i, writes its 16 partials
     [m, b, h] of warp w to `red` [4 m, 4 w, 8 g, 4 t, 2 b, 2 h] (16-byte rows, no bank conflict), one
     barrier, and reads back the four warps' values of its own (m, g, t) to sum them in registers:
@@ -704,13 +708,13 @@ def _epilogue_smem(alpha, bias, red, c_ptr, ws_ptr, lock_ptr, acc0, acc1, acc2, 
     n = blk * 64 + row
     _fixup_store(part, tok * 64 + row, 512, c_ptr, tok * N + n, (n < N) & (tok < M), alpha, bias, ws_ptr, lock_ptr,
                  p, blk, N, k0, k1, S, SP, HAS_BIAS, SK, f0, KB, NW, GLU, glu_buf, M, FOLD, h_ptr, hout_ptr, nw_ptr,
-                 ss_ptr, tok, n, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC, lx, LEXP)
+                 ss_ptr, tok, n, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC, lx, LEXP, CL)
 
 
 @gluon.jit
 def _epilogue_smem1(alpha, bias, red, c_ptr, ws_ptr, lock_ptr, acc0, acc2, p, blk, N, k0, k1, S,
                     SP: gl.constexpr, HAS_BIAS: gl.constexpr, LRED1: gl.constexpr, SK: gl.constexpr, f0, KB,
-                    NW):
+                    NW, CL: gl.constexpr = 0):
     """MT = 1 through shared memory (EPI): every B column holds x, so every lane t of a quad has the
     same sums. Each thread sums its two words i and writes its [m, h] partials to `red`
     [4 t, 4 m, 4 w, 8 g, 2 h]; one barrier; the t = 0 slice is read back with the four warps' values
@@ -722,7 +726,7 @@ def _epilogue_smem1(alpha, bias, red, c_ptr, ws_ptr, lock_ptr, acc0, acc2, p, bl
     row = _red_idx1(gl.SliceLayout(0, gl.SliceLayout(2, LRED1)))
     n = blk * 64 + row
     _fixup_store(part, row, 64, c_ptr, n, n < N, alpha, bias, ws_ptr, lock_ptr, p, blk, N, k0, k1, S, SP, HAS_BIAS,
-                 SK, f0, KB, NW)
+                 SK, f0, KB, NW, CL=CL)
 
 
 @gluon.jit
@@ -740,10 +744,14 @@ def _sk_owner(f, T):
 
 @gluon.jit
 def _split_sum(part, off, WS: gl.constexpr, ws_ptr, lock_ptr, slot, blk, q0, nq, SP: gl.constexpr, SK: gl.constexpr, T,
-               KB):
+               KB, CL: gl.constexpr = 0):
     """Write this program's partial to workspace slot `slot`, count the arrival on the block's
     counter; the last of the block's nq programs (q0 ..) sums all partials in program order
-    (all loads in flight at once) and resets the counter -> (sum or own partial, last?)."""
+    (all loads in flight at once) and resets the counter -> (sum or own partial, last?).
+    CL > 0: the block's nq = CL programs are one cluster and the fixup goes through the leader's
+    shared memory instead (qerl/kernels/ptx_cluster.py; the leader, slot q0, sums in the same order)."""
+    if CL > 0:
+        return ptx_cluster.split_sum(part, off, slot - q0, CL, WS)
     gl.store(ws_ptr + slot * WS + off, part)
     gl.thread_barrier()  # all threads' partials are written before the counter moves
     count = gl.atomic_add(lock_ptr + blk, 1, sem="acq_rel", scope="gpu")
@@ -766,7 +774,7 @@ def _fixup_store(part, off, WS: gl.constexpr, c_ptr, c_off, c_mask, alpha, bias,
                  S, SP: gl.constexpr, HAS_BIAS: gl.constexpr, SK: gl.constexpr, f0, KB, NW, GLU: gl.constexpr = False,
                  glu_buf=None, M=0, FOLD: gl.constexpr = 0, h_ptr=None, hout_ptr=None, nw_ptr=None, ss_ptr=None,
                  tok=None, ncol=None, dl_ptr=None, dflag_ptr=None, sig_ptr=None, DT=0, SYNC: gl.constexpr = False,
-                 lx=None, LEXP: gl.constexpr = 0):
+                 lx=None, LEXP: gl.constexpr = 0, CL: gl.constexpr = 0):
     """Split fixup and output of the shared-memory epilogues. A row block covered by several
     programs: each writes its partial to its WS-float workspace slot at `off`, and the last
     arrival sums all partials in program order (deterministic; all loads in flight at once) and
@@ -794,7 +802,7 @@ def _fixup_store(part, off, WS: gl.constexpr, c_ptr, c_off, c_mask, alpha, bias,
                                     q0, _sk_owner(blk * KB + KB - 1, T) - q0 + 1, SP, SK, T, KB)
     elif S > 1:
         if blk >= NW:
-            part, done = _split_sum(part, off, WS, ws_ptr, lock_ptr, p, blk, NW + (blk - NW) * S, S, SP, SK, 0, 0)
+            part, done = _split_sum(part, off, WS, ws_ptr, lock_ptr, p, blk, NW + (blk - NW) * S, S, SP, SK, 0, 0, CL)
     if done:
         if LEXP > 0:  # (SYNC) the LoRA delta of this block, computed here once the shrink's sums are in
             part = _lora_expand(part, ncol - blk * 64, tok, blk, M, N, dl_ptr, lx, dflag_ptr, DT, SYNC - 1, LEXP, GLU)
@@ -993,7 +1001,7 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, x_desc, alpha_ptr, bias_ptr, c_pt
                        L2S: gl.constexpr, SK: gl.constexpr, TAIL: gl.constexpr, SBITS: gl.constexpr,
                        PWA: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, GLU: gl.constexpr,
                        FOLD: gl.constexpr, SSP: gl.constexpr, MX: gl.constexpr, SYNC: gl.constexpr,
-                       LEXP: gl.constexpr, num_warps: gl.constexpr):
+                       LEXP: gl.constexpr, CL: gl.constexpr, num_warps: gl.constexpr):
     # PWA: each consumer warp frees a stage itself (empty barriers of num_warps arrivals, qerl/kernels/ptx_pwa.py)
     p, blk, k0, k1, trow0, w_bufs, s_bufs, ready, empty = _setup(w_desc, s_desc, KB, S, NUM_STAGES, PDL,
                                                                  num_warps if PWA else 1)
@@ -1031,11 +1039,13 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, x_desc, alpha_ptr, bias_ptr, c_pt
     else:
         glu_buf = red
     lx = (lb_ptr, LN1, LN2, LHS, alpha_ptr)  # LEXP: what the epilogue's expand reads besides h (`_lora_expand`)
+    if CL > 0:  # the split fixup through the cluster's shared memory: ptx_cluster's entry code goes in
+        ptx_cluster.mark()
     gl.warp_specialize([
         (_consumer, (xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w_bufs, s_bufs, x_bufs, ready,
                      empty, p, blk, M, N, KB, k0, k1, S, NW, SP, NUM_STAGES, HAS_BIAS, PDL, MT, XPF, STAMP, HOIST, EPI,
                      SK, red, L5, L2W, L2S, SBITS, XS, LX, GLU, glu_buf, h_ptr, hout_ptr, nw_ptr, ss_ptr, NSS, eps,
-                     KN, FOLD, SSP, EB, MX, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC, lx, LEXP, num_warps)),
+                     KN, FOLD, SSP, EB, MX, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC, lx, LEXP, CL, num_warps)),
         (_gluon_producer, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, trow0, k0, k1, KB, stamp_ptr,
                            p, NUM_STAGES, STAMP, XS, PDL, GLU)),
     ], [1], [PRODUCER_REGS])
@@ -1046,8 +1056,9 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, x_desc, alpha_ptr, bias_ptr, c_pt
 # XPF: load each step's x one step ahead (section 16 of NOTES_w4a16.md); None = auto (xpf_auto)
 # XS: x copied by the producer beside each weight stage (None = X_SMEM)
 DEFAULT = dict(NUM_STAGES=3, num_warps=4, PER_SM=4, maxnreg=64, PRODUCER_REGS=24, PDL=None, XPF=None, PWA=None,
-               XS=None)
+               XS=None, CLUSTER=None)
 _RESIDENT: dict = {}
+CLUSTERS: dict = {}  # compiled kernel's hash -> (cluster size, MT, the device's most co-resident clusters of it)
 # alpha and the bias rows loaded before the PDL wait (the epilogue of the last-arriving program
 # then waits on no load); False: after the main loop (the A/B switch of NOTES_rollout.md section 10)
 HOIST_CONSTS = True
@@ -1092,6 +1103,18 @@ SK_SPARE_GLU = 4
 SCALE_BITS = True
 # XPF by rule at M = 2..8 (xpf_auto): x one step ahead where K >= this (0: never at M = 2..8)
 XPF_TOKENS_MIN_K = 4096
+# The split fixup through distributed shared memory (qerl/kernels/ptx_cluster.py): the S <= 8 programs of a
+# row block launched as one cluster, the partials added in the leader's shared memory instead of through a
+# global workspace and counter. Split schedule only (not the split tail or stream-K), where the clusters fit
+# at once (`cluster_fits`). None = M = 1 launches in PDL chains (chain routing) on layers whose programs
+# run at most CLUSTER_MAX_STEPS K steps each (the fixup's ~0.5 us only shows beside a short loop); True /
+# False = wherever the clusters fit / never. Config key CLUSTER overrides per call. Measured (H100,
+# NOTES_w4a16.md section 44): chained, 3584^2 M = 1 7.1 -> 6.4 us, 5120^2 10.6 -> 9.9, 1024 x 2048 4.1 -> 3.7,
+# but 5120 x 13824 (9 steps) 19.5 -> 23.6; every single launch without PDL slower (M = 1 median over 11
+# layers x1.76 -> x1.71); decode steps by this rule at batch 1 7B / 14B / 32B +0.8 / +1.6 / +0.9%, while
+# the 2..8-token form (8 KB more shared memory a program) took 14B batch 8 1.7% slower.
+CLUSTER_FIXUP = None
+CLUSTER_MAX_STEPS = 4
 # Per-warp release of the ring's stages (qerl/kernels/ptx_pwa.py): no CTA barrier in the main loop.
 # None = on for M = 2..8 launches (MT = 8), off at M = 1; True / False = everywhere / never. Config key
 # PWA overrides per call. Decode steps (a64, H100, same process): 7B b8 +0.6%, 14B b8 +1.3%; b1 within
@@ -1198,6 +1221,16 @@ def schedule(blocks: int, kb: int, s: int, grid: int, slots: int, resident: int,
     if tail_on and free:
         raise ValueError(f"TAIL_SPLIT forced, but {blocks} blocks x {kb} steps on {slots} slots have no split tail")
     return "split", grid, s, 0, 0, triton.next_power_of_2(s)
+
+
+def cluster_fits(grid: int, cl: int, most: int, slots: int, gpcs: int = 8) -> bool:
+    """CLUSTER: the launch's grid / cl clusters all co-resident, else it keeps the global fixup (a second wave of
+    clusters costs far more than the fixup saves: the 4608 x 3584 layer at M = 1, 72 clusters of 7, 9.3 -> 12.0
+    us alone). `most` is the driver's count of co-resident clusters, which on the H100 overstates what fits
+    beside 4 register-bound programs per SM (it gave 101 clusters of 7 where 72 did not fit), so the grid must
+    also fit the planned program `slots` less cl - 1 idle slots in each of the `gpcs` GPCs (a cluster never
+    spans two; the H100's runs placed clusters on 124 of its 132 SMs)."""
+    return grid // cl <= most and grid <= slots - gpcs * (cl - 1)
 
 
 def glu_descriptors(state: dict):
@@ -1333,6 +1366,10 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     kind, grid, s, nw_whole, cs, sp = schedule(triton.cdiv(n, 64), kb, s, grid, slots, resident, chain, free,
                                                cfg.get("TAIL_SPLIT", TAIL_SPLIT), cfg.get("STREAMK", STREAMK),
                                                SK_SPARE_GLU if glu else 0)
+    want_cl = CLUSTER_FIXUP if cfg.get("CLUSTER") is None else bool(cfg["CLUSTER"])
+    if want_cl is None:
+        want_cl = chain and mt == 1 and -(-kb // max(s, 1)) <= CLUSTER_MAX_STEPS
+    cl = s if want_cl and kind == "split" and 2 <= s <= ptx_cluster.MAX_CLUSTER and EPI_SMEM else 0
     if kind == "sk":  # workspace: two partial slots (first and last segment) per program
         ws = torch.empty(2 * grid * 64 * mt, device=x.device, dtype=torch.float32)
     elif kind == "tail":  # workspace slot = program (the whole blocks' slots go unused)
@@ -1347,20 +1384,31 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     elif kind_fold == "scale":
         _, ss, nss, eps, kn = fold
         ssp = triton.next_power_of_2(int(nss))
-    kernel = _gluon_gemv_kernel[(grid,)](
+    args = (
         x.view(torch.int32), w_desc, s_desc, x_descriptor(x, mt) if xs else w_desc, state["alpha"], bias if bias is not None else c, c, ws,
         locks, stamps if stamps is not None else ws, h_in, h_out, w_norm, ss, m, n, kb, s, nw_whole, cs, int(nss),
         float(eps), int(kn), int(state.get("exp_bias", 0)),
         *((dl, dflag, sig, int(dtarget)) if sync is not None else (c, locks, locks, 0)),
-        *(lx if lx is not None else (locks, 0, 0, 0)),
+        *(lx if lx is not None else (locks, 0, 0, 0)))
+    kw = dict(
         FOLD={"res": 1, "scale": 2}.get(kind_fold, 0), SSP=ssp,
         SP=sp, NUM_STAGES=ns, MX=mx,
         HAS_BIAS=bias is not None, PDL=pdl, MT=mt, XPF=xpf,
         STAMP=stamps is not None, HOIST=HOIST_CONSTS, EPI=EPI_SMEM, PRODUCER_REGS=preg, SK=kind == "sk", TAIL=kind == "tail",
         SBITS=SCALE_BITS and bool(state.get("scale_bits", False)), PWA=pwa, XS=xs, LX=_x_layout(nw, mt),
-        GLU=bool(glu), SYNC=sync_mode, LEXP=lexp,
+        GLU=bool(glu), SYNC=sync_mode, LEXP=lexp, CL=cl,
         L5=l5, L2W=l2w, L2S=l2s, num_warps=nw, launch_pdl=pdl, **extra,
     )
+    if cl:  # compiled first, then launched as clusters of cl programs (the launcher multiplies the grid by cl)
+        compiled = _gluon_gemv_kernel.warmup(*args, grid=(grid,), **kw)
+        if compiled.hash not in CLUSTERS:
+            CLUSTERS[compiled.hash] = (cl, mt, ptx_cluster.prepare(compiled, cl, ptx_cluster.extra_bytes(cl, 64 * mt)))
+        if not cluster_fits(grid, cl, CLUSTERS[compiled.hash][2], slots + RESERVE):
+            cl = kw["CL"] = 0
+    if cl:
+        kernel = _gluon_gemv_kernel[(grid // cl,)](*args, **kw)
+    else:
+        kernel = _gluon_gemv_kernel[(grid,)](*args, **kw)
     if key not in _RESIDENT:
         _RESIDENT[key] = _resident(kernel, nw, cfg["maxnreg"]) or per_sm
     return c
