@@ -1084,6 +1084,33 @@ def test_gluon_gemv_expand_epilogues(cfg, monkeypatch):
         G.forward(x, st_g, glu=True, sync=(Expand(eq.h, eg.b, (1024, 4096), rank), flags[0:1], 3, flags[1:2]))
 
 
+def _graphed_chain_matches(m: int, cfg: dict, eager_cfg: dict, seed: int, same) -> None:
+    """A chain of 7 dependent 3584 x 3584 nvfp4 launches with `cfg`, captured in a CUDA graph and replayed on
+    fresh inputs: same(replayed output, the eager chain with `eager_cfg`) for every input."""
+    from qerl.kernels import w4a16_triton as W
+
+    n = 3584
+    layers = [_layer("nvfp4", n, n, seed=seed + i)[1] for i in range(3)]
+    order = [0, 1, 2, 0, 1, 2, 0]
+
+    def chain(x, c):
+        for i in order:
+            x = W.forward(x, layers[i], config=c)
+        return x
+
+    static_x = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+    chain(static_x, cfg)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = chain(static_x, cfg)
+    for s in range(4):
+        x = torch.randn(m, n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(s)).to(torch.bfloat16)
+        static_x.copy_(x)
+        g.replay()
+        assert same(out, chain(x, eager_cfg)), s
+
+
 @pytest.mark.parametrize("m", (1, 4, 8))
 def test_gluon_gemv_x_smem_pdl_chain(m):
     """XS with PDL: the producer copies its weights before the wait and x only after it. A chain of
@@ -1091,31 +1118,10 @@ def test_gluon_gemv_x_smem_pdl_chain(m):
     eager chain without PDL for that input (an x copied before the wait would read the previous
     replay's intermediates)."""
     pytest.importorskip("triton.experimental.gluon")
-    from qerl.kernels import w4a16_triton as W
-
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("needs Hopper (TMA, warp specialisation)")
-    n = 3584
-    layers = [_layer("nvfp4", n, n, seed=60 + i)[1] for i in range(3)]
-    order = [0, 1, 2, 0, 1, 2, 0]
-
-    def chain(x, cfg):
-        for i in order:
-            x = W.forward(x, layers[i], config=cfg)
-        return x
-
-    cfg = {"PATH": "wsmma", "XS": True, "PDL": True}
-    static_x = torch.randn(m, n, device="cuda").to(torch.bfloat16)
-    chain(static_x, cfg)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = chain(static_x, cfg)
-    for seed in range(4):
-        x = torch.randn(m, n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)).to(torch.bfloat16)
-        static_x.copy_(x)
-        g.replay()
-        assert _rel(out, chain(x, {"PATH": "wsmma", "XS": True, "PDL": False})) < TOL, seed
+    _graphed_chain_matches(m, {"PATH": "wsmma", "XS": True, "PDL": True}, {"PATH": "wsmma", "XS": True, "PDL": False},
+                           60, lambda a, b: _rel(a, b) < TOL)
 
 
 def _check_gluon_gemm(fmt: str, conf: dict, ms, seed: int, also=None):
@@ -1196,28 +1202,7 @@ def test_gluon_gemv_cluster_fixup_pdl_chain(m):
     start while this one runs): a chain of dependent 3584 x 3584 launches (S = 7) replayed on fresh inputs
     equals the eager chain with the global fixup, bit for bit."""
     pytest.importorskip("triton.experimental.gluon")
-    from qerl.kernels import w4a16_triton as W
-
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("needs Hopper (clusters, TMA, warp specialisation)")
-    n = 3584
-    layers = [_layer("nvfp4", n, n, seed=90 + i)[1] for i in range(3)]
-    order = [0, 1, 2, 0, 1, 2, 0]
-
-    def chain(x, cfg):
-        for i in order:
-            x = W.forward(x, layers[i], config=cfg)
-        return x
-
-    cfg = {"PATH": "wsmma", "PDL": True, "CLUSTER": True}
-    static_x = torch.randn(m, n, device="cuda").to(torch.bfloat16)
-    chain(static_x, cfg)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = chain(static_x, cfg)
-    for seed in range(4):
-        x = torch.randn(m, n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)).to(torch.bfloat16)
-        static_x.copy_(x)
-        g.replay()
-        assert torch.equal(out, chain(x, {"PATH": "wsmma", "PDL": False, "CLUSTER": False})), seed
+    _graphed_chain_matches(m, {"PATH": "wsmma", "PDL": True, "CLUSTER": True},
+                           {"PATH": "wsmma", "PDL": False, "CLUSTER": False}, 90, torch.equal)

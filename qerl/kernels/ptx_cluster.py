@@ -65,48 +65,30 @@ def wait():
 
 
 @gluon.jit
+def _below_top(off, rank, WS: gl.constexpr):
+    """Bytes below the top of the dynamic shared memory of float `off` in peer `rank`'s slot of WS floats."""
+    return (off * 0 + rank) * (WS * 4) + 16 - off * 4
+
+
+@gluon.jit
 def put(part, off, rank, WS: gl.constexpr):
     """Store this peer's partial (fp32, element at float offset `off`) into the leader's slot for `rank`."""
-    rk = off * 0 + rank
-    if WS == 64:
-        gl.inline_asm_elementwise(
-            "{ .reg .b32 %qt, %qs; "
-            "mov.u32 %qt, %dynamic_smem_size; mov.u32 %qs, global_smem; add.u32 %qt, %qt, %qs; "
-            "mad.lo.u32 %qs, $3, 256, 16; sub.u32 %qt, %qt, %qs; "
-            "mad.lo.u32 %qt, $2, 4, %qt; mapa.shared::cluster.u32 %qt, %qt, 0; "
-            "st.shared::cluster.f32 [%qt], $1; mov.u32 $0, 0; }",
-            "=r,f,r,r", [part, off, rk], dtype=gl.int32, is_pure=False, pack=1)
-    else:
-        gl.static_assert(WS == 512, "cluster fixup: WS is 64 (M = 1) or 512 (M = 2..8)")
-        gl.inline_asm_elementwise(
-            "{ .reg .b32 %qt, %qs; "
-            "mov.u32 %qt, %dynamic_smem_size; mov.u32 %qs, global_smem; add.u32 %qt, %qt, %qs; "
-            "mad.lo.u32 %qs, $3, 2048, 16; sub.u32 %qt, %qt, %qs; "
-            "mad.lo.u32 %qt, $2, 4, %qt; mapa.shared::cluster.u32 %qt, %qt, 0; "
-            "st.shared::cluster.f32 [%qt], $1; mov.u32 $0, 0; }",
-            "=r,f,r,r", [part, off, rk], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise(
+        "{ .reg .b32 %qt, %qs; "
+        "mov.u32 %qt, %dynamic_smem_size; mov.u32 %qs, global_smem; add.u32 %qt, %qt, %qs; "
+        "sub.u32 %qt, %qt, $2; mapa.shared::cluster.u32 %qt, %qt, 0; st.shared::cluster.f32 [%qt], $1; "
+        "mov.u32 $0, 0; }",
+        "=r,f,r", [part, _below_top(off, rank, WS)], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
 def get(off, rank, WS: gl.constexpr):
     """The leader's read of the partial peer `rank` stored at float offset `off` of its slot."""
-    rk = off * 0 + rank
-    if WS == 64:
-        v = gl.inline_asm_elementwise(
-            "{ .reg .b32 %qt, %qs; "
-            "mov.u32 %qt, %dynamic_smem_size; mov.u32 %qs, global_smem; add.u32 %qt, %qt, %qs; "
-            "mad.lo.u32 %qs, $2, 256, 16; sub.u32 %qt, %qt, %qs; "
-            "mad.lo.u32 %qt, $1, 4, %qt; ld.shared.f32 $0, [%qt]; }",
-            "=f,r,r", [off, rk], dtype=gl.float32, is_pure=False, pack=1)
-    else:
-        gl.static_assert(WS == 512, "cluster fixup: WS is 64 (M = 1) or 512 (M = 2..8)")
-        v = gl.inline_asm_elementwise(
-            "{ .reg .b32 %qt, %qs; "
-            "mov.u32 %qt, %dynamic_smem_size; mov.u32 %qs, global_smem; add.u32 %qt, %qt, %qs; "
-            "mad.lo.u32 %qs, $2, 2048, 16; sub.u32 %qt, %qt, %qs; "
-            "mad.lo.u32 %qt, $1, 4, %qt; ld.shared.f32 $0, [%qt]; }",
-            "=f,r,r", [off, rk], dtype=gl.float32, is_pure=False, pack=1)
-    return v
+    return gl.inline_asm_elementwise(
+        "{ .reg .b32 %qt, %qs; "
+        "mov.u32 %qt, %dynamic_smem_size; mov.u32 %qs, global_smem; add.u32 %qt, %qt, %qs; "
+        "sub.u32 %qt, %qt, $1; ld.shared.f32 $0, [%qt]; }",
+        "=f,r", [_below_top(off, rank, WS)], dtype=gl.float32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -239,30 +221,8 @@ def prepare(compiled, cluster: int, extra: int) -> int:
     return most
 
 
-def _hook(backend, stages, options, language, capability):
-    if _PREVIOUS is not None:
-        _PREVIOUS(backend, stages, options, language, capability)
-    if "ptx" not in stages:
-        return
-    make_ptx = stages["ptx"]
-
-    def ptx_stage(src, metadata):
-        return rewrite(make_ptx(src, metadata))
-
-    stages["ptx"] = ptx_stage
-
-
-_PREVIOUS = None
-_INSTALLED = False
-
-
 def install() -> None:
-    """Put the rewrite into Triton's pipeline (after any hook already there); idempotent."""
-    global _PREVIOUS, _INSTALLED
-    if _INSTALLED:
-        return
-    import triton.knobs as knobs
+    """Put the rewrite into Triton's pipeline (qerl/kernels/ptx_hook.py); idempotent."""
+    from qerl.kernels import ptx_hook
 
-    _PREVIOUS = knobs.runtime.add_stages_inspection_hook
-    knobs.runtime.add_stages_inspection_hook = _hook
-    _INSTALLED = True
+    ptx_hook.add(rewrite)

@@ -132,30 +132,8 @@ def rewrite(ptx: str) -> str:
     return "\n".join(out)
 
 
-def _hook(backend, stages, options, language, capability):
-    if _PREVIOUS is not None:
-        _PREVIOUS(backend, stages, options, language, capability)
-    if "ptx" not in stages:
-        return
-    make_ptx = stages["ptx"]
-
-    def ptx_stage(src, metadata):
-        return rewrite(make_ptx(src, metadata))
-
-    stages["ptx"] = ptx_stage
-
-
-_PREVIOUS = None
-_INSTALLED = False
-
-
 def install() -> None:
-    """Put the rewrite into Triton's pipeline (after any hook already there); idempotent."""
-    global _PREVIOUS, _INSTALLED
-    if _INSTALLED:
-        return
-    import triton.knobs as knobs
+    """Put the rewrite into Triton's pipeline (qerl/kernels/ptx_hook.py); idempotent."""
+    from qerl.kernels import ptx_hook
 
-    _PREVIOUS = knobs.runtime.add_stages_inspection_hook
-    knobs.runtime.add_stages_inspection_hook = _hook
-    _INSTALLED = True
+    ptx_hook.add(rewrite)
