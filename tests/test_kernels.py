@@ -551,6 +551,30 @@ def test_ptx_cluster_rewrite_rules():
     assert ptx_cluster.extra_bytes(7, 64) == 16 + 6 * 256 and ptx_cluster.extra_bytes(2, 512) == 16 + 2048
 
 
+def test_gluon_gemv_cluster_rule_and_fit():
+    """Which launches take the cluster fixup (w4a16_gluon.cluster_size) and when its clusters fit
+    (cluster_fits), on the H100 cases measured in NOTES_w4a16.md section 44: by the rule, M = 1 in a PDL chain
+    with <= 4 K steps a program (3584^2 S 7, 5120^2 S 5), not 5120 x 13824 (9 steps), not 2..8 tokens, not
+    single launches, not the split tail / stream-K or S > 8; forced, any M and steps. 72 clusters of 7 (4608 x
+    3584, 504 of 528 slots) do not fit though the driver counted 101; 56 of 7 and 112 of 4 do."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_gluon as G
+
+    assert G.cluster_size("split", 7, 14, 1, True, None) == 7
+    assert G.cluster_size("split", 5, 20, 1, True, None) == 5
+    assert G.cluster_size("split", 6, 54, 1, True, None) == 0  # 9 steps a program
+    assert G.cluster_size("split", 7, 14, 8, True, None) == 0  # 2..8 tokens
+    assert G.cluster_size("split", 7, 14, 1, False, None) == 0  # a single launch
+    assert G.cluster_size("split", 6, 54, 8, False, True) == 6  # forced
+    assert G.cluster_size("split", 9, 74, 1, True, True) == 0  # more than 8 slices
+    assert G.cluster_size("split", 1, 14, 1, True, True) == 0
+    assert G.cluster_size("tail", 7, 14, 1, True, True) == G.cluster_size("sk", 4, 14, 1, True, True) == 0
+    assert G.cluster_size("split", 7, 14, 1, True, False) == 0
+    assert G.cluster_fits(392, 7, 101, 528) and G.cluster_fits(448, 4, 186, 528)
+    assert not G.cluster_fits(504, 7, 101, 528)
+    assert not G.cluster_fits(392, 7, 47, 528)  # the driver's count at 2..8 tokens
+
+
 @pytest.mark.parametrize("mt,cl", [(1, 7), (8, 4), (8, 8)])
 def test_gluon_gemv_cluster_fixup_builds(mt, cl):
     """Offline sm_90a build of the Gluon GEMV with the cluster fixup (CL): the entry code sits before the

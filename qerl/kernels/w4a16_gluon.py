@@ -1223,6 +1223,15 @@ def schedule(blocks: int, kb: int, s: int, grid: int, slots: int, resident: int,
     return "split", grid, s, 0, 0, triton.next_power_of_2(s)
 
 
+def cluster_size(kind: str, s: int, kb: int, mt: int, chain: bool, want: bool | None) -> int:
+    """The launch's cluster size for the split fixup through shared memory (0: the global workspace): S for a
+    plain split of 2..8 slices with EPI_SMEM, if `want` (None: CLUSTER_FIXUP's rule, M = 1 in a PDL chain
+    with at most CLUSTER_MAX_STEPS K steps a program); the clusters must still fit (`cluster_fits`)."""
+    if want is None:
+        want = chain and mt == 1 and -(-kb // max(s, 1)) <= CLUSTER_MAX_STEPS
+    return s if want and kind == "split" and 2 <= s <= ptx_cluster.MAX_CLUSTER and EPI_SMEM else 0
+
+
 def cluster_fits(grid: int, cl: int, most: int, slots: int, gpcs: int = 8) -> bool:
     """CLUSTER: the launch's grid / cl clusters all co-resident, else it keeps the global fixup (a second wave of
     clusters costs far more than the fixup saves: the 4608 x 3584 layer at M = 1, 72 clusters of 7, 9.3 -> 12.0
@@ -1366,10 +1375,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     kind, grid, s, nw_whole, cs, sp = schedule(triton.cdiv(n, 64), kb, s, grid, slots, resident, chain, free,
                                                cfg.get("TAIL_SPLIT", TAIL_SPLIT), cfg.get("STREAMK", STREAMK),
                                                SK_SPARE_GLU if glu else 0)
-    want_cl = CLUSTER_FIXUP if cfg.get("CLUSTER") is None else bool(cfg["CLUSTER"])
-    if want_cl is None:
-        want_cl = chain and mt == 1 and -(-kb // max(s, 1)) <= CLUSTER_MAX_STEPS
-    cl = s if want_cl and kind == "split" and 2 <= s <= ptx_cluster.MAX_CLUSTER and EPI_SMEM else 0
+    cl = cluster_size(kind, s, kb, mt, chain, CLUSTER_FIXUP if cfg.get("CLUSTER") is None else bool(cfg["CLUSTER"]))
     if kind == "sk":  # workspace: two partial slots (first and last segment) per program
         ws = torch.empty(2 * grid * 64 * mt, device=x.device, dtype=torch.float32)
     elif kind == "tail":  # workspace slot = program (the whole blocks' slots go unused)
