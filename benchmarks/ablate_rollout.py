@@ -72,7 +72,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   slate / nslate) lost and are in 570eaa6's tree only),
                   cl / nocl (the Gluon GEMV's split fixup through a cluster's shared memory wherever the
                   clusters fit / never; default: in PDL chains on layers of short per-program loops,
-                  w4a16_gluon.CLUSTER_FIXUP, qerl/kernels/ptx_cluster.py),
+                  w4a16_gluon.CLUSTER_FIXUP, qerl/kernels/ptx_cluster.py), cl:K1+K2 (forced for those group
+                  kinds only, e.g. base@nocl@cl:o to time one kind's clusters at batch 8),
                   xpf / noxpf (Gluon GEMV loads x a step ahead or not), noxpf8 (not by rule at M = 2..8),
                   xs / xsall / noxs (its producer copies x beside each weight stage: at M = 2..8 / at every M /
                   never), sk / nosk (its stream-K
@@ -599,6 +600,13 @@ def variant_of(engine: RolloutEngine, name: str):
                                **({"S": int(m[4])} if m[4] else {}), **({"XPF": True} if m[5] else {}),
                                **({"STREAMK": True} if m[6] else {}), **({"TAIL_SPLIT": True} if m[7] else {}),
                                **({"XS": m[8] == "z"} if m[8] else {})}
+    for f in [f for f in flags if f.startswith("cl:")]:  # cl:KIND+KIND: the cluster fixup forced for those kinds
+        flags.remove(f)
+        targets = tuple(f[3:].split("+"))
+        if set(targets) - set(KINDS):
+            raise SystemExit(f"bad flag {f!r} in {name!r}: cl:KIND+KIND, KIND in {', '.join(KINDS)}")
+        for kind in targets:
+            gluon_cfg[kind] = {**gluon_cfg.get(kind, {}), "CLUSTER": True}
     unknown = set(flags) - set(table)
     if unknown:
         raise SystemExit(f"unknown variant flag(s) {sorted(unknown)} in {name!r}; valid: {', '.join(table)}")

@@ -131,7 +131,13 @@ def test_gluon_flags_apply_per_kind_and_restore(ablate):
     with ablate.variant_of(engine, "base@xpf@nohoist"):
         assert w4a16_gluon.DEFAULT["XPF"] is True and w4a16_gluon.HOIST_CONSTS is False
     assert w4a16_gluon.DEFAULT == before and w4a16_gluon.HOIST_CONSTS is True
-    for bad in ("base@g:qkv:x2", "base@g:attn:p2s6", "base@nosuchflag"):
+    with ablate.variant_of(engine, "base@nocl@g:o:p2s6@cl:o+down"):
+        seen = {kind: engine._linear(_Group(), None, kind)[0] for kind in ablate.KINDS}
+        assert w4a16_gluon.CLUSTER_FIXUP is False
+    assert seen["o"]["CLUSTER"] is True and seen["o"]["PER_SM"] == 2 and seen["down"]["CLUSTER"] is True
+    assert seen["qkv"]["CLUSTER"] is None and seen["gate_up"] == before
+    assert w4a16_gluon.DEFAULT == before and w4a16_gluon.CLUSTER_FIXUP is None
+    for bad in ("base@g:qkv:x2", "base@g:attn:p2s6", "base@nosuchflag", "base@cl:attn"):
         with pytest.raises(SystemExit):
             with ablate.variant_of(_Engine(), bad):
                 pass
