@@ -37,13 +37,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 MARK = "qerl-cluster-v2"
-COUNTER_BYTES = 16  # the leader's mbarrier at the top of the dynamic shared memory (16-byte aligned slots below)
+BARRIER_BYTES = 16  # the leader's mbarrier at the top of the dynamic shared memory (16-byte aligned slots below)
 MAX_CLUSTER = 8  # the portable cluster size
 
 
 def extra_bytes(cluster: int, ws: int) -> int:
     """Dynamic shared memory a launch of clusters of `cluster` programs with WS-float partials adds."""
-    return COUNTER_BYTES + (cluster - 1) * ws * 4
+    return BARRIER_BYTES + (cluster - 1) * ws * 4
 
 
 # Every asm below starts from the top of this CTA's dynamic shared memory (a 32-bit shared address) in %qt:
@@ -156,7 +156,7 @@ _ENTRY_CODE = """\t{{
 \tmov.u32 %qcl_a, %dynamic_smem_size;
 \tmov.u32 %qcl_b, global_smem;
 \tadd.u32 %qcl_a, %qcl_a, %qcl_b;
-\tsub.u32 %qcl_a, %qcl_a, {counter};
+\tsub.u32 %qcl_a, %qcl_a, {barrier};
 \tmov.u32 %qcl_b, %cluster_nctarank;
 \tsub.u32 %qcl_b, %qcl_b, 1;
 \t@%qcl_p mbarrier.init.shared::cta.b64 [%qcl_a], %qcl_b;
@@ -186,7 +186,7 @@ def rewrite(ptx: str) -> str:
     branch = next((i for i in range(entry, at) if re.search(r"\bbra\b|^\$L__BB", lines[i])), None)
     if branch is not None:
         raise RewriteError("cluster fixup: control flow before the entry's %tid.x read")
-    code = _ENTRY_CODE.format(counter=COUNTER_BYTES, mark=MARK)
+    code = _ENTRY_CODE.format(barrier=BARRIER_BYTES, mark=MARK)
     return "\n".join(lines[:at] + [code] + lines[at:])
 
 

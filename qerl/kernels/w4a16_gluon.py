@@ -1232,14 +1232,15 @@ def cluster_size(kind: str, s: int, kb: int, mt: int, chain: bool, want: bool | 
     return s if want and kind == "split" and 2 <= s <= ptx_cluster.MAX_CLUSTER and EPI_SMEM else 0
 
 
-def cluster_fits(grid: int, cl: int, most: int, slots: int, gpcs: int = 8) -> bool:
+def cluster_fits(grid: int, cl: int, most: int | None, slots: int, gpcs: int = 8) -> bool:
     """CLUSTER: the launch's grid / cl clusters all co-resident, else it keeps the global fixup (a second wave of
     clusters costs far more than the fixup saves: the 4608 x 3584 layer at M = 1, 72 clusters of 7, 9.3 -> 12.0
     us alone). `most` is the driver's count of co-resident clusters, which on the H100 overstates what fits
     beside 4 register-bound programs per SM (it gave 101 clusters of 7 where 72 did not fit), so the grid must
     also fit the planned program `slots` less cl - 1 idle slots in each of the `gpcs` GPCs (a cluster never
-    spans two; the H100's runs placed clusters on 124 of its 132 SMs)."""
-    return grid // cl <= most and grid <= slots - gpcs * (cl - 1)
+    spans two; the H100's runs placed clusters on 124 of its 132 SMs). most None: the slot test alone (before
+    the cluster variant is compiled, so a layer that cannot fit never builds one)."""
+    return (most is None or grid // cl <= most) and grid <= slots - gpcs * (cl - 1)
 
 
 def glu_descriptors(state: dict):
@@ -1376,6 +1377,8 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
                                                cfg.get("TAIL_SPLIT", TAIL_SPLIT), cfg.get("STREAMK", STREAMK),
                                                SK_SPARE_GLU if glu else 0)
     cl = cluster_size(kind, s, kb, mt, chain, CLUSTER_FIXUP if cfg.get("CLUSTER") is None else bool(cfg["CLUSTER"]))
+    if cl and not cluster_fits(grid, cl, None, slots + RESERVE):  # decided without compiling the cluster variant
+        cl = 0
     if kind == "sk":  # workspace: two partial slots (first and last segment) per program
         ws = torch.empty(2 * grid * 64 * mt, device=x.device, dtype=torch.float32)
     elif kind == "tail":  # workspace slot = program (the whole blocks' slots go unused)
@@ -1411,10 +1414,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
             CLUSTERS[compiled.hash] = (cl, mt, ptx_cluster.prepare(compiled, cl, ptx_cluster.extra_bytes(cl, 64 * mt)))
         if not cluster_fits(grid, cl, CLUSTERS[compiled.hash][2], slots + RESERVE):
             cl = kw["CL"] = 0
-    if cl:
-        kernel = _gluon_gemv_kernel[(grid // cl,)](*args, **kw)
-    else:
-        kernel = _gluon_gemv_kernel[(grid,)](*args, **kw)
+    kernel = _gluon_gemv_kernel[(grid // max(cl, 1),)](*args, **kw)
     if key not in _RESIDENT:
         _RESIDENT[key] = _resident(kernel, nw, cfg["maxnreg"]) or per_sm
     return c
