@@ -607,6 +607,18 @@ def overlap_explore(deadline: float, out_path: str | None, ms=OVERLAP_MS):
 PDL_MS = (1, 4, 16, 64)
 
 
+def stream_shapes(spec: str | None) -> list[tuple[int, int]]:
+    """--stream-shapes: None -> STREAM_SHAPES; "all" -> the sweep's unique shapes (smallest first); else NxK,..."""
+    if not spec:
+        return list(STREAM_SHAPES)
+    if spec == "all":
+        return sorted({(n, k) for _, _, n, k in linear_shapes(QWEN25)}, key=lambda s: s[0] * s[1])
+    try:
+        return [tuple(int(v) for v in sh.split("x")) for sh in spec.split(",") if sh]
+    except ValueError:
+        raise SystemExit(f"--stream-shapes {spec!r}: expected all or NxK,NxK,...") from None
+
+
 def _stream_kernel():
     import triton
     import triton.language as tl
@@ -668,17 +680,28 @@ STREAM_CFGS = [dict(per_sm=4, block=2048, unroll=1, num_warps=4, num_stages=3),
                dict(per_sm=2, block=4096, unroll=4, num_warps=8, num_stages=1),
                dict(per_sm=16, block=1024, unroll=2, num_warps=2, num_stages=1),
                dict(per_sm=4, block=2048, unroll=2, num_warps=4, num_stages=3),
-               dict(per_sm=1, block=4096, unroll=4, num_warps=16, num_stages=1)]
+               dict(per_sm=1, block=4096, unroll=4, num_warps=16, num_stages=1),
+               dict(per_sm=8, block=2048, unroll=4, num_warps=8, num_stages=1),
+               dict(per_sm=4, block=1024, unroll=8, num_warps=4, num_stages=1)]
 
 
-def stream_explore(deadline: float, out_path: str | None):
+def stream_explore(deadline: float, out_path: str | None, shapes=STREAM_SHAPES, floor_ms=()):
     """`--stream`: how fast can one kernel read a layer's bytes (4-bit words + scales, and the
-    bf16 weight), by launch shape and loads in flight, against bf16 cuBLAS at M = 1."""
+    bf16 weight), by launch shape and loads in flight, against bf16 cuBLAS at M = 1.
+
+    floor_ms (`--stream-ms`): also bf16 cuBLAS at those M, and the summary of the single-launch ceiling the
+    issue's sweep can reach: per (layer, M) cell, bf16 time / the fastest streaming launch of the layer's
+    4-bit bytes; medians over the sweep's 16 shapes (duplicates counted as in the sweep)."""
     rows = []
     log("\n## streaming floor explore (us per call; GB/s of bytes read)")
-    for n, k in STREAM_SHAPES:
+    for n, k in shapes:
+        if time.time() > deadline:
+            log("  (time budget reached)")
+            break
         layer = Layer(n, k, ("nvfp4",), seed=5)
         bf = measure(layer, 1, "bf16", "forward")
+        for m in floor_ms:
+            rows.append(dict(n=n, k=k, m=m, cfg="bf16", bf16_us=bf if m == 1 else measure(layer, m, "bf16", "forward")))
         b4, b16 = weight_bytes("nvfp4", n, k), weight_bytes("bf16", n, k)
         log(f"  N={n} K={k}: bf16 cuBLAS M=1 {bf:.1f} us ({b16 / bf / 1e3:.0f} GB/s)")
         for cfg in STREAM_CFGS:
@@ -695,7 +718,36 @@ def stream_explore(deadline: float, out_path: str | None):
         dump_rows(out_path, rows)
         del layer
         torch.cuda.empty_cache()
+    if floor_ms:
+        summary = stream_ceiling(rows, floor_ms)
+        for m, (med, cells) in summary.items():
+            log(f"  single-launch ceiling, M = {m}: median x{med:.2f} of bf16 over {cells} cells")
+        dump_rows(out_path, rows, ceiling={str(m): v[0] for m, v in summary.items()})
     return rows
+
+
+def stream_ceiling(rows: list[dict], ms) -> dict:
+    """{M: (median over the sweep's cells of bf16 us / the layer's fastest 4-bit streaming launch, cells)}, and
+    one entry "<=16" over every M given: what a kernel that only reads the 4-bit bytes would score in the sweep."""
+    count = {}
+    for _, _, n, k in linear_shapes(QWEN25):
+        count[(n, k)] = count.get((n, k), 0) + 1
+    fastest = {}
+    for r in rows:
+        if "us4" in r:
+            key = (r["n"], r["k"])
+            fastest[key] = min(fastest.get(key, float("inf")), r["us4"])
+    out, every = {}, []
+    for m in ms:
+        v = [r["bf16_us"] / fastest[(r["n"], r["k"])] for r in rows
+             if r.get("cfg") == "bf16" and r.get("m") == m and (r["n"], r["k"]) in fastest
+             for _ in range(count.get((r["n"], r["k"]), 0))]
+        every += v
+        if v:
+            out[m] = (statistics.median(v), len(v))
+    if every and len(ms) > 1:
+        out["all"] = (statistics.median(every), len(every))
+    return out
 
 
 def pdl_explore(deadline: float, out_path: str | None, ms=PDL_MS):
@@ -772,6 +824,10 @@ def main(argv=None) -> int:
     ap.add_argument("--overlap", action="store_true", help="only time the large-M cuBLAS paths (dequant vs overlapped chunks)")
     ap.add_argument("--pdl", action="store_true", help="only time programmatic dependent launch and the streaming floor")
     ap.add_argument("--stream", action="store_true", help="only time the streaming floor by launch shape")
+    ap.add_argument("--stream-shapes", default=None,
+                    help="NxK,... or all (the sweep's unique shapes) for --stream; default: three shapes")
+    ap.add_argument("--stream-ms", default="",
+                    help="with --stream: also time bf16 at these M and report the single-launch ceiling per M")
     ap.add_argument("--cands", default=None, help='only time these configs: JSON [["name", {config} or null], ...]')
     ap.add_argument("--cand-shapes", default="37888x3584,7168x5120,3584x3584", help="NxK,... for --cands")
     ap.add_argument("--cand-ms", default="1,16", help="M values for --cands")
@@ -826,7 +882,8 @@ def main(argv=None) -> int:
                  shapes=[tuple(int(v) for v in sh.split("x")) for sh in args.cand_shapes.split(",") if sh],
                  all_formats=("default",),
                  formats=tuple(f for f in args.formats.split(",") if f in ("nvfp4", "mxfp4")) or ("nvfp4", "mxfp4")),
-             "stream": lambda: stream_explore(deadline, args.out),
+             "stream": lambda: stream_explore(deadline, args.out, stream_shapes(args.stream_shapes),
+                                              [int(v) for v in args.stream_ms.split(",") if v]),
              "pdl": lambda: pdl_explore(deadline, args.out),
              "gemv": lambda: gemv_explore(deadline, args.out),
              "explore": lambda: explore(deadline, args.out)}

@@ -93,3 +93,29 @@ def test_chain_clock_probe_reads_its_modes_and_refuses_bad_ones():
         probe.parse_modes("g:[1, 2]")
     with pytest.raises(json.JSONDecodeError):
         probe.parse_modes("g:{PER_SM: 2}")
+
+
+def test_stream_ceiling_takes_each_layers_fastest_launch_and_counts_shapes_as_the_sweep():
+    """`--stream --stream-ms`: per cell, bf16 us over the fastest streaming config of that layer (not the first
+    or the mean); a shape the sweep holds twice (5120 x 5120: 14B o and 32B o) counts twice."""
+    bench = _bench()
+    shapes = bench.stream_shapes("all")
+    assert len(shapes) == 14 and shapes[0] == (2048, 2048) and shapes[-1] == (55296, 5120)
+    assert bench.stream_shapes("3584x3584,7168x5120") == [(3584, 3584), (7168, 5120)]
+    assert bench.stream_shapes(None) == list(bench.STREAM_SHAPES)
+    rows = []
+    for (n, k), fast in (((5120, 5120), 5.0), ((3584, 3584), 4.0)):
+        rows += [dict(n=n, k=k, cfg="a", us4=fast * 2, us16=1.0, bf16_us=20.0),
+                 dict(n=n, k=k, cfg="b", us4=fast, us16=1.0, bf16_us=20.0)]
+        rows += [dict(n=n, k=k, m=m, cfg="bf16", bf16_us=20.0 + m) for m in (1, 16)]
+    out = bench.stream_ceiling(rows, (1, 16))
+    # M = 1: 5120^2 21 / 5 = 4.2 twice, 3584^2 21 / 4 = 5.25 once -> median 4.2 over 3 cells
+    assert out[1] == (4.2, 3)
+    assert out[16] == (36 / 5, 3)
+    assert out["all"][1] == 6
+    try:
+        bench.stream_shapes("3584by3584")
+    except SystemExit as e:
+        assert "--stream-shapes" in str(e)
+    else:
+        raise AssertionError("a bad --stream-shapes value must stop the run")
