@@ -685,34 +685,35 @@ STREAM_CFGS = [dict(per_sm=4, block=2048, unroll=1, num_warps=4, num_stages=3),
                dict(per_sm=4, block=1024, unroll=8, num_warps=4, num_stages=1)]
 
 
-def stream_explore(deadline: float, out_path: str | None, shapes=STREAM_SHAPES, floor_ms=()):
+def stream_explore(deadline: float, out_path: str | None, shapes=STREAM_SHAPES, floor_ms=(), fmt: str = "nvfp4"):
     """`--stream`: how fast can one kernel read a layer's bytes (4-bit words + scales, and the
     bf16 weight), by launch shape and loads in flight, against bf16 cuBLAS at M = 1.
 
     floor_ms (`--stream-ms`): also bf16 cuBLAS at those M, and the summary of the single-launch ceiling the
     issue's sweep can reach: per (layer, M) cell, bf16 time / the fastest streaming launch of the layer's
-    4-bit bytes; medians over the sweep's 16 shapes (duplicates counted as in the sweep)."""
+    4-bit bytes; medians over the sweep's 16 shapes (duplicates counted as in the sweep). `fmt`
+    (`--stream-format`): whose packed bytes are streamed (nvfp4: 4.5 bits a weight, mxfp4: 4.25)."""
     rows = []
     log("\n## streaming floor explore (us per call; GB/s of bytes read)")
     for n, k in shapes:
         if time.time() > deadline:
             log("  (time budget reached)")
             break
-        layer = Layer(n, k, ("nvfp4",), seed=5)
+        layer = Layer(n, k, (fmt,), seed=5)
         bf = measure(layer, 1, "bf16", "forward")
         for m in floor_ms:
             rows.append(dict(n=n, k=k, m=m, cfg="bf16", bf16_us=bf if m == 1 else measure(layer, m, "bf16", "forward")))
-        b4, b16 = weight_bytes("nvfp4", n, k), weight_bytes("bf16", n, k)
+        b4, b16 = weight_bytes(fmt, n, k), weight_bytes("bf16", n, k)
         log(f"  N={n} K={k}: bf16 cuBLAS M=1 {bf:.1f} us ({b16 / bf / 1e3:.0f} GB/s)")
         for cfg in STREAM_CFGS:
             if time.time() > deadline:
                 break
             name = "/".join(f"{a}{v}" for a, v in cfg.items())
             try:
-                u4 = stream_us([(st["words"], st["scale"]) for st in layer.states["nvfp4"]], False, **cfg)
+                u4 = stream_us([(st["words"], st["scale"]) for st in layer.states[fmt]], False, **cfg)
                 u16 = stream_us([(w, None) for w in layer.bf16], False, **cfg)
                 log(f"    {name}: 4-bit {u4:.1f} us {b4 / u4 / 1e3:.0f} GB/s (x{bf / u4:.2f} of bf16) | bf16 bytes {u16:.1f} us {b16 / u16 / 1e3:.0f} GB/s")
-                rows.append(dict(n=n, k=k, cfg=name, us4=u4, us16=u16, bf16_us=bf))
+                rows.append(dict(n=n, k=k, fmt=fmt, cfg=name, us4=u4, us16=u16, bf16_us=bf))
             except Exception as e:
                 log(f"    {name}: ERR {type(e).__name__}: {str(e)[:200]}")
         dump_rows(out_path, rows)
@@ -826,6 +827,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stream", action="store_true", help="only time the streaming floor by launch shape")
     ap.add_argument("--stream-shapes", default=None,
                     help="NxK,... or all (the sweep's unique shapes) for --stream; default: three shapes")
+    ap.add_argument("--stream-format", default="nvfp4", choices=("nvfp4", "mxfp4"),
+                    help="with --stream: whose packed bytes to stream")
+    ap.add_argument("--pdl-ms", default=",".join(map(str, PDL_MS)), help="M values for --pdl")
     ap.add_argument("--stream-ms", default="",
                     help="with --stream: also time bf16 at these M and report the single-launch ceiling per M")
     ap.add_argument("--cands", default=None, help='only time these configs: JSON [["name", {config} or null], ...]')
@@ -883,8 +887,8 @@ def main(argv=None) -> int:
                  all_formats=("default",),
                  formats=tuple(f for f in args.formats.split(",") if f in ("nvfp4", "mxfp4")) or ("nvfp4", "mxfp4")),
              "stream": lambda: stream_explore(deadline, args.out, stream_shapes(args.stream_shapes),
-                                              [int(v) for v in args.stream_ms.split(",") if v]),
-             "pdl": lambda: pdl_explore(deadline, args.out),
+                                              [int(v) for v in args.stream_ms.split(",") if v], args.stream_format),
+             "pdl": lambda: pdl_explore(deadline, args.out, [int(v) for v in args.pdl_ms.split(",") if v]),
              "gemv": lambda: gemv_explore(deadline, args.out),
              "explore": lambda: explore(deadline, args.out)}
     for mode, run_mode in modes.items():  # the explore modes: one study each, then stop
