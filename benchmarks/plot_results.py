@@ -15,6 +15,9 @@
   read rate over the same run's copy bandwidth per shape (model, rows x keys), one bar per candidate.
 - nf4_kernels.png (issue 4): as w4a16_speedup.png, forward, for the NF4 comparison the issue asks for: the QLoRA
   baseline (nf4), the labelled fused NF4 kernel (nf4-fused) and nvfp4 / mxfp4 from the same run.
+- w4a16_ceiling.png (issue 4): per layer shape at M = 1, nvfp4's speedup in the sweep beside the single-launch
+  streaming ceiling (`bench_w4a16.py --stream --stream-ms`: bf16 us over the fastest launch that only reads the
+  layer's 4-bit bytes), the M <= 16 goal as a line.
 
 Every number is read from the files (the same fields RESULTS.md quotes); nothing is measured here.
 """
@@ -41,6 +44,7 @@ DEFAULTS = {
              "h200/grpo_step_cap79_b4_7b_nf4.json"],  # nf4: the QLoRA baseline (the *_nf4_fused files are labelled apart)
     "attention": ["h200/attention_probe_8_rule.json", "h200/attention_probe_9_rows16.json"],
     "nf4": ["h200/w4a16_nf4_fused_all.json"],
+    "ceiling": ["w4a16.json", "h100/stream_ceiling_s70_h100.json"],  # the sweep, then the streaming ceiling
 }
 FORMATS = ("nvfp4", "mxfp4", "nf4")
 NF4_FORMATS = ("nvfp4", "mxfp4", "nf4", "nf4-fused")  # the NF4 figure: the baseline, the labelled fused kernel, FP4
@@ -150,6 +154,49 @@ def plot_w4a16(datas: list[dict], path: str) -> str:
     axes[0].set_ylabel("median speedup over bf16 (same process)")
     axes[0].legend(fontsize=7, ncol=2)
     fig.suptitle("4-bit x bf16 GEMM, median over the Qwen2.5 layer shapes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def ceiling_pairs(sweep: list[dict], stream: list[dict], m: int = 1, fmt: str = "nvfp4") -> list[tuple]:
+    """[(n, k, the sweep's speedup, the streaming ceiling)] per layer shape at M = m, smallest first: the ceiling is
+    the stream file's bf16 us at that M over the fastest 4-bit streaming launch of the layer (its "us4" rows)."""
+    fastest: dict[tuple[int, int], float] = {}
+    bf16: dict[tuple[int, int], float] = {}
+    for r in stream:
+        key = (r["n"], r["k"])
+        if "us4" in r:
+            fastest[key] = min(fastest.get(key, float("inf")), r["us4"])
+        elif r.get("cfg") == "bf16" and r.get("m") == m:
+            bf16[key] = r["bf16_us"]
+    ours = {(r["n"], r["k"]): r["speedup"] for r in sweep
+            if r.get("format") == fmt and r.get("op") == "forward" and r.get("m") == m and r.get("speedup")}
+    keys = sorted(set(ours) & set(fastest) & set(bf16), key=lambda s: s[0] * s[1])
+    return [(n, k, ours[(n, k)], bf16[(n, k)] / fastest[(n, k)]) for n, k in keys]
+
+
+def plot_ceiling(datas: list[dict], path: str, goal: float = 3.0) -> str:
+    """Issue 4, M = 1: the sweep's nvfp4 speedup per layer beside what a kernel that only streams the bytes reaches."""
+    if len(datas) != 2:
+        raise SystemExit("plot_results: --ceiling takes two files: the sweep (w4a16.json), then the stream ceiling")
+    pairs = ceiling_pairs(datas[0]["rows"], datas[1]["rows"])
+    if not pairs:
+        raise SystemExit(f"no rows to plot for {os.path.basename(path)}")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(11, 4.2))
+    xs = range(len(pairs))
+    ax.bar([x - 0.2 for x in xs], [p[3] for p in pairs], 0.4, color="0.7", label="streaming ceiling (bytes only)")
+    ax.bar([x + 0.2 for x in xs], [p[2] for p in pairs], 0.4, color=COLORS["nvfp4"], label="nvfp4 (the sweep)")
+    ax.axhline(goal, color="k", lw=1.2, ls="--", label=f"goal, median over M <= 16 ({goal})")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([f"{n}x{k}" for n, k, _, _ in pairs], rotation=35, ha="right", fontsize=7)
+    ax.set_ylabel("speedup over bf16 at M = 1 (same process)")
+    gpu = short_gpu(datas[1].get("gpu", ""))
+    ax.set_title(f"4-bit GEMV in single launches against a kernel that only reads the bytes ({gpu})")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -294,6 +341,7 @@ def main(argv=None) -> list[str]:
                     "GRPO step speedup over bf16 LoRA (same process)", "GRPO step, 8 x 2048 tokens (issue 9)"),
         plot_attention(loaded["attention"], os.path.join(args.out, "attention_bandwidth.png")),
         plot_nf4(loaded["nf4"], os.path.join(args.out, "nf4_kernels.png")),
+        plot_ceiling(loaded["ceiling"], os.path.join(args.out, "w4a16_ceiling.png")),
     ]
     for p in written:
         print(p)

@@ -64,6 +64,12 @@ def test_medians_ratios_and_newest_pairs(plots):
              {"model": "qwen2.5-7b", "rows": 32, "keys": 1280, "cand": "new", "of_copy": 0.57},
              {"model": "qwen2.5-7b", "rows": 8, "keys": 512, "cand": "old", "of_copy": None}]
     assert plots.attention_fractions(probe) == {("qwen2.5-7b", 32, 1280): {"old": 0.46, "new": 0.57}}
+    # the ceiling: each layer's fastest streaming launch (not its first), bf16 at the same M, shapes in both files only
+    stream = [{"n": 2048, "k": 1024, "cfg": "a", "us4": 0.5}, {"n": 2048, "k": 1024, "cfg": "b", "us4": 0.25},
+              {"n": 2048, "k": 1024, "m": 1, "cfg": "bf16", "bf16_us": 1.0},
+              {"n": 2048, "k": 1024, "m": 64, "cfg": "bf16", "bf16_us": 9.0},
+              {"n": 8192, "k": 1024, "cfg": "a", "us4": 1.0}, {"n": 8192, "k": 1024, "m": 1, "cfg": "bf16", "bf16_us": 4.0}]
+    assert plots.ceiling_pairs(_w4a16_rows(), stream) == [(2048, 1024, 4.0, 4.0)]
 
 
 def test_writes_the_six_figures_and_refuses_bad_input(plots, tmp_path):
@@ -87,12 +93,16 @@ def test_writes_the_six_figures_and_refuses_bad_input(plots, tmp_path):
     nf4_rows = _w4a16_rows() + [dict(r, format=f, speedup=r["speedup"] / d) for r in _w4a16_rows()
                                 if r["format"] == "nvfp4" for f, d in (("nf4", 4.0), ("nf4-fused", 2.5))]
     nf4 = write("n.json", "NVIDIA H200", nf4_rows)
+    stream = write("s.json", "NVIDIA H100 80GB HBM3", [{"n": n, "k": 1024, "cfg": c, "us4": u, "us16": 1.0, "bf16_us": 1.0}
+                                                       for n in (1024, 2048) for c, u in (("a", 0.5), ("b", 0.25))]
+                   + [{"n": n, "k": 1024, "m": 1, "cfg": "bf16", "bf16_us": 1.0} for n in (1024, 2048)])
     out = tmp_path / "plots"
     written = plots.main(["--w4a16", *w4a16, "--rollout", rollout, "--grpo", grpo, "--attention", attention,
-                          "--nf4", nf4, "--out", str(out)])
+                          "--nf4", nf4, "--ceiling", w4a16[0], stream, "--out", str(out)])
     assert sorted(os.path.basename(p) for p in written) == ["attention_bandwidth.png", "grpo_step.png",
                                                                 "lora_cost.png", "nf4_kernels.png",
-                                                                "rollout_ratio.png", "w4a16_speedup.png"]
+                                                                "rollout_ratio.png", "w4a16_ceiling.png",
+                                                                "w4a16_speedup.png"]
     for p in written:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
