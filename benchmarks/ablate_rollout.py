@@ -44,7 +44,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   (no two-per-SM rwg form), noxrel (that form without XREL), norwg3 / rwg3all
                   (17..32 tokens at three rwg programs per SM, w4a16_triton.RWG_THREE_PER_SM: nowhere /
                   on every layer, not only the wide ones), rwg3b32 (rwg3all, and 33..64 tokens as
-                  two 32-token tiles at three per SM), kp / nokp / kpall (rwg's KP form, two MMA warpgroups
+                  two 32-token tiles at three per SM), rwg2n (the narrow layers' 17..64-token launches,
+                  KP / R by fill by default, at the two-per-SM form instead), kp / nokp / kpall (rwg's KP form, two MMA warpgroups
                   on alternate K steps of one tile, w4a16_triton.RWG_KP_FORM; on by default: where
                   _rwg_kp_wins / nowhere / on every layer whose 64-row tiles fit one wave), pwa / pwag / pwar (per-warp
                   stage release, qerl/kernels/ptx_pwa.py, forced on: Gluon GEMV at every M and rwg / GEMV
@@ -179,6 +180,16 @@ def _rwg_three_everywhere(default, form: dict, up_to: int = 32):
     return config
 
 
+def _rwg_two_narrow(default, forms: dict):
+    """_rwg_config with the narrow layers (64-row tiles that fit one program per SM: the KP / R-by-fill forms) at
+    17..64 tokens on rwg's two-programs-per-SM form (w4a16_triton.RWG_TWO_PER_SM, R = 1), the wide ones as before."""
+    def config(n, k, m, slots, fmt="nvfp4"):
+        if m > 64 or -(-n // 64) > slots:
+            return default(n, k, m, slots, fmt)
+        return {"R": 1, **forms[32 if m <= 32 else 64]}
+    return config
+
+
 def _switches() -> dict:
     """flag -> [(module, attribute, value)] set while a variant runs."""
     from qerl.kernels import (bf16_gemv, decode_ops, lora_ops, w4a16_gemv, w4a16_gluon, w4a16_rwg, w4a16_triton,
@@ -228,6 +239,8 @@ def _switches() -> dict:
                   (w4a16_triton, "_rwg_kp_wins", lambda n, k, slots, r: True)],
         "rwg3all": [(w4a16_triton, "_rwg_config", _rwg_three_everywhere(w4a16_triton._rwg_config, three))],
         "rwg3b32": [(w4a16_triton, "_rwg_config", _rwg_three_everywhere(w4a16_triton._rwg_config, three, 64))],
+        "rwg2n": [(w4a16_triton, "_rwg_config", _rwg_two_narrow(w4a16_triton._rwg_config,
+                                                                 {m: dict(f) for m, f in w4a16_triton.RWG_TWO_PER_SM.items()}))],
         "wg9": [(w4a16_triton, "WGMMA_SMALL_M", 9)],
         "wg9all": [(w4a16_triton, "WGMMA_SMALL_M", 9), (w4a16_triton, "_small_m_wgmma", lambda n, k, m: {})],
         "wg9two": [(w4a16_triton, "WGMMA_SMALL_M", 9),

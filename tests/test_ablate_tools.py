@@ -65,6 +65,12 @@ def test_rwg_three_per_sm_flags_apply_and_restore(ablate):
         assert w4a16_triton._rwg_config(*wide, 64, 132) == dict(three, BM=32)
         assert w4a16_triton._rwg_config(*wide, 65, 132) == route(*wide, 65, 132)
     assert w4a16_triton.RWG_THREE_PER_SM == form and w4a16_triton._rwg_config is route
+    with ablate.variant_of(engine, "base@rwg2n"):  # the narrow layers' two-per-SM form; wide and > 64 tokens as before
+        assert w4a16_triton._rwg_config(*narrow, 32, 132) == {"R": 1, **w4a16_triton.RWG_TWO_PER_SM[32]}
+        assert w4a16_triton._rwg_config(3584, 3584, 64, 132) == {"R": 1, **w4a16_triton.RWG_TWO_PER_SM[64]}
+        assert w4a16_triton._rwg_config(*wide, 32, 132) == three
+        assert w4a16_triton._rwg_config(*narrow, 100, 132) == route(*narrow, 100, 132)
+    assert w4a16_triton._rwg_config is route
 
 
 def test_rwg_kp_flags_apply_and_restore(ablate):
