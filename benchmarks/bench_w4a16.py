@@ -454,13 +454,16 @@ def candidate_sweep(deadline: float, out_path: str | None, shapes, ms, pick, for
 
 
 GEMV_SHAPES = [(n, k) for n, k in dict.fromkeys((n, k) for _, _, n, k in linear_shapes())]
+# (n, k) -> how many of the sweep's 16 layers have that shape (14B and 32B share q/k/v and o): the weight of a
+# shape in every median "over the 16 shapes"
+SHAPE_CELLS = collections.Counter((n, k) for _, _, n, k in linear_shapes())
 
 
 def candidate_medians(rows: list[dict]) -> list[str]:
     """Per (M, format, candidate): the median speedup over bf16 with each shape counted once per model layer it
     is (14B and 32B share q/k/v and o), as the sweep's medians are, and over how many of the 16 cells; a
     candidate whose output missed the fp32 reference (err >= 1e-2) is marked BAD."""
-    cells = collections.Counter((n, k) for _, _, n, k in linear_shapes())
+    cells = SHAPE_CELLS
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["m"], r["fmt"], r["cfg"]), []).append(r)
@@ -612,7 +615,7 @@ def stream_shapes(spec: str | None) -> list[tuple[int, int]]:
     if not spec:
         return list(STREAM_SHAPES)
     if spec == "all":
-        return sorted({(n, k) for _, _, n, k in linear_shapes(QWEN25)}, key=lambda s: s[0] * s[1])
+        return sorted(SHAPE_CELLS, key=lambda s: s[0] * s[1])
     try:
         return [tuple(int(v) for v in sh.split("x")) for sh in spec.split(",") if sh]
     except ValueError:
@@ -729,10 +732,7 @@ def stream_explore(deadline: float, out_path: str | None, shapes=STREAM_SHAPES, 
 
 def stream_ceiling(rows: list[dict], ms) -> dict:
     """{M: (median over the sweep's cells of bf16 us / the layer's fastest 4-bit streaming launch, cells)}, and
-    one entry "<=16" over every M given: what a kernel that only reads the 4-bit bytes would score in the sweep."""
-    count = {}
-    for _, _, n, k in linear_shapes(QWEN25):
-        count[(n, k)] = count.get((n, k), 0) + 1
+    one entry "all" over every M given: what a kernel that only reads the 4-bit bytes would score in the sweep."""
     fastest = {}
     for r in rows:
         if "us4" in r:
@@ -742,7 +742,7 @@ def stream_ceiling(rows: list[dict], ms) -> dict:
     for m in ms:
         v = [r["bf16_us"] / fastest[(r["n"], r["k"])] for r in rows
              if r.get("cfg") == "bf16" and r.get("m") == m and (r["n"], r["k"]) in fastest
-             for _ in range(count.get((r["n"], r["k"]), 0))]
+             for _ in range(SHAPE_CELLS[(r["n"], r["k"])])]
         every += v
         if v:
             out[m] = (statistics.median(v), len(v))
@@ -760,7 +760,7 @@ def pdl_explore(deadline: float, out_path: str | None, ms=PDL_MS):
     layer's nvfp4 bytes (words + scales) without / with PDL, and its bf16 bytes: the speedup a
     perfect single kernel could reach is bf16 cuBLAS time / 4-bit streaming time. Every
     candidate is checked against the fp32 reference first."""
-    shapes = sorted({(n, k) for _, _, n, k in linear_shapes(QWEN25)}, key=lambda s: s[0] * s[1])
+    shapes = stream_shapes("all")
     rows = []
     log("\n## PDL explore (us per call; x = bf16 cuBLAS time / this)")
     for n, k in shapes:
@@ -798,15 +798,12 @@ def pdl_explore(deadline: float, out_path: str | None, ms=PDL_MS):
         del layer
         torch.cuda.empty_cache()
     # medians over the 16 shapes (duplicates counted as in the sweep)
-    count = {}
-    for _, _, n, k in linear_shapes(QWEN25):
-        count[(n, k)] = count.get((n, k), 0) + 1
     log("\n  median speedup over the 16 shapes:")
     for fmt in ("nvfp4", "mxfp4"):
         for m in ms:
             for name in ("default", "pdl", "gemv-pdl", "stream4", "stream4-pdl"):
                 v = [r["bf16_us"] / r["us"] for r in rows if r["fmt"] == fmt and r["m"] == m and r["cfg"] == name
-                     for _ in range(count[(r["n"], r["k"])])]
+                     for _ in range(SHAPE_CELLS[(r["n"], r["k"])])]
                 if v:
                     log(f"    {fmt} M={m} {name}: {statistics.median(v):.2f} ({len(v)} shapes)")
     return rows
