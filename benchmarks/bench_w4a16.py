@@ -751,15 +751,53 @@ def stream_ceiling(rows: list[dict], ms) -> dict:
     return out
 
 
+def fastest_stream_us(tensors, pdl: bool) -> tuple[float, str]:
+    """(us, config name) of the fastest STREAM_CFGS launch streaming `tensors` (see stream_us); configs
+    that fail to build or launch are skipped."""
+    best = (float("inf"), "")
+    for cfg in STREAM_CFGS:
+        try:
+            us = stream_us(tensors, pdl, **cfg)
+        except Exception as e:  # a launch shape this GPU cannot run: the others still count
+            log(f"    stream {cfg}: ERR {type(e).__name__}: {str(e)[:160]}")
+            continue
+        best = min(best, (us, "/".join(f"{a}{v}" for a, v in cfg.items())))
+    return best
+
+
+PDL_SUMMARY = ("default", "pdl", "gemv-pdl", "stream4", "stream4-pdl", "stream4-best", "stream4-pdl-best")
+
+
+def pdl_medians(rows: list[dict], ms, names=PDL_SUMMARY) -> dict:
+    """{(fmt, M or "all", name): (median of bf16 us / us over the sweep's cells, cells)} for `--pdl`'s rows;
+    "all" pools every M given (the goal's M <= 16 median when ms = 1, 2, 4, 8, 16)."""
+    out = {}
+    for fmt in ("nvfp4", "mxfp4"):
+        for name in names:
+            pooled = []
+            for m in ms:
+                v = [r["bf16_us"] / r["us"] for r in rows if r["fmt"] == fmt and r["m"] == m and r["cfg"] == name
+                     for _ in range(SHAPE_CELLS[(r["n"], r["k"])])]
+                pooled += v
+                if v:
+                    out[(fmt, m, name)] = (statistics.median(v), len(v))
+            if pooled and len(ms) > 1:
+                out[(fmt, "all", name)] = (statistics.median(pooled), len(pooled))
+    return out
+
+
 def pdl_explore(deadline: float, out_path: str | None, ms=PDL_MS):
     """`--pdl`: programmatic dependent launch against plain launches, plus the streaming floor.
 
     Per shape: bf16 cuBLAS; the default dispatch; the same with PDL=True; at M = 1 also the GEMV
     with its weights loaded a step ahead (PF) and with PDL on every shape (the 40M threshold with
     PDL), and the fused kernel with PDL; and the time one streaming kernel needs to read the
-    layer's nvfp4 bytes (words + scales) without / with PDL, and its bf16 bytes: the speedup a
-    perfect single kernel could reach is bf16 cuBLAS time / 4-bit streaming time. Every
-    candidate is checked against the fp32 reference first."""
+    layer's packed bytes (words + scales, per format) without / with PDL: `stream4` / `stream4-pdl` at the
+    kernel's default launch shape (as sessions 6-70 timed it), `stream4-best` / `stream4-pdl-best` the fastest
+    of STREAM_CFGS (the layer's ceiling, single and chained), and its bf16 bytes (`stream16`): the speedup a
+    perfect kernel could reach is bf16 cuBLAS time / 4-bit streaming time. The streaming rows are
+    entered at every M (the bytes do not depend on M; bf16 does). Every candidate is checked against the
+    fp32 reference first."""
     shapes = stream_shapes("all")
     rows = []
     log("\n## PDL explore (us per call; x = bf16 cuBLAS time / this)")
@@ -769,12 +807,19 @@ def pdl_explore(deadline: float, out_path: str | None, ms=PDL_MS):
             break
         layer = Layer(n, k, ("nvfp4", "mxfp4"), seed=5)
         floor = {}
-        try:
-            floor["stream4"] = stream_us([(st["words"], st["scale"]) for st in layer.states["nvfp4"]], False)
-            floor["stream4-pdl"] = stream_us([(st["words"], st["scale"]) for st in layer.states["nvfp4"]], True)
-            floor["stream16"] = stream_us([(w, None) for w in layer.bf16], False)
-        except Exception as e:
-            log(f"  stream ERR {type(e).__name__}: {str(e)[:200]}")
+        for fmt in ("nvfp4", "mxfp4"):
+            packed = [(st["words"], st["scale"]) for st in layer.states[fmt]]
+            f = floor[fmt] = {}
+            try:
+                f["stream4"] = stream_us(packed, False)
+                f["stream4-pdl"] = stream_us(packed, True)
+                f["stream4-best"], single = fastest_stream_us(packed, False)
+                f["stream4-pdl-best"], chained = fastest_stream_us(packed, True)
+                log(f"  N={n} K={k} {fmt} fastest streaming launch: single {single}, chained {chained}")
+                if fmt == "nvfp4":
+                    f["stream16"] = stream_us([(w, None) for w in layer.bf16], False)
+            except Exception as e:
+                log(f"  stream ERR {type(e).__name__}: {str(e)[:200]}")
         for m in ms:
             if time.time() > deadline:
                 break
@@ -788,24 +833,21 @@ def pdl_explore(deadline: float, out_path: str | None, ms=PDL_MS):
                 st = layer.states[fmt][0]
                 chosen = [(a, c) for a, c in cands if fmt == "nvfp4" or a in ("default", "pdl")]
                 parts = time_candidates(layer, x, st, fmt, chosen, bf, rows)
-                if m == 1 and fmt == "nvfp4":
-                    for name, us in floor.items():
+                for name, us in floor[fmt].items():
+                    if m == 1:
                         parts.append(f"{name} {us:.1f} x{bf / us:.2f}")
-                        rows.append(dict(n=n, k=k, m=m, fmt=fmt, cfg=name, us=us, bf16_us=bf, err=0.0,
-                                         gbps=(weight_bytes("bf16" if name == "stream16" else "nvfp4", n, k)) / us / 1e3))
+                    rows.append(dict(n=n, k=k, m=m, fmt=fmt, cfg=name, us=us, bf16_us=bf, err=0.0,
+                                     gbps=(weight_bytes("bf16" if name == "stream16" else fmt, n, k)) / us / 1e3))
                 log(f"  N={n} K={k} M={m} {fmt} bf16 {bf:.1f}: " + " | ".join(parts))
                 dump_rows(out_path, rows)
         del layer
         torch.cuda.empty_cache()
     # medians over the 16 shapes (duplicates counted as in the sweep)
-    log("\n  median speedup over the 16 shapes:")
-    for fmt in ("nvfp4", "mxfp4"):
-        for m in ms:
-            for name in ("default", "pdl", "gemv-pdl", "stream4", "stream4-pdl"):
-                v = [r["bf16_us"] / r["us"] for r in rows if r["fmt"] == fmt and r["m"] == m and r["cfg"] == name
-                     for _ in range(SHAPE_CELLS[(r["n"], r["k"])])]
-                if v:
-                    log(f"    {fmt} M={m} {name}: {statistics.median(v):.2f} ({len(v)} shapes)")
+    log("\n  median speedup over the 16 shapes (all: every M above pooled):")
+    summary = pdl_medians(rows, ms)
+    for (fmt, m, name), (med, cells) in summary.items():
+        log(f"    {fmt} M={m} {name}: {med:.2f} ({cells} cells)")
+    dump_rows(out_path, rows, medians={f"{fmt}/{m}/{name}": med for (fmt, m, name), (med, _) in summary.items()})
     return rows
 
 

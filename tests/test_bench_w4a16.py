@@ -119,3 +119,22 @@ def test_stream_ceiling_takes_each_layers_fastest_launch_and_counts_shapes_as_th
         assert "--stream-shapes" in str(e)
     else:
         raise AssertionError("a bad --stream-shapes value must stop the run")
+
+
+def test_pdl_medians_count_shapes_as_the_sweep_and_pool_the_ms():
+    """`--pdl`'s summary: per format, M and candidate the median of bf16 us / us with 5120 x 5120 counted twice
+    (14B o and 32B o), and an "all" entry pooling the M values given (the goal's M <= 16 median)."""
+    bench = _bench()
+    rows = []
+    for (n, k), us in (((5120, 5120), 5.0), ((3584, 3584), 4.0)):
+        for m in (1, 16):
+            rows.append(dict(n=n, k=k, m=m, fmt="nvfp4", cfg="stream4-pdl-best", us=us, bf16_us=20.0 + m))
+            rows.append(dict(n=n, k=k, m=m, fmt="mxfp4", cfg="default", us=2 * us, bf16_us=20.0 + m))
+    out = bench.pdl_medians(rows, (1, 16))
+    assert out[("nvfp4", 1, "stream4-pdl-best")] == (21 / 5, 3)
+    assert out[("nvfp4", 16, "stream4-pdl-best")] == (36 / 5, 3)
+    assert out[("nvfp4", "all", "stream4-pdl-best")][1] == 6
+    assert out[("mxfp4", 1, "default")] == (21 / 10, 3)
+    assert ("nvfp4", 1, "default") not in out and ("mxfp4", 1, "stream4-pdl-best") not in out
+    assert ("nvfp4", "all", "default") not in out
+    assert all(m != "all" for (_, m, _) in bench.pdl_medians(rows, (1,)))
