@@ -406,10 +406,11 @@ THREE_PER_SM = {"R": 1, "NSW": 2, "NSX": 2, "maxnreg": 80, "XREL": 1}
                                        ("nvfp4", 128, {"BM": 128, "NSX": 2, "PWA": 1}),
                                        ("nvfp4", 32, {**THREE_PER_SM, "PWA": 1}),
                                        ("nvfp4", 32, {"R": 1, "KP": 2, "XREL": 1, "NSX": 4}),
-                                       ("mxfp4", 64, {"R": 1, "KP": 2, "NSX": 4, "PDL": True})],
+                                       ("mxfp4", 64, {"R": 1, "KP": 2, "NSX": 4, "PDL": True}),
+                                       ("nvfp4", 32, {"R": 1, "KP": 2, "XREL": 1, "NSX": 4, "DIAG": 1})],
                          ids=["M64", "M32", "M16-R1", "M64-pdl", "M64-two-per-SM-xrel", "mxfp4-M64", "mxfp4-M32-two",
                               "BM128", "BM128-R1", "M64-pwa", "M64-two-xrel-pwa", "mxfp4-M64-pwa-pdl", "BM128-pwa",
-                              "M32-three-per-SM", "M32-KP2", "mxfp4-M64-KP2-pdl"])
+                              "M32-three-per-SM", "M32-KP2", "mxfp4-M64-KP2-pdl", "M32-KP2-nodecode"])
 def test_rwg_kernel_builds_for_hopper(fmt, m, cfg):
     """Offline sm_90a build of w4a16_rwg (no GPU needed): the register layouts convert trivially to
     the wgmma register operand (assert_trivial fails the build otherwise), no spills, the rings fit,
@@ -451,6 +452,23 @@ def test_rwg_kernel_builds_for_hopper(fmt, m, cfg):
         assert _mma_loop_bars(cg, ck.asm["cubin"], "HGMMA") == 0
         nw = consts["num_warps"]
         assert _init_counts(ptx) == [1, nw] * (consts["NSW"] + consts["NSX"])  # ready: the copy; empty: every warp
+
+
+def test_rwg_diag_skips_only_the_decode():
+    """DIAG = 1 (timing only): FMT 3, whose step feeds the raw words to the wgmma with no funnel shift, no bf16
+    multiply and no scale load, and the same wgmmas; the scale_bits switch must not turn it back into FMT 2;
+    mxfp4 is refused (its stages differ)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_rwg as R
+
+    kp2 = {"R": 1, "KP": 2, "XREL": 1, "NSX": 4}
+    assert R.kernel_args(32, dict(kp2, DIAG=1))[0]["FMT"] == 3 and R.kernel_args(32, kp2)[0]["FMT"] == 0
+    plain, diag = (R.compile_offline(32, 3584, 3584, config=c, sbits=True).asm["ptx"] for c in (kp2, dict(kp2, DIAG=1)))
+    assert plain.count("shf.r.wrap") > 0 and plain.count("mul.rn.bf16x2") + plain.count("mul.bf16x2") > 0
+    assert diag.count("shf.r.wrap") == 0 and diag.count("mul.rn.bf16x2") + diag.count("mul.bf16x2") == 0
+    assert diag.count("wgmma.mma_async") == plain.count("wgmma.mma_async") == 64
+    with pytest.raises(ValueError, match="DIAG"):
+        R.kernel_args(32, dict(kp2, DIAG=1), "mxfp4")
 
 
 _PWA_PTX = """

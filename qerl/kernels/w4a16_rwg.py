@@ -121,10 +121,14 @@ def _chunks(v, ROWS: gl.constexpr):
 
 
 @gluon.jit
-def _a_operand(wc, sc, rt, st, ROWS: gl.constexpr, AOP: gl.constexpr):
+def _a_operand(wc, sc, rt, st, ROWS: gl.constexpr, AOP: gl.constexpr, RAW: gl.constexpr = False):
     """One chunk's words [ROWS, 8, 4] and scale pairs (same shape) -> the wgmma A operand
-    [ROWS, 64] bf16: lane t's pair of every word, q * s * 2^-J (exact)."""
-    p = _mul2((_rotr_v(wc, rt) & _MAG) | (_rotr_v(wc, st) & _SIGN), sc)
+    [ROWS, 64] bf16: lane t's pair of every word, q * s * 2^-J (exact). RAW (the DIAG config, timing only):
+    the words themselves as the pairs, no decode and no scale (wrong values, the same data flow)."""
+    if RAW:
+        p = wc
+    else:
+        p = _mul2((_rotr_v(wc, rt) & _MAG) | (_rotr_v(wc, st) & _SIGN), sc)
     q = gl.reshape(p, [ROWS, 32]).to(gl.int32, bitcast=True)  # pair 4c + t = K (8c + 2t, 8c + 2t + 1)
     lo = (q & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
     hi = (q >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
@@ -159,7 +163,8 @@ def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empt
         mbarrier.arrive(w_empty.index(iw), count=1)
     w3 = gl.expand_dims(gl.convert_layout(w2, gl.SliceLayout(2, LW3), assert_trivial=True), 2).to(
         gl.uint32, bitcast=True) + zw
-    if FMT == 2:  # all scales normal (prepare: scale_bits): bf16 bits (b << 4) + 0x7700, in both halves
+    RAW: gl.constexpr = FMT == 3  # DIAG: no decode (timing only)
+    if FMT == 2 or FMT == 3:  # all scales normal (prepare: scale_bits): bf16 bits (b << 4) + 0x7700, in both halves
         s16 = (s2d.to(gl.uint8, bitcast=True).to(gl.uint32) << 4) + 0x7700
     elif FMT == 1:  # mxfp4: 2^(e - 127 + J), J the layer's exponent offset (w4a16_wgmma's conversion)
         s16 = gl.exp2(s2d.to(gl.float32) + (exp_bias - 127).to(gl.float32)).to(gl.bfloat16).to(
@@ -174,18 +179,18 @@ def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empt
     c0, c1, c2, c3 = _chunks(s3, ROWS)
     ix = i % NSX
     mbarrier.wait(x_ready.index(ix), (i // NSX) & 1)
-    a = _a_operand(w0, c0, r0, s0_, ROWS, AOP)
+    a = _a_operand(w0, c0, r0, s0_, ROWS, AOP, RAW)
     acc = warpgroup_mma(a, x_bufs.index(4 * ix + 0).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
     if not XREL:  # the previous step's last wgmma has retired: its activation stage is free
         mbarrier.arrive(x_empty.index((i + NSX - KP) % NSX), count=1, pred=i >= KP)
-    a = _a_operand(w1, c1, r1, s1_, ROWS, AOP)
+    a = _a_operand(w1, c1, r1, s1_, ROWS, AOP, RAW)
     acc = warpgroup_mma(a, x_bufs.index(4 * ix + 1).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-    a = _a_operand(w2c, c2, r2, s2_, ROWS, AOP)
+    a = _a_operand(w2c, c2, r2, s2_, ROWS, AOP, RAW)
     acc = warpgroup_mma(a, x_bufs.index(4 * ix + 2).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-    a = _a_operand(w3c, c3, r3, s3_, ROWS, AOP)
+    a = _a_operand(w3c, c3, r3, s3_, ROWS, AOP, RAW)
     acc = warpgroup_mma(a, x_bufs.index(4 * ix + 3).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
     return acc
@@ -358,7 +363,7 @@ def kernel_for(kp) -> object:
 
 
 DEFAULT = dict(BM=None, R=2, NSW=4, NSX=3, XREL=0, LOAD_REGS=24, PER_SM=None, maxnreg=None, PDL=None, S=None, PWA=None,
-               KP=1, MMA_REGS=160)
+               KP=1, MMA_REGS=160, DIAG=0)
 # Per-warp release of the weight and activation stages (qerl/kernels/ptx_pwa.py): no CTA barrier in
 # the MMA loop. Config key PWA overrides per call (None: this switch). Decode steps (a64, H100, same
 # process): 7B at 32 / 64 rows +1.1% / +0.5%. NOTES_w4a16.md section 22.
@@ -401,6 +406,10 @@ def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool, pwa_default:
                   PWA=pwa,
                   LOAD_REGS=int(cfg["LOAD_REGS"]), RT=rot_mag, ST=rot_sign, LW2=lw2, LS3=ls3, LW3=lw3, ACC=acc,
                   AOP=aop, num_warps=4 * r)
+    if cfg["DIAG"]:  # timing only: the MMA warps skip the decode (FMT 3, nvfp4's stage layout): wrong outputs
+        if fmt != "nvfp4":
+            raise ValueError("rwg DIAG (no decode) is built on nvfp4's stages only")
+        consts["FMT"] = 3
     if kp == 2:  # _rwg_kp_kernel: the odd steps' partition gets MMA_REGS; no per-warp release (ptx_pwa's
         # rewrite knows one MMA partition per kernel)
         consts["MMA_REGS"] = int(cfg["MMA_REGS"])
@@ -423,14 +432,15 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     the module doc), LOAD_REGS (setmaxnreg of the loader warps), S (forced K slices), PER_SM, maxnreg,
     PDL, PWA (per-warp stage release, qerl/kernels/ptx_pwa.py; None: PER_WARP_ARRIVE), KP (1, or 2 with R = 1:
     two MMA warpgroups on alternate 256-K steps of one tile, _rwg_kp_kernel; slices of >= 2 steps), MMA_REGS
-    (KP = 2: setmaxnreg of the odd steps' warpgroup)."""
+    (KP = 2: setmaxnreg of the odd steps' warpgroup), DIAG (1: no decode, timing only, wrong outputs: what the
+    decode's instructions cost a step; nvfp4)."""
     x = WG.checked_input(x, state, "rwg")
     fmt, n, kb, m = state["fmt"], state["n"], state["kb"], x.shape[0]
     consts, cfg = kernel_args(m, config, fmt)
     kp = int(cfg["KP"])
     if kp == 2 and kb < 2:  # two warpgroups on alternate steps need two steps per slice
         consts, cfg, kp = *kernel_args(m, dict(config or {}, KP=1), fmt), 1
-    if fmt == "nvfp4" and WG.SCALE_BITS and state.get("scale_bits", False):
+    if consts["FMT"] == 0 and WG.SCALE_BITS and state.get("scale_bits", False):
         consts = dict(consts, FMT=2)
     bm, rows = consts["BM"], consts["num_warps"] * 16
     nt, mt = triton.cdiv(n, rows), triton.cdiv(m, bm)

@@ -641,7 +641,7 @@ def compile_gemm_offline(fn, fmt: str, m: int, n: int, k: int, consts: dict, cfg
     sig = {"x_desc": mangle_type(x_desc), "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc),
            "alpha_ptr": "*fp32", "bias_ptr": "*bf16", "c_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
            "M": "i32", "N": "i32", "KB": "i32", "S": "i32", "MT": "i32", "exp_bias": "i32"}
-    consts = dict(consts, HAS_BIAS=bias, FMT=2 if sbits and fmt == "nvfp4" else consts["FMT"])
+    consts = dict(consts, HAS_BIAS=bias, FMT=2 if sbits and consts["FMT"] == 0 else consts["FMT"])
     sig.update({name: "constexpr" for name in consts})
     # pointers 16-byte aligned, as the JIT specialises them on a GPU
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
