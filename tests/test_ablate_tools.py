@@ -71,6 +71,11 @@ def test_rwg_three_per_sm_flags_apply_and_restore(ablate):
         assert w4a16_triton._rwg_config(*wide, 32, 132) == three
         assert w4a16_triton._rwg_config(*narrow, 100, 132) == route(*narrow, 100, 132)
     assert w4a16_triton._rwg_config is route
+    with ablate.variant_of(engine, "base@nodec"):  # every nvfp4 rwg launch on its own tiles without the decode
+        for shape, m in ((narrow, 32), (wide, 64), (narrow, 100)):
+            assert w4a16_triton._rwg_config(*shape, m, 132) == dict(route(*shape, m, 132), DIAG=1)
+        assert w4a16_triton._rwg_config(*wide, 32, 132, "mxfp4") == route(*wide, 32, 132, "mxfp4")
+    assert w4a16_triton._rwg_config is route
 
 
 def test_rwg_kp_flags_apply_and_restore(ablate):

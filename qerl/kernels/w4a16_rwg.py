@@ -124,9 +124,10 @@ def _chunks(v, ROWS: gl.constexpr):
 def _a_operand(wc, sc, rt, st, ROWS: gl.constexpr, AOP: gl.constexpr, RAW: gl.constexpr = False):
     """One chunk's words [ROWS, 8, 4] and scale pairs (same shape) -> the wgmma A operand
     [ROWS, 64] bf16: lane t's pair of every word, q * s * 2^-J (exact). RAW (the DIAG config, timing only):
-    the words themselves as the pairs, no decode and no scale (wrong values, the same data flow)."""
+    the words themselves as the pairs, no decode and no scale (wrong values, the same data flow), ANDed with
+    0x3F3F3F3F so every value is finite (an engine run on them samples from finite logits)."""
     if RAW:
-        p = wc
+        p = wc & 0x3F3F3F3F
     else:
         p = _mul2((_rotr_v(wc, rt) & _MAG) | (_rotr_v(wc, st) & _SIGN), sc)
     q = gl.reshape(p, [ROWS, 32]).to(gl.int32, bitcast=True)  # pair 4c + t = K (8c + 2t, 8c + 2t + 1)
