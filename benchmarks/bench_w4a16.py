@@ -765,6 +765,17 @@ def fastest_stream_us(tensors, pdl: bool) -> tuple[float, str]:
     return best
 
 
+def distinct_copies(tensors: list[tuple], n: int) -> list[tuple]:
+    """`tensors` with clones appended until there are n distinct copies. A chained streaming kernel holds so little
+    of an SM that three calls run at once; with two copies (the 159 MB layer: ROTATE_BYTES / its bytes) calls one
+    and three read the same bytes together and the second reader hits L2: session 71 timed 55296x5120 at 4.4 TB/s
+    chained, over the HBM's peak."""
+    out = list(tensors)
+    while len(out) < n:
+        out.append(tuple(t.clone() if t is not None else None for t in tensors[len(out) % len(tensors)]))
+    return out
+
+
 PDL_SUMMARY = ("default", "pdl", "gemv-pdl", "stream4", "stream4-pdl", "stream4-best", "stream4-pdl-best")
 
 
@@ -786,7 +797,7 @@ def pdl_medians(rows: list[dict], ms, names=PDL_SUMMARY) -> dict:
     return out
 
 
-def pdl_explore(deadline: float, out_path: str | None, ms=PDL_MS):
+def pdl_explore(deadline: float, out_path: str | None, ms=PDL_MS, shapes_spec: str | None = None):
     """`--pdl`: programmatic dependent launch against plain launches, plus the streaming floor.
 
     Per shape: bf16 cuBLAS; the default dispatch; the same with PDL=True; at M = 1 also the GEMV
@@ -797,8 +808,8 @@ def pdl_explore(deadline: float, out_path: str | None, ms=PDL_MS):
     of STREAM_CFGS (the layer's ceiling, single and chained), and its bf16 bytes (`stream16`): the speedup a
     perfect kernel could reach is bf16 cuBLAS time / 4-bit streaming time. The streaming rows are
     entered at every M (the bytes do not depend on M; bf16 does). Every candidate is checked against the
-    fp32 reference first."""
-    shapes = stream_shapes("all")
+    fp32 reference first. `shapes_spec` (`--stream-shapes`): NxK,... (default: the sweep's 14 shapes)."""
+    shapes = stream_shapes(shapes_spec or "all")
     rows = []
     log("\n## PDL explore (us per call; x = bf16 cuBLAS time / this)")
     for n, k in shapes:
@@ -808,7 +819,7 @@ def pdl_explore(deadline: float, out_path: str | None, ms=PDL_MS):
         layer = Layer(n, k, ("nvfp4", "mxfp4"), seed=5)
         floor = {}
         for fmt in ("nvfp4", "mxfp4"):
-            packed = [(st["words"], st["scale"]) for st in layer.states[fmt]]
+            packed = distinct_copies([(st["words"], st["scale"]) for st in layer.states[fmt]], 3)
             f = floor[fmt] = {}
             try:
                 f["stream4"] = stream_us(packed, False)
@@ -865,7 +876,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pdl", action="store_true", help="only time programmatic dependent launch and the streaming floor")
     ap.add_argument("--stream", action="store_true", help="only time the streaming floor by launch shape")
     ap.add_argument("--stream-shapes", default=None,
-                    help="NxK,... or all (the sweep's unique shapes) for --stream; default: three shapes")
+                    help="NxK,... or all (the sweep's unique shapes) for --stream (default: three shapes) and "
+                         "--pdl (default: all)")
     ap.add_argument("--stream-format", default="nvfp4", choices=("nvfp4", "mxfp4"),
                     help="with --stream: whose packed bytes to stream")
     ap.add_argument("--pdl-ms", default=",".join(map(str, PDL_MS)), help="M values for --pdl")
@@ -927,7 +939,8 @@ def main(argv=None) -> int:
                  formats=tuple(f for f in args.formats.split(",") if f in ("nvfp4", "mxfp4")) or ("nvfp4", "mxfp4")),
              "stream": lambda: stream_explore(deadline, args.out, stream_shapes(args.stream_shapes),
                                               [int(v) for v in args.stream_ms.split(",") if v], args.stream_format),
-             "pdl": lambda: pdl_explore(deadline, args.out, [int(v) for v in args.pdl_ms.split(",") if v]),
+             "pdl": lambda: pdl_explore(deadline, args.out, [int(v) for v in args.pdl_ms.split(",") if v],
+                                        args.stream_shapes),
              "gemv": lambda: gemv_explore(deadline, args.out),
              "explore": lambda: explore(deadline, args.out)}
     for mode, run_mode in modes.items():  # the explore modes: one study each, then stop

@@ -138,3 +138,18 @@ def test_pdl_medians_count_shapes_as_the_sweep_and_pool_the_ms():
     assert ("nvfp4", 1, "default") not in out and ("mxfp4", 1, "stream4-pdl-best") not in out
     assert ("nvfp4", "all", "default") not in out
     assert all(m != "all" for (_, m, _) in bench.pdl_medians(rows, (1,)))
+
+
+def test_distinct_copies_clones_up_to_n_and_keeps_what_is_there():
+    """`--pdl`'s streaming floors rotate over at least three distinct weight copies (two let chained calls one and
+    three share L2)."""
+    import torch
+
+    bench = _bench()
+    a, b = torch.arange(4), torch.arange(2)
+    out = bench.distinct_copies([(a, b)], 3)
+    assert len(out) == 3 and out[0][0] is a
+    assert all(torch.equal(o[0], a) and torch.equal(o[1], b) for o in out)
+    assert len({o[0].data_ptr() for o in out}) == 3
+    four = [(a, None)] * 4
+    assert bench.distinct_copies(four, 3) == four
