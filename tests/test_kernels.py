@@ -471,6 +471,18 @@ def test_rwg_diag_skips_only_the_decode():
         R.kernel_args(32, dict(kp2, DIAG=1), "mxfp4")
 
 
+def test_diag_is_a_path_key_that_keeps_the_rules_tiles():
+    """{"DIAG": 1} (timing only, rwg and the fused forward) must not replace any kernel's own tile heuristic: it is a
+    path key, dropped from the fused kernel's tile config, while a real tile key still replaces the default."""
+    from qerl.kernels import w4a16_triton as W
+
+    default = W._fwd_config(16, 3584, 3584, "nvfp4")
+    assert "DIAG" in W._PATH_KEYS
+    assert W._kernel_config({"DIAG": 1}, default) == default
+    assert W._kernel_config({"DIAG": 1, "PDL": True}, default) == dict(default, PDL=True)
+    assert W._kernel_config({"BM": 16, "BO": 64, "BR": 256, "PER_SM": 2}, default) != default
+
+
 _PWA_PTX = """
 	// qerl-pwa-v1 %r1
 	setp.eq.b32 	%p1, %r9, 0;
