@@ -472,8 +472,8 @@ def test_rwg_diag_skips_only_the_decode():
 
 
 def test_diag_is_a_path_key_that_keeps_the_rules_tiles():
-    """{"DIAG": 1} (timing only, rwg and the fused forward) must not replace any kernel's own tile heuristic: it is a
-    path key, dropped from the fused kernel's tile config, while a real tile key still replaces the default."""
+    """{"DIAG": 1} (timing only, rwg's) must not replace any kernel's own tile heuristic: it is a path key, dropped
+    from the fused kernel's tile config, while a real tile key still replaces the default."""
     from qerl.kernels import w4a16_triton as W
 
     default = W._fwd_config(16, 3584, 3584, "nvfp4")

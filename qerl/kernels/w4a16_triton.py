@@ -312,25 +312,18 @@ def _bf16x2_mul(p, s2):
 
 
 @triton.jit
-def _decode_tile_packed(words, sc, G: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, RAW: tl.constexpr = False):
+def _decode_tile_packed(words, sc, G: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
     """As _decode_tile (bf16), but the scale multiply runs on the packed P_j registers before
     they are split into halves (inline PTX, GPU only): the halves then go to the MMA operand
     registers unchanged, without the half-swapping PRMTs that a multiply on the split tile costs.
-    `sc`: bf16 multipliers [R, BK/G], one per G/8 words. RAW (the DIAG config, timing only): the
-    words themselves (ANDed finite) as all four pairs, no decode and no scale: wrong values, the same data flow."""
-    if RAW:
-        p0 = words & 0x3F3F3F3F
-        p1 = p0
-        p2 = p0
-        p3 = p0
-    else:
-        s16 = sc.to(tl.uint16, bitcast=True).to(tl.uint32)
-        s2 = s16 | (s16 << 16)  # the scale in both halves
-        s2 = tl.broadcast_to(s2[:, :, None], (R, BK // G, G // 8)).reshape(R, BK // 8)
-        p0 = _bf16x2_mul((words & _KM) | (_rotr(words, _S0) & _KS), s2)
-        p1 = _bf16x2_mul(_rotr(words, _R1) & _KA, s2)
-        p2 = _bf16x2_mul(_rotr(words, _R2) & _KA, s2)
-        p3 = _bf16x2_mul((_rotr(words, _R3) & _KM) | (_rotr(words, _S3) & _KS), s2)
+    `sc`: bf16 multipliers [R, BK/G], one per G weights (= per G/8 words)."""
+    s16 = sc.to(tl.uint16, bitcast=True).to(tl.uint32)
+    s2 = s16 | (s16 << 16)  # the scale in both halves
+    s2 = tl.broadcast_to(s2[:, :, None], (R, BK // G, G // 8)).reshape(R, BK // 8)
+    p0 = _bf16x2_mul((words & _KM) | (_rotr(words, _S0) & _KS), s2)
+    p1 = _bf16x2_mul(_rotr(words, _R1) & _KA, s2)
+    p2 = _bf16x2_mul(_rotr(words, _R2) & _KA, s2)
+    p3 = _bf16x2_mul((_rotr(words, _R3) & _KM) | (_rotr(words, _S3) & _KS), s2)
     v = tl.join(
         tl.join(tl.join(_lo(p0, False), _lo(p1, False)), tl.join(_lo(p2, False), _lo(p3, False))),
         tl.join(tl.join(_hi(p0, False), _hi(p1, False)), tl.join(_hi(p2, False), _hi(p3, False))),
@@ -373,8 +366,8 @@ def _decode_raw(words, sraw, exp_bias, FMT: tl.constexpr, R: tl.constexpr, BK: t
                 PACKED: tl.constexpr = False):
     """Loaded words [R, BK/8] and raw scales -> the decoded tile [R, BK] (see _load_w_tile)."""
     sc = _scales(sraw, exp_bias, FMT)
-    if PACKED and not F32:  # PACKED 2: the DIAG config (no decode, timing only)
-        w = _decode_tile_packed(words.to(tl.uint32, bitcast=True), sc, 16 if FMT == 0 else 32, R, BK, PACKED == 2)
+    if PACKED and not F32:
+        w = _decode_tile_packed(words.to(tl.uint32, bitcast=True), sc, 16 if FMT == 0 else 32, R, BK)
     else:
         w = _decode_tile(words.to(tl.uint32, bitcast=True), sc, 16, R, BK, F32)
     return w
@@ -772,8 +765,7 @@ def _launch(a: torch.Tensor, state: dict, bwd: bool, bias, cfg: dict, out):
     schedule = cfg.pop("SCHEDULE", "auto")
     waves = int(cfg.pop("WAVES", 1))
     swap = bool(cfg.pop("SWAP", False)) and not bwd
-    packed = cfg.pop("PACKED", PACKED_DECODE)
-    packed = (2 if packed == 2 else bool(packed)) and not INTERPRETED  # 2: DIAG, no decode (timing only)
+    packed = bool(cfg.pop("PACKED", PACKED_DECODE)) and not INTERPRETED
     decode_f32 = bool(cfg.pop("DECODE_F32", DECODE_F32))
     pdl = bool(cfg.pop("PDL", PDL)) and not INTERPRETED
     late = bool(cfg.pop("PDL_LATE", PDL_LATE)) and pdl
@@ -1046,8 +1038,7 @@ def _kernel_config(config: dict | None, default: dict) -> dict:
 
 
 # PWA (per-warp stage release, qerl/kernels/ptx_pwa.py) belongs to the Gluon GEMV and rwg, XS (x beside
-# the weight stages) to the Gluon GEMV, DIAG (timing only: no decode, wrong outputs) to rwg and the fused forward; the
-# other kernels
+# the weight stages) to the Gluon GEMV, DIAG (timing only: no decode, wrong outputs) to rwg; the other kernels
 # ignore them, so a config of path keys and these keeps every kernel's own tiles
 _PATH_KEYS = {"PATH", "CHUNKS", "SIDE", "PWA", "XS", "DIAG"}
 _MOD_KEYS = {"PDL", "PDL_LATE", "PF"}  # launch modifiers: never replace the tile heuristic
@@ -1148,8 +1139,6 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
 
         return w4a16_wgmma.forward(x, state, bias, out=out, config=config)
     cfg = _kernel_config(config, _fwd_config(m, state["n"], state["k"], state["fmt"]))
-    if (config or {}).get("DIAG"):  # timing only: the fused kernel's tiles without the decode (PACKED 2)
-        cfg["PACKED"] = 2
     return _launch(x, state, False, bias, cfg, out)
 
 
