@@ -711,7 +711,7 @@ def stream_explore(deadline: float, out_path: str | None, shapes=STREAM_SHAPES, 
         for cfg in STREAM_CFGS:
             if time.time() > deadline:
                 break
-            name = "/".join(f"{a}{v}" for a, v in cfg.items())
+            name = stream_cfg_name(cfg)
             try:
                 u4 = stream_us([(st["words"], st["scale"]) for st in layer.states[fmt]], False, **cfg)
                 u16 = stream_us([(w, None) for w in layer.bf16], False, **cfg)
@@ -751,18 +751,21 @@ def stream_ceiling(rows: list[dict], ms) -> dict:
     return out
 
 
-def fastest_stream_us(tensors, pdl: bool) -> tuple[float, str]:
-    """(us, config name) of the fastest STREAM_CFGS launch streaming `tensors` (see stream_us); configs
-    that fail to build or launch are skipped."""
-    best = (float("inf"), "")
+def stream_cfg_name(cfg: dict) -> str:
+    """A STREAM_CFGS launch shape as one token, e.g. per_sm4/block2048/unroll1/num_warps4/num_stages3."""
+    return "/".join(f"{a}{v}" for a, v in cfg.items())
+
+
+def stream_times(tensors, pdl: bool) -> dict[str, float]:
+    """{config name: us} of every STREAM_CFGS launch streaming `tensors` (see stream_us); configs that fail to
+    build or launch are left out. The first config is stream_us's default shape."""
+    times = {}
     for cfg in STREAM_CFGS:
         try:
-            us = stream_us(tensors, pdl, **cfg)
+            times[stream_cfg_name(cfg)] = stream_us(tensors, pdl, **cfg)
         except Exception as e:  # a launch shape this GPU cannot run: the others still count
             log(f"    stream {cfg}: ERR {type(e).__name__}: {str(e)[:160]}")
-            continue
-        best = min(best, (us, "/".join(f"{a}{v}" for a, v in cfg.items())))
-    return best
+    return times
 
 
 def distinct_copies(tensors: list[tuple], n: int) -> list[tuple]:
@@ -822,11 +825,13 @@ def pdl_explore(deadline: float, out_path: str | None, ms=PDL_MS, shapes_spec: s
             packed = distinct_copies([(st["words"], st["scale"]) for st in layer.states[fmt]], 3)
             f = floor[fmt] = {}
             try:
-                f["stream4"] = stream_us(packed, False)
-                f["stream4-pdl"] = stream_us(packed, True)
-                f["stream4-best"], single = fastest_stream_us(packed, False)
-                f["stream4-pdl-best"], chained = fastest_stream_us(packed, True)
-                log(f"  N={n} K={k} {fmt} fastest streaming launch: single {single}, chained {chained}")
+                default = stream_cfg_name(STREAM_CFGS[0])
+                for suffix, pdl in (("", False), ("-pdl", True)):
+                    times = stream_times(packed, pdl)
+                    f["stream4" + suffix] = times[default]
+                    fastest = min(times, key=times.get)
+                    f["stream4" + suffix + "-best"] = times[fastest]
+                    log(f"  N={n} K={k} {fmt} fastest streaming launch{' chained' if pdl else ''}: {fastest}")
                 if fmt == "nvfp4":
                     f["stream16"] = stream_us([(w, None) for w in layer.bf16], False)
             except Exception as e:

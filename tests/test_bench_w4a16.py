@@ -153,3 +153,15 @@ def test_distinct_copies_clones_up_to_n_and_keeps_what_is_there():
     assert len({o[0].data_ptr() for o in out}) == 3
     four = [(a, None)] * 4
     assert bench.distinct_copies(four, 3) == four
+
+
+def test_the_first_stream_config_is_stream_us_default_shape():
+    """`--pdl` reads `stream4` / `stream4-pdl` (the default launch shape, as sessions 6-70 timed it) out of the
+    STREAM_CFGS sweep, so its first entry must stay stream_us's own default."""
+    import inspect
+
+    bench = _bench()
+    defaults = {p.name: p.default for p in inspect.signature(bench.stream_us).parameters.values()
+                if p.default is not inspect.Parameter.empty}
+    assert bench.STREAM_CFGS[0] == defaults
+    assert bench.stream_cfg_name(bench.STREAM_CFGS[0]) == "per_sm4/block2048/unroll1/num_warps4/num_stages3"
