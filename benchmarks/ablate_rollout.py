@@ -46,7 +46,8 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   on every layer, not only the wide ones), rwg3b32 (rwg3all, and 33..64 tokens as
                   two 32-token tiles at three per SM), rwg2n (the narrow layers' 17..64-token launches,
                   KP / R by fill by default, at the two-per-SM form instead), nodec (every nvfp4 rwg launch
-                  without its decode, rwg's DIAG: timing only, wrong tokens), kp / nokp / kpall (rwg's KP form, two MMA warpgroups
+                  without its decode, rwg's DIAG: timing only, wrong tokens), frag (every nvfp4 rwg launch on
+                  fragment-ordered words, rwg's FRAG: a second copy of each layer's words), kp / nokp / kpall (rwg's KP form, two MMA warpgroups
                   on alternate K steps of one tile, w4a16_triton.RWG_KP_FORM; on by default: where
                   _rwg_kp_wins / nowhere / on every layer whose 64-row tiles fit one wave), pwa / pwag / pwar (per-warp
                   stage release, qerl/kernels/ptx_pwa.py, forced on: Gluon GEMV at every M and rwg / GEMV
@@ -191,12 +192,13 @@ def _rwg_two_narrow(default, forms: dict):
     return config
 
 
-def _rwg_no_decode(default):
+def _rwg_no_decode(default, key="DIAG"):
     """_rwg_config with DIAG 1 on every nvfp4 rwg launch (17..128 tokens): the same tiles without the decode, timing
-    only (the engine's tokens are then meaningless): what a free decode would give the step."""
+    only (the engine's tokens are then meaningless): what a free decode would give the step. key="FRAG": the same
+    tiles on fragment-ordered words (w4a16_rwg FRAG; each layer builds its second copy on first use)."""
     def config(n, k, m, slots, fmt="nvfp4"):
         cfg = default(n, k, m, slots, fmt)
-        return {**cfg, "DIAG": 1} if fmt == "nvfp4" else cfg
+        return {**cfg, key: 1} if fmt == "nvfp4" else cfg
     return config
 
 
@@ -250,6 +252,7 @@ def _switches() -> dict:
         "rwg3all": [(w4a16_triton, "_rwg_config", _rwg_three_everywhere(w4a16_triton._rwg_config, three))],
         "rwg3b32": [(w4a16_triton, "_rwg_config", _rwg_three_everywhere(w4a16_triton._rwg_config, three, 64))],
         "nodec": [(w4a16_triton, "_rwg_config", _rwg_no_decode(w4a16_triton._rwg_config))],
+        "frag": [(w4a16_triton, "_rwg_config", _rwg_no_decode(w4a16_triton._rwg_config, "FRAG"))],
         "rwg2n": [(w4a16_triton, "_rwg_config", _rwg_two_narrow(w4a16_triton._rwg_config,
                                                                  {m: dict(f) for m, f in w4a16_triton.RWG_TWO_PER_SM.items()}))],
         "wg9": [(w4a16_triton, "WGMMA_SMALL_M", 9)],

@@ -76,6 +76,10 @@ def test_rwg_three_per_sm_flags_apply_and_restore(ablate):
             assert w4a16_triton._rwg_config(*shape, m, 132) == dict(route(*shape, m, 132), DIAG=1)
         assert w4a16_triton._rwg_config(*wide, 32, 132, "mxfp4") == route(*wide, 32, 132, "mxfp4")
     assert w4a16_triton._rwg_config is route
+    with ablate.variant_of(engine, "base@frag"):  # the same tiles on fragment-ordered words
+        assert w4a16_triton._rwg_config(*wide, 64, 132) == dict(route(*wide, 64, 132), FRAG=1)
+        assert w4a16_triton._rwg_config(*wide, 32, 132, "mxfp4") == route(*wide, 32, 132, "mxfp4")
+    assert w4a16_triton._rwg_config is route
 
 
 def test_rwg_kp_flags_apply_and_restore(ablate):

@@ -104,6 +104,34 @@ def test_rwg_lane_rule_builds_the_wgmma_register_operand():
             assert torch.equal(f32 * 2.0**126, table[codes[:, 2 * t + half::8].long()])
 
 
+def test_fragment_words_hold_each_threads_wgmma_pairs():
+    """layout.py's fragment-ordered words (rwg FRAG): the word of (warp w, lane 4g + t, 16-K slice s) decoded by the
+    kernel's integer rule gives, in register order h + 2 kh, the bf16 pairs of rows 16w + g (+8 h) at
+    K = 16s + 2t (+8 kh), (+1): the wgmma A fragment; every value exact, nothing outside the target bits; the
+    copy built from today's tiled words equals the one built from the codes; the round trip is exact (padding
+    included)."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 70, 520  # two row blocks, three K blocks, both padded
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    tiles = layout.codes_to_frag_tiles(codes)
+    assert tiles.shape == (2, 3, 64, 32) and tiles.dtype == torch.int32
+    assert torch.equal(layout.frag_tiles_to_codes(tiles, n, k), codes)
+    assert torch.equal(layout.tiles_to_frag_tiles(layout.to_tiles(layout.codes_to_words(codes), 32)), tiles)
+    assert sorted(layout._FRAG_POS.flatten().tolist()) == list(range(32))
+    pairs = layout.frag_decode_reference(tiles.reshape(2, 3, 4, 4, 8, 4, 4))  # nb, kb, w, j, g, t, q, pi
+    assert int((pairs & ~layout.FRAG_TARGET).abs().max()) == 0
+    table = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    padded = torch.zeros(128, 768, dtype=torch.uint8)
+    padded[:n, :k] = codes
+    for pi in range(4):
+        h, kh = pi % 2, pi // 2
+        for half in range(2):
+            bits = (pairs[..., pi] >> (16 * half)) & 0xFFFF
+            value = (bits << 16).to(torch.int32).view(torch.float32) * 2.0**126  # nb, kb, w, j, g, t, q
+            ref = padded.reshape(2, 4, 2, 8, 3, 4, 4, 2, 4, 2)[:, :, h, :, :, :, :, kh, :, half]  # nb w g kb j q t
+            assert torch.equal(value, table[ref.permute(0, 3, 1, 4, 2, 6, 5).long()])
+
+
 # --------------------------------------------------------------------------- references
 
 
@@ -407,10 +435,13 @@ THREE_PER_SM = {"R": 1, "NSW": 2, "NSX": 2, "maxnreg": 80, "XREL": 1}
                                        ("nvfp4", 32, {**THREE_PER_SM, "PWA": 1}),
                                        ("nvfp4", 32, {"R": 1, "KP": 2, "XREL": 1, "NSX": 4}),
                                        ("mxfp4", 64, {"R": 1, "KP": 2, "NSX": 4, "PDL": True}),
-                                       ("nvfp4", 32, {"R": 1, "KP": 2, "XREL": 1, "NSX": 4, "DIAG": 1})],
+                                       ("nvfp4", 32, {"R": 1, "KP": 2, "XREL": 1, "NSX": 4, "DIAG": 1}),
+                                       ("nvfp4", 32, {"R": 1, "KP": 2, "XREL": 1, "NSX": 4, "FRAG": 1}),
+                                       ("nvfp4", 64, {"FRAG": 1, "PDL": True})],
                          ids=["M64", "M32", "M16-R1", "M64-pdl", "M64-two-per-SM-xrel", "mxfp4-M64", "mxfp4-M32-two",
                               "BM128", "BM128-R1", "M64-pwa", "M64-two-xrel-pwa", "mxfp4-M64-pwa-pdl", "BM128-pwa",
-                              "M32-three-per-SM", "M32-KP2", "mxfp4-M64-KP2-pdl", "M32-KP2-nodecode"])
+                              "M32-three-per-SM", "M32-KP2", "mxfp4-M64-KP2-pdl", "M32-KP2-nodecode", "M32-KP2-frag",
+                              "M64-frag-pdl"])
 def test_rwg_kernel_builds_for_hopper(fmt, m, cfg):
     """Offline sm_90a build of w4a16_rwg (no GPU needed): the register layouts convert trivially to
     the wgmma register operand (assert_trivial fails the build otherwise), no spills, the rings fit,
@@ -469,6 +500,26 @@ def test_rwg_diag_skips_only_the_decode():
     assert diag.count("wgmma.mma_async") == plain.count("wgmma.mma_async") == 64
     with pytest.raises(ValueError, match="DIAG"):
         R.kernel_args(32, dict(kp2, DIAG=1), "mxfp4")
+
+
+def test_rwg_frag_reads_fragment_words_with_fewer_loads_and_shifts():
+    """FRAG = 1: FMT 4 (5 with scale_bits), its stage read as 16-byte rows (a quarter of the shared-memory loads),
+    no per-lane rotation (every funnel shift by an immediate), the same 16 wgmmas per step; mxfp4 and DIAG
+    refused; a path key like DIAG, so the rule's tiles stay."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_rwg as R
+    from qerl.kernels import w4a16_triton as W
+
+    kp2 = {"R": 1, "KP": 2, "XREL": 1, "NSX": 4}
+    assert R.kernel_args(32, dict(kp2, FRAG=1))[0]["FMT"] == 4 and "FRAG" in W._PATH_KEYS
+    plain, frag = (R.compile_offline(32, 3584, 3584, config=c, sbits=True).asm["ptx"] for c in (kp2, dict(kp2, FRAG=1)))
+    assert frag.count("wgmma.mma_async") == plain.count("wgmma.mma_async") == 64
+    assert 0 < frag.count("ld.shared") < plain.count("ld.shared") / 2
+    assert frag.count("shf.r.wrap.b32") > 0 and all(line.split(",")[-1].strip(" ;").isdigit()
+                                                   for line in frag.splitlines() if "shf.r.wrap.b32" in line)
+    for bad in (dict(FRAG=1, DIAG=1), dict(FRAG=1)):
+        with pytest.raises(ValueError, match="FRAG"):
+            R.kernel_args(32, bad, "mxfp4" if "DIAG" not in bad else "nvfp4")
 
 
 def test_diag_is_a_path_key_that_keeps_the_rules_tiles():

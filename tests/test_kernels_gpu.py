@@ -721,6 +721,27 @@ def test_rwg_kernel(fmt, cfg):
     _check_gluon_gemm(fmt, dict(cfg, PATH="rwg"), ms, 1, float_scales_equal)
 
 
+FRAG_CASES = [{}, {"R": 1, "KP": 2, "XREL": 1, "NSX": 4}, {"BM": 32, "R": 1, "NSW": 2, "NSX": 2, "maxnreg": 80, "XREL": 1},
+              {"R": 1, "NSW": 3, "NSX": 2, "maxnreg": 104, "XREL": 1, "PDL": True}]
+
+
+@pytest.mark.parametrize("cfg", FRAG_CASES, ids=["default", "R1-KP2-xrel", "BM32-R1-three-per-SM", "R1-two-xrel-pdl"])
+def test_rwg_frag_kernel(cfg):
+    """rwg on fragment-ordered words (FRAG, nvfp4): the same A operand values in the same wgmma order, so the
+    output is bit-identical to rwg on today's words, besides _check_gluon_gemm's reference, poison, graph checks."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_triton as W
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs Hopper (TMA, wgmma, warp specialisation)")
+
+    def same_as_todays_words(x, st, bias, y):
+        return torch.equal(W.forward(x, st, bias=bias, config=dict(cfg, PATH="rwg")), y)
+
+    ms = (16, 17, 33, 64) if cfg.get("BM") != 32 else (17, 32, 64)
+    _check_gluon_gemm("nvfp4", dict(cfg, PATH="rwg", FRAG=1), ms, 2, same_as_todays_words)
+
+
 @pytest.mark.parametrize("cfg", WG_CASES, ids=["-".join(f"{k}{v}" for k, v in c.items()) or "default" for c in WG_CASES])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_wgmma_kernel(fmt, cfg):

@@ -142,3 +142,99 @@ def from_tiles(tiles: torch.Tensor, n: int, units: int) -> torch.Tensor:
     nb, kb, tn, per_row = tiles.shape
     return tiles.permute(0, 2, 1, 3).reshape(nb * tn, kb * per_row)[:n, :units].contiguous()
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Fragment-ordered words (rwg's FRAG path; benchmark-only so far: a second copy of the weights).
+#
+# wgmma's register A operand gives thread (g, t) of a warp (lane 4 g + t) four bf16 pairs of every
+# 16-K slice s: rows g and g + 8 of the warp's 16, at K = 16 s + 2 t (+1) and 16 s + 2 t + 8 (+1),
+# in the register order pair pi = h + 2 kh (h: row g + 8, kh: K + 8). A fragment word holds exactly
+# those four pairs, so each thread reads only its own 16 words per 256-K step (4 x 16 bytes, no
+# quad broadcast) and every pair sits at the same bit position for every lane (immediate shifts):
+#   pair 0 on the bf16x2 target bits {6, 7, 8, 15, 22, 23, 24, 31} themselves (one AND),
+#   pairs 1, 2 rotated by 4 and 10 (a funnel shift and an AND each),
+#   pair 3 on the 8 bits left, two rotations: (rotr(w, 6) & {7, 8, 15, 23, 24, 31}) | (rotr(w, 30) & {6, 22}).
+# (Four translates of the target bits cannot tile a word; this is 9 integer ops + 4 bf16x2 multiplies
+# per word, against 8 funnel shifts and ~9 logic ops for today's words' four pairs.)
+# Inside a 64 x 256 tile (2048 words) the word of (warp w, lane L, slice s = 4 j + q) sits at
+# w * 512 + j * 128 + L * 4 + q: per j, a warp's 32 lanes read 512 contiguous bytes (one LDS.128 each,
+# no bank conflict). Tiles are ordered as the layout above (row block, K block); scales are unchanged.
+FRAG_TARGET = 0x81C081C0  # a bf16x2 register's code bits: (m, e0, e1) at 6..8, the sign at 15 (+16)
+FRAG_ROT = (0, 4, 10)  # pairs 0..2: stored bit = target bit + rotation (mod 32)
+
+
+def _frag_bit_positions() -> torch.Tensor:
+    """[4 pairs, 2 halves, 4 code bits] -> stored bit position inside a fragment word."""
+    pos = torch.empty(4, 2, 4, dtype=torch.int64)
+    for pi in range(4):
+        for e in range(2):
+            for b in range(4):
+                target = 16 * e + (6 + b if b < 3 else 15)
+                if pi < 3:
+                    pos[pi, e, b] = (target + FRAG_ROT[pi]) % 32
+                else:  # pair 3's two rotations, undone
+                    pos[pi, e, b] = (target + (6 if b else 30)) % 32
+    if sorted(pos.flatten().tolist()) != list(range(32)):
+        raise AssertionError("fragment bit layout does not tile a 32-bit word")
+    return pos
+
+
+_FRAG_POS = _frag_bit_positions()
+
+
+def codes_to_frag_tiles(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] uint8 codes (0..15) -> fragment-ordered words, tiled int32 [NB, KB, 64, 32] (zero padded)."""
+    n, k = codes.shape
+    nb, kb = tile_shape(n, k)
+    padded = torch.zeros(nb * TILE_N, kb * TILE_K, dtype=torch.uint8, device=codes.device)
+    padded[:n, :k] = codes
+    # row = 64 nb' + 16 w + 8 h + g; K = 256 kb' + 16 (4 j + q) + 8 kh + 2 t + e
+    c = padded.reshape(nb, 4, 2, 8, kb, 4, 4, 2, 4, 2)
+    # -> [nb, kb, w, j, g, t, q | h, kh, e]
+    c = c.permute(0, 4, 1, 5, 3, 8, 6, 2, 7, 9)
+    words = torch.zeros(c.shape[:7], dtype=torch.int64, device=codes.device)
+    for h in range(2):
+        for kh in range(2):
+            for e in range(2):
+                ct = c[..., h, kh, e].to(torch.int64)
+                for b in range(4):
+                    words |= ((ct >> b) & 1) << int(_FRAG_POS[h + 2 * kh, e, b])
+    words = (words - ((words >> 31) << 32)).to(torch.int32)
+    return words.reshape(nb, kb, TILE_N, 32)
+
+
+def frag_tiles_to_codes(tiles: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Inverse of codes_to_frag_tiles: [NB, KB, 64, 32] int32 -> [n, k] uint8 codes."""
+    nb, kb = tiles.shape[:2]
+    u = tiles.to(torch.int64).reshape(nb, kb, 4, 4, 8, 4, 4) & 0xFFFFFFFF  # nb, kb, w, j, g, t, q
+    out = torch.zeros(*u.shape, 2, 2, 2, dtype=torch.uint8, device=tiles.device)
+    for h in range(2):
+        for kh in range(2):
+            for e in range(2):
+                acc = torch.zeros_like(u)
+                for b in range(4):
+                    acc |= ((u >> int(_FRAG_POS[h + 2 * kh, e, b])) & 1) << b
+                out[..., h, kh, e] = acc.to(torch.uint8)
+    # [nb, kb, w, j, g, t, q, h, kh, e] -> [nb, w, h, g, kb, j, q, kh, t, e]
+    codes = out.permute(0, 2, 7, 4, 1, 3, 6, 8, 5, 9).reshape(nb * TILE_N, kb * TILE_K)
+    return codes[:n, :k].contiguous()
+
+
+def frag_decode_reference(words: torch.Tensor) -> torch.Tensor:
+    """The kernel's integer decode of fragment words (any shape, int32) -> [..., 4] int64 bf16x2 bit
+    patterns before the scale (pair pi = h + 2 kh), as the inline assembly computes them."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+
+    def rotr(v, r):
+        return ((v >> r) | (v << (32 - r))) & 0xFFFFFFFF if r else v
+
+    p3 = (rotr(w, 6) & 0x81808180) | (rotr(w, 30) & 0x00400040)
+    return torch.stack([rotr(w, FRAG_ROT[pi]) & FRAG_TARGET for pi in range(3)] + [p3], -1)
+
+
+def tiles_to_frag_tiles(tiles: torch.Tensor) -> torch.Tensor:
+    """Today's tiled words [NB, KB, 64, 32] -> the fragment-ordered copy of the same codes."""
+    nb, kb = tiles.shape[:2]
+    codes = words_to_codes(from_tiles(tiles, nb * TILE_N, kb * 32))
+    return codes_to_frag_tiles(codes)

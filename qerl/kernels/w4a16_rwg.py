@@ -49,6 +49,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -102,6 +103,61 @@ def layouts(r: int, bm: int, fmt: str = "nvfp4"):
     return lw2, ls3, lw3, acc, aop
 
 
+def frag_layouts(r: int, bm: int):
+    """(LB2, L3S, LP, ACC, AOP) for the fragment-ordered words (FRAG, layout.py): the stage's bytes as
+    [512 R, 16] uint8 (rows (warp, j, g, t), columns (q, kh, h): thread (g, t) reads its 16 words as four
+    16-byte rows), the scale parent [64 R, 16 (slice s), 8 (kh, t)] whose slice along dim 2 is the [64 R, 16]
+    scale tile with every lane t and both K halves sharing a scale, and the pair tensor [64 R, 128] (row, pair
+    P = 8 s + 4 kh + t) in which one word's four pairs are four consecutive registers (h, kh)."""
+    w = [[128, 0], [256, 0]] + ([[512, 0]] if r == 2 else [])
+    lb2 = gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8], [32, 0], [64, 0]],
+                                     [[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]], w, [], [512 * r, 16])
+    rows = [[16, 0], [32, 0]] + ([[64, 0]] if r == 2 else [])
+    l3s = gl.DistributedLinearLayout([[8, 0, 0], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0]],
+                                     [[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+                                     [b + [0] for b in rows], [], [64 * r, 16, 8])
+    lp = gl.DistributedLinearLayout([[8, 0], [0, 4], [0, 8], [0, 16], [0, 32], [0, 64]],
+                                    [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], rows, [], [64 * r, 128])
+    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * r, 1], instr_shape=[16, bm, 16])
+    aop = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
+    return lb2, l3s, lp, acc, aop
+
+
+@gluon.jit
+def _frag_decode(wb, sc):
+    """Fragment words (uint8, four consecutive registers = one word) and their scales (bf16x2, one per
+    pair) -> the four scaled pairs (h + 2 kh), layout.py's FRAG decode: 9 integer ops + 4 bf16x2 multiplies
+    per word."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b32 p0, p1, p2, a, b;
+        and.b32 p0, $4, 0x81C081C0;
+        shf.r.wrap.b32 a, $4, $4, 4;
+        and.b32 p1, a, 0x81C081C0;
+        shf.r.wrap.b32 a, $4, $4, 10;
+        and.b32 p2, a, 0x81C081C0;
+        shf.r.wrap.b32 a, $4, $4, 6;
+        and.b32 a, a, 0x81808180;
+        shf.r.wrap.b32 b, $4, $4, 30;
+        and.b32 b, b, 0x00400040;
+        or.b32 a, a, b;
+        mul.rn.bf16x2 $0, p0, $5;
+        mul.rn.bf16x2 $1, p1, $6;
+        mul.rn.bf16x2 $2, p2, $7;
+        mul.rn.bf16x2 $3, a, $8;
+        }""", "=r,=r,=r,=r,r,r,r,r,r", [wb, sc], dtype=gl.uint32, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _frag_chunks(v, ROWS: gl.constexpr):
+    """[ROWS, 128] pairs (P = 32 j + ...) -> the four 64-K chunks [ROWS, 32] (j in registers)."""
+    t = gl.reshape(gl.permute(gl.reshape(v, [ROWS, 4, 32]), (0, 2, 1)), [ROWS, 32, 2, 2])
+    a, b = gl.split(t)
+    c0, c2 = gl.split(a)
+    c1, c3 = gl.split(b)
+    return c0, c1, c2, c3
+
+
 @gluon.jit
 def _rotr_v(w, r):
     """Rotate right by a per-element amount (one funnel shift)."""
@@ -121,16 +177,25 @@ def _chunks(v, ROWS: gl.constexpr):
 
 
 @gluon.jit
-def _a_operand(wc, sc, rt, st, ROWS: gl.constexpr, AOP: gl.constexpr, RAW: gl.constexpr = False):
+def _a_operand(wc, sc, rt, st, ROWS: gl.constexpr, AOP: gl.constexpr, RAW: gl.constexpr = False,
+               FRAG: gl.constexpr = 0):
     """One chunk's words [ROWS, 8, 4] and scale pairs (same shape) -> the wgmma A operand
     [ROWS, 64] bf16: lane t's pair of every word, q * s * 2^-J (exact). RAW (the DIAG config, timing only):
     the words themselves as the pairs, no decode and no scale (wrong values, the same data flow), ANDed with
     0x3F3F3F3F so every value is finite (an engine run on them samples from finite logits)."""
-    if RAW:
-        p = wc & 0x3F3F3F3F
+    if FRAG:  # wc: [ROWS, 32] bytes of fragment words, sc: their pairs' scales
+        p = _frag_decode(wc, sc)
+    elif RAW:
+        p = gl.reshape(wc & 0x3F3F3F3F, [ROWS, 32])
     else:
-        p = _mul2((_rotr_v(wc, rt) & _MAG) | (_rotr_v(wc, st) & _SIGN), sc)
-    q = gl.reshape(p, [ROWS, 32]).to(gl.int32, bitcast=True)  # pair 4c + t = K (8c + 2t, 8c + 2t + 1)
+        p = gl.reshape(_mul2((_rotr_v(wc, rt) & _MAG) | (_rotr_v(wc, st) & _SIGN), sc), [ROWS, 32])
+    return _pairs_to_aop(p, ROWS, AOP)  # pair 4c + t = K (8c + 2t, 8c + 2t + 1)
+
+
+@gluon.jit
+def _pairs_to_aop(p, ROWS: gl.constexpr, AOP: gl.constexpr):
+    """A chunk's pairs [ROWS, 32] (bf16x2 bits, pair P = K 2P, 2P + 1) -> the wgmma A operand [ROWS, 64]."""
+    q = p.to(gl.int32, bitcast=True)
     lo = (q & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
     hi = (q >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
     return gl.convert_layout(gl.reshape(gl.join(lo, hi), [ROWS, 64]), AOP, assert_trivial=True)
@@ -144,11 +209,17 @@ def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empt
     """One 256-K step: read and release the weight stage, then per 64-K chunk decode into the A
     operand, issue the async wgmma and retire the previous chunk's; the previous step's activation
     stage is released once its last wgmma retired (after this step's first wait). With KP MMA
-    warpgroups on alternate steps, this warpgroup's previous step is i - KP."""
+    warpgroups on alternate steps, this warpgroup's previous step is i - KP. FMT 4 / 5 (FRAG): the stage
+    holds fragment-ordered words (layout.py) and LW2 / LS3 / LW3 are frag_layouts' LB2 / L3S / LP."""
+    FRAG: gl.constexpr = FMT >= 4
     i = kk - k0
     iw = i % NSW
     mbarrier.wait(w_ready.index(iw), (i // NSW) & 1)
-    w2 = w_bufs.index(iw).load(LW2)
+    if FRAG:
+        w2 = w_bufs.index(iw)._reinterpret(gl.uint8, [8 * ROWS, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).load(
+            LW2)
+    else:
+        w2 = w_bufs.index(iw).load(LW2)
     if FMT == 1:  # mxfp4: the stage's [32 R, 16] scale rows are the [64 R, 8] E8M0 bytes
         s2d = s_bufs.index(iw)._reinterpret(gl.uint8, [ROWS, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).load(
             gl.SliceLayout(2, LS3))
@@ -162,10 +233,12 @@ def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empt
         mbarrier.arrive(x_empty.index((i + NSX - KP) % NSX), count=1, pred=i >= KP)
     else:
         mbarrier.arrive(w_empty.index(iw), count=1)
-    w3 = gl.expand_dims(gl.convert_layout(w2, gl.SliceLayout(2, LW3), assert_trivial=True), 2).to(
-        gl.uint32, bitcast=True) + zw
+    if not FRAG:
+        w3 = gl.expand_dims(gl.convert_layout(w2, gl.SliceLayout(2, LW3), assert_trivial=True), 2).to(
+            gl.uint32, bitcast=True) + zw
     RAW: gl.constexpr = FMT == 3  # DIAG: no decode (timing only)
-    if FMT == 2 or FMT == 3:  # all scales normal (prepare: scale_bits): bf16 bits (b << 4) + 0x7700, in both halves
+    if FMT == 2 or FMT == 3 or FMT == 5:  # all scales normal (prepare: scale_bits): bf16 bits (b << 4) + 0x7700,
+        # in both halves
         s16 = (s2d.to(gl.uint8, bitcast=True).to(gl.uint32) << 4) + 0x7700
     elif FMT == 1:  # mxfp4: 2^(e - 127 + J), J the layer's exponent offset (w4a16_wgmma's conversion)
         s16 = gl.exp2(s2d.to(gl.float32) + (exp_bias - 127).to(gl.float32)).to(gl.bfloat16).to(
@@ -173,25 +246,35 @@ def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empt
     else:
         s16 = (s2d.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_MUL).to(gl.bfloat16).to(
             gl.uint16, bitcast=True).to(gl.uint32)
-    WPS: gl.constexpr = 4 if FMT == 1 else 2  # words per scale
-    sp = gl.reshape(gl.expand_dims(s16 * 0x10001, 2) + gl.zeros([ROWS, 32 // WPS, WPS], gl.uint32, LS3), [ROWS, 32])
-    s3 = gl.expand_dims(gl.convert_layout(sp, gl.SliceLayout(2, LW3), assert_trivial=True), 2) + zw
-    w0, w1, w2c, w3c = _chunks(w3, ROWS)
-    c0, c1, c2, c3 = _chunks(s3, ROWS)
+    if FRAG:  # bytes (warp, j, g, t | q, kh, h) -> pairs [ROWS, 128]; a scale per (row, 16-K slice)
+        b7 = gl.reshape(w2, [ROWS // 16, 4, 8, 4, 4, 2, 2])
+        wp = gl.convert_layout(gl.reshape(gl.permute(b7, (0, 6, 2, 1, 4, 5, 3)), [ROWS, 128]), LW3,
+                               assert_trivial=True)
+        sp = gl.reshape(gl.expand_dims(s16 * 0x10001, 2) + gl.zeros([ROWS, 16, 8], gl.uint32, LS3), [ROWS, 128])
+        sp = gl.convert_layout(sp, LW3, assert_trivial=True)
+        w0, w1, w2c, w3c = _frag_chunks(wp, ROWS)
+        c0, c1, c2, c3 = _frag_chunks(sp, ROWS)
+    else:
+        WPS: gl.constexpr = 4 if FMT == 1 else 2  # words per scale
+        sp = gl.reshape(gl.expand_dims(s16 * 0x10001, 2) + gl.zeros([ROWS, 32 // WPS, WPS], gl.uint32, LS3),
+                        [ROWS, 32])
+        s3 = gl.expand_dims(gl.convert_layout(sp, gl.SliceLayout(2, LW3), assert_trivial=True), 2) + zw
+        w0, w1, w2c, w3c = _chunks(w3, ROWS)
+        c0, c1, c2, c3 = _chunks(s3, ROWS)
     ix = i % NSX
     mbarrier.wait(x_ready.index(ix), (i // NSX) & 1)
-    a = _a_operand(w0, c0, r0, s0_, ROWS, AOP, RAW)
+    a = _a_operand(w0, c0, r0, s0_, ROWS, AOP, RAW, FRAG)
     acc = warpgroup_mma(a, x_bufs.index(4 * ix + 0).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
     if not XREL:  # the previous step's last wgmma has retired: its activation stage is free
         mbarrier.arrive(x_empty.index((i + NSX - KP) % NSX), count=1, pred=i >= KP)
-    a = _a_operand(w1, c1, r1, s1_, ROWS, AOP, RAW)
+    a = _a_operand(w1, c1, r1, s1_, ROWS, AOP, RAW, FRAG)
     acc = warpgroup_mma(a, x_bufs.index(4 * ix + 1).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-    a = _a_operand(w2c, c2, r2, s2_, ROWS, AOP, RAW)
+    a = _a_operand(w2c, c2, r2, s2_, ROWS, AOP, RAW, FRAG)
     acc = warpgroup_mma(a, x_bufs.index(4 * ix + 2).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-    a = _a_operand(w3c, c3, r3, s3_, ROWS, AOP, RAW)
+    a = _a_operand(w3c, c3, r3, s3_, ROWS, AOP, RAW, FRAG)
     acc = warpgroup_mma(a, x_bufs.index(4 * ix + 3).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
     return acc
@@ -205,15 +288,19 @@ def _mma_steps(w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, k0, k
     """The MMA warpgroups' main loop: steps k0 + PART, k0 + PART + KP, ... < k1 (KP MMA warpgroups
     on alternate steps of one tile, this one number PART), every wgmma retired -> the accumulator."""
     ROWS: gl.constexpr = 16 * num_warps
-    t1 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, LW3)))
-    t3 = gl.expand_dims(gl.expand_dims(t1, 0), 0)  # [1, 1, 4]: the quad lane t
-    rt = gl.where(t3 == 0, RT[0], gl.where(t3 == 1, RT[1], gl.where(t3 == 2, RT[2], RT[3]))).to(gl.uint32)
-    st = gl.where(t3 == 0, ST[0], gl.where(t3 == 1, ST[1], gl.where(t3 == 2, ST[2], ST[3]))).to(gl.uint32)
-    zw = gl.zeros([ROWS, 32, 4], gl.uint32, LW3)
-    rt = rt + zw
-    st = st + zw
-    r0, r1, r2, r3 = _chunks(rt, ROWS)
-    s0_, s1_, s2_, s3_ = _chunks(st, ROWS)
+    if FMT >= 4:  # FRAG: the same shifts for every lane (immediates in the decode)
+        zw = 0
+        r0, r1, r2, r3, s0_, s1_, s2_, s3_ = 0, 0, 0, 0, 0, 0, 0, 0
+    else:
+        t1 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, LW3)))
+        t3 = gl.expand_dims(gl.expand_dims(t1, 0), 0)  # [1, 1, 4]: the quad lane t
+        rt = gl.where(t3 == 0, RT[0], gl.where(t3 == 1, RT[1], gl.where(t3 == 2, RT[2], RT[3]))).to(gl.uint32)
+        st = gl.where(t3 == 0, ST[0], gl.where(t3 == 1, ST[1], gl.where(t3 == 2, ST[2], ST[3]))).to(gl.uint32)
+        zw = gl.zeros([ROWS, 32, 4], gl.uint32, LW3)
+        rt = rt + zw
+        st = st + zw
+        r0, r1, r2, r3 = _chunks(rt, ROWS)
+        s0_, s1_, s2_, s3_ = _chunks(st, ROWS)
     acc = gl.zeros([ROWS, BM], gl.float32, ACC)
     # the first step outside the loop: with a loop that may run zero times, the path that skips it
     # reached the final wait with zeroed accumulator registers and ptxas serialised every wgmma
@@ -364,7 +451,7 @@ def kernel_for(kp) -> object:
 
 
 DEFAULT = dict(BM=None, R=2, NSW=4, NSX=3, XREL=0, LOAD_REGS=24, PER_SM=None, maxnreg=None, PDL=None, S=None, PWA=None,
-               KP=1, MMA_REGS=160, DIAG=0)
+               KP=1, MMA_REGS=160, DIAG=0, FRAG=0)
 # Per-warp release of the weight and activation stages (qerl/kernels/ptx_pwa.py): no CTA barrier in
 # the MMA loop. Config key PWA overrides per call (None: this switch). Decode steps (a64, H100, same
 # process): 7B at 32 / 64 rows +1.1% / +0.5%. NOTES_w4a16.md section 22.
@@ -411,6 +498,11 @@ def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool, pwa_default:
         if fmt != "nvfp4":
             raise ValueError("rwg DIAG (no decode) is built on nvfp4's stages only")
         consts["FMT"] = 3
+    if cfg["FRAG"]:  # fragment-ordered words (layout.py; a second copy of the weights, benchmark only so far)
+        if fmt != "nvfp4" or cfg["DIAG"]:
+            raise ValueError("rwg FRAG (fragment-ordered words) is built for nvfp4 only, and not with DIAG")
+        lb2, l3s, lp, acc, aop = frag_layouts(r, bm)
+        consts.update(FMT=4, LW2=lb2, LS3=l3s, LW3=lp, ACC=acc, AOP=aop)
     if kp == 2:  # _rwg_kp_kernel: the odd steps' partition gets MMA_REGS; no per-warp release (ptx_pwa's
         # rewrite knows one MMA partition per kernel)
         consts["MMA_REGS"] = int(cfg["MMA_REGS"])
@@ -441,8 +533,8 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     kp = int(cfg["KP"])
     if kp == 2 and kb < 2:  # two warpgroups on alternate steps need two steps per slice
         consts, cfg, kp = *kernel_args(m, dict(config or {}, KP=1), fmt), 1
-    if consts["FMT"] == 0 and WG.SCALE_BITS and state.get("scale_bits", False):
-        consts = dict(consts, FMT=2)
+    if consts["FMT"] in (0, 4) and WG.SCALE_BITS and state.get("scale_bits", False):
+        consts = dict(consts, FMT={0: 2, 4: 5}[consts["FMT"]])
     bm, rows = consts["BM"], consts["num_warps"] * 16
     nt, mt = triton.cdiv(n, rows), triton.cdiv(m, bm)
     tiles = nt * mt
@@ -457,6 +549,8 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     if kp == 2:
         s = min(s, kb // 2)
     x_desc, w_desc, s_desc = WG.descriptors(x, state, bm)
+    if consts["FMT"] >= 4:
+        w_desc = frag_descriptor(state)
     c, locks, ws = WG.launch_buffers(x, state, out, tiles, s, rows * bm)
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
     kernel = kernel_for(kp)[(tiles * s,)](
@@ -468,8 +562,27 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     return c if out is None or c is out else out.copy_(c)
 
 
+FRAG_SMEM = gl.NVMMASharedLayout(0, 32)  # the fragment words' stage: no swizzle
+
+
+def frag_descriptor(state: dict):
+    """The TMA descriptor of the layer's fragment-ordered words (no swizzle: the kernel reads them as
+    16-byte rows), built with the words on first use and kept in the state (memory: a second copy)."""
+    found = state.get("_frag")
+    words = state["words"]
+    if found is None or found[0] != words.data_ptr():
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("rwg FRAG: the layer's fragment-ordered copy is built on its first eager call, not "
+                               "inside a CUDA graph capture; run the shape once eagerly first")
+        frag = layout.tiles_to_frag_tiles(words)
+        desc = TensorDescriptor.from_tensor(frag.view(-1, 32), [64, 32], FRAG_SMEM)
+        found = state["_frag"] = (words.data_ptr(), frag, desc)
+    return found[2]
+
+
 def compile_offline(m: int = 64, n: int = 7168, k: int = 5120, config: dict | None = None, bias: bool = False,
                     sbits: bool = False, fmt: str = "nvfp4"):
     """Compile for sm_90a without a GPU (ptxas included) -> triton CompiledKernel."""
     consts, cfg = kernel_args(m, config, fmt)
-    return WG.compile_gemm_offline(kernel_for(cfg["KP"]), fmt, m, n, k, consts, cfg, bias, sbits)
+    return WG.compile_gemm_offline(kernel_for(cfg["KP"]), fmt, m, n, k, consts, cfg, bias, sbits,
+                                   FRAG_SMEM if consts["FMT"] >= 4 else None)

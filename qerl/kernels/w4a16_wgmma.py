@@ -627,10 +627,11 @@ def compile_offline(fmt: str = "nvfp4", m: int = 64, n: int = 7168, k: int = 512
     return compile_gemm_offline(_wgmma_kernel, fmt, m, n, k, consts, cfg, bias, sbits)
 
 
-def compile_gemm_offline(fn, fmt: str, m: int, n: int, k: int, consts: dict, cfg: dict, bias: bool, sbits: bool):
+def compile_gemm_offline(fn, fmt: str, m: int, n: int, k: int, consts: dict, cfg: dict, bias: bool, sbits: bool,
+                         weight_smem=None):
     """sm_90a build of a Gluon GEMM with this module's argument list (x / weight / scale descriptors,
     alpha, bias, output, workspace, counters, M, N, KB, S, MT, exp_bias) for zero CPU tensors of the
-    layer's shape; `consts` its constexpr arguments."""
+    layer's shape; `consts` its constexpr arguments; weight_smem: another shared layout for the words' stage."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -638,10 +639,12 @@ def compile_gemm_offline(fn, fmt: str, m: int, n: int, k: int, consts: dict, cfg
     state = {"fmt": fmt, "words": torch.zeros(triton.cdiv(n, 64), k // 256, 64, 32, dtype=torch.int32),
              "scale": torch.zeros(triton.cdiv(n, 64), k // 256, 64, 16 if fmt == "nvfp4" else 8, dtype=torch.uint8)}
     x_desc, w_desc, s_desc = descriptors(torch.zeros(m, k, dtype=torch.bfloat16), state, consts["BM"])
+    if weight_smem is not None:
+        w_desc = TensorDescriptor.from_tensor(state["words"].view(-1, 32), [64, 32], weight_smem)
     sig = {"x_desc": mangle_type(x_desc), "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc),
            "alpha_ptr": "*fp32", "bias_ptr": "*bf16", "c_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
            "M": "i32", "N": "i32", "KB": "i32", "S": "i32", "MT": "i32", "exp_bias": "i32"}
-    consts = dict(consts, HAS_BIAS=bias, FMT=2 if sbits and consts["FMT"] == 0 else consts["FMT"])
+    consts = dict(consts, HAS_BIAS=bias, FMT={0: 2, 4: 5}.get(consts["FMT"], consts["FMT"]) if sbits else consts["FMT"])
     sig.update({name: "constexpr" for name in consts})
     # pointers 16-byte aligned, as the JIT specialises them on a GPU
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
