@@ -520,6 +520,8 @@ def test_rwg_frag_reads_fragment_words_with_fewer_loads_and_shifts():
     for bad in (dict(FRAG=1, DIAG=1), dict(FRAG=1)):
         with pytest.raises(ValueError, match="FRAG"):
             R.kernel_args(32, bad, "mxfp4" if "DIAG" not in bad else "nvfp4")
+    with pytest.raises(ValueError, match="NaN"):  # KP on rings of 2 (NaN in 3 of 48 H100 cells, session 72)
+        R.kernel_args(32, dict(kp2, NSW=2, NSX=2, FRAG=1))
 
 
 def test_diag_is_a_path_key_that_keeps_the_rules_tiles():

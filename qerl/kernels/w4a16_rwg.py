@@ -484,6 +484,10 @@ def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool, pwa_default:
         # phases ahead of its last wait there, and mbarrier.try_wait.parity passes at once on such a phase
         raise ValueError(f"rwg needs KP in (1, 2), and with KP = 2 R = 1 and even NSW, NSX; got KP {kp}, R {r}, "
                          f"NSW {nsw}, NSX {nsx}")
+    if kp == 2 and min(nsw, nsx) < 4:
+        # untested below 4 stages, and NSW = NSX = 2 (two programs per SM on FRAG words) gave NaN outputs in 3 of 48
+        # cells on the H100 (session 72, NOTES_w4a16.md section 47): refused until understood
+        raise ValueError(f"rwg KP = 2 needs NSW, NSX >= 4 (rings of 2 gave NaN outputs); got NSW {nsw}, NSX {nsx}")
     if smem_bytes(bm, r, nsw, nsx, kp) > 232448:
         raise ValueError(f"rwg rings need {smem_bytes(bm, r, nsw, nsx, kp)} B of shared memory (H100: 232448)")
     cfg["PDL"] = bool(pdl_default if cfg["PDL"] is None else cfg["PDL"])
