@@ -192,10 +192,10 @@ def _rwg_two_narrow(default, forms: dict):
     return config
 
 
-def _rwg_no_decode(default, key="DIAG"):
-    """_rwg_config with DIAG 1 on every nvfp4 rwg launch (17..128 tokens): the same tiles without the decode, timing
-    only (the engine's tokens are then meaningless): what a free decode would give the step. key="FRAG": the same
-    tiles on fragment-ordered words (w4a16_rwg FRAG; each layer builds its second copy on first use)."""
+def _rwg_nvfp4_key(default, key):
+    """_rwg_config with rwg's path key `key` = 1 on every nvfp4 rwg launch (17..128 tokens), the rule's tiles kept:
+    DIAG (nodec: no decode, timing only, the engine's tokens are then meaningless: what a free decode would give the
+    step) or FRAG (frag: fragment-ordered words; each layer builds its second copy on first use)."""
     def config(n, k, m, slots, fmt="nvfp4"):
         cfg = default(n, k, m, slots, fmt)
         return {**cfg, key: 1} if fmt == "nvfp4" else cfg
@@ -251,8 +251,8 @@ def _switches() -> dict:
                   (w4a16_triton, "_rwg_kp_wins", lambda n, k, slots, r: True)],
         "rwg3all": [(w4a16_triton, "_rwg_config", _rwg_three_everywhere(w4a16_triton._rwg_config, three))],
         "rwg3b32": [(w4a16_triton, "_rwg_config", _rwg_three_everywhere(w4a16_triton._rwg_config, three, 64))],
-        "nodec": [(w4a16_triton, "_rwg_config", _rwg_no_decode(w4a16_triton._rwg_config))],
-        "frag": [(w4a16_triton, "_rwg_config", _rwg_no_decode(w4a16_triton._rwg_config, "FRAG"))],
+        "nodec": [(w4a16_triton, "_rwg_config", _rwg_nvfp4_key(w4a16_triton._rwg_config, "DIAG"))],
+        "frag": [(w4a16_triton, "_rwg_config", _rwg_nvfp4_key(w4a16_triton._rwg_config, "FRAG"))],
         "rwg2n": [(w4a16_triton, "_rwg_config", _rwg_two_narrow(w4a16_triton._rwg_config,
                                                                  {m: dict(f) for m, f in w4a16_triton.RWG_TWO_PER_SM.items()}))],
         "wg9": [(w4a16_triton, "WGMMA_SMALL_M", 9)],

@@ -78,31 +78,41 @@ def _bit_positions() -> torch.Tensor:
 _POS = _bit_positions()
 
 
+def _pack_bits(c: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """[..., 8] uint8 codes -> [...] int32 words, code t's bit b at bit pos[t, b] (32 cheap passes, no big
+    temporaries)."""
+    words = torch.zeros(c.shape[:-1], dtype=torch.int64, device=c.device)
+    for t in range(8):
+        ct = c[..., t].to(torch.int64)
+        for b in range(4):
+            words |= ((ct >> b) & 1) << int(pos[t, b])
+    return (words - ((words >> 31) << 32)).to(torch.int32)  # wrap to signed 32-bit
+
+
+def _unpack_bits(words: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Inverse of _pack_bits: [...] int32 words -> [..., 8] uint8 codes."""
+    u = words.to(torch.int64) & 0xFFFFFFFF
+    codes = torch.zeros(*u.shape, 8, dtype=torch.uint8, device=words.device)
+    for t in range(8):
+        acc = torch.zeros_like(u)
+        for b in range(4):
+            acc |= ((u >> int(pos[t, b])) & 1) << b
+        codes[..., t] = acc.to(torch.uint8)
+    return codes
+
+
 def codes_to_words(codes: torch.Tensor) -> torch.Tensor:
-    """[N, K] uint8 codes (0..15) -> [N, K/8] int32 kernel words (32 cheap passes, no big temporaries)."""
+    """[N, K] uint8 codes (0..15) -> [N, K/8] int32 kernel words."""
     n, k = codes.shape
     if k % 8:
         raise ValueError(f"K must be a multiple of 8 for the kernel layout, got {k}")
-    c = codes.reshape(n, k // 8, 8)
-    words = torch.zeros(n, k // 8, dtype=torch.int64, device=codes.device)
-    for t in range(8):
-        ct = c[:, :, t].to(torch.int64)
-        for b in range(4):
-            words |= ((ct >> b) & 1) << int(_POS[t, b])
-    return (words - ((words >> 31) << 32)).to(torch.int32)  # wrap to signed 32-bit
+    return _pack_bits(codes.reshape(n, k // 8, 8), _POS)
 
 
 def words_to_codes(words: torch.Tensor) -> torch.Tensor:
     """Inverse of codes_to_words: [N, K/8] int32 -> [N, K] uint8 codes."""
     n, w = words.shape
-    u = words.to(torch.int64) & 0xFFFFFFFF
-    codes = torch.zeros(n, w, 8, dtype=torch.uint8, device=words.device)
-    for t in range(8):
-        acc = torch.zeros(n, w, dtype=torch.int64, device=words.device)
-        for b in range(4):
-            acc |= ((u >> int(_POS[t, b])) & 1) << b
-        codes[:, :, t] = acc.to(torch.uint8)
-    return codes.reshape(n, w * 8)
+    return _unpack_bits(words, _POS).reshape(n, w * 8)
 
 
 def packed_to_words(weight_packed: torch.Tensor) -> torch.Tensor:
@@ -181,6 +191,8 @@ def _frag_bit_positions() -> torch.Tensor:
 
 
 _FRAG_POS = _frag_bit_positions()
+# the same positions per code in (h, kh, e) order, e the K parity inside a pair: _pack_bits's t = 4 h + 2 kh + e
+_FRAG_POS8 = torch.stack([_FRAG_POS[h + 2 * kh, e] for h in range(2) for kh in range(2) for e in range(2)])
 
 
 def codes_to_frag_tiles(codes: torch.Tensor) -> torch.Tensor:
@@ -192,30 +204,15 @@ def codes_to_frag_tiles(codes: torch.Tensor) -> torch.Tensor:
     # row = 64 nb' + 16 w + 8 h + g; K = 256 kb' + 16 (4 j + q) + 8 kh + 2 t + e
     c = padded.reshape(nb, 4, 2, 8, kb, 4, 4, 2, 4, 2)
     # -> [nb, kb, w, j, g, t, q | h, kh, e]
-    c = c.permute(0, 4, 1, 5, 3, 8, 6, 2, 7, 9)
-    words = torch.zeros(c.shape[:7], dtype=torch.int64, device=codes.device)
-    for h in range(2):
-        for kh in range(2):
-            for e in range(2):
-                ct = c[..., h, kh, e].to(torch.int64)
-                for b in range(4):
-                    words |= ((ct >> b) & 1) << int(_FRAG_POS[h + 2 * kh, e, b])
-    words = (words - ((words >> 31) << 32)).to(torch.int32)
-    return words.reshape(nb, kb, TILE_N, 32)
+    c = c.permute(0, 4, 1, 5, 3, 8, 6, 2, 7, 9).reshape(nb, kb, 4, 4, 8, 4, 4, 8)
+    return _pack_bits(c, _FRAG_POS8).reshape(nb, kb, TILE_N, 32)
 
 
 def frag_tiles_to_codes(tiles: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """Inverse of codes_to_frag_tiles: [NB, KB, 64, 32] int32 -> [n, k] uint8 codes."""
     nb, kb = tiles.shape[:2]
-    u = tiles.to(torch.int64).reshape(nb, kb, 4, 4, 8, 4, 4) & 0xFFFFFFFF  # nb, kb, w, j, g, t, q
-    out = torch.zeros(*u.shape, 2, 2, 2, dtype=torch.uint8, device=tiles.device)
-    for h in range(2):
-        for kh in range(2):
-            for e in range(2):
-                acc = torch.zeros_like(u)
-                for b in range(4):
-                    acc |= ((u >> int(_FRAG_POS[h + 2 * kh, e, b])) & 1) << b
-                out[..., h, kh, e] = acc.to(torch.uint8)
+    words = tiles.reshape(nb, kb, 4, 4, 8, 4, 4)  # nb, kb, w, j, g, t, q
+    out = _unpack_bits(words, _FRAG_POS8).reshape(*words.shape, 2, 2, 2)
     # [nb, kb, w, j, g, t, q, h, kh, e] -> [nb, w, h, g, kb, j, q, kh, t, e]
     codes = out.permute(0, 2, 7, 4, 1, 3, 6, 8, 5, 9).reshape(nb * TILE_N, kb * TILE_K)
     return codes[:n, :k].contiguous()

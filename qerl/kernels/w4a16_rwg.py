@@ -537,8 +537,8 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     kp = int(cfg["KP"])
     if kp == 2 and kb < 2:  # two warpgroups on alternate steps need two steps per slice
         consts, cfg, kp = *kernel_args(m, dict(config or {}, KP=1), fmt), 1
-    if consts["FMT"] in (0, 4) and WG.SCALE_BITS and state.get("scale_bits", False):
-        consts = dict(consts, FMT={0: 2, 4: 5}[consts["FMT"]])
+    if consts["FMT"] in WG.SCALE_BITS_FMT and WG.SCALE_BITS and state.get("scale_bits", False):
+        consts = dict(consts, FMT=WG.SCALE_BITS_FMT[consts["FMT"]])
     bm, rows = consts["BM"], consts["num_warps"] * 16
     nt, mt = triton.cdiv(n, rows), triton.cdiv(m, bm)
     tiles = nt * mt

@@ -627,6 +627,11 @@ def compile_offline(fmt: str = "nvfp4", m: int = 64, n: int = 7168, k: int = 512
     return compile_gemm_offline(_wgmma_kernel, fmt, m, n, k, consts, cfg, bias, sbits)
 
 
+# FMT of a launch whose nvfp4 scales are all normal (prepare: scale_bits): the integer scale conversion; 0 -> 2 for
+# today's words, 4 -> 5 for rwg's fragment-ordered ones (FRAG); other FMTs have no such form
+SCALE_BITS_FMT = {0: 2, 4: 5}
+
+
 def compile_gemm_offline(fn, fmt: str, m: int, n: int, k: int, consts: dict, cfg: dict, bias: bool, sbits: bool,
                          weight_smem=None):
     """sm_90a build of a Gluon GEMM with this module's argument list (x / weight / scale descriptors,
@@ -644,7 +649,8 @@ def compile_gemm_offline(fn, fmt: str, m: int, n: int, k: int, consts: dict, cfg
     sig = {"x_desc": mangle_type(x_desc), "w_desc": mangle_type(w_desc), "s_desc": mangle_type(s_desc),
            "alpha_ptr": "*fp32", "bias_ptr": "*bf16", "c_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
            "M": "i32", "N": "i32", "KB": "i32", "S": "i32", "MT": "i32", "exp_bias": "i32"}
-    consts = dict(consts, HAS_BIAS=bias, FMT={0: 2, 4: 5}.get(consts["FMT"], consts["FMT"]) if sbits else consts["FMT"])
+    fmt_code = SCALE_BITS_FMT.get(consts["FMT"], consts["FMT"]) if sbits else consts["FMT"]
+    consts = dict(consts, HAS_BIAS=bias, FMT=fmt_code)
     sig.update({name: "constexpr" for name in consts})
     # pointers 16-byte aligned, as the JIT specialises them on a GPU
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
