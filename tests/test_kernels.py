@@ -162,6 +162,30 @@ def test_prepare_round_trips_to_checkpoint_tensors(fmt):
     assert st["words"].shape == (1, 1, 64, 32) and st["kb"] == 1 and st["locks"].abs().sum() == 0
 
 
+def test_prepare_fragment_order(monkeypatch):
+    """order="frag" (nvfp4) stores the fragment-ordered words as the state's only copy; they go back to the
+    same checkpoint tensors, the torch backend multiplies the same, and bad orders fail in one line."""
+    t = quantize_weight(_weight(80, 512, 5), "nvfp4")  # a partial second row tile, two K blocks
+    rows, frag = prepare("nvfp4", t, order="rows"), prepare("nvfp4", t, order="frag")
+    assert (rows["order"], frag["order"]) == ("rows", "frag") and frag["words"].shape == rows["words"].shape
+    assert torch.equal(frag["words"], layout.tiles_to_frag_tiles(rows["words"]))
+    assert not torch.equal(frag["words"], rows["words"])
+    for name, value in t.items():
+        assert torch.equal(state_tensors(frag)[name].view(torch.uint8), value.view(torch.uint8)), name
+    x = torch.randn(3, 512).to(torch.bfloat16)
+    assert torch.equal(linear(x, frag, backend="torch"), linear(x, rows, backend="torch"))
+    monkeypatch.setenv("QERL_W4A16_ORDER", "frag")
+    assert prepare("nvfp4", t)["order"] == "frag"
+    assert prepare("mxfp4", quantize_weight(_weight(64, 256, 5), "mxfp4"))["order"] == "rows"  # nvfp4 only
+    with pytest.raises(ValueError, match="built for nvfp4"):
+        prepare("mxfp4", quantize_weight(_weight(64, 256, 5), "mxfp4"), order="frag")
+    with pytest.raises(ValueError, match="unknown word order"):
+        prepare("nvfp4", t, order="cols")
+    monkeypatch.setenv("QERL_W4A16_ORDER", "diag")
+    with pytest.raises(ValueError, match="QERL_W4A16_ORDER"):
+        prepare("nvfp4", t)
+
+
 # --------------------------------------------------------------------------- dispatch
 
 
@@ -305,6 +329,22 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
         o = torch.empty(n, k)
         W.dequant_bf16(st, out=o)
         results.append(dict(fmt=fmt, m=0, n=n, k=k, op="dequant_bf16", rel=rel(o, reference.dequant(fmt, t)), nan=bool(o.isnan().any())))
+    # fragment-ordered nvfp4 words (order "frag", FMT 2): the same bits as the rows order on every Triton path,
+    # N with a partial 16-row group (72) and a partial 64-row tile under BO = 128 (160)
+    for m, n, k in ((1, 72, 256), (5, 160, 512), (33, 96, 768), (130, 72, 512)):
+        t = quantize_weight((torch.randn(n, k) * 0.02).to(torch.bfloat16), "nvfp4")
+        sf, sr = prepare("nvfp4", t, order="frag"), prepare("nvfp4", t, order="rows")
+        x = (torch.randn(m, k) * 2).to(torch.bfloat16)
+        dy = torch.randn(m, n).to(torch.bfloat16)
+        b = torch.randn(n).to(torch.bfloat16)
+        pairs = [("forward", lambda s: W.forward(x, s, bias=b, config={"PATH": "fused"})),
+                 ("backward", lambda s: W.backward(dy, s)),
+                 ("forward/dequant", lambda s: W.forward(x, s, config={"PATH": "dequant"})),
+                 ("backward/overlap", lambda s: W.backward(dy, s, config={"PATH": "overlap", "CHUNKS": 2})),
+                 ("dequant_bf16/rows16", lambda s: W.dequant_bf16(s, out=torch.empty(n - 16, k), rows=(16, n)))]
+        for op, f in pairs:
+            same = torch.equal(f(sf), f(sr))
+            results.append(dict(fmt="nvfp4/frag", m=m, n=n, k=k, op=op, rel=0.0 if same else 1.0, nan=False))
     # the NF4 baseline's dequant kernel (fp32 output: the interpreter's bf16 cast truncates)
     t = quantize_weight(torch.randn(64, 256) * 0.02, "nf4", double_quant=True)
     o = torch.empty(64, 256)
@@ -1218,6 +1258,33 @@ def test_routes_to_gluon_tokens(monkeypatch):
     assert W.routes_to_gluon_tokens(x(8, 5120), wide)
     monkeypatch.setattr(W, "CHAIN_ROUTING", True)
     assert W.routes_to_gluon_tokens(x(8, 3584), gate_up)  # the chain keeps its own rule
+
+
+def test_fragment_order_routes(monkeypatch):
+    """A "frag" layer (fragment-ordered words) runs rwg at every decode size on sm_90 (rwg's rule from
+    RWG_MIN_M tokens, its defaults below), the bf16 buffer + cuBLAS above rwg's range, the Triton kernel
+    elsewhere, and never a kernel that reads rows-ordered words (those refuse it in one line)."""
+    from qerl.kernels import w4a16_gemv, w4a16_gluon, w4a16_wgmma
+    from qerl.kernels import w4a16_triton as W
+
+    frag = {"n": 37888, "k": 3584, "kb": 14, "fmt": "nvfp4", "order": "frag"}
+    cpu = torch.device("cpu")
+    assert W._fused_route(4, frag, cpu, None) == ("fused", None)  # no Gluon kernels here
+    monkeypatch.setattr(W, "_wsmma_ok", lambda device, state: True)
+    monkeypatch.setattr(W, "_num_sms", lambda index: 132)
+    for m in (1, 8, 9, 16):
+        assert W._fused_route(m, frag, cpu, None) == ("rwg", None), m
+    for m in (17, 32, 64, 128):
+        path, cfg = W._fused_route(m, frag, cpu, {"PDL": 1})
+        assert path == "rwg" and cfg == {**W._rwg_config(37888, 3584, m, 132), "PDL": 1}, m
+    assert W._fused_route(129, frag, cpu, None)[0] == "dequant"
+    assert not W.routes_to_gluon_tokens(torch.zeros(4, 3584, dtype=torch.bfloat16), frag)
+    assert W.routes_to_gluon_tokens(torch.zeros(4, 3584, dtype=torch.bfloat16), {**frag, "order": "rows"})
+    x = torch.zeros(4, 3584, dtype=torch.bfloat16)
+    for call in (lambda: w4a16_gluon.forward(x, frag), lambda: w4a16_gemv.forward(x, frag),
+                 lambda: w4a16_wgmma.forward(x, frag)):
+        with pytest.raises(ValueError, match="reads rows-ordered words"):
+            call()
 
 
 def test_gluon_gemv_m1_threshold(monkeypatch):

@@ -65,7 +65,7 @@ def resolve_backend(backend: str, device, fmt: str | None = None) -> str:
 # --------------------------------------------------------------------------- kernel layout
 
 
-def prepare(fmt: str, tensors: dict[str, torch.Tensor], locks: int | None = None) -> dict:
+def prepare(fmt: str, tensors: dict[str, torch.Tensor], locks: int | None = None, order: str | None = None) -> dict:
     """Convert checkpoint tensors ONCE into the state `linear` consumes (on their device).
 
     nvfp4 / mxfp4: `words` int32 and `scale` uint8 (the FP8-E4M3 bits or the E8M0 exponents),
@@ -76,6 +76,9 @@ def prepare(fmt: str, tensors: dict[str, torch.Tensor], locks: int | None = None
     scale_bits_exact, mxfp4 where every exponent's multiplier is a normal bf16), and two int32 counter
     arrays for the split-reduction path.
     nf4 and bf16: the checkpoint tensors themselves (torch backend only).
+    `order` (nvfp4): the words' order, "rows" or "frag" (layout.py; default layout.default_order(),
+    i.e. QERL_W4A16_ORDER): "frag" holds each thread's wgmma A-fragment pairs in one word (rwg reads them
+    with 9 integer ops per word); kept in state["order"]. mxfp4 is always "rows".
 
     This costs one host sync (mxfp4 exponent range, nvfp4 scale check); do it before CUDA-graph capture.
     """
@@ -92,9 +95,19 @@ def prepare(fmt: str, tensors: dict[str, torch.Tensor], locks: int | None = None
         raise ValueError(f"the fused kernels need K % 32 == 0, got K={k}")
     device = packed.device
     group = 16 if fmt == "nvfp4" else 32
-    words = layout.packed_to_words(packed)
-    state = {"fmt": fmt, "n": n, "k": k, "kb": layout.tile_shape(n, k)[1],
-             "words": layout.to_tiles(words, layout.TILE_K // 8)}
+    if order is None:  # the environment's default applies where the order exists (nvfp4)
+        order = layout.default_order() if fmt == "nvfp4" else "rows"
+    if order not in layout.ORDERS:
+        raise ValueError(f"unknown word order {order!r}; valid: {', '.join(layout.ORDERS)}")
+    if order == "frag" and fmt != "nvfp4":
+        raise ValueError(f"the fragment word order is built for nvfp4, not {fmt!r}")
+    if order == "frag":
+        from qerl.formats.fp4 import unpack_nibbles
+
+        tiles = layout.codes_to_frag_tiles(unpack_nibbles(packed))
+    else:
+        tiles = layout.to_tiles(layout.packed_to_words(packed), layout.TILE_K // 8)
+    state = {"fmt": fmt, "n": n, "k": k, "kb": layout.tile_shape(n, k)[1], "words": tiles, "order": order}
     scale_u8 = tensors["weight_scale"].contiguous().view(torch.uint8)
     state["scale"] = layout.to_tiles(scale_u8, layout.TILE_K // group)
     if fmt == "nvfp4":
@@ -146,7 +159,9 @@ def state_tensors(state: dict) -> dict[str, torch.Tensor]:
         return state["tensors"]
     n, k = state["n"], state["k"]
     group = 16 if fmt == "nvfp4" else 32
-    packed = layout.words_to_packed(layout.from_tiles(state["words"], n, k // 8))
+    from qerl.formats.fp4 import pack_nibbles
+
+    packed = pack_nibbles(layout.tiles_to_codes(state["words"], n, k, state.get("order", "rows")))
     scale = layout.from_tiles(state["scale"], n, k // group)
     if fmt == "nvfp4":
         return {"weight_packed": packed, "weight_scale": scale.view(torch.float8_e4m3fn),

@@ -155,7 +155,9 @@ def from_tiles(tiles: torch.Tensor, n: int, units: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Fragment-ordered words (rwg's FRAG path; benchmark-only so far: a second copy of the weights).
+# Fragment-ordered words (word order "frag"; nvfp4). prepare(order="frag") stores the layer's only copy in
+# this order (rwg reads it directly; the Triton kernels decode it too, see w4a16_triton._frag_tile_at);
+# on a "rows" state rwg's FRAG config reads a second copy built on first use (benchmark only).
 #
 # wgmma's register A operand gives thread (g, t) of a warp (lane 4 g + t) four bf16 pairs of every
 # 16-K slice s: rows g and g + 8 of the warp's 16, at K = 16 s + 2 t (+1) and 16 s + 2 t + 8 (+1),
@@ -235,3 +237,24 @@ def tiles_to_frag_tiles(tiles: torch.Tensor) -> torch.Tensor:
     nb, kb = tiles.shape[:2]
     codes = words_to_codes(from_tiles(tiles, nb * TILE_N, kb * 32))
     return codes_to_frag_tiles(codes)
+
+
+# The two word orders of a prepared state (state["order"]): "rows" (codes_to_words, tiled) and "frag"
+# (codes_to_frag_tiles; nvfp4 only). Default: QERL_W4A16_ORDER, else "rows".
+ORDERS = ("rows", "frag")
+
+
+def default_order() -> str:
+    import os
+
+    order = os.environ.get("QERL_W4A16_ORDER", "rows").strip() or "rows"
+    if order not in ORDERS:
+        raise ValueError(f"QERL_W4A16_ORDER={order!r}: valid word orders are {', '.join(ORDERS)}")
+    return order
+
+
+def tiles_to_codes(tiles: torch.Tensor, n: int, k: int, order: str = "rows") -> torch.Tensor:
+    """A state's tiled words [NB, KB, 64, 32] in either order -> [n, k] uint8 codes."""
+    if order == "frag":
+        return frag_tiles_to_codes(tiles, n, k)
+    return words_to_codes(from_tiles(tiles, n, k // 8))
