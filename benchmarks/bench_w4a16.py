@@ -55,6 +55,7 @@ except Exception:  # no triton
     DEQUANT_MIN_M, WGMMA_MAX_M = 512, 2048
 
 ROTATE_BYTES = 192 << 20
+ORDER = None  # --order: nvfp4's word order in every prepared layer (None: layout.default_order())
 NF4_FUSED_CANDS: dict[str, dict] = {}  # --nf4-fused-cands: name -> nf4_triton.fused_matmul config
 MAX_COPIES = 96
 BWD_MS = (256, 1024, 4096)
@@ -215,7 +216,7 @@ class Layer:
         self.states, self.nf4 = {}, []
         for fmt in formats:
             if fmt in ("nvfp4", "mxfp4"):
-                st = prepare(fmt, quantize_weight(w, fmt))
+                st = prepare(fmt, quantize_weight(w, fmt), order=ORDER if fmt == "nvfp4" else None)
                 self.states[fmt] = [st] + [clone_state(st) for _ in range(copies(weight_bytes(fmt, n, k)) - 1)]
             elif _kernel(fmt) in ("nf4", "nf4-fused") and not self.nf4:
                 t = quantize_weight(w, "nf4")
@@ -894,9 +895,13 @@ def main(argv=None) -> int:
     ap.add_argument("--nf4-fused-cands", default=None,
                     help='with nf4-fused in --formats, also time these configs of the fused NF4 kernel as formats '
                          '"nf4-fused:<name>": JSON [["name", {config}], ...] (keys of nf4_triton.FUSED_CONFIG)')
+    ap.add_argument("--order", default=None, choices=("rows", "frag"),
+                    help="nvfp4's word order in the prepared layers (qerl.kernels.prepare; default QERL_W4A16_ORDER or rows)")
     ap.add_argument("--time-budget-s", type=float, default=330.0, help="stop starting new work after this")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "w4a16.json"))
     args = ap.parse_args(argv)
+    global ORDER
+    ORDER = args.order
     t0 = time.time()
     deadline = t0 + args.time_budget_s
     models = [m for m in args.models.split(",") if m]

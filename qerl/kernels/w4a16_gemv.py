@@ -161,6 +161,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, config: dict | None = None,
     bm = max(1, triton.next_power_of_2(m))
     blocks = triton.cdiv(n, bn)
     ki = triton.cdiv(k, bk)
+    W.rows_order(state, "CUDA-core GEMV")
     flags = dict(FMT=W.FMT_ID[state["fmt"]], HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BM=bm, BN=bn, BK=bk,
                  F32=W.INTERPRETED or decode_f32, PACKED=packed, ACC2D=acc2d, PDL=pdl, **cfg)
     key = tuple(sorted(flags.items()))

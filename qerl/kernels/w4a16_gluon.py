@@ -1307,6 +1307,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     form's)."""
     if state["fmt"] not in FORMATS:
         raise ValueError(f"the Gluon GEMV takes nvfp4 or mxfp4 weights, got {state['fmt']}")
+    W.rows_order(state, "Gluon GEMV")
     mx = state["fmt"] == "mxfp4"
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_M:
         raise ValueError(f"the Gluon GEMV takes 1 <= M <= {MAX_M}, got x of shape {tuple(x.shape)}")

@@ -242,6 +242,19 @@ def stamp_slice(grid: int, n: int, k: int, s: int, m: int, kernel: str):
 
 
 FMT_ID = {"nvfp4": 0, "mxfp4": 1}
+FRAG_FMT = 2  # the Triton kernels' FMT for nvfp4 words in the fragment order (layout.py, state["order"])
+
+
+def rows_order(state: dict, kernel: str) -> None:
+    """One-line error where a kernel that reads only today's ("rows") word order gets a "frag" state."""
+    if state.get("order", "rows") != "rows":
+        raise ValueError(f"the {kernel} reads rows-ordered words; this layer was prepared with order="
+                         f"{state['order']!r} (rwg and the Triton kernels read it)")
+
+
+def fmt_id(state: dict) -> int:
+    """The Triton kernels' FMT constexpr of a prepared state: its format, and nvfp4's word order."""
+    return FRAG_FMT if state.get("order", "rows") == "frag" else FMT_ID[state["fmt"]]
 GROUP = {"nvfp4": 16, "mxfp4": 32}
 
 # Bit layout (see layout.py); constexpr globals so the jit functions can read them.
@@ -435,8 +448,57 @@ def _w_ptrs(w_ptr, s_ptr, rows, kw0, KB, FMT: tl.constexpr, BK: tl.constexpr, F3
 def _w_tile_at(w_ptr, s_ptr, rows, row_mask, kw0, KB, exp_bias, FMT: tl.constexpr, R: tl.constexpr,
                BK: tl.constexpr, MASKED: tl.constexpr, F32: tl.constexpr, PACKED: tl.constexpr = False):
     """Decoded weight tile [R, BK] for `rows` (1-D, length R) and K = 8*kw0 .. 8*kw0 + BK."""
+    if FMT == 2:
+        return _frag_tile_at(w_ptr, s_ptr, rows, row_mask, kw0, KB, R, BK, F32)
     w_ptrs, s_ptrs = _w_ptrs(w_ptr, s_ptr, rows, kw0, KB, FMT, BK, F32, PACKED)
     return _load_w_tile(w_ptrs, s_ptrs, row_mask, exp_bias, FMT, R, BK, MASKED, F32, PACKED)
+
+
+_FT = tl.constexpr(layout.FRAG_TARGET)
+_FR1 = tl.constexpr(layout.FRAG_ROT[1])
+_FR2 = tl.constexpr(layout.FRAG_ROT[2])
+
+
+@triton.jit
+def _frag_tile_at(w_ptr, s_ptr, rows, row_mask, kw0, KB, R: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """_w_tile_at for fragment-ordered nvfp4 words (FMT 2; layout.py): the decoded tile [R, BK] of `rows`
+    (1-D, R consecutive rows from a multiple of 16) and K = 8*kw0 .. 8*kw0 + BK (8*kw0 a multiple of 16).
+
+    Word (r, c) of an [R, BK/8] index space is the fragment word of lane (g, t) = (r % 8, 2 h' + c % 2),
+    h' = (r // 8) % 2, of 16-row group r // 16 and 16-K slice s = kw // 2: its pairs (h, kh) are rows
+    16 (r // 16) + 8 h + g at K 16 s + 8 kh + 2 t (+1). They are decoded as rwg does (9 integer ops, the
+    scale of their row), then moved to their rows and columns (a register permutation; this path serves
+    the backward, dequant and tests, not the decode-time hot loop, which is rwg's)."""
+    kw = kw0 + tl.arange(0, BK // 8)
+    rb = rows // 16
+    g = rows % 8
+    hp = (rows // 8) % 2
+    sl = kw // 2
+    w_row = (rb // 4) * (KB * 2048) + (rb % 4) * 512 + g * 16 + hp * 8
+    w_col = (sl // 16) * 2048 + ((sl % 16) // 4) * 128 + (kw % 2) * 4 + sl % 4
+    # a word holds two rows of its 16-row group: read every word of a group with a valid row (the zero-padded
+    # 64-row tiles hold whole groups)
+    gm = tl.max(row_mask.to(tl.int32).reshape(R // 16, 16), 1)
+    gm = tl.broadcast_to(gm[:, None], (R // 16, 16)).reshape(R) != 0
+    words = tl.load(w_ptr + w_row[:, None] + w_col[None, :], mask=gm[:, None], other=0)
+    r0 = rows - hp * 8  # row g of the pair's 16-row group (h = 0), and g + 8 (h = 1)
+    s_col = _k_off(sl, 16)[None, :]
+    s0 = _scales(tl.load(s_ptr + _row_base(r0, KB, 16)[:, None] + s_col, mask=gm[:, None], other=0), 0, 0)
+    s1 = _scales(tl.load(s_ptr + _row_base(r0 + 8, KB, 16)[:, None] + s_col, mask=gm[:, None], other=0), 0, 0)
+    if F32:
+        s0 = s0.to(tl.float32)
+        s1 = s1.to(tl.float32)
+    u = words.to(tl.uint32, bitcast=True)
+    p00 = u & _FT  # pair pi = h + 2 kh
+    p10 = _rotr(u, _FR1) & _FT
+    p01 = _rotr(u, _FR2) & _FT
+    p11 = (_rotr(u, 6) & 0x81808180) | (_rotr(u, 30) & 0x00400040)
+    q0 = tl.join(tl.join(_lo(p00, F32), _hi(p00, F32)), tl.join(_lo(p01, F32), _hi(p01, F32))) * s0[:, :, None, None]
+    q1 = tl.join(tl.join(_lo(p10, F32), _hi(p10, F32)), tl.join(_lo(p11, F32), _hi(p11, F32))) * s1[:, :, None, None]
+    v = tl.join(q0, q1)  # [R, BK/8, e, kh, h] (join adds the last dimension)
+    v = v.reshape(R // 16, 2, 8, BK // 16, 2, 2, 2, 2)  # [group, h', g, s, i, e, kh, h]
+    v = tl.permute(v, (0, 7, 2, 3, 6, 1, 4, 5))  # [group, h, g, s, kh, h', i, e]: row 8 h + g, K 8 kh + 4 h' + 2 i + e
+    return v.reshape(R, BK)
 
 
 @triton.jit
@@ -776,7 +838,7 @@ def _launch(a: torch.Tensor, state: dict, bwd: bool, bias, cfg: dict, out):
     if tiles > locks.numel():  # huge problem: counters for every tile (allocation, no sync)
         locks = torch.zeros(tiles, dtype=torch.int32, device=a.device)
     c = torch.empty(m, n_out, device=a.device, dtype=torch.bfloat16) if out is None else out
-    flags = dict(BWD=bwd, FMT=FMT_ID[state["fmt"]], HAS_BIAS=bias is not None, EVEN_O=n_out % bo == 0,
+    flags = dict(BWD=bwd, FMT=fmt_id(state), HAS_BIAS=bias is not None, EVEN_O=n_out % bo == 0,
                  EVEN_R=red % br == 0, BM=bm, BO=bo, BR=br, GROUP_M=8, INTERPRETED=INTERPRETED,
                  DECODE_F32=decode_f32, SWAP=swap, PACKED=packed, PDL=pdl, LATE=late, **cfg)
     key = tuple(sorted(flags.items()))
@@ -811,13 +873,15 @@ def dequant_bf16(state: dict, out: torch.Tensor | None = None, rows: tuple[int, 
     bk = _dequant_bk(k)
     if c0 % bk or (c1 % bk and c1 != k) or not (0 <= c0 < c1 <= k) or not (0 <= r0 < r1 <= n):
         raise ValueError(f"bad dequant block rows {r0}:{r1} cols {c0}:{c1} for [{n}, {k}] (column step {bk})")
+    if r0 % 16 and state.get("order", "rows") == "frag":
+        raise ValueError(f"fragment-ordered words dequantise from a row that is a multiple of 16, got {r0}")
     o = torch.empty(r1 - r0, c1 - c0, device=words.device, dtype=torch.bfloat16) if out is None else out
     if o.shape != (r1 - r0, c1 - c0) or o.stride(1) != 1:
         raise ValueError(f"out must be a row-contiguous [{r1 - r0}, {c1 - c0}] bf16 view, got {tuple(o.shape)}")
     br = 32
     _w4_to_bf16_kernel[(triton.cdiv(r1 - r0, br), (c1 - c0) // bk)](
         words, state["scale"], state["alpha"], o, n, k, state["kb"], state["exp_bias"], r0, r1, c0, o.stride(0),
-        FMT=FMT_ID[state["fmt"]], BR=br, BK=bk, F32=INTERPRETED or DECODE_F32, num_warps=4,
+        FMT=fmt_id(state), BR=br, BK=bk, F32=INTERPRETED or DECODE_F32, num_warps=4,
     )
     return o
 
@@ -1067,6 +1131,8 @@ def _fused_route(m: int, state: dict, device: torch.device, config: dict | None)
     """The kernel `forward` runs an M-row launch of the fused path on (no tile config) -> (path,
     config): routed as a PDL chain where CHAIN_ROUTING / PDL say so."""
     path = "fused"
+    if state.get("order", "rows") == "frag":
+        return _frag_route(m, state, device, config)
     nk = state["n"] * state["k"]
     chain = PDL if CHAIN_ROUTING is None else CHAIN_ROUTING
     min_nk, tok_min_n, tok_min_k = ((WSMMA_MIN_NK_PDL, WSMMA_TOKENS_MIN_N_PDL, WSMMA_TOKENS_MIN_K_PDL) if chain
@@ -1092,6 +1158,21 @@ def _fused_route(m: int, state: dict, device: torch.device, config: dict | None)
     return path, config
 
 
+def _frag_route(m: int, state: dict, device: torch.device, config: dict | None) -> tuple[str, dict | None]:
+    """_fused_route for fragment-ordered words (state["order"] "frag"; only rwg and the Triton kernels read
+    them): rwg up to RWG_WIDE_MAX_M tokens on sm_90 (its config rule from RWG_MIN_M tokens, its defaults below:
+    R = 2, BM 16, measured 1.93x bf16 at 9..16 tokens and 2.01x at 1..8 on the H100, NOTES_w4a16.md section 47),
+    else the bf16 buffer + cuBLAS; the fused Triton kernel where no Gluon kernel runs (not sm_90, K % 256)."""
+    if m <= max(RWG_MAX_M, RWG_WIDE_MAX_M) and _wsmma_ok(device, state):
+        if m >= RWG_MIN_M > 0:
+            slots = _num_sms(device.index if device.index is not None else 0)
+            config = {**_rwg_config(state["n"], state["k"], m, slots, state["fmt"]), **(config or {})}
+        return "rwg", config
+    if m > max(RWG_MAX_M, RWG_WIDE_MAX_M) and _wsmma_ok(device, state):
+        return "dequant", config
+    return "fused", config
+
+
 def routes_to_gluon_tokens(x: torch.Tensor, state: dict) -> bool:
     """True where `forward` (no config) runs this 2..8-token launch on the Gluon GEMV with one token
     per MMA column (path "wsmma"), as it routes a PDL chain (CHAIN_ROUTING / PDL)."""
@@ -1113,7 +1194,7 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
         # (modifier keys such as PDL keep the dispatch)
         path, config = _fused_route(m, state, x.device, config)
     if (path == "dequant" and PREFILL not in ("fused", "dequant", "overlap") and not (config and "PATH" in config)
-            and m < WGMMA_MAX_M and WGMMA_MIN_M > 0 and _wsmma_ok(x.device, state)):
+            and state.get("order", "rows") == "rows" and m < WGMMA_MAX_M and WGMMA_MIN_M > 0 and _wsmma_ok(x.device, state)):
         large = _large_m_wgmma(state["n"], m, _num_sms(x.device.index if x.device.index is not None else 0))
         if large is not None:
             path, config = "wgmma", {**large, **(config or {})}

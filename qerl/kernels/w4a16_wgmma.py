@@ -563,6 +563,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     warps issue the TMA copies, no loader warps), PER_SM,
     maxnreg, PDL."""
     x = checked_input(x, state, "wgmma")
+    W.rows_order(state, "wgmma prefill kernel")
     fmt, n, kb, m = state["fmt"], state["n"], state["kb"], x.shape[0]
     consts, cfg = kernel_args(fmt, m, config)
     if fmt == "nvfp4" and SCALE_BITS and state.get("scale_bits", False):

@@ -210,6 +210,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, config: dict | None = None,
     """y = x @ dequant(W)^T (+ bias) for x [1, K] bf16 and an nvfp4 `state` (qerl.kernels.prepare)."""
     if state["fmt"] != "nvfp4" or x.shape[0] != 1:
         raise ValueError("the warp-specialised GEMV takes nvfp4 weights and M = 1")
+    W.rows_order(state, "warp-specialised GEMV")
     cfg = dict(DEFAULT)
     cfg.update({k: v for k, v in (config or {}).items() if k in ("NS", "num_warps", "PER_SM", "S", "maxnreg", "CPT", "WREGS", "PDL")})
     cfg["WREGS"] = int(cfg.get("WREGS", 24))
