@@ -60,13 +60,15 @@ def _signature(n: int, k: int, has_bias: bool, mt: int = 1, xs: bool = False, gl
 def compile_kernel(n: int, k: int, stages: int, warps: int, maxnreg, producer_regs: int, bias: bool, pdl: bool,
                    mt: int = 1, xpf: bool = False, stamp: bool = False, epi: bool = G.EPI_SMEM, sk: bool = False, tail: bool = False,
                    sbits: bool = False, pwa: bool = False, xs: bool = False, glu: bool = False, fold: int = 0,
-                   fmt: str = "nvfp4", sync: int = 0, lexp: int = 0, cluster: int = 0):
+                   fmt: str = "nvfp4", sync: int = 0, lexp: int = 0, cluster: int = 0, frag: bool = False):
     fn = G._gluon_gemv_kernel
     sig = _signature(n, k, bias, mt, xs, glu, lexp, fmt=fmt)
     l5, l2w, l2s = G._layouts(warps, fmt)
+    if frag:  # fragment-ordered nvfp4 words (WF 2)
+        l2w, l2s = G._FRAG_W2.value, G._FRAG_S2.value
     # SP: the fixup's unrolled partial count (the wrapper passes next_power_of_2(S); 8 covers S <= 8)
     constexprs = {"NUM_STAGES": stages, "HAS_BIAS": bias, "PDL": pdl, "MT": mt, "XPF": xpf, "STAMP": stamp, "SP": 8,
-                  "HOIST": True, "EPI": epi, "SK": sk, "TAIL": tail, "SBITS": sbits, "PWA": pwa, "XS": xs, "GLU": glu, "FOLD": fold, "SYNC": sync, "LEXP": lexp, "CL": cluster, "SSP": 64, "MX": fmt == "mxfp4", "LX": G._x_layout(warps, mt), "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
+                  "HOIST": True, "EPI": epi, "SK": sk, "TAIL": tail, "SBITS": sbits, "PWA": pwa, "XS": xs, "GLU": glu, "FOLD": fold, "SYNC": sync, "LEXP": lexp, "CL": cluster, "SSP": 64, "WF": 2 if frag else int(fmt == "mxfp4"), "LX": G._x_layout(warps, mt), "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
     for name in constexprs:
         sig[name] = "constexpr"
     # pointers 16-byte aligned, as the JIT would specialise them on a GPU
@@ -190,6 +192,7 @@ def main():
     ap.add_argument("--pwa", action="store_true", help="gemv: per-warp stage release (qerl/kernels/ptx_pwa.py)")
     ap.add_argument("--xs", action="store_true", help="gemv: x copied beside each weight stage (XS)")
     ap.add_argument("--glu", action="store_true", help="gemv, M > 1: silu(gate) * up of a [gate; up] layer (GLU)")
+    ap.add_argument("--frag", action="store_true", help="gemv: fragment-ordered nvfp4 words (qerl/kernels/layout.py)")
     ap.add_argument("--fold", type=int, default=0, help="gemv, M > 1: NORM_FOLD epilogue, 1 = RES, 2 = SCALE")
     ap.add_argument("--sync", type=int, default=0, help="gemv, with --glu or --fold 1: the resident LoRA kernel's "
                     "delta wait and signal in the epilogue (SYNC = 1 + ns naps between polls; 0: off)")
@@ -205,7 +208,7 @@ def main():
         ck = compile_kernel(a.n, a.k, a.stages, a.warps, a.maxnreg, a.producer_regs, a.bias, a.pdl,
                             1 if (a.m or 1) == 1 else G.MAX_M, a.xpf, epi=not a.old_epi, sk=a.streamk, tail=a.tail, sbits=a.scale_bits,
                             pwa=a.pwa, xs=a.xs, glu=a.glu, fold=a.fold, fmt=a.fmt, sync=a.sync, lexp=a.lexp,
-                            cluster=a.cluster)
+                            cluster=a.cluster, frag=a.frag)
     except Exception as e:  # noqa: BLE001
         print(f"compile FAILED: {type(e).__name__}: {e}")
         sys.exit(1)

@@ -850,6 +850,75 @@ def test_gluon_gemv_builds_for_hopper(mt, xpf):
         assert ck.asm["ptx"].count("mma.sync.aligned.m16n8k16") == 16
 
 
+def _linear_coords(lay, reg: int, lane: int, warp: int) -> list[int]:
+    """The coordinate a DistributedLinearLayout gives register `reg` of lane `lane` in warp `warp`."""
+    out = [0] * len(lay.shape)
+    for idx, bases in ((reg, lay.reg_bases), (lane, lay.lane_bases), (warp, lay.warp_bases)):
+        for bit, base in enumerate(bases):
+            if idx >> bit & 1:
+                out = [a ^ b for a, b in zip(out, base)]
+    return out
+
+
+def test_gluon_gemv_fragment_mapping_reads_the_layout():
+    """The Gluon GEMV on fragment-ordered words (WF 2): every register the stage loads (_FRAG_W2, _FRAG_S2) and
+    every B pair (the consumer's xoff, +4 / +16 / +20 in _x_step) is the one the MMA needs. Thread (g, t) of warp w,
+    element (m, i), MMA u: the word's decoded pairs (layout.frag_decode_reference, the kernel's integer decode) are
+    the codes of rows 16 m + g (+8) at K 16 s + 2 t (+1) and + 8 of slice s = 4 w + 2 u + i, the two scales are
+    those rows' at slice s, and b0 / b1 are x pairs 8 s + t / + 4, on random codes laid out by codes_to_frag_tiles."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_gluon as G
+
+    codes = torch.randint(0, 16, (64, 256), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
+    flat = layout.codes_to_frag_tiles(codes).reshape(-1)  # one 64 x 256 tile: the stage's 2048 words
+    scales = torch.arange(64 * 16).reshape(64, 16)  # stand-in bytes: each names its (row, slice)
+    lw, ls = G._FRAG_W2.value, G._FRAG_S2.value
+    bits = layout.frag_decode_reference(flat)  # [2048, 4] bit patterns of pairs h + 2 kh (no scale)
+    bad = 0
+    for warp in range(4):
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for reg in range(16):  # words: register bits i, u, m0, m1
+                i, u, m = reg & 1, reg >> 1 & 1, reg >> 2
+                row, col = _linear_coords(lw, reg, lane, warp)
+                word = row * 32 + col
+                s_ = 4 * warp + 2 * u + i
+                bad += word != m * 512 + warp * 128 + lane * 4 + 2 * u + i
+                for h in range(2):
+                    for kh in range(2):
+                        pat = int(bits[word, h + 2 * kh])
+                        for e in range(2):  # the half's code bits: (m, e0, e1) at 6..8, the sign at 15
+                            half = pat >> (16 * e) & 0xFFFF
+                            code = (half >> 6 & 7) | (half >> 12 & 8)
+                            bad += code != int(codes[16 * m + 8 * h + g, 16 * s_ + 8 * kh + 2 * t + e])
+                for h in range(2):  # scales: register bits i, u, h, m0, m1
+                    srow, scol = _linear_coords(ls, i | u << 1 | h << 2 | m << 3, lane, warp)
+                    bad += int(scales[srow, scol]) != (16 * m + 8 * h + g) * 16 + s_
+                sc = 4 * warp + t  # the consumer's B offsets for element (sc, i)
+                xoff = (sc // 4) * 32 + sc % 4 + i * 8 + 16 * u
+                bad += (xoff, xoff + 4) != (8 * s_ + t, 8 * s_ + t + 4)
+    assert bad == 0
+
+
+def test_gluon_gemv_fragment_words_build():
+    """Offline sm_90a build of the Gluon GEMV reading fragment-ordered words (WF 2; M = 1 and 8 tokens, bias,
+    PDL): every layout conversion is a register rename (the build asserts it), no spills at 64 registers,
+    16 mma.sync per step, and the consumer loop's integer decode below the rows order's (9 vs 11 ops per word:
+    fewer SHF + LOP3, more scale conversions: each word needs two scales)."""
+    pytest.importorskip("triton.experimental.gluon")
+    cg = _compile_gluon()
+    for mt in (1, 8):
+        ops = {}
+        for frag in (False, True):
+            ck = cg.compile_kernel(7168, 5120, 3, 4, 64, 24, True, True, mt, False, sbits=True, frag=frag)
+            regs, spills = cg._resources(ck.asm["cubin"])
+            assert spills == 0 and regs <= 64
+            assert ck.asm["ptx"].count("mma.sync.aligned.m16n8k16") == 16
+            ops[frag] = cg._opcodes(_mma_loop(cg, ck.asm["cubin"], "HMMA"))
+        assert ops[True]["HMMA"] == ops[False]["HMMA"] == 16 and ops[True]["HMUL2"] == ops[False]["HMUL2"] == 64
+        assert ops[True]["SHF"] + ops[True]["LOP3"] < ops[False]["SHF"] + ops[False]["LOP3"]
+
+
 def test_gluon_gemm_host_checks_and_buffers():
     """The host side the Gluon GEMMs (w4a16_wgmma, w4a16_rwg) share, on CPU tensors: one-line errors
     for a non-Gluon format, K off the 256 grid and a wrong x; a strided x made contiguous; the output
@@ -1262,8 +1331,9 @@ def test_routes_to_gluon_tokens(monkeypatch):
 
 def test_fragment_order_routes(monkeypatch):
     """A "frag" layer (fragment-ordered words) runs rwg at every decode size on sm_90 (rwg's rule from
-    RWG_MIN_M tokens, its defaults below), the bf16 buffer + cuBLAS above rwg's range, the Triton kernel
-    elsewhere, and never a kernel that reads rows-ordered words (those refuse it in one line)."""
+    RWG_MIN_M tokens, its defaults below; with FRAG_GEMV_MAX_M the Gluon GEMV up to that many tokens), the bf16
+    buffer + cuBLAS above rwg's range, the Triton kernel elsewhere, and never a kernel that reads rows-ordered
+    words (those refuse it in one line); the Gluon GEMV only in its 4-warp, x-from-global form."""
     from qerl.kernels import w4a16_gemv, w4a16_gluon, w4a16_wgmma
     from qerl.kernels import w4a16_triton as W
 
@@ -1280,11 +1350,15 @@ def test_fragment_order_routes(monkeypatch):
     assert W._fused_route(129, frag, cpu, None)[0] == "dequant"
     assert not W.routes_to_gluon_tokens(torch.zeros(4, 3584, dtype=torch.bfloat16), frag)
     assert W.routes_to_gluon_tokens(torch.zeros(4, 3584, dtype=torch.bfloat16), {**frag, "order": "rows"})
+    monkeypatch.setattr(W, "FRAG_GEMV_MAX_M", 8)  # the Gluon GEMV's fragment path, once its GPU test has passed
+    assert [W._fused_route(m, frag, cpu, None)[0] for m in (1, 8, 9)] == ["wsmma", "wsmma", "rwg"]
     x = torch.zeros(4, 3584, dtype=torch.bfloat16)
-    for call in (lambda: w4a16_gluon.forward(x, frag), lambda: w4a16_gemv.forward(x, frag),
-                 lambda: w4a16_wgmma.forward(x, frag)):
+    for call in (lambda: w4a16_gemv.forward(x, frag), lambda: w4a16_wgmma.forward(x, frag)):
         with pytest.raises(ValueError, match="reads rows-ordered words"):
             call()
+    for cfg in ({"num_warps": 8}, {"XS": True}):
+        with pytest.raises(ValueError, match="4 consumer warps and x from global memory"):
+            w4a16_gluon.forward(x, frag, config=cfg)
 
 
 def test_gluon_gemv_m1_threshold(monkeypatch):

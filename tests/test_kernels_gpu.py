@@ -786,6 +786,53 @@ def test_fragment_order_layer():
         assert _rel(out, x.float() @ w32.T) < TOL
 
 
+FRAG_GEMV_CASES = [(1058, 1024, {}), (4608, 3584, {"S": 2}), (37888, 3584, {"STREAMK": True, "PDL": True}),
+                   (37888, 3584, {"TAIL_SPLIT": True, "XPF": True}), (3584, 18944, {})]
+
+
+@pytest.mark.parametrize("n,k,cfg", FRAG_GEMV_CASES,
+                         ids=[f"{n}x{k}-" + "-".join(f"{key}{v}" for key, v in c.items()) for n, k, c in FRAG_GEMV_CASES])
+def test_gluon_gemv_fragment_words(n, k, cfg):
+    """The Gluon GEMV on a layer prepared with order="frag" (w4a16_gluon WF 2: each word one mma.sync A fragment):
+    M = 1 / 3 / 8 with a bias (N = 1058: a partial last block) in the split, forced-S, stream-K and split-tail
+    schedules: fp32 reference within 1e-2 per token on a NaN-poisoned output, bit-identical re-runs, counters back
+    at 0, a CUDA-graph replay; and GLU (silu(gate) * up) on a [gate; up] layer within 1e-2 per token."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_gluon as G
+    from qerl.kernels import w4a16_triton as W
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs Hopper (TMA, warp specialisation)")
+    t, _rows, w32 = _layer("nvfp4", n, k, seed=n + 3 * k)
+    st = prepare("nvfp4", t, order="frag")
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    conf = dict(cfg, PATH="wsmma")
+    bad = []
+    for m in (1, 3, 8):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        W.forward(x, st, config=conf)  # the first launch measures occupancy
+        y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        W.forward(x, st, bias=bias, config=conf, out=y)
+        ref = x.float() @ w32.T + bias.float()
+        errs = [_rel(y[r:r + 1], ref[r:r + 1]) for r in range(m)]
+        again = all(torch.equal(W.forward(x, st, bias=bias, config=conf), y) for _ in range(3))
+        if y.isnan().any() or not max(errs) <= TOL or not again:
+            bad.append((m, max(errs), again))
+        assert st["locks"].abs().sum().item() == 0
+    assert not bad, f"(M, worst rel err per token, re-runs equal) {bad}"
+    _graph_replay_matches(W, x, st, w32, conf)
+    if n % 128 == 0 and not cfg:
+        for m in (2, 8):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            assert G.glu_usable(x, st)
+            G.forward(x, st, glu=True)
+            y = torch.full((m, n // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
+            G.forward(x, st, out=y, glu=True)
+            ref = x.float() @ w32.T
+            ref = torch.nn.functional.silu(ref[:, :n // 2]) * ref[:, n // 2:]
+            assert not y.isnan().any() and max(_rel(y[r:r + 1], ref[r:r + 1]) for r in range(m)) <= TOL
+
+
 @pytest.mark.parametrize("cfg", WG_CASES, ids=["-".join(f"{k}{v}" for k, v in c.items()) or "default" for c in WG_CASES])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_wgmma_kernel(fmt, cfg):

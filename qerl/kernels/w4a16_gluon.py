@@ -72,7 +72,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from qerl.kernels import ptx_cluster
+from qerl.kernels import layout, ptx_cluster
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels.w4a16_triton import _KA, _KM, _KS, _R1, _R2, _R3, _S0, _S3  # the bit layout (layout.py)
 from qerl.kernels.w4a16_ws import _copy_tile, _gdc, _mul2, _plan, _producer, _resident, _rotr, _setup  # shared
@@ -329,14 +329,17 @@ def _tile_consts(alpha_ptr, bias_ptr, blk, N, rows, HAS_BIAS: gl.constexpr, HI: 
 
 
 @gluon.jit
-def _x_step(xw_ptr, kk, xoff, xmask, MT: gl.constexpr):
+def _x_step(xw_ptr, kk, xoff, xmask, MT: gl.constexpr, FRAG: gl.constexpr = False):
     """x of reduction step kk as four int32-pair tensors [1, 1, 8, 16, 2] (K pairs (8c, 8c+1),
-    (8c+2, 8c+3), (8c+4, 8c+5), (8c+6, 8c+7)); MT = 8: rows past M read as zeros."""
+    (8c+2, 8c+3), (8c+4, 8c+5), (8c+6, 8c+7)); MT = 8: rows past M read as zeros. FRAG (fragment-ordered
+    words, the consumer's xoff): the B registers (b0, b1) of the element's two MMAs, pairs +0, +4 and +16, +20."""
     xb = xw_ptr + kk * 128 + xoff
+    D1: gl.constexpr = 4 if FRAG else 1
+    D2: gl.constexpr = 16 if FRAG else 2
     if MT > 1:
-        return (gl.load(xb + 0, mask=xmask, other=0), gl.load(xb + 1, mask=xmask, other=0),
-                gl.load(xb + 2, mask=xmask, other=0), gl.load(xb + 3, mask=xmask, other=0))
-    return gl.load(xb + 0), gl.load(xb + 1), gl.load(xb + 2), gl.load(xb + 3)
+        return (gl.load(xb + 0, mask=xmask, other=0), gl.load(xb + D1, mask=xmask, other=0),
+                gl.load(xb + D2, mask=xmask, other=0), gl.load(xb + D2 + D1, mask=xmask, other=0))
+    return gl.load(xb + 0), gl.load(xb + D1), gl.load(xb + D2), gl.load(xb + D2 + D1)
 
 
 @gluon.jit
@@ -371,7 +374,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
               EPI: gl.constexpr, SK: gl.constexpr, red, L5: gl.constexpr, L2W: gl.constexpr, L2S: gl.constexpr,
               SBITS: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, GLU: gl.constexpr, glu_buf,
               h_ptr, hout_ptr, nw_ptr, ss_ptr, NSS, eps, KN, FOLD: gl.constexpr, SSP: gl.constexpr,
-              EB, MX: gl.constexpr, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC: gl.constexpr, lx, LEXP: gl.constexpr,
+              EB, WF: gl.constexpr, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC: gl.constexpr, lx, LEXP: gl.constexpr,
               CL: gl.constexpr, num_warps: gl.constexpr):
     # activations: x as int32 pairs, element (sc, i) of the 5-D tile needs word column c = 2 sc + i
     LSC: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4, L5))))
@@ -381,7 +384,10 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
     i1 = gl.arange(0, 2, layout=LI)
     sc5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(sc1, 0), 0), 0), 4)
     i5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(i1, 0), 0), 0), 0)
-    xoff = sc5 * 8 + i5 * 4  # [1, 1, 1, 16, 2]: int32 pair index of K = 8c
+    if WF == 2:  # fragment-ordered words: element (sc = 4 w + t, i)'s MMAs cover 16-K slices 4 w + i and + 2
+        xoff = (sc5 // 4) * 32 + (sc5 % 4) + i5 * 8  # its first b0: pair 8 (4 w + i) + t
+    else:
+        xoff = sc5 * 8 + i5 * 4  # [1, 1, 1, 16, 2]: int32 pair index of K = 8c
     zero5 = gl.zeros([4, 2, 8, 16, 2], gl.int32, L5)
     # the epilogue's layouts: MT = 1 [8 (g), 4 (m)] per 32-row half, MT = 8 [4 (m), 8 (g), 4 (t)]
     LR: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, num_warps], [0, 1])
@@ -433,7 +439,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
                         alpha = alpha * inv
             acc0, acc1, acc2, acc3 = _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, s0, s1, f - k0, xoff,
                                                xmask, zero5, cz, NUM_STAGES, MT, XPF, L5, L2W, L2S, SBITS, XS, LX, GLU,
-                                               EB, MX)
+                                               EB, WF)
             if STAMP:
                 _stamp(stamp_ptr, p, 2, "clock64")
             if MT == 1:
@@ -447,7 +453,7 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
             f = sblk * KB + s1
     else:
         acc0, acc1, acc2, acc3 = _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, k0, k1, 0, xoff, xmask, zero5,
-                                           cz, NUM_STAGES, MT, XPF, L5, L2W, L2S, SBITS, XS, LX, GLU, EB, MX)
+                                           cz, NUM_STAGES, MT, XPF, L5, L2W, L2S, SBITS, XS, LX, GLU, EB, WF)
         _block_epilogue(alpha_ptr, bias_ptr, alpha, b_lo, b_hi, red, c_ptr, ws_ptr, lock_ptr, stamp_ptr, acc0, acc1,
                         acc2, acc3, p, blk, M, N, k0, k1, S, NW, SP, HAS_BIAS, MT, STAMP, HOIST, EPI, rows, sc5, zero5,
                         LR, LR3, LRED, LRED1, GLU, glu_buf, FOLD, h_ptr, hout_ptr, nw_ptr, ss_ptr, dl_ptr, dflag_ptr,
@@ -461,30 +467,32 @@ def _consumer(xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w
 def _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, k0, k1, i0, xoff, xmask, zero5, cz,
               NUM_STAGES: gl.constexpr, MT: gl.constexpr, XPF: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr,
               L2S: gl.constexpr, SBITS: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, GLU: gl.constexpr = False,
-              EB=0, MX: gl.constexpr = False):
+              EB=0, WF: gl.constexpr = 0):
     """Reduction steps [k0, k1) of one row block, the ring's stage counter starting at i0 ->
     the four [4, 8, 16, 2] MMA accumulators (rows g / g + 8 x B columns 2t / 2t + 1). XS: x comes
-    with the stage (`_xs_producer`), else from global memory (XPF: one step ahead). MX: mxfp4 weights
-    (`_decode_mx`; EB = the tensor's exp_bias)."""
+    with the stage (`_xs_producer`), else from global memory (XPF: one step ahead). WF: the weights' format code,
+    0 nvfp4, 1 mxfp4 (`_decode_mx`; EB = the tensor's exp_bias), 2 nvfp4 on fragment-ordered words
+    (`_frag_operands`: one word is one MMA's A fragment)."""
     acc0 = cz
     acc1 = cz
     acc2 = cz
     acc3 = cz
+    FRAG: gl.constexpr = WF == 2
     if XPF and not XS:  # x of the first step now, each later step's x one step ahead (its L2 latency behind a decode)
-        n01, n23, n45, n67 = _x_step(xw_ptr, k0, xoff, xmask, MT)
+        n01, n23, n45, n67 = _x_step(xw_ptr, k0, xoff, xmask, MT, FRAG)
     for kk in range(k0, k1):
         i = i0 + kk - k0
         idx = i % NUM_STAGES
         if XPF and not XS:
             x01, x23, x45, x67 = n01 + zero5, n23 + zero5, n45 + zero5, n67 + zero5
-            n01, n23, n45, n67 = _x_step(xw_ptr, gl.minimum(kk + 1, k1 - 1), xoff, xmask, MT)
+            n01, n23, n45, n67 = _x_step(xw_ptr, gl.minimum(kk + 1, k1 - 1), xoff, xmask, MT, FRAG)
         elif not XS:
-            x01, x23, x45, x67 = _x_step(xw_ptr, kk, xoff, xmask, MT)  # pairs (8c, 8c+1), (8c+2, 8c+3), ...
+            x01, x23, x45, x67 = _x_step(xw_ptr, kk, xoff, xmask, MT, FRAG)  # pairs (8c, 8c+1), (8c+2, 8c+3), ...
             x01, x23, x45, x67 = x01 + zero5, x23 + zero5, x45 + zero5, x67 + zero5
         mbarrier.wait(ready.index(idx), (i // NUM_STAGES) & 1)
         if GLU:  # [2 (gate, up), 32, .] stages: the byte order of a 64-row one
             w2 = w_bufs.index(idx).reshape([64, 32]).load(L2W)
-            s2d = s_bufs.index(idx).reshape([32 if MX else 64, 16]).load(L2S)
+            s2d = s_bufs.index(idx).reshape([32 if WF == 1 else 64, 16]).load(L2S)
         else:
             w2 = w_bufs.index(idx).load(L2W)
             s2d = s_bufs.index(idx).load(L2S)
@@ -498,21 +506,26 @@ def _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, k0, k1, i0, xoff, xm
         if XS:
             x01, x23, x45, x67 = _x_unpack(xv, L5)
             x01, x23, x45, x67 = x01 + zero5, x23 + zero5, x45 + zero5, x67 + zero5
-        words = gl.convert_layout(gl.reshape(w2, [4, 2, 8, 16, 2]), L5, assert_trivial=True).to(gl.uint32,
-                                                                                                   bitcast=True)
-        if MX:
-            p0, p1, p2, p3 = _decode_mx(words, s2d, EB, L5, SBITS)
+        if FRAG:  # each word one MMA's A fragment: element (m, i) takes slices 4 w + i (u = 0) and 4 w + i + 2 (u = 1),
+            # in the XS order of the MMAs below: (p0g, p0h, p2g, p2h) x (b01, b23), then (p1g, p1h, p3g, p3h) x (b45, b67)
+            CZ: gl.constexpr = cz.type.layout
+            p0g, p0h, p2g, p2h, p1g, p1h, p3g, p3h = _frag_operands(w2, s2d, SBITS, CZ)
         else:
-            p0, p1, p2, p3 = _decode_nv(words, s2d, L5, SBITS)
-        p0g, p0h = _halves(p0.to(gl.int32, bitcast=True))
-        p1g, p1h = _halves(p1.to(gl.int32, bitcast=True))
-        p2g, p2h = _halves(p2.to(gl.int32, bitcast=True))
-        p3g, p3h = _halves(p3.to(gl.int32, bitcast=True))
+            words = gl.convert_layout(gl.reshape(w2, [4, 2, 8, 16, 2]), L5, assert_trivial=True).to(gl.uint32,
+                                                                                                       bitcast=True)
+            if WF == 1:
+                p0, p1, p2, p3 = _decode_mx(words, s2d, EB, L5, SBITS)
+            else:
+                p0, p1, p2, p3 = _decode_nv(words, s2d, L5, SBITS)
+            p0g, p0h = _halves(p0.to(gl.int32, bitcast=True))
+            p1g, p1h = _halves(p1.to(gl.int32, bitcast=True))
+            p2g, p2h = _halves(p2.to(gl.int32, bitcast=True))
+            p3g, p3h = _halves(p3.to(gl.int32, bitcast=True))
         b01, _u0 = _halves(x01)
         b23, _u1 = _halves(x23)
         b45, _u2 = _halves(x45)
         b67, _u3 = _halves(x67)
-        if XS:  # B = (pairs 01, 23) / (45, 67): adjacent registers of one 16-byte shared load, no moves
+        if XS or FRAG:  # B = (pairs 01, 23) / (45, 67): adjacent registers of one 16-byte shared load, no moves
             acc0, acc1, acc2, acc3 = _mma(acc0, acc1, acc2, acc3, p0g, p0h, p2g, p2h, b01, b23)
             acc0, acc1, acc2, acc3 = _mma(acc0, acc1, acc2, acc3, p1g, p1h, p3g, p3h, b45, b67)
         else:
@@ -520,6 +533,69 @@ def _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, k0, k1, i0, xoff, xm
             acc0, acc1, acc2, acc3 = _mma(acc0, acc1, acc2, acc3, p2g, p2h, p3g, p3h, b23, b67)
 
     return acc0, acc1, acc2, acc3
+
+
+# FRAG (WF 2): fragment-ordered nvfp4 words (layout.py), 4 consumer warps. Thread (g, t) of warp w takes, for each
+# 16-row group m and u, i in 0..1, the word of lane (g, t) and 16-K slice 4 w + 2 u + i: rows 16 m + g, + 8 at
+# K 2t (+1), 2t + 8 (+1) of the slice, i.e. one mma.sync A fragment (a0..a3 = pairs h + 2 kh) as it is. The word
+# sits at m * 512 + w * 128 + (4 g + t) * 4 + 2 u + i of the tile (4 x 16 bytes per thread per step), its two scales
+# (rows 16 m + g and + 8, slice 4 w + 2 u + i) at byte (16 m + 8 h + g) * 16 + 4 w + 2 u + i of the stage's scales.
+# Element (m, i) of the accumulators then runs two MMAs (u = 0, 1) over slices 4 w + i, + 2 with the same rows and
+# lanes as the rows order's, so the epilogues are shared. Register bases below: i, u, (h,) m; lanes t, g; warps w.
+_FRAG_W2 = gl.constexpr(gl.DistributedLinearLayout(  # the stage's words [64, 32], flat = the tile's word order
+    [[0, 1], [0, 2], [16, 0], [32, 0]], [[0, 4], [0, 8], [0, 16], [1, 0], [2, 0]], [[4, 0], [8, 0]], [], [64, 32]))
+_FRAG_S2 = gl.constexpr(gl.DistributedLinearLayout(  # the stage's FP8 scales [64, 16]: lanes t read the same bytes
+    [[0, 1], [0, 2], [8, 0], [16, 0], [32, 0]], [[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]], [[0, 4], [0, 8]], [],
+    [64, 16]))
+_FRAG_P6 = gl.constexpr(gl.DistributedLinearLayout(  # the words as [m 4, g 8, w 4, t 4, u 2, i 2]
+    [[0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0], [2, 0, 0, 0, 0, 0]],
+    [[0, 0, 0, 1, 0, 0], [0, 0, 0, 2, 0, 0], [0, 1, 0, 0, 0, 0], [0, 2, 0, 0, 0, 0], [0, 4, 0, 0, 0, 0]],
+    [[0, 0, 1, 0, 0, 0], [0, 0, 2, 0, 0, 0]], [], [4, 8, 4, 4, 2, 2]))
+_FT = gl.constexpr(layout.FRAG_TARGET)
+_FR1 = gl.constexpr(layout.FRAG_ROT[1])
+_FR2 = gl.constexpr(layout.FRAG_ROT[2])
+
+
+@gluon.jit
+def _frag_scales(sraw, SBITS: gl.constexpr):
+    """FP8 scale bytes -> bf16x2 multipliers s * 2^118 in both halves (as `_decode_nv`)."""
+    if SBITS:
+        return ((sraw.to(gl.uint8, bitcast=True).to(gl.uint32) << 4) + 0x7700) * 0x10001
+    s = (sraw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_MUL).to(gl.bfloat16)
+    s16 = s.to(gl.uint16, bitcast=True).to(gl.uint32)
+    return s16 | (s16 << 16)
+
+
+@gluon.jit
+def _frag_split(p, CZ: gl.constexpr):
+    """[m, g, w, t, u, i] -> its u = 0 / 1 halves [m, g, 16 (sc = 4 w + t), i] in the accumulators' layout CZ."""
+    q = gl.reshape(gl.permute(p.to(gl.int32, bitcast=True), (0, 1, 2, 3, 5, 4)), [4, 8, 16, 2, 2])
+    a, b = gl.split(q)
+    return gl.convert_layout(a, CZ, assert_trivial=True), gl.convert_layout(b, CZ, assert_trivial=True)
+
+
+@gluon.jit
+def _frag_operands(w2, s2d, SBITS: gl.constexpr, CZ: gl.constexpr):
+    """FRAG: a stage's words [64, 32] (_FRAG_W2) and scales [64, 16] (_FRAG_S2) -> the A registers of the two
+    MMAs of every element: (a0, a1, a2, a3) for u = 0, then for u = 1, each [4, 8, 16, 2] in CZ. Decode: rwg's
+    (layout.frag_decode_reference), 9 integer ops and 4 bf16x2 multiplies per word; 2 ops per scale, two scales
+    per word (rows g and g + 8)."""
+    u = gl.convert_layout(gl.permute(gl.reshape(w2, [4, 4, 8, 4, 2, 2]), (0, 2, 1, 3, 4, 5)), _FRAG_P6,
+                          assert_trivial=True).to(gl.uint32, bitcast=True)
+    sv = gl.permute(gl.reshape(s2d, [4, 2, 8, 4, 2, 2]), (0, 2, 3, 4, 5, 1))  # [m, g, w, u, i, h]
+    s_lo, s_hi = gl.split(sv)
+    SL: gl.constexpr = gl.SliceLayout(3, _FRAG_P6)
+    s0 = gl.expand_dims(_frag_scales(gl.convert_layout(s_lo, SL, assert_trivial=True), SBITS), 3)  # rows g
+    s1 = gl.expand_dims(_frag_scales(gl.convert_layout(s_hi, SL, assert_trivial=True), SBITS), 3)  # rows g + 8
+    a0 = _mul2(u & _FT, s0)  # pair h + 2 kh = 0: row g, K 2t
+    a1 = _mul2(_rotr(u, _FR1) & _FT, s1)  # 1: row g + 8, K 2t
+    a2 = _mul2(_rotr(u, _FR2) & _FT, s0)  # 2: row g, K 2t + 8
+    a3 = _mul2((_rotr(u, 6) & 0x81808180) | (_rotr(u, 30) & 0x00400040), s1)  # 3: row g + 8, K 2t + 8
+    a0u0, a0u1 = _frag_split(a0, CZ)
+    a1u0, a1u1 = _frag_split(a1, CZ)
+    a2u0, a2u1 = _frag_split(a2, CZ)
+    a3u0, a3u1 = _frag_split(a3, CZ)
+    return a0u0, a1u0, a2u0, a3u0, a0u1, a1u1, a2u1, a3u1
 
 
 @gluon.jit
@@ -1000,7 +1076,7 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, x_desc, alpha_ptr, bias_ptr, c_pt
                        EPI: gl.constexpr, PRODUCER_REGS: gl.constexpr, L5: gl.constexpr, L2W: gl.constexpr,
                        L2S: gl.constexpr, SK: gl.constexpr, TAIL: gl.constexpr, SBITS: gl.constexpr,
                        PWA: gl.constexpr, XS: gl.constexpr, LX: gl.constexpr, GLU: gl.constexpr,
-                       FOLD: gl.constexpr, SSP: gl.constexpr, MX: gl.constexpr, SYNC: gl.constexpr,
+                       FOLD: gl.constexpr, SSP: gl.constexpr, WF: gl.constexpr, SYNC: gl.constexpr,
                        LEXP: gl.constexpr, CL: gl.constexpr, num_warps: gl.constexpr):
     # PWA: each consumer warp frees a stage itself (empty barriers of num_warps arrivals, qerl/kernels/ptx_pwa.py)
     p, blk, k0, k1, trow0, w_bufs, s_bufs, ready, empty = _setup(w_desc, s_desc, KB, S, NUM_STAGES, PDL,
@@ -1045,7 +1121,7 @@ def _gluon_gemv_kernel(xw_ptr, w_desc, s_desc, x_desc, alpha_ptr, bias_ptr, c_pt
         (_consumer, (xw_ptr, alpha_ptr, bias_ptr, c_ptr, ws_ptr, lock_ptr, stamp_ptr, w_bufs, s_bufs, x_bufs, ready,
                      empty, p, blk, M, N, KB, k0, k1, S, NW, SP, NUM_STAGES, HAS_BIAS, PDL, MT, XPF, STAMP, HOIST, EPI,
                      SK, red, L5, L2W, L2S, SBITS, XS, LX, GLU, glu_buf, h_ptr, hout_ptr, nw_ptr, ss_ptr, NSS, eps,
-                     KN, FOLD, SSP, EB, MX, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC, lx, LEXP, CL, num_warps)),
+                     KN, FOLD, SSP, EB, WF, dl_ptr, dflag_ptr, sig_ptr, DT, SYNC, lx, LEXP, CL, num_warps)),
         (_gluon_producer, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, trow0, k0, k1, KB, stamp_ptr,
                            p, NUM_STAGES, STAMP, XS, PDL, GLU)),
     ], [1], [PRODUCER_REGS])
@@ -1307,8 +1383,8 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     form's)."""
     if state["fmt"] not in FORMATS:
         raise ValueError(f"the Gluon GEMV takes nvfp4 or mxfp4 weights, got {state['fmt']}")
-    W.rows_order(state, "Gluon GEMV")
     mx = state["fmt"] == "mxfp4"
+    frag = state.get("order", "rows") == "frag"
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_M:
         raise ValueError(f"the Gluon GEMV takes 1 <= M <= {MAX_M}, got x of shape {tuple(x.shape)}")
     n, k, kb = state["n"], state["k"], state["kb"]
@@ -1331,6 +1407,9 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     nw = int(cfg["num_warps"])
     if nw not in (4, 8):
         raise ValueError(f"num_warps must be 4 or 8, got {nw}")
+    if frag and (nw != 4 or cfg["XS"]):
+        raise ValueError("the Gluon GEMV reads fragment-ordered words with 4 consumer warps and x from global memory "
+                         "(no XS)")
     sync_mode = 0 if sync is None else 1 + int(SYNC_NAP)  # the kernel's SYNC
     lexp, lx = 0, None  # the kernel's LEXP and its (B, n1, n2, h's row stride) with an Expand
     if sync is not None:
@@ -1363,8 +1442,8 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     if xs is None:
         xs = xs_auto(mt, triton.cdiv(n, 64), per_sm * W._num_sms(x.device.index or 0))
     x = x.contiguous()
-    xs = bool(xs) and x.data_ptr() % 16 == 0  # TMA: a 16-byte aligned base
-    key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM, pwa, xs, glu, kind_fold, mx,
+    xs = bool(xs) and x.data_ptr() % 16 == 0 and not frag  # TMA: a 16-byte aligned base
+    key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM, pwa, xs, glu, kind_fold, mx + 2 * frag,
            sync_mode, lexp)  # (occupancy; SBITS keeps it)
     fits = min(_RESIDENT.get(key, per_sm), per_sm)
     s, grid, w_desc, s_desc, c, locks, ws = _plan(x, state, out, cfg.get("S"), fits, mt,
@@ -1385,6 +1464,8 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     elif kind == "tail":  # workspace slot = program (the whole blocks' slots go unused)
         ws = torch.empty(grid * 64 * mt, device=x.device, dtype=torch.float32)
     l5, l2w, l2s = _layouts(nw, state["fmt"])
+    if frag:
+        l2w, l2s = _FRAG_W2.value, _FRAG_S2.value
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
     stamps = W.stamp_slice(grid, n, k, s, m, "gluon")  # instrumentation, None when off (w4a16_triton.STAMP)
     h_in = h_out = w_norm = ss = c
@@ -1402,7 +1483,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         *(lx if lx is not None else (locks, 0, 0, 0)))
     kw = dict(
         FOLD={"res": 1, "scale": 2}.get(kind_fold, 0), SSP=ssp,
-        SP=sp, NUM_STAGES=ns, MX=mx,
+        SP=sp, NUM_STAGES=ns, WF=2 if frag else int(mx),
         HAS_BIAS=bias is not None, PDL=pdl, MT=mt, XPF=xpf,
         STAMP=stamps is not None, HOIST=HOIST_CONSTS, EPI=EPI_SMEM, PRODUCER_REGS=preg, SK=kind == "sk", TAIL=kind == "tail",
         SBITS=SCALE_BITS and bool(state.get("scale_bits", False)), PWA=pwa, XS=xs, LX=_x_layout(nw, mt),

@@ -1158,11 +1158,19 @@ def _fused_route(m: int, state: dict, device: torch.device, config: dict | None)
     return path, config
 
 
+# Fragment-ordered layers at 1..FRAG_GEMV_MAX_M tokens on the Gluon GEMV (w4a16_gluon WF 2) instead of rwg: 0 (off)
+# until the GEMV's fragment path has passed its GPU test (built and mapped offline in session 73, not yet run).
+FRAG_GEMV_MAX_M = env_int("QERL_W4A16_FRAG_GEMV_MAX_M", 0)
+
+
 def _frag_route(m: int, state: dict, device: torch.device, config: dict | None) -> tuple[str, dict | None]:
     """_fused_route for fragment-ordered words (state["order"] "frag"; only rwg and the Triton kernels read
     them): rwg up to RWG_WIDE_MAX_M tokens on sm_90 (its config rule from RWG_MIN_M tokens, its defaults below:
     R = 2, BM 16, measured 1.93x bf16 at 9..16 tokens and 2.01x at 1..8 on the H100, NOTES_w4a16.md section 47),
-    else the bf16 buffer + cuBLAS; the fused Triton kernel where no Gluon kernel runs (not sm_90, K % 256)."""
+    else the bf16 buffer + cuBLAS; the fused Triton kernel where no Gluon kernel runs (not sm_90, K % 256). With
+    FRAG_GEMV_MAX_M, the Gluon GEMV up to that many tokens."""
+    if FRAG_GEMV_MAX_M and m <= FRAG_GEMV_MAX_M and _wsmma_ok(device, state):
+        return "wsmma", config
     if m <= max(RWG_MAX_M, RWG_WIDE_MAX_M) and _wsmma_ok(device, state):
         if m >= RWG_MIN_M > 0:
             slots = _num_sms(device.index if device.index is not None else 0)
