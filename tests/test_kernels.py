@@ -902,9 +902,10 @@ def test_gluon_gemv_fragment_mapping_reads_the_layout():
 
 def test_gluon_gemv_fragment_words_build():
     """Offline sm_90a build of the Gluon GEMV reading fragment-ordered words (WF 2; M = 1 and 8 tokens, bias,
-    PDL): every layout conversion is a register rename (the build asserts it), no spills at 64 registers,
-    16 mma.sync per step, and the consumer loop's integer decode below the rows order's (9 vs 11 ops per word:
-    fewer SHF + LOP3, more scale conversions: each word needs two scales)."""
+    PDL, all scales normal): every layout conversion is a register rename (the build asserts it), no spills at 64
+    registers, 16 mma.sync per step, an integer decode below the rows order's (9 vs 11 ops per word), the four
+    times as many scale conversions (each word spans two rows) paired two per PRMT + LEA with the halves selected
+    by the multiplies (HMUL2 .H0_H0 / .H1_H1), and so fewer instructions per step than the rows order."""
     pytest.importorskip("triton.experimental.gluon")
     cg = _compile_gluon()
     for mt in (1, 8):
@@ -917,6 +918,7 @@ def test_gluon_gemv_fragment_words_build():
             ops[frag] = cg._opcodes(_mma_loop(cg, ck.asm["cubin"], "HMMA"))
         assert ops[True]["HMMA"] == ops[False]["HMMA"] == 16 and ops[True]["HMUL2"] == ops[False]["HMUL2"] == 64
         assert ops[True]["SHF"] + ops[True]["LOP3"] < ops[False]["SHF"] + ops[False]["LOP3"]
+        assert ops[True]["PRMT"] == 16 and sum(ops[True].values()) < sum(ops[False].values())
 
 
 def test_gluon_gemm_host_checks_and_buffers():

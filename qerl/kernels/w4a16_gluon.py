@@ -566,6 +566,31 @@ def _frag_scales(sraw, SBITS: gl.constexpr):
     return s16 | (s16 << 16)
 
 
+FRAG_SCALE_PAIRS = gl.constexpr(True)
+
+
+@gluon.jit
+def _frag_scale_pairs(s_lo, s_hi):
+    """SBITS: the two rows' FP8 scale bytes of each word -> one register of both bf16 multipliers, rows g in the low
+    half, g + 8 in the high: a PRMT (byte k of each, zero-extended by sign replication: the scales are positive)
+    and one IMAD per two scales, on the four bytes one shared load gave (pack 4)."""
+    return gl.inline_asm_elementwise(
+        "prmt.b32 $0, $4, $5, 0xC480; mad.lo.u32 $0, $0, 16, 0x77007700; "
+        "prmt.b32 $1, $4, $5, 0xD591; mad.lo.u32 $1, $1, 16, 0x77007700; "
+        "prmt.b32 $2, $4, $5, 0xE6A2; mad.lo.u32 $2, $2, 16, 0x77007700; "
+        "prmt.b32 $3, $4, $5, 0xF7B3; mad.lo.u32 $3, $3, 16, 0x77007700;",
+        "=r,=r,=r,=r,r,r", [s_lo.to(gl.uint8, bitcast=True), s_hi.to(gl.uint8, bitcast=True)], dtype=gl.uint32,
+        is_pure=True, pack=4)
+
+
+@gluon.jit
+def _mul2_half(p, s2, half: gl.constexpr):
+    """bf16x2 p times the low (half "l") or high ("h") bf16 of s2 in both halves."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b16 l, h; .reg .b32 s; mov.b32 {l, h}, $2; mov.b32 s, {" + half + ", " + half + "}; "
+        "mul.rn.bf16x2 $0, $1, s; }", "=r,r,r", [p, s2], dtype=gl.uint32, is_pure=True, pack=1)
+
+
 @gluon.jit
 def _frag_split(p, CZ: gl.constexpr):
     """[m, g, w, t, u, i] -> its u = 0 / 1 halves [m, g, 16 (sc = 4 w + t), i] in the accumulators' layout CZ."""
@@ -585,12 +610,21 @@ def _frag_operands(w2, s2d, SBITS: gl.constexpr, CZ: gl.constexpr):
     sv = gl.permute(gl.reshape(s2d, [4, 2, 8, 4, 2, 2]), (0, 2, 3, 4, 5, 1))  # [m, g, w, u, i, h]
     s_lo, s_hi = gl.split(sv)
     SL: gl.constexpr = gl.SliceLayout(3, _FRAG_P6)
-    s0 = gl.expand_dims(_frag_scales(gl.convert_layout(s_lo, SL, assert_trivial=True), SBITS), 3)  # rows g
-    s1 = gl.expand_dims(_frag_scales(gl.convert_layout(s_hi, SL, assert_trivial=True), SBITS), 3)  # rows g + 8
-    a0 = _mul2(u & _FT, s0)  # pair h + 2 kh = 0: row g, K 2t
-    a1 = _mul2(_rotr(u, _FR1) & _FT, s1)  # 1: row g + 8, K 2t
-    a2 = _mul2(_rotr(u, _FR2) & _FT, s0)  # 2: row g, K 2t + 8
-    a3 = _mul2((_rotr(u, 6) & 0x81808180) | (_rotr(u, 30) & 0x00400040), s1)  # 3: row g + 8, K 2t + 8
+    s_lo = gl.convert_layout(s_lo, SL, assert_trivial=True)
+    s_hi = gl.convert_layout(s_hi, SL, assert_trivial=True)
+    if SBITS and FRAG_SCALE_PAIRS:
+        s01 = gl.expand_dims(_frag_scale_pairs(s_lo, s_hi), 3)
+        a0 = _mul2_half(u & _FT, s01, "l")  # pair h + 2 kh = 0: row g, K 2t
+        a1 = _mul2_half(_rotr(u, _FR1) & _FT, s01, "h")  # 1: row g + 8, K 2t
+        a2 = _mul2_half(_rotr(u, _FR2) & _FT, s01, "l")  # 2: row g, K 2t + 8
+        a3 = _mul2_half((_rotr(u, 6) & 0x81808180) | (_rotr(u, 30) & 0x00400040), s01, "h")  # 3: row g + 8, K 2t + 8
+    else:
+        s0 = gl.expand_dims(_frag_scales(s_lo, SBITS), 3)  # rows g
+        s1 = gl.expand_dims(_frag_scales(s_hi, SBITS), 3)  # rows g + 8
+        a0 = _mul2(u & _FT, s0)
+        a1 = _mul2(_rotr(u, _FR1) & _FT, s1)
+        a2 = _mul2(_rotr(u, _FR2) & _FT, s0)
+        a3 = _mul2((_rotr(u, 6) & 0x81808180) | (_rotr(u, 30) & 0x00400040), s1)
     a0u0, a0u1 = _frag_split(a0, CZ)
     a1u0, a1u1 = _frag_split(a1, CZ)
     a2u0, a2u1 = _frag_split(a2, CZ)
