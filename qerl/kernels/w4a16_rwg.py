@@ -149,6 +149,47 @@ def _frag_decode(wb, sc):
 
 
 @gluon.jit
+def _frag_decode_pairs(wb, sc):
+    """_frag_decode with both rows' multipliers of a word in one register (FRAG_SCALE_PAIRS, all scales normal):
+    `sc` holds rows g (low half) and g + 8 (high half) for all four pairs; the multiplies select the half
+    (ptxas: HMUL2 .H0_H0 / .H1_H1)."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b32 p0, p1, p2, a, b, s0, s1;
+        .reg .b16 l, h;
+        mov.b32 {l, h}, $5;
+        mov.b32 s0, {l, l};
+        mov.b32 s1, {h, h};
+        and.b32 p0, $4, 0x81C081C0;
+        shf.r.wrap.b32 a, $4, $4, 4;
+        and.b32 p1, a, 0x81C081C0;
+        shf.r.wrap.b32 a, $4, $4, 10;
+        and.b32 p2, a, 0x81C081C0;
+        shf.r.wrap.b32 a, $4, $4, 6;
+        and.b32 a, a, 0x81808180;
+        shf.r.wrap.b32 b, $4, $4, 30;
+        and.b32 b, b, 0x00400040;
+        or.b32 a, a, b;
+        mul.rn.bf16x2 $0, p0, s0;
+        mul.rn.bf16x2 $1, p1, s1;
+        mul.rn.bf16x2 $2, p2, s0;
+        mul.rn.bf16x2 $3, a, s1;
+        }""", "=r,=r,=r,=r,r,r,r,r,r", [wb, sc], dtype=gl.uint32, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _scale_pairs(s_lo, s_hi):
+    """Scale bytes of rows g and g + 8 (all normal: positive) -> one register of both bf16 multipliers
+    (b << 4) + 0x7700, row g in the low half: a PRMT and a LEA per two scales (pack 4: four bytes per register)."""
+    return gl.inline_asm_elementwise(
+        "prmt.b32 $0, $4, $5, 0xC480; mad.lo.u32 $0, $0, 16, 0x77007700; "
+        "prmt.b32 $1, $4, $5, 0xD591; mad.lo.u32 $1, $1, 16, 0x77007700; "
+        "prmt.b32 $2, $4, $5, 0xE6A2; mad.lo.u32 $2, $2, 16, 0x77007700; "
+        "prmt.b32 $3, $4, $5, 0xF7B3; mad.lo.u32 $3, $3, 16, 0x77007700;",
+        "=r,=r,=r,=r,r,r", [s_lo, s_hi], dtype=gl.uint32, is_pure=True, pack=4)
+
+
+@gluon.jit
 def _frag_chunks(v, ROWS: gl.constexpr):
     """[ROWS, 128] pairs (P = 32 j + ...) -> the four 64-K chunks [ROWS, 32] (j in registers)."""
     t = gl.reshape(gl.permute(gl.reshape(v, [ROWS, 4, 32]), (0, 2, 1)), [ROWS, 32, 2, 2])
@@ -183,7 +224,9 @@ def _a_operand(wc, sc, rt, st, ROWS: gl.constexpr, AOP: gl.constexpr, RAW: gl.co
     [ROWS, 64] bf16: lane t's pair of every word, q * s * 2^-J (exact). RAW (the DIAG config, timing only):
     the words themselves as the pairs, no decode and no scale (wrong values, the same data flow), ANDed with
     0x3F3F3F3F so every value is finite (an engine run on them samples from finite logits)."""
-    if FRAG:  # wc: [ROWS, 32] bytes of fragment words, sc: their pairs' scales
+    if FRAG == 2:  # wc: [ROWS, 32] bytes of fragment words, sc: both rows' multipliers of each word
+        p = _frag_decode_pairs(wc, sc)
+    elif FRAG:  # wc: [ROWS, 32] bytes of fragment words, sc: their pairs' scales
         p = _frag_decode(wc, sc)
     elif RAW:
         p = gl.reshape(wc & 0x3F3F3F3F, [ROWS, 32])
@@ -250,7 +293,15 @@ def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empt
         b7 = gl.reshape(w2, [ROWS // 16, 4, 8, 4, 4, 2, 2])
         wp = gl.convert_layout(gl.reshape(gl.permute(b7, (0, 6, 2, 1, 4, 5, 3)), [ROWS, 128]), LW3,
                                assert_trivial=True)
-        sp = gl.reshape(gl.expand_dims(s16 * 0x10001, 2) + gl.zeros([ROWS, 16, 8], gl.uint32, LS3), [ROWS, 128])
+        if FMT == 5 and FRAG_SCALE_PAIRS:  # rows g, g + 8 of a slice in one register, the same for both rows
+            sv = gl.permute(gl.reshape(s2d.to(gl.uint8, bitcast=True), [ROWS // 16, 2, 8, 16]), (0, 2, 3, 1))
+            s_lo, s_hi = gl.split(sv)
+            s01 = _scale_pairs(s_lo, s_hi)
+            s2x = gl.reshape(gl.permute(gl.join(s01, s01), (0, 3, 1, 2)), [ROWS, 16])
+            s2x = gl.convert_layout(s2x, s16.type.layout, assert_trivial=True)
+        else:
+            s2x = s16 * 0x10001
+        sp = gl.reshape(gl.expand_dims(s2x, 2) + gl.zeros([ROWS, 16, 8], gl.uint32, LS3), [ROWS, 128])
         sp = gl.convert_layout(sp, LW3, assert_trivial=True)
         w0, w1, w2c, w3c = _frag_chunks(wp, ROWS)
         c0, c1, c2, c3 = _frag_chunks(sp, ROWS)
@@ -263,18 +314,19 @@ def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empt
         c0, c1, c2, c3 = _chunks(s3, ROWS)
     ix = i % NSX
     mbarrier.wait(x_ready.index(ix), (i // NSX) & 1)
-    a = _a_operand(w0, c0, r0, s0_, ROWS, AOP, RAW, FRAG)
+    FRAG2: gl.constexpr = 2 if FMT == 5 and FRAG_SCALE_PAIRS else FRAG  # _a_operand's decode
+    a = _a_operand(w0, c0, r0, s0_, ROWS, AOP, RAW, FRAG2)
     acc = warpgroup_mma(a, x_bufs.index(4 * ix + 0).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
     if not XREL:  # the previous step's last wgmma has retired: its activation stage is free
         mbarrier.arrive(x_empty.index((i + NSX - KP) % NSX), count=1, pred=i >= KP)
-    a = _a_operand(w1, c1, r1, s1_, ROWS, AOP, RAW, FRAG)
+    a = _a_operand(w1, c1, r1, s1_, ROWS, AOP, RAW, FRAG2)
     acc = warpgroup_mma(a, x_bufs.index(4 * ix + 1).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-    a = _a_operand(w2c, c2, r2, s2_, ROWS, AOP, RAW, FRAG)
+    a = _a_operand(w2c, c2, r2, s2_, ROWS, AOP, RAW, FRAG2)
     acc = warpgroup_mma(a, x_bufs.index(4 * ix + 2).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-    a = _a_operand(w3c, c3, r3, s3_, ROWS, AOP, RAW, FRAG)
+    a = _a_operand(w3c, c3, r3, s3_, ROWS, AOP, RAW, FRAG2)
     acc = warpgroup_mma(a, x_bufs.index(4 * ix + 3).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
     return acc
@@ -456,6 +508,9 @@ DEFAULT = dict(BM=None, R=2, NSW=4, NSX=3, XREL=0, LOAD_REGS=24, PER_SM=None, ma
 # the MMA loop. Config key PWA overrides per call (None: this switch). Decode steps (a64, H100, same
 # process): 7B at 32 / 64 rows +1.1% / +0.5%. NOTES_w4a16.md section 22.
 PER_WARP_ARRIVE = True
+# FRAG with every scale normal (FMT 5): the two rows' multipliers of a word built together in one register
+# (PRMT + LEA per two scales instead of two ops per scale), the multiplies selecting their half.
+FRAG_SCALE_PAIRS = gl.constexpr(True)
 _RESIDENT: dict = {}
 
 
