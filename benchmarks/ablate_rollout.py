@@ -964,7 +964,13 @@ def main() -> None:
     engine = RolloutEngine(model, max_batch=max(a.batch), max_len=max(768, a.keys + 64))
     settings = RolloutSettings(max_new_tokens=512 if a.keys == 512 else a.keys - 192, temperature=1.0,
                                stop_ids=[10**9], pad_id=0, num_generations=a.generations)
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
+    from qerl.env import switches_prefix
+    from qerl.kernels import layout
+
+    # the command with this process's QERL_* switches (e.g. QERL_W4A16_ORDER, the layers' word order) reproduces it
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "command": switches_prefix() + " ".join(sys.argv),
+              "word_order": layout.default_order() if a.format == "nvfp4" else "rows",
               "model": a.model, "format": a.format, "lora_rank": a.lora, "keys": a.keys, "generations": a.generations,
               "rows": []}
     for batch in a.batch:
