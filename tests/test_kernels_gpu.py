@@ -523,6 +523,17 @@ def _checked_launches(W, st, w32, bias, conf, m: int, repeats: int):
     return x, y, worst, differ
 
 
+def _poisoned_launch(W, st, w32, bias, conf, m):
+    """An M-token launch of W.forward with `conf` (after one that measures occupancy) into a NaN-poisoned output
+    -> (x, y, the fp32 reference with the bias)."""
+    n, k = w32.shape
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    W.forward(x, st, config=conf)  # the first launch measures occupancy
+    y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    W.forward(x, st, bias=bias, config=conf, out=y)
+    return x, y, x.float() @ w32.T + bias.float()
+
+
 def _graph_replay_matches(W, x, st, w32, conf):
     """A CUDA graph of one launch, replayed on new x, matches the fp32 reference."""
     g = torch.cuda.CUDAGraph()
@@ -581,11 +592,7 @@ def test_gluon_gemv_schedules(n, k, cfg):
     bias = torch.randn(n, device="cuda").to(torch.bfloat16)
     conf = dict(cfg, PATH="wsmma")
     for m in (1, 3, 8):
-        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-        W.forward(x, st, config=conf)  # the first launch measures occupancy
-        y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        W.forward(x, st, bias=bias, config=conf, out=y)
-        ref = x.float() @ w32.T + bias.float()
+        x, y, ref = _poisoned_launch(W, st, w32, bias, conf, m)
         assert not y.isnan().any()
         for row in range(m):
             assert _rel(y[row:row + 1], ref[row:row + 1]) < TOL, (m, row, _rel(y[row:row + 1], ref[row:row + 1]))
@@ -809,11 +816,7 @@ def test_gluon_gemv_fragment_words(n, k, cfg):
     conf = dict(cfg, PATH="wsmma")
     bad = []
     for m in (1, 3, 8):
-        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-        W.forward(x, st, config=conf)  # the first launch measures occupancy
-        y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        W.forward(x, st, bias=bias, config=conf, out=y)
-        ref = x.float() @ w32.T + bias.float()
+        x, y, ref = _poisoned_launch(W, st, w32, bias, conf, m)
         errs = [_rel(y[r:r + 1], ref[r:r + 1]) for r in range(m)]
         again = all(torch.equal(W.forward(x, st, bias=bias, config=conf), y) for _ in range(3))
         if y.isnan().any() or not max(errs) <= TOL or not again:

@@ -75,7 +75,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from qerl.kernels import layout, ptx_cluster
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels.w4a16_triton import _KA, _KM, _KS, _R1, _R2, _R3, _S0, _S3  # the bit layout (layout.py)
-from qerl.kernels.w4a16_ws import _copy_tile, _gdc, _mul2, _plan, _producer, _resident, _rotr, _setup  # shared
+from qerl.kernels.w4a16_ws import (_copy_tile, _gdc, _mul2, _plan, _producer, _resident, _rotr,  # shared
+                                   _scale_pairs, _setup)
 
 ptx_cluster.install()  # the cluster fixup's entry code (CLUSTER; only kernels that emit its mark)
 
@@ -506,8 +507,9 @@ def _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, k0, k1, i0, xoff, xm
         if XS:
             x01, x23, x45, x67 = _x_unpack(xv, L5)
             x01, x23, x45, x67 = x01 + zero5, x23 + zero5, x45 + zero5, x67 + zero5
-        if FRAG:  # each word one MMA's A fragment: element (m, i) takes slices 4 w + i (u = 0) and 4 w + i + 2 (u = 1),
-            # in the XS order of the MMAs below: (p0g, p0h, p2g, p2h) x (b01, b23), then (p1g, p1h, p3g, p3h) x (b45, b67)
+        if FRAG:  # each word one MMA's A fragment: element (m, i) takes slices 4 w + i (u = 0) and 4 w + i + 2
+            # (u = 1), in the XS order of the MMAs below: (p0g, p0h, p2g, p2h) x (b01, b23), then (p1g, p1h, p3g,
+            # p3h) x (b45, b67)
             CZ: gl.constexpr = cz.type.layout
             p0g, p0h, p2g, p2h, p1g, p1h, p3g, p3h = _frag_operands(w2, s2d, SBITS, CZ)
         else:
@@ -570,20 +572,6 @@ FRAG_SCALE_PAIRS = gl.constexpr(True)
 
 
 @gluon.jit
-def _frag_scale_pairs(s_lo, s_hi):
-    """SBITS: the two rows' FP8 scale bytes of each word -> one register of both bf16 multipliers, rows g in the low
-    half, g + 8 in the high: a PRMT (byte k of each, zero-extended by sign replication: the scales are positive)
-    and one IMAD per two scales, on the four bytes one shared load gave (pack 4)."""
-    return gl.inline_asm_elementwise(
-        "prmt.b32 $0, $4, $5, 0xC480; mad.lo.u32 $0, $0, 16, 0x77007700; "
-        "prmt.b32 $1, $4, $5, 0xD591; mad.lo.u32 $1, $1, 16, 0x77007700; "
-        "prmt.b32 $2, $4, $5, 0xE6A2; mad.lo.u32 $2, $2, 16, 0x77007700; "
-        "prmt.b32 $3, $4, $5, 0xF7B3; mad.lo.u32 $3, $3, 16, 0x77007700;",
-        "=r,=r,=r,=r,r,r", [s_lo.to(gl.uint8, bitcast=True), s_hi.to(gl.uint8, bitcast=True)], dtype=gl.uint32,
-        is_pure=True, pack=4)
-
-
-@gluon.jit
 def _mul2_half(p, s2, half: gl.constexpr):
     """bf16x2 p times the low (half "l") or high ("h") bf16 of s2 in both halves."""
     return gl.inline_asm_elementwise(
@@ -613,7 +601,7 @@ def _frag_operands(w2, s2d, SBITS: gl.constexpr, CZ: gl.constexpr):
     s_lo = gl.convert_layout(s_lo, SL, assert_trivial=True)
     s_hi = gl.convert_layout(s_hi, SL, assert_trivial=True)
     if SBITS and FRAG_SCALE_PAIRS:
-        s01 = gl.expand_dims(_frag_scale_pairs(s_lo, s_hi), 3)
+        s01 = gl.expand_dims(_scale_pairs(s_lo.to(gl.uint8, bitcast=True), s_hi.to(gl.uint8, bitcast=True)), 3)
         a0 = _mul2_half(u & _FT, s01, "l")  # pair h + 2 kh = 0: row g, K 2t
         a1 = _mul2_half(_rotr(u, _FR1) & _FT, s01, "h")  # 1: row g + 8, K 2t
         a2 = _mul2_half(_rotr(u, _FR2) & _FT, s01, "l")  # 2: row g, K 2t + 8

@@ -61,7 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from qerl.kernels import layout
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels import w4a16_wgmma as WG
-from qerl.kernels.w4a16_ws import _gdc, _mul2, _ring_barriers
+from qerl.kernels.w4a16_ws import _gdc, _mul2, _ring_barriers, _scale_pairs
 
 _MAG = gl.constexpr(layout.MAG_MASK)
 _SIGN = gl.constexpr(layout.SIGN_MASK)
@@ -123,14 +123,8 @@ def frag_layouts(r: int, bm: int):
     return lb2, l3s, lp, acc, aop
 
 
-@gluon.jit
-def _frag_decode(wb, sc):
-    """Fragment words (uint8, four consecutive registers = one word) and their scales (bf16x2, one per
-    pair) -> the four scaled pairs (h + 2 kh), layout.py's FRAG decode: 9 integer ops + 4 bf16x2 multiplies
-    per word."""
-    return gl.inline_asm_elementwise(
-        """{
-        .reg .b32 p0, p1, p2, a, b;
+# layout.py's FRAG decode of word $4 into p0, p1, p2 and a (pair 3), before the scales: 9 integer ops
+_FRAG_INT = """
         and.b32 p0, $4, 0x81C081C0;
         shf.r.wrap.b32 a, $4, $4, 4;
         and.b32 p1, a, 0x81C081C0;
@@ -140,53 +134,35 @@ def _frag_decode(wb, sc):
         and.b32 a, a, 0x81808180;
         shf.r.wrap.b32 b, $4, $4, 30;
         and.b32 b, b, 0x00400040;
-        or.b32 a, a, b;
+        or.b32 a, a, b;"""
+# each pair times its own scale register ($5..$8)
+_FRAG_DECODE = gl.constexpr("{ .reg .b32 p0, p1, p2, a, b;" + _FRAG_INT + """
         mul.rn.bf16x2 $0, p0, $5;
         mul.rn.bf16x2 $1, p1, $6;
         mul.rn.bf16x2 $2, p2, $7;
-        mul.rn.bf16x2 $3, a, $8;
-        }""", "=r,=r,=r,=r,r,r,r,r,r", [wb, sc], dtype=gl.uint32, is_pure=True, pack=4)
-
-
-@gluon.jit
-def _frag_decode_pairs(wb, sc):
-    """_frag_decode with both rows' multipliers of a word in one register (FRAG_SCALE_PAIRS, all scales normal):
-    `sc` holds rows g (low half) and g + 8 (high half) for all four pairs; the multiplies select the half
-    (ptxas: HMUL2 .H0_H0 / .H1_H1)."""
-    return gl.inline_asm_elementwise(
-        """{
-        .reg .b32 p0, p1, p2, a, b, s0, s1;
-        .reg .b16 l, h;
+        mul.rn.bf16x2 $3, a, $8; }""")
+# FRAG_SCALE_PAIRS: $5 holds rows g (low half) and g + 8 (high half); each multiply takes its row's half
+_FRAG_DECODE_PAIRS = gl.constexpr("{ .reg .b32 p0, p1, p2, a, b, s0, s1; .reg .b16 l, h;" + """
         mov.b32 {l, h}, $5;
         mov.b32 s0, {l, l};
-        mov.b32 s1, {h, h};
-        and.b32 p0, $4, 0x81C081C0;
-        shf.r.wrap.b32 a, $4, $4, 4;
-        and.b32 p1, a, 0x81C081C0;
-        shf.r.wrap.b32 a, $4, $4, 10;
-        and.b32 p2, a, 0x81C081C0;
-        shf.r.wrap.b32 a, $4, $4, 6;
-        and.b32 a, a, 0x81808180;
-        shf.r.wrap.b32 b, $4, $4, 30;
-        and.b32 b, b, 0x00400040;
-        or.b32 a, a, b;
+        mov.b32 s1, {h, h};""" + _FRAG_INT + """
         mul.rn.bf16x2 $0, p0, s0;
         mul.rn.bf16x2 $1, p1, s1;
         mul.rn.bf16x2 $2, p2, s0;
-        mul.rn.bf16x2 $3, a, s1;
-        }""", "=r,=r,=r,=r,r,r,r,r,r", [wb, sc], dtype=gl.uint32, is_pure=True, pack=4)
+        mul.rn.bf16x2 $3, a, s1; }""")
 
 
 @gluon.jit
-def _scale_pairs(s_lo, s_hi):
-    """Scale bytes of rows g and g + 8 (all normal: positive) -> one register of both bf16 multipliers
-    (b << 4) + 0x7700, row g in the low half: a PRMT and a LEA per two scales (pack 4: four bytes per register)."""
-    return gl.inline_asm_elementwise(
-        "prmt.b32 $0, $4, $5, 0xC480; mad.lo.u32 $0, $0, 16, 0x77007700; "
-        "prmt.b32 $1, $4, $5, 0xD591; mad.lo.u32 $1, $1, 16, 0x77007700; "
-        "prmt.b32 $2, $4, $5, 0xE6A2; mad.lo.u32 $2, $2, 16, 0x77007700; "
-        "prmt.b32 $3, $4, $5, 0xF7B3; mad.lo.u32 $3, $3, 16, 0x77007700;",
-        "=r,=r,=r,=r,r,r", [s_lo, s_hi], dtype=gl.uint32, is_pure=True, pack=4)
+def _frag_decode(wb, sc, PAIRS: gl.constexpr = False):
+    """Fragment words (uint8, four consecutive registers = one word) and their scales (bf16x2, one per
+    pair; PAIRS: both rows' multipliers in each, `_scale_pairs`) -> the four scaled pairs (h + 2 kh), layout.py's
+    FRAG decode: 9 integer ops + 4 bf16x2 multiplies per word (with PAIRS ptxas folds the half broadcasts into
+    HMUL2's operand select)."""
+    if PAIRS:
+        return gl.inline_asm_elementwise(_FRAG_DECODE_PAIRS, "=r,=r,=r,=r,r,r,r,r,r", [wb, sc], dtype=gl.uint32,
+                                         is_pure=True, pack=4)
+    return gl.inline_asm_elementwise(_FRAG_DECODE, "=r,=r,=r,=r,r,r,r,r,r", [wb, sc], dtype=gl.uint32,
+                                     is_pure=True, pack=4)
 
 
 @gluon.jit
@@ -224,10 +200,8 @@ def _a_operand(wc, sc, rt, st, ROWS: gl.constexpr, AOP: gl.constexpr, RAW: gl.co
     [ROWS, 64] bf16: lane t's pair of every word, q * s * 2^-J (exact). RAW (the DIAG config, timing only):
     the words themselves as the pairs, no decode and no scale (wrong values, the same data flow), ANDed with
     0x3F3F3F3F so every value is finite (an engine run on them samples from finite logits)."""
-    if FRAG == 2:  # wc: [ROWS, 32] bytes of fragment words, sc: both rows' multipliers of each word
-        p = _frag_decode_pairs(wc, sc)
-    elif FRAG:  # wc: [ROWS, 32] bytes of fragment words, sc: their pairs' scales
-        p = _frag_decode(wc, sc)
+    if FRAG:  # wc: [ROWS, 32] bytes of fragment words, sc: their pairs' scales (FRAG 2: scale pairs)
+        p = _frag_decode(wc, sc, FRAG == 2)
     elif RAW:
         p = gl.reshape(wc & 0x3F3F3F3F, [ROWS, 32])
     else:

@@ -45,6 +45,19 @@ def _rotr(w, r: gl.constexpr):
 
 
 @gluon.jit
+def _scale_pairs(s_lo, s_hi):
+    """FP8 scale bytes (uint8, all normal: positive) of rows g and g + 8 -> one register of both bf16 multipliers
+    (b << 4) + 0x7700, row g in the low half, for a fragment word's two rows (layout.py): a PRMT (byte k of each,
+    zero-extended by sign replication) and a LEA per two scales, four bytes per input register (pack 4)."""
+    return gl.inline_asm_elementwise(
+        "prmt.b32 $0, $4, $5, 0xC480; mad.lo.u32 $0, $0, 16, 0x77007700; "
+        "prmt.b32 $1, $4, $5, 0xD591; mad.lo.u32 $1, $1, 16, 0x77007700; "
+        "prmt.b32 $2, $4, $5, 0xE6A2; mad.lo.u32 $2, $2, 16, 0x77007700; "
+        "prmt.b32 $3, $4, $5, 0xF7B3; mad.lo.u32 $3, $3, 16, 0x77007700;",
+        "=r,=r,=r,=r,r,r", [s_lo, s_hi], dtype=gl.uint32, is_pure=True, pack=4)
+
+
+@gluon.jit
 def _mul2(p, s2):
     return gl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [p, s2], dtype=gl.uint32,
                                      is_pure=True, pack=1)
