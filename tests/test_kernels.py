@@ -865,7 +865,8 @@ def _linear_coords(lay, reg: int, lane: int, warp: int) -> list[int]:
 
 def test_gluon_gemv_fragment_mapping_reads_the_layout():
     """The Gluon GEMV on fragment-ordered words (WF 2): every register the stage loads (_FRAG_W2, _FRAG_S2) and
-    every B pair (the consumer's xoff, +4 / +16 / +20 in _x_step) is the one the MMA needs. Thread (g, t) of warp w,
+    every B pair (the consumer's xoff, +4 / +16 / +20 in _x_step; with XS, _x_layout_frag's registers) is the one
+    the MMA needs. Thread (g, t) of warp w,
     element (m, i), MMA u: the word's decoded pairs (layout.frag_decode_reference, the kernel's integer decode) are
     the codes of rows 16 m + g (+8) at K 16 s + 2 t (+1) and + 8 of slice s = 4 w + 2 u + i, the two scales are
     those rows' at slice s, and b0 / b1 are x pairs 8 s + t / + 4, on random codes laid out by codes_to_frag_tiles."""
@@ -875,7 +876,7 @@ def test_gluon_gemv_fragment_mapping_reads_the_layout():
     codes = torch.randint(0, 16, (64, 256), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
     flat = layout.codes_to_frag_tiles(codes).reshape(-1)  # one 64 x 256 tile: the stage's 2048 words
     scales = torch.arange(64 * 16).reshape(64, 16)  # stand-in bytes: each names its (row, slice)
-    lw, ls = G._FRAG_W2.value, G._FRAG_S2.value
+    lw, ls, lx = G._FRAG_W2.value, G._FRAG_S2.value, G._x_layout_frag(8)
     bits = layout.frag_decode_reference(flat)  # [2048, 4] bit patterns of pairs h + 2 kh (no scale)
     bad = 0
     for warp in range(4):
@@ -900,21 +901,24 @@ def test_gluon_gemv_fragment_mapping_reads_the_layout():
                 sc = 4 * warp + t  # the consumer's B offsets for element (sc, i)
                 xoff = (sc // 4) * 32 + sc % 4 + i * 8 + 16 * u
                 bad += (xoff, xoff + 4) != (8 * s_ + t, 8 * s_ + t + 4)
+                for b in range(2):  # XS: the x stage [4 chunk, 8 token, 32 pair] register (b, i, u) of the thread
+                    chunk, token, pair = _linear_coords(lx, b | i << 1 | u << 2, lane, warp)
+                    bad += (chunk, token, 32 * chunk + pair) != (s_ // 4, g, 8 * s_ + t + 4 * b)
     assert bad == 0
 
 
 def test_gluon_gemv_fragment_words_build():
-    """Offline sm_90a build of the Gluon GEMV reading fragment-ordered words (WF 2; M = 1 and 8 tokens, bias,
-    PDL, all scales normal): every layout conversion is a register rename (the build asserts it), no spills at 64
+    """Offline sm_90a build of the Gluon GEMV reading fragment-ordered words (WF 2; M = 1 and 8 tokens, 8 with x
+    in the ring (XS), bias, PDL, all scales normal): every layout conversion is a register rename (the build asserts it), no spills at 64
     registers, 16 mma.sync per step, an integer decode below the rows order's (9 vs 11 ops per word), the four
     times as many scale conversions (each word spans two rows) paired two per PRMT + LEA with the halves selected
     by the multiplies (HMUL2 .H0_H0 / .H1_H1), and so fewer instructions per step than the rows order."""
     pytest.importorskip("triton.experimental.gluon")
     cg = _compile_gluon()
-    for mt in (1, 8):
+    for mt, xs in ((1, False), (8, False), (8, True)):
         ops = {}
         for frag in (False, True):
-            ck = cg.compile_kernel(7168, 5120, 3, 4, 64, 24, True, True, mt, False, sbits=True, frag=frag)
+            ck = cg.compile_kernel(7168, 5120, 3, 4, 64, 24, True, True, mt, False, sbits=True, xs=xs, frag=frag)
             regs, spills = cg._resources(ck.asm["cubin"])
             assert spills == 0 and regs <= 64
             assert ck.asm["ptx"].count("mma.sync.aligned.m16n8k16") == 16
@@ -1338,7 +1342,7 @@ def test_fragment_order_routes(monkeypatch):
     """A "frag" layer (fragment-ordered words) runs rwg at every decode size on sm_90 (rwg's rule from
     RWG_MIN_M tokens, its defaults below; with FRAG_GEMV_MAX_M the Gluon GEMV up to that many tokens), the bf16
     buffer + cuBLAS above rwg's range, the Triton kernel elsewhere, and never a kernel that reads rows-ordered
-    words (those refuse it in one line); the Gluon GEMV only in its 4-warp, x-from-global form."""
+    words (those refuse it in one line); the Gluon GEMV only with 4 consumer warps."""
     from qerl.kernels import w4a16_gemv, w4a16_gluon, w4a16_wgmma
     from qerl.kernels import w4a16_triton as W
 
@@ -1361,9 +1365,8 @@ def test_fragment_order_routes(monkeypatch):
     for call in (lambda: w4a16_gemv.forward(x, frag), lambda: w4a16_wgmma.forward(x, frag)):
         with pytest.raises(ValueError, match="reads rows-ordered words"):
             call()
-    for cfg in ({"num_warps": 8}, {"XS": True}):
-        with pytest.raises(ValueError, match="4 consumer warps and x from global memory"):
-            w4a16_gluon.forward(x, frag, config=cfg)
+    with pytest.raises(ValueError, match="4 consumer warps"):
+        w4a16_gluon.forward(x, frag, config={"num_warps": 8})
 
 
 def test_gluon_gemv_m1_threshold(monkeypatch):

@@ -793,8 +793,9 @@ def test_fragment_order_layer():
         assert _rel(out, x.float() @ w32.T) < TOL
 
 
-FRAG_GEMV_CASES = [(1058, 1024, {}), (4608, 3584, {"S": 2}), (37888, 3584, {"STREAMK": True, "PDL": True}),
-                   (37888, 3584, {"TAIL_SPLIT": True, "XPF": True}), (3584, 18944, {})]
+FRAG_GEMV_CASES = [(1058, 1024, {}), (4608, 3584, {"S": 2, "XS": False}), (37888, 3584, {"STREAMK": True, "PDL": True}),
+                   (37888, 3584, {"TAIL_SPLIT": True, "XPF": True, "XS": False}), (3584, 18944, {}),
+                   (7168, 5120, {"XS": True, "PDL": True}), (37888, 3584, {"XS": True})]
 
 
 @pytest.mark.parametrize("n,k,cfg", FRAG_GEMV_CASES,
@@ -802,7 +803,7 @@ FRAG_GEMV_CASES = [(1058, 1024, {}), (4608, 3584, {"S": 2}), (37888, 3584, {"STR
 def test_gluon_gemv_fragment_words(n, k, cfg):
     """The Gluon GEMV on a layer prepared with order="frag" (w4a16_gluon WF 2: each word one mma.sync A fragment):
     M = 1 / 3 / 8 with a bias (N = 1058: a partial last block) in the split, forced-S, stream-K and split-tail
-    schedules: fp32 reference within 1e-2 per token on a NaN-poisoned output, bit-identical re-runs, counters back
+    schedules, x from global memory and in the ring (XS): fp32 reference within 1e-2 per token on a NaN-poisoned output, bit-identical re-runs, counters back
     at 0, a CUDA-graph replay; and GLU (silu(gate) * up) on a [gate; up] layer within 1e-2 per token."""
     pytest.importorskip("triton.experimental.gluon")
     from qerl.kernels import w4a16_gluon as G

@@ -119,6 +119,16 @@ def _layouts_mx(num_warps: int):
 
 
 @functools.lru_cache(maxsize=None)
+def _x_layout_frag(mt: int):
+    """XS on fragment-ordered words (WF 2, 4 warps): the stage's x [4 chunk, MT token, 32 pair] such that thread
+    (g, t) of warp w holds chunk w (slices 4 w .. 4 w + 3), token g (MT = 8; MT = 1: the one token), pairs
+    16 u + 8 i + 4 b + t (registers b, i, u): the B pairs of its elements' two MMAs (`_x_unpack_frag`)."""
+    g = [[0, 1, 0], [0, 2, 0], [0, 4, 0]] if mt > 1 else [[0, 0, 0]] * 3
+    return gl.DistributedLinearLayout([[0, 0, 4], [0, 0, 8], [0, 0, 16]], [[0, 0, 1], [0, 0, 2]] + g,
+                                      [[1, 0, 0], [2, 0, 0]], [], [4, mt, 32])
+
+
+@functools.lru_cache(maxsize=None)
 def _x_layout(num_warps: int, mt: int):
     """XS: the register layout of one stage of x in shared memory, int32 [4 (64-K chunk), MT (token),
     32 (K pairs of the chunk)], that unpacks (`_x_unpack`) into the four [1, 1, 8, 16, 2] x tensors
@@ -356,6 +366,25 @@ def _x_unpack(xv, L5: gl.constexpr):
 
 
 @gluon.jit
+def _x_unpack_frag(xv, L5: gl.constexpr):
+    """XS on fragment words: a stage of x in `_x_layout_frag` -> the B registers (b0, b1) of each element's MMA
+    u = 0 and u = 1 (pairs 8 (4 w + i) + t, + 4 and + 16, + 20 of `_x_step` FRAG), [1, 1, MT, 16, 2] in L5."""
+    MT: gl.constexpr = xv.shape[1]
+    v = gl.permute(gl.reshape(xv, [4, MT, 2, 2, 2, 4]), (0, 1, 5, 3, 2, 4))  # [w, MT, t, i, u, b]
+    u0, u1 = gl.split(gl.permute(v, (0, 1, 2, 3, 5, 4)))  # [w, MT, t, i, b]
+    b00, b01 = gl.split(u0)
+    b10, b11 = gl.split(u1)
+    return _x_cols_frag(b00, L5), _x_cols_frag(b01, L5), _x_cols_frag(b10, L5), _x_cols_frag(b11, L5)
+
+
+@gluon.jit
+def _x_cols_frag(v, L5: gl.constexpr):
+    """[4 w, MT token, 4 t, 2 i] -> [1, 1, MT, 16 (sc = 4 w + t), 2 i] in L5."""
+    MT: gl.constexpr = v.shape[1]
+    return gl.convert_layout(gl.reshape(gl.permute(v, (1, 0, 2, 3)), [1, 1, MT, 16, 2]), L5, assert_trivial=True)
+
+
+@gluon.jit
 def _x_cols(v, L5: gl.constexpr):
     """[4 chunk, MT token, 4 t, 2 i] -> [1, 1, MT, 16 (sc = 4 chunk + t), 2 i] in L5."""
     MT: gl.constexpr = v.shape[1]
@@ -505,7 +534,10 @@ def _mainloop(xw_ptr, w_bufs, s_bufs, x_bufs, ready, empty, k0, k1, i0, xoff, xm
         fence_async_shared()
         mbarrier.arrive(empty.index(idx))
         if XS:
-            x01, x23, x45, x67 = _x_unpack(xv, L5)
+            if FRAG:
+                x01, x23, x45, x67 = _x_unpack_frag(xv, L5)
+            else:
+                x01, x23, x45, x67 = _x_unpack(xv, L5)
             x01, x23, x45, x67 = x01 + zero5, x23 + zero5, x45 + zero5, x67 + zero5
         if FRAG:  # each word one MMA's A fragment: element (m, i) takes slices 4 w + i (u = 0) and 4 w + i + 2
             # (u = 1), in the XS order of the MMAs below: (p0g, p0h, p2g, p2h) x (b01, b23), then (p1g, p1h, p3g,
@@ -1429,9 +1461,8 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     nw = int(cfg["num_warps"])
     if nw not in (4, 8):
         raise ValueError(f"num_warps must be 4 or 8, got {nw}")
-    if frag and (nw != 4 or cfg["XS"]):
-        raise ValueError("the Gluon GEMV reads fragment-ordered words with 4 consumer warps and x from global memory "
-                         "(no XS)")
+    if frag and nw != 4:
+        raise ValueError("the Gluon GEMV reads fragment-ordered words with 4 consumer warps")
     sync_mode = 0 if sync is None else 1 + int(SYNC_NAP)  # the kernel's SYNC
     lexp, lx = 0, None  # the kernel's LEXP and its (B, n1, n2, h's row stride) with an Expand
     if sync is not None:
@@ -1464,7 +1495,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     if xs is None:
         xs = xs_auto(mt, triton.cdiv(n, 64), per_sm * W._num_sms(x.device.index or 0))
     x = x.contiguous()
-    xs = bool(xs) and x.data_ptr() % 16 == 0 and not frag  # TMA: a 16-byte aligned base
+    xs = bool(xs) and x.data_ptr() % 16 == 0  # TMA: a 16-byte aligned base
     key = (ns, nw, cfg["maxnreg"], preg, pdl, mt, cfg["XPF"], EPI_SMEM, pwa, xs, glu, kind_fold, mx + 2 * frag,
            sync_mode, lexp)  # (occupancy; SBITS keeps it)
     fits = min(_RESIDENT.get(key, per_sm), per_sm)
@@ -1508,7 +1539,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         SP=sp, NUM_STAGES=ns, WF=2 if frag else int(mx),
         HAS_BIAS=bias is not None, PDL=pdl, MT=mt, XPF=xpf,
         STAMP=stamps is not None, HOIST=HOIST_CONSTS, EPI=EPI_SMEM, PRODUCER_REGS=preg, SK=kind == "sk", TAIL=kind == "tail",
-        SBITS=SCALE_BITS and bool(state.get("scale_bits", False)), PWA=pwa, XS=xs, LX=_x_layout(nw, mt),
+        SBITS=SCALE_BITS and bool(state.get("scale_bits", False)), PWA=pwa, XS=xs, LX=_x_layout_frag(mt) if frag else _x_layout(nw, mt),
         GLU=bool(glu), SYNC=sync_mode, LEXP=lexp, CL=cl,
         L5=l5, L2W=l2w, L2S=l2s, num_warps=nw, launch_pdl=pdl, **extra,
     )
