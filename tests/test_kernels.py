@@ -387,7 +387,10 @@ def _compile_gluon():
 WGMMA_BUILDS = [("nvfp4", 64, None), ("mxfp4", 256, None), ("nvfp4", 16, {"CPS": 4, "NSD": 2, "DW": 8}),
                 ("mxfp4", 128, {"CPS": 1, "NSD": 4, "LAG": 2, "PDL": True}),
                 ("nvfp4", 256, {"BN": 128, "LOADS": 1, "NSD": 2, "NSX": 3, "PDL": True}),
-                ("mxfp4", 256, {"DW": 8, "LOADS": 1})]
+                ("mxfp4", 256, {"DW": 8, "LOADS": 1}),
+                # fragment-ordered words (w4a16_frag): the decoder reads them as rwg does and stores rows of pairs
+                ("nvfp4-frag", 256, None), ("nvfp4-frag", 128, {"CPS": 4, "NSD": 2}),
+                ("nvfp4-frag", 512, {"CPS": 1, "PDL": True}), ("nvfp4-frag", 256, {"BN": 128, "BM": 128})]
 
 
 @pytest.mark.parametrize("fmt,m,cfg", WGMMA_BUILDS, ids=[f"{f}-M{m}-{c or 'default'}" for f, m, c in WGMMA_BUILDS])
@@ -396,12 +399,15 @@ def test_wgmma_kernel_builds_for_hopper(fmt, m, cfg):
     layouts convert trivially (assert_trivial fails the build otherwise), ptxas accepts it without
     spills, the rings fit in an H100's shared memory, and the PTX holds one proxy fence per decoded
     stage (4 / CPS per weight step) and per raw tile released, and four wgmmas (one per 16-K slice
-    of a chunk)."""
+    of a chunk); on fragment-ordered words too (nvfp4-frag: FMT 4, built with integer scales)."""
     pytest.importorskip("triton.experimental.gluon")
     from qerl.kernels import w4a16_wgmma as G
 
-    ck = G.compile_offline(fmt, m, config=cfg, bias=True)
-    consts, _ = G.kernel_args(fmt, m, cfg)
+    frag = fmt == "nvfp4-frag"
+    fmt = "nvfp4" if frag else fmt
+    ck = G.compile_offline(fmt, m, config=cfg, bias=True, sbits=frag, frag=frag)
+    consts, _ = G.kernel_args(fmt, m, cfg, frag)
+    assert consts["FMT"] == (4 if frag else 0 if fmt == "nvfp4" else 1)
     cg = _compile_gluon()
     regs, spills = cg._resources(ck.asm["cubin"])
     assert spills == 0 and 0 < regs <= 168
@@ -1341,8 +1347,9 @@ def test_routes_to_gluon_tokens(monkeypatch):
 def test_fragment_order_routes(monkeypatch):
     """A "frag" layer (fragment-ordered words) runs rwg at every decode size on sm_90 (rwg's rule from
     RWG_MIN_M tokens, its defaults below; with FRAG_GEMV_MAX_M the Gluon GEMV up to that many tokens), the bf16
-    buffer + cuBLAS above rwg's range, the Triton kernel elsewhere, and never a kernel that reads rows-ordered
-    words (those refuse it in one line); the Gluon GEMV only with 4 consumer warps."""
+    buffer + cuBLAS above rwg's range (with FRAG_WGMMA the wgmma GEMM), the Triton kernel elsewhere, and never a
+    kernel that reads only rows-ordered words (the CUDA-core GEMV refuses it in one line); the Gluon GEMV only with
+    4 consumer warps, the wgmma GEMM with 4 decoder warps."""
     from qerl.kernels import w4a16_gemv, w4a16_gluon, w4a16_wgmma
     from qerl.kernels import w4a16_triton as W
 
@@ -1357,14 +1364,18 @@ def test_fragment_order_routes(monkeypatch):
         path, cfg = W._fused_route(m, frag, cpu, {"PDL": 1})
         assert path == "rwg" and cfg == {**W._rwg_config(37888, 3584, m, 132), "PDL": 1}, m
     assert W._fused_route(129, frag, cpu, None)[0] == "dequant"
+    monkeypatch.setattr(W, "FRAG_WGMMA", 1)  # the wgmma GEMM's fragment path, once its GPU test has passed
+    assert W._fused_route(129, frag, cpu, None)[0] == "wgmma"
+    monkeypatch.setattr(W, "FRAG_WGMMA", 0)
     assert not W.routes_to_gluon_tokens(torch.zeros(4, 3584, dtype=torch.bfloat16), frag)
     assert W.routes_to_gluon_tokens(torch.zeros(4, 3584, dtype=torch.bfloat16), {**frag, "order": "rows"})
     monkeypatch.setattr(W, "FRAG_GEMV_MAX_M", 8)  # the Gluon GEMV's fragment path, once its GPU test has passed
     assert [W._fused_route(m, frag, cpu, None)[0] for m in (1, 8, 9)] == ["wsmma", "wsmma", "rwg"]
     x = torch.zeros(4, 3584, dtype=torch.bfloat16)
-    for call in (lambda: w4a16_gemv.forward(x, frag), lambda: w4a16_wgmma.forward(x, frag)):
-        with pytest.raises(ValueError, match="reads rows-ordered words"):
-            call()
+    with pytest.raises(ValueError, match="reads rows-ordered words"):
+        w4a16_gemv.forward(x, frag)
+    with pytest.raises(ValueError, match="4 decoder warps"):
+        w4a16_wgmma.forward(x, frag, config={"DW": 8})
     with pytest.raises(ValueError, match="4 consumer warps"):
         w4a16_gluon.forward(x, frag, config={"num_warps": 8})
 

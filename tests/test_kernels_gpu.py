@@ -53,11 +53,11 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = old
 
 
-def _layer(fmt: str, n: int, k: int, seed: int):
+def _layer(fmt: str, n: int, k: int, seed: int, order: str | None = None):
     g = torch.Generator(device="cuda").manual_seed(seed)
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
     t = quantize_weight(w, fmt)
-    return t, prepare(fmt, t), reference.dequant(fmt, t, torch.float32)
+    return t, prepare(fmt, t, order=order), reference.dequant(fmt, t, torch.float32)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -837,6 +837,31 @@ def test_gluon_gemv_fragment_words(n, k, cfg):
             assert not y.isnan().any() and max(_rel(y[r:r + 1], ref[r:r + 1]) for r in range(m)) <= TOL
 
 
+WG_FRAG_CASES = [{}, {"BN": 128, "BM": 128}, {"CPS": 4, "NSD": 2}, {"LOADS": 1, "BN": 128, "NSW": 4, "PDL": True}]
+
+
+@pytest.mark.parametrize("cfg", WG_FRAG_CASES, ids=["-".join(f"{k}{v}" for k, v in c.items()) or "default"
+                                                     for c in WG_FRAG_CASES])
+def test_wgmma_kernel_fragment_words(cfg):
+    """The wgmma GEMM on layers prepared with order="frag" (w4a16_wgmma FMT 4 / 5: the decoder warps read the
+    fragment words as rwg does and store each chunk's rows of pairs): _check_gluon_gemm's reference, poison,
+    re-run and graph checks, and bit-identical to the same launch on the rows-ordered layer (the same bf16 values
+    land in the same decoded stage)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import state_tensors
+    from qerl.kernels import w4a16_triton as W
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs Hopper (TMA, wgmma, warp specialisation)")
+    conf = dict(cfg, PATH="wgmma")
+
+    def same_as_rows(x, st, bias, y):
+        rows = prepare("nvfp4", state_tensors(st), order="rows")
+        return torch.equal(W.forward(x, rows, bias=bias, config=conf), y)
+
+    _check_gluon_gemm("nvfp4", conf, (130, 300) if cfg else (33, 130, 256, 512), 4, same_as_rows, order="frag")
+
+
 @pytest.mark.parametrize("cfg", WG_CASES, ids=["-".join(f"{k}{v}" for k, v in c.items()) or "default" for c in WG_CASES])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_wgmma_kernel(fmt, cfg):
@@ -1240,16 +1265,16 @@ def test_gluon_gemv_x_smem_pdl_chain(m):
                            60, lambda a, b: _rel(a, b) < TOL)
 
 
-def _check_gluon_gemm(fmt: str, conf: dict, ms, seed: int, also=None):
+def _check_gluon_gemm(fmt: str, conf: dict, ms, seed: int, also=None, order: str | None = None):
     """W.forward with `conf` on three layers (1058 x 1024: 17 row tiles, the last one partly past N;
-    4608 x 3584; 7168 x 5120) at each M in ms: fp32 reference within TOL on a NaN-poisoned output
-    with bias, a bit-identical re-run, also(x, state, bias, y) true where given, counters back at 0;
+    4608 x 3584; 7168 x 5120; prepared in `order`) at each M in ms: fp32 reference within TOL on a NaN-poisoned
+    output with bias, a bit-identical re-run, also(x, state, bias, y) true where given, counters back at 0;
     then a CUDA-graph replay of the last layer at M = 64 on new data."""
     from qerl.kernels import w4a16_triton as W
 
     failures = []
     for n, k in ((1058, 1024), (4608, 3584), (7168, 5120)):
-        t, st, w32 = _layer(fmt, n, k, seed=n + k + seed)
+        t, st, w32 = _layer(fmt, n, k, seed=n + k + seed, order=order)
         bias = torch.randn(n, device="cuda").to(torch.bfloat16)
         for m in ms:
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)

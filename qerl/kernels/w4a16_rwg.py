@@ -61,7 +61,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from qerl.kernels import layout
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels import w4a16_wgmma as WG
-from qerl.kernels.w4a16_ws import _gdc, _mul2, _ring_barriers, _scale_pairs
+from qerl.kernels.w4a16_frag import FRAG_SCALE_PAIRS, FRAG_SMEM, frag_decode, frag_layouts, frag_prep, frag_stage
+from qerl.kernels.w4a16_ws import _gdc, _mul2, _ring_barriers
 
 _MAG = gl.constexpr(layout.MAG_MASK)
 _SIGN = gl.constexpr(layout.SIGN_MASK)
@@ -103,78 +104,6 @@ def layouts(r: int, bm: int, fmt: str = "nvfp4"):
     return lw2, ls3, lw3, acc, aop
 
 
-def frag_layouts(r: int, bm: int):
-    """(LB2, L3S, LP, ACC, AOP) for the fragment-ordered words (FRAG, layout.py): the stage's bytes as
-    [512 R, 16] uint8 (rows (warp, j, g, t), columns (q, kh, h): thread (g, t) reads its 16 words as four
-    16-byte rows), the scale parent [64 R, 16 (slice s), 8 (kh, t)] whose slice along dim 2 is the [64 R, 16]
-    scale tile with every lane t and both K halves sharing a scale, and the pair tensor [64 R, 128] (row, pair
-    P = 8 s + 4 kh + t) in which one word's four pairs are four consecutive registers (h, kh)."""
-    w = [[128, 0], [256, 0]] + ([[512, 0]] if r == 2 else [])
-    lb2 = gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8], [32, 0], [64, 0]],
-                                     [[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]], w, [], [512 * r, 16])
-    rows = [[16, 0], [32, 0]] + ([[64, 0]] if r == 2 else [])
-    l3s = gl.DistributedLinearLayout([[8, 0, 0], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0]],
-                                     [[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-                                     [b + [0] for b in rows], [], [64 * r, 16, 8])
-    lp = gl.DistributedLinearLayout([[8, 0], [0, 4], [0, 8], [0, 16], [0, 32], [0, 64]],
-                                    [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], rows, [], [64 * r, 128])
-    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * r, 1], instr_shape=[16, bm, 16])
-    aop = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
-    return lb2, l3s, lp, acc, aop
-
-
-# layout.py's FRAG decode of word $4 into p0, p1, p2 and a (pair 3), before the scales: 9 integer ops
-_FRAG_INT = """
-        and.b32 p0, $4, 0x81C081C0;
-        shf.r.wrap.b32 a, $4, $4, 4;
-        and.b32 p1, a, 0x81C081C0;
-        shf.r.wrap.b32 a, $4, $4, 10;
-        and.b32 p2, a, 0x81C081C0;
-        shf.r.wrap.b32 a, $4, $4, 6;
-        and.b32 a, a, 0x81808180;
-        shf.r.wrap.b32 b, $4, $4, 30;
-        and.b32 b, b, 0x00400040;
-        or.b32 a, a, b;"""
-# each pair times its own scale register ($5..$8)
-_FRAG_DECODE = gl.constexpr("{ .reg .b32 p0, p1, p2, a, b;" + _FRAG_INT + """
-        mul.rn.bf16x2 $0, p0, $5;
-        mul.rn.bf16x2 $1, p1, $6;
-        mul.rn.bf16x2 $2, p2, $7;
-        mul.rn.bf16x2 $3, a, $8; }""")
-# FRAG_SCALE_PAIRS: $5 holds rows g (low half) and g + 8 (high half); each multiply takes its row's half
-_FRAG_DECODE_PAIRS = gl.constexpr("{ .reg .b32 p0, p1, p2, a, b, s0, s1; .reg .b16 l, h;" + """
-        mov.b32 {l, h}, $5;
-        mov.b32 s0, {l, l};
-        mov.b32 s1, {h, h};""" + _FRAG_INT + """
-        mul.rn.bf16x2 $0, p0, s0;
-        mul.rn.bf16x2 $1, p1, s1;
-        mul.rn.bf16x2 $2, p2, s0;
-        mul.rn.bf16x2 $3, a, s1; }""")
-
-
-@gluon.jit
-def _frag_decode(wb, sc, PAIRS: gl.constexpr = False):
-    """Fragment words (uint8, four consecutive registers = one word) and their scales (bf16x2, one per
-    pair; PAIRS: both rows' multipliers in each, `_scale_pairs`) -> the four scaled pairs (h + 2 kh), layout.py's
-    FRAG decode: 9 integer ops + 4 bf16x2 multiplies per word (with PAIRS ptxas folds the half broadcasts into
-    HMUL2's operand select)."""
-    if PAIRS:
-        return gl.inline_asm_elementwise(_FRAG_DECODE_PAIRS, "=r,=r,=r,=r,r,r,r,r,r", [wb, sc], dtype=gl.uint32,
-                                         is_pure=True, pack=4)
-    return gl.inline_asm_elementwise(_FRAG_DECODE, "=r,=r,=r,=r,r,r,r,r,r", [wb, sc], dtype=gl.uint32,
-                                     is_pure=True, pack=4)
-
-
-@gluon.jit
-def _frag_chunks(v, ROWS: gl.constexpr):
-    """[ROWS, 128] pairs (P = 32 j + ...) -> the four 64-K chunks [ROWS, 32] (j in registers)."""
-    t = gl.reshape(gl.permute(gl.reshape(v, [ROWS, 4, 32]), (0, 2, 1)), [ROWS, 32, 2, 2])
-    a, b = gl.split(t)
-    c0, c2 = gl.split(a)
-    c1, c3 = gl.split(b)
-    return c0, c1, c2, c3
-
-
 @gluon.jit
 def _rotr_v(w, r):
     """Rotate right by a per-element amount (one funnel shift)."""
@@ -201,7 +130,7 @@ def _a_operand(wc, sc, rt, st, ROWS: gl.constexpr, AOP: gl.constexpr, RAW: gl.co
     the words themselves as the pairs, no decode and no scale (wrong values, the same data flow), ANDed with
     0x3F3F3F3F so every value is finite (an engine run on them samples from finite logits)."""
     if FRAG:  # wc: [ROWS, 32] bytes of fragment words, sc: their pairs' scales (FRAG 2: scale pairs)
-        p = _frag_decode(wc, sc, FRAG == 2)
+        p = frag_decode(wc, sc, FRAG == 2)
     elif RAW:
         p = gl.reshape(wc & 0x3F3F3F3F, [ROWS, 32])
     else:
@@ -233,14 +162,13 @@ def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empt
     iw = i % NSW
     mbarrier.wait(w_ready.index(iw), (i // NSW) & 1)
     if FRAG:
-        w2 = w_bufs.index(iw)._reinterpret(gl.uint8, [8 * ROWS, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).load(
-            LW2)
-    else:
+        w2, s2d = frag_stage(w_bufs, s_bufs, iw, ROWS, LW2, LS3)
+    elif FMT == 1:  # mxfp4: the stage's [32 R, 16] scale rows are the [64 R, 8] E8M0 bytes
         w2 = w_bufs.index(iw).load(LW2)
-    if FMT == 1:  # mxfp4: the stage's [32 R, 16] scale rows are the [64 R, 8] E8M0 bytes
         s2d = s_bufs.index(iw)._reinterpret(gl.uint8, [ROWS, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).load(
             gl.SliceLayout(2, LS3))
     else:
+        w2 = w_bufs.index(iw).load(LW2)
         s2d = s_bufs.index(iw).load(gl.SliceLayout(2, LS3))
     fence_async_shared()  # the generic reads are done before TMA (async proxy) refills the stage
     if XREL:  # drain the previous step's last wgmma here (behind this step's wait and loads) and release
@@ -250,36 +178,20 @@ def _step(acc, kk, k0, w_bufs, s_bufs, x_bufs, w_ready, w_empty, x_ready, x_empt
         mbarrier.arrive(x_empty.index((i + NSX - KP) % NSX), count=1, pred=i >= KP)
     else:
         mbarrier.arrive(w_empty.index(iw), count=1)
-    if not FRAG:
+    RAW: gl.constexpr = FMT == 3  # DIAG: no decode (timing only)
+    if FRAG:  # the four chunks' words and multipliers (w4a16_frag)
+        w0, w1, w2c, w3c, c0, c1, c2, c3 = frag_prep(w2, s2d, ROWS, FMT, LS3, LW3)
+    else:
         w3 = gl.expand_dims(gl.convert_layout(w2, gl.SliceLayout(2, LW3), assert_trivial=True), 2).to(
             gl.uint32, bitcast=True) + zw
-    RAW: gl.constexpr = FMT == 3  # DIAG: no decode (timing only)
-    if FMT == 2 or FMT == 3 or FMT == 5:  # all scales normal (prepare: scale_bits): bf16 bits (b << 4) + 0x7700,
-        # in both halves
-        s16 = (s2d.to(gl.uint8, bitcast=True).to(gl.uint32) << 4) + 0x7700
-    elif FMT == 1:  # mxfp4: 2^(e - 127 + J), J the layer's exponent offset (w4a16_wgmma's conversion)
-        s16 = gl.exp2(s2d.to(gl.float32) + (exp_bias - 127).to(gl.float32)).to(gl.bfloat16).to(
-            gl.uint16, bitcast=True).to(gl.uint32)
-    else:
-        s16 = (s2d.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_MUL).to(gl.bfloat16).to(
-            gl.uint16, bitcast=True).to(gl.uint32)
-    if FRAG:  # bytes (warp, j, g, t | q, kh, h) -> pairs [ROWS, 128]; a scale per (row, 16-K slice)
-        b7 = gl.reshape(w2, [ROWS // 16, 4, 8, 4, 4, 2, 2])
-        wp = gl.convert_layout(gl.reshape(gl.permute(b7, (0, 6, 2, 1, 4, 5, 3)), [ROWS, 128]), LW3,
-                               assert_trivial=True)
-        if FMT == 5 and FRAG_SCALE_PAIRS:  # rows g, g + 8 of a slice in one register, the same for both rows
-            sv = gl.permute(gl.reshape(s2d.to(gl.uint8, bitcast=True), [ROWS // 16, 2, 8, 16]), (0, 2, 3, 1))
-            s_lo, s_hi = gl.split(sv)
-            s01 = _scale_pairs(s_lo, s_hi)
-            s2x = gl.reshape(gl.permute(gl.join(s01, s01), (0, 3, 1, 2)), [ROWS, 16])
-            s2x = gl.convert_layout(s2x, s16.type.layout, assert_trivial=True)
+        if FMT == 2 or FMT == 3:  # all scales normal (prepare: scale_bits): bf16 bits (b << 4) + 0x7700
+            s16 = (s2d.to(gl.uint8, bitcast=True).to(gl.uint32) << 4) + 0x7700
+        elif FMT == 1:  # mxfp4: 2^(e - 127 + J), J the layer's exponent offset (w4a16_wgmma's conversion)
+            s16 = gl.exp2(s2d.to(gl.float32) + (exp_bias - 127).to(gl.float32)).to(gl.bfloat16).to(
+                gl.uint16, bitcast=True).to(gl.uint32)
         else:
-            s2x = s16 * 0x10001
-        sp = gl.reshape(gl.expand_dims(s2x, 2) + gl.zeros([ROWS, 16, 8], gl.uint32, LS3), [ROWS, 128])
-        sp = gl.convert_layout(sp, LW3, assert_trivial=True)
-        w0, w1, w2c, w3c = _frag_chunks(wp, ROWS)
-        c0, c1, c2, c3 = _frag_chunks(sp, ROWS)
-    else:
+            s16 = (s2d.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_MUL).to(gl.bfloat16).to(
+                gl.uint16, bitcast=True).to(gl.uint32)
         WPS: gl.constexpr = 4 if FMT == 1 else 2  # words per scale
         sp = gl.reshape(gl.expand_dims(s16 * 0x10001, 2) + gl.zeros([ROWS, 32 // WPS, WPS], gl.uint32, LS3),
                         [ROWS, 32])
@@ -482,9 +394,6 @@ DEFAULT = dict(BM=None, R=2, NSW=4, NSX=3, XREL=0, LOAD_REGS=24, PER_SM=None, ma
 # the MMA loop. Config key PWA overrides per call (None: this switch). Decode steps (a64, H100, same
 # process): 7B at 32 / 64 rows +1.1% / +0.5%. NOTES_w4a16.md section 22.
 PER_WARP_ARRIVE = True
-# FRAG with every scale normal (FMT 5): the two rows' multipliers of a word built together in one register
-# (PRMT + LEA per two scales instead of two ops per scale), the multiplies selecting their half.
-FRAG_SCALE_PAIRS = gl.constexpr(True)
 _RESIDENT: dict = {}
 
 
@@ -599,7 +508,6 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     return c if out is None or c is out else out.copy_(c)
 
 
-FRAG_SMEM = gl.NVMMASharedLayout(0, 32)  # the fragment words' stage: no swizzle
 
 
 def frag_descriptor(state: dict):

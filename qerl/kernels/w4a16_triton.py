@@ -1161,6 +1161,9 @@ def _fused_route(m: int, state: dict, device: torch.device, config: dict | None)
 # Fragment-ordered layers at 1..FRAG_GEMV_MAX_M tokens on the Gluon GEMV (w4a16_gluon WF 2) instead of rwg: 0 (off)
 # until the GEMV's fragment path has passed its GPU test (built and mapped offline in session 73, not yet run).
 FRAG_GEMV_MAX_M = env_int("QERL_W4A16_FRAG_GEMV_MAX_M", 0)
+# Fragment-ordered layers above rwg's range on the wgmma GEMM (w4a16_wgmma FMT 4 / 5, by the rows layers' rules)
+# instead of dequantise + cuBLAS: off until its GPU test has passed (built offline in session 73, not yet run).
+FRAG_WGMMA = env_int("QERL_W4A16_FRAG_WGMMA", 0)
 
 
 def _frag_route(m: int, state: dict, device: torch.device, config: dict | None) -> tuple[str, dict | None]:
@@ -1168,7 +1171,8 @@ def _frag_route(m: int, state: dict, device: torch.device, config: dict | None) 
     them): rwg up to RWG_WIDE_MAX_M tokens on sm_90 (its config rule from RWG_MIN_M tokens, its defaults below:
     R = 2, BM 16, measured 1.93x bf16 at 9..16 tokens and 2.01x at 1..8 on the H100, NOTES_w4a16.md section 47),
     else the bf16 buffer + cuBLAS; the fused Triton kernel where no Gluon kernel runs (not sm_90, K % 256). With
-    FRAG_GEMV_MAX_M, the Gluon GEMV up to that many tokens."""
+    FRAG_GEMV_MAX_M, the Gluon GEMV up to that many tokens; with FRAG_WGMMA, the wgmma GEMM above rwg's range (and
+    from DEQUANT_MIN_M by its large-M rule in `forward`, as rows layers)."""
     if FRAG_GEMV_MAX_M and m <= FRAG_GEMV_MAX_M and _wsmma_ok(device, state):
         return "wsmma", config
     if m <= max(RWG_MAX_M, RWG_WIDE_MAX_M) and _wsmma_ok(device, state):
@@ -1177,7 +1181,7 @@ def _frag_route(m: int, state: dict, device: torch.device, config: dict | None) 
             config = {**_rwg_config(state["n"], state["k"], m, slots, state["fmt"]), **(config or {})}
         return "rwg", config
     if m > max(RWG_MAX_M, RWG_WIDE_MAX_M) and _wsmma_ok(device, state):
-        return "dequant", config
+        return ("wgmma" if FRAG_WGMMA and 0 < WGMMA_MIN_M <= m else "dequant"), config
     return "fused", config
 
 
@@ -1202,7 +1206,7 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
         # (modifier keys such as PDL keep the dispatch)
         path, config = _fused_route(m, state, x.device, config)
     if (path == "dequant" and PREFILL not in ("fused", "dequant", "overlap") and not (config and "PATH" in config)
-            and state.get("order", "rows") == "rows" and m < WGMMA_MAX_M and WGMMA_MIN_M > 0 and _wsmma_ok(x.device, state)):
+            and (state.get("order", "rows") == "rows" or FRAG_WGMMA) and m < WGMMA_MAX_M and WGMMA_MIN_M > 0 and _wsmma_ok(x.device, state)):
         large = _large_m_wgmma(state["n"], m, _num_sms(x.device.index if x.device.index is not None else 0))
         if large is not None:
             path, config = "wgmma", {**large, **(config or {})}

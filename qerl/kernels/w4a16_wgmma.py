@@ -68,6 +68,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels.w4a16_triton import _KA, _KM, _KS, _R1, _R2, _R3, _S0, _S3  # the bit layout (layout.py)
+from qerl.kernels.w4a16_frag import FRAG_SCALE_PAIRS, FRAG_SMEM, frag_decode, frag_layouts, frag_prep, frag_stage
 from qerl.kernels.w4a16_ws import _gdc, _mul2, _ring_barriers, _rotr
 
 _NVFP4_SCALE_MUL = gl.constexpr(3.3230699894622897e35)  # 2^118: FP8-E4M3 scale times 2^(126 - J), J = 8
@@ -112,38 +113,49 @@ def _quarters(v, X: gl.constexpr):
 @gluon.jit
 def _decode_chunk(wc, sc, exp_bias, FMT: gl.constexpr, L3: gl.constexpr):
     """One row tile's chunk: words [64, 8] + raw scales [64, SPC] -> [64, 32] int32, the 64 bf16
-    weights of each row in natural K order (two per int32)."""
-    SPC: gl.constexpr = L3.shape[1]
-    WPS: gl.constexpr = L3.shape[2]
-    words = gl.convert_layout(gl.reshape(wc, [64, SPC, WPS]), L3, assert_trivial=True).to(gl.uint32, bitcast=True)
-    sraw = gl.convert_layout(sc, gl.SliceLayout(2, L3), assert_trivial=True)
-    if FMT == 2:  # nvfp4 whose scales are all normal (prepare: scale_bits): bf16 bits (b << 4) + 0x7700
-        s16 = (sraw.to(gl.uint8, bitcast=True).to(gl.uint32) << 4) + 0x7700
+    weights of each row in natural K order (two per int32). FMT 4 / 5: fragment-ordered words and their pairs'
+    multipliers from w4a16_frag.frag_prep (already converted), decoded by w4a16_frag.frag_decode."""
+    if FMT >= 4:
+        v = frag_decode(wc, sc, FMT == 5 and FRAG_SCALE_PAIRS).to(gl.int32, bitcast=True)
     else:
-        if FMT == 0:
-            s = (sraw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _NVFP4_SCALE_MUL).to(gl.bfloat16)
+        SPC: gl.constexpr = L3.shape[1]
+        WPS: gl.constexpr = L3.shape[2]
+        words = gl.convert_layout(gl.reshape(wc, [64, SPC, WPS]), L3, assert_trivial=True).to(gl.uint32, bitcast=True)
+        sraw = gl.convert_layout(sc, gl.SliceLayout(2, L3), assert_trivial=True)
+        if FMT == 2:  # nvfp4 whose scales are all normal (prepare: scale_bits): bf16 bits (b << 4) + 0x7700
+            s16 = (sraw.to(gl.uint8, bitcast=True).to(gl.uint32) << 4) + 0x7700
         else:
-            s = gl.exp2(sraw.to(gl.float32) + (exp_bias - 127).to(gl.float32)).to(gl.bfloat16)
-        s16 = s.to(gl.uint16, bitcast=True).to(gl.uint32)
-    s2 = gl.expand_dims(s16 | (s16 << 16), 2)  # the scale in both halves, broadcast over its words
-    p0 = _mul2((words & _KM) | (_rotr(words, _S0) & _KS), s2)
-    p1 = _mul2(_rotr(words, _R1) & _KA, s2)
-    p2 = _mul2(_rotr(words, _R2) & _KA, s2)
-    p3 = _mul2((_rotr(words, _R3) & _KM) | (_rotr(words, _S3) & _KS), s2)
-    v = gl.join(gl.join(p0, p1), gl.join(p2, p3))  # [64, SPC, WPS, 2, 2]: flat order P0, P2, P1, P3
-    return gl.reshape(v, [64, 32]).to(gl.int32, bitcast=True)
+            if FMT == 0:
+                s = (sraw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _NVFP4_SCALE_MUL).to(gl.bfloat16)
+            else:
+                s = gl.exp2(sraw.to(gl.float32) + (exp_bias - 127).to(gl.float32)).to(gl.bfloat16)
+            s16 = s.to(gl.uint16, bitcast=True).to(gl.uint32)
+        s2 = gl.expand_dims(s16 | (s16 << 16), 2)  # the scale in both halves, broadcast over its words
+        p0 = _mul2((words & _KM) | (_rotr(words, _S0) & _KS), s2)
+        p1 = _mul2(_rotr(words, _R1) & _KA, s2)
+        p2 = _mul2(_rotr(words, _R2) & _KA, s2)
+        p3 = _mul2((_rotr(words, _R3) & _KM) | (_rotr(words, _S3) & _KS), s2)
+        v = gl.join(gl.join(p0, p1), gl.join(p2, p3))  # [64, SPC, WPS, 2, 2]: flat order P0, P2, P1, P3
+        v = gl.reshape(v, [64, 32]).to(gl.int32, bitcast=True)
+    return v
 
 
 @gluon.jit
-def _load_tile(w_bufs, s_bufs, idx, L2W: gl.constexpr, L2S: gl.constexpr, FMT: gl.constexpr):
-    """A stage's row tile -> its four chunks of words [64, 8] and raw scales [64, SPC]."""
-    words = w_bufs.index(idx).load(L2W)
-    if FMT != 1:  # nvfp4
-        sraw = s_bufs.index(idx).load(L2S)
-    else:  # mxfp4: the 512-byte scale tile was copied as [32, 16] (TMA needs 16-byte rows)
-        sraw = s_bufs.index(idx)._reinterpret(gl.uint8, [64, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).load(L2S)
-    w0, w1, w2, w3 = _quarters(words, 8)
-    s0, s1, s2, s3 = _quarters(sraw, L2S.shape[1] // 4)
+def _load_tile(w_bufs, s_bufs, idx, L2W: gl.constexpr, L2S: gl.constexpr, FMT: gl.constexpr, L3: gl.constexpr):
+    """A stage's row tile -> its four chunks of words [64, 8] and raw scales [64, SPC]. FMT 4 / 5 (fragment-ordered
+    words; L2W, L2S, L3 = frag_layouts' LB2, L3S, LP): the four chunks' words and multipliers of frag_prep."""
+    if FMT >= 4:
+        fw, fs = frag_stage(w_bufs, s_bufs, idx, 64, L2W, L2S)
+        w0, w1, w2, w3, s0, s1, s2, s3 = frag_prep(fw, fs, 64, FMT, L2S, L3)
+    else:
+        words = w_bufs.index(idx).load(L2W)
+        if FMT != 1:  # nvfp4
+            sraw = s_bufs.index(idx).load(L2S)
+        else:  # mxfp4: the 512-byte scale tile was copied as [32, 16] (TMA needs 16-byte rows)
+            sraw = s_bufs.index(idx)._reinterpret(gl.uint8, [64, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).load(
+                L2S)
+        w0, w1, w2, w3 = _quarters(words, 8)
+        s0, s1, s2, s3 = _quarters(sraw, L2S.shape[1] // 4)
     return w0, w1, w2, w3, s0, s1, s2, s3
 
 
@@ -176,7 +188,7 @@ def _decoder(w_bufs, s_bufs, d_bufs, w_ready, w_empty, d_ready, d_empty, exp_bia
             i = kk - k0
             iw = i % NSW
             mbarrier.wait(w_ready.index(iw), (i // NSW) & 1)
-            w0, w1, w2, w3, s0, s1, s2, s3 = _load_tile(w_bufs, s_bufs, iw, L2W, L2S, FMT)
+            w0, w1, w2, w3, s0, s1, s2, s3 = _load_tile(w_bufs, s_bufs, iw, L2W, L2S, FMT, L3)
             fence_async_shared()  # the generic reads of the stage are done before TMA (async proxy) refills it
             mbarrier.arrive(w_empty.index(iw), count=1)  # the raw stage is in registers now
             v0 = _decode_chunk(w0, s0, exp_bias, FMT, L3)
@@ -231,11 +243,11 @@ def _decoder_rows(d32, w_bufs, s_bufs, w_ready, w_empty, d_ready, d_empty, exp_b
         ia = (2 * i) % NSW
         ib = (2 * i + 1) % NSW
         mbarrier.wait(w_ready.index(ia), ((2 * i) // NSW) & 1)
-        a0, a1, a2, a3, sa0, sa1, sa2, sa3 = _load_tile(w_bufs, s_bufs, ia, L2W, L2S, FMT)
+        a0, a1, a2, a3, sa0, sa1, sa2, sa3 = _load_tile(w_bufs, s_bufs, ia, L2W, L2S, FMT, L3)
         fence_async_shared()  # generic reads before the async-proxy refill (see _decoder)
         mbarrier.arrive(w_empty.index(ia), count=1)
         mbarrier.wait(w_ready.index(ib), ((2 * i + 1) // NSW) & 1)
-        b0, b1, b2, b3, sb0, sb1, sb2, sb3 = _load_tile(w_bufs, s_bufs, ib, L2W, L2S, FMT)
+        b0, b1, b2, b3, sb0, sb1, sb2, sb3 = _load_tile(w_bufs, s_bufs, ib, L2W, L2S, FMT, L3)
         fence_async_shared()
         mbarrier.arrive(w_empty.index(ib), count=1)
         _chunk_rows(d32, d_ready, d_empty, 4 * i + 0, a0, sa0, b0, sb0, exp_bias, NSD, CPS, FMT, L3)
@@ -480,11 +492,13 @@ def _weight_descriptors(state: dict):
     prefill at M = 256 was bound by the host: 56 ms of it in the 4-bit linears at 7B batch 1 for
     24 ms of GPU work; benchmarks/NOTES_rollout.md section 7). The key re-checks what they encode."""
     words, scale = state["words"], state["scale"]
-    key = (state["fmt"], words.data_ptr(), tuple(words.shape), words.stride(), scale.data_ptr(), tuple(scale.shape),
-           scale.stride())
+    frag = state.get("order", "rows") == "frag"
+    key = (state["fmt"], frag, words.data_ptr(), tuple(words.shape), words.stride(), scale.data_ptr(),
+           tuple(scale.shape), scale.stride())
     found = state.get("_tma_descriptors")
     if found is None or found[0] != key:
-        wl = gl.NVMMASharedLayout.get_default_for([64, 32], gl.int32)
+        # fragment-ordered words: the unswizzled stage w4a16_frag reads as 16-byte rows
+        wl = FRAG_SMEM if frag else gl.NVMMASharedLayout.get_default_for([64, 32], gl.int32)
         srows = 64 if state["fmt"] == "nvfp4" else 32
         sl = gl.NVMMASharedLayout(0, 8)  # 16-byte rows: no swizzle
         found = state["_tma_descriptors"] = (key, TensorDescriptor.from_tensor(words.view(-1, 32), [64, 32], wl),
@@ -503,19 +517,20 @@ def smem_bytes(bm: int, nsw: int, nsd: int, cps: int, nsx: int, bn: int = 64) ->
     return nsw * (8192 + 1024) + nsd * cps * bn * 128 + nsx * bm * 128 + 1024
 
 
-def kernel_args(fmt: str, m: int, config: dict | None = None) -> tuple[dict, dict]:
-    """(constexpr arguments of _wgmma_kernel, the resolved config) for M tokens of a `fmt` layer.
-    Memoised (host time: ~75 us per call, mostly the decoder layouts); the dicts are shared, read-only."""
+def kernel_args(fmt: str, m: int, config: dict | None = None, frag: bool = False) -> tuple[dict, dict]:
+    """(constexpr arguments of _wgmma_kernel, the resolved config) for M tokens of a `fmt` layer (frag: nvfp4 in
+    the fragment word order, FMT 4). Memoised (host time: ~75 us per call, mostly the decoder layouts); the dicts
+    are shared, read-only."""
     items = tuple(sorted((config or {}).items()))
     try:
         hash(items)
     except TypeError:  # an unhashable config value: not memoised
-        return _kernel_args.__wrapped__(fmt, m, items, W.PDL)
-    return _kernel_args(fmt, m, items, W.PDL)
+        return _kernel_args.__wrapped__(fmt, m, items, W.PDL, frag)
+    return _kernel_args(fmt, m, items, W.PDL, frag)
 
 
 @functools.lru_cache(maxsize=1024)
-def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool) -> tuple[dict, dict]:
+def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool, frag: bool = False) -> tuple[dict, dict]:
     config = dict(items)
     cfg = dict(DEFAULT)
     cfg.update({key: v for key, v in (config or {}).items() if key in _KEYS})
@@ -543,8 +558,12 @@ def _kernel_args(fmt: str, m: int, items: tuple, pdl_default: bool) -> tuple[dic
         raise ValueError(f"rings need {smem_bytes(bm, nsw, nsd, cps, nsx, bn)} B of shared memory (H100: 232448); "
                          "lower NSW / NSD / NSX")
     cfg["PDL"] = bool(pdl_default if cfg["PDL"] is None else cfg["PDL"])
-    l2w, l2s, l3 = decoder_layouts(fmt, dw)
-    consts = dict(BM=bm, LOADS=loads, NSW=nsw, NSD=nsd, CPS=cps, NSX=nsx, LAG=lag, DW=dw, FMT=0 if fmt == "nvfp4" else 1,
+    if frag and (fmt != "nvfp4" or dw != 4):
+        raise ValueError(f"the wgmma kernel decodes fragment-ordered words (nvfp4) with 4 decoder warps; got {fmt}, "
+                         f"DW={dw}")
+    l2w, l2s, l3 = frag_layouts(1, bm)[:3] if frag else decoder_layouts(fmt, dw)
+    consts = dict(BM=bm, LOADS=loads, NSW=nsw, NSD=nsd, CPS=cps, NSX=nsx, LAG=lag, DW=dw,
+                  FMT=4 if frag else 0 if fmt == "nvfp4" else 1,
                   PDL=cfg["PDL"], DEC_REGS=int(cfg["DEC_REGS"]), LOAD_REGS=int(cfg["LOAD_REGS"]),
                   L2W=l2w, L2S=l2s, L3=l3, num_warps=bn // 16)
     return consts, cfg
@@ -563,11 +582,10 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     warps issue the TMA copies, no loader warps), PER_SM,
     maxnreg, PDL."""
     x = checked_input(x, state, "wgmma")
-    W.rows_order(state, "wgmma prefill kernel")
     fmt, n, kb, m = state["fmt"], state["n"], state["kb"], x.shape[0]
-    consts, cfg = kernel_args(fmt, m, config)
-    if fmt == "nvfp4" and SCALE_BITS and state.get("scale_bits", False):
-        consts = dict(consts, FMT=2)  # the integer scale conversion (w4a16_gluon.SCALE_BITS)
+    consts, cfg = kernel_args(fmt, m, config, state.get("order", "rows") == "frag")
+    if consts["FMT"] in SCALE_BITS_FMT and SCALE_BITS and state.get("scale_bits", False):
+        consts = dict(consts, FMT=SCALE_BITS_FMT[consts["FMT"]])  # the integer scale conversion
     bm, bn = consts["BM"], consts["num_warps"] * 16
     nt, mt = triton.cdiv(n, bn), triton.cdiv(m, bm)
     tiles = nt * mt
@@ -621,11 +639,12 @@ def launch_buffers(x: torch.Tensor, state: dict, out, tiles: int, s: int, tile_e
 
 
 def compile_offline(fmt: str = "nvfp4", m: int = 64, n: int = 7168, k: int = 5120, config: dict | None = None,
-                    bias: bool = False, sbits: bool = False):
-    """Compile the kernel for sm_90a without a GPU (ptxas included) -> triton CompiledKernel.
-    benchmarks/compile_gluon.py --kernel wgmma prints its resources; tests/test_kernels.py checks it."""
-    consts, cfg = kernel_args(fmt, m, config)
-    return compile_gemm_offline(_wgmma_kernel, fmt, m, n, k, consts, cfg, bias, sbits)
+                    bias: bool = False, sbits: bool = False, frag: bool = False):
+    """Compile the kernel for sm_90a without a GPU (ptxas included) -> triton CompiledKernel (frag: on
+    fragment-ordered words). benchmarks/compile_gluon.py --kernel wgmma prints its resources; tests/test_kernels.py
+    checks it."""
+    consts, cfg = kernel_args(fmt, m, config, frag)
+    return compile_gemm_offline(_wgmma_kernel, fmt, m, n, k, consts, cfg, bias, sbits, FRAG_SMEM if frag else None)
 
 
 # FMT of a launch whose nvfp4 scales are all normal (prepare: scale_bits): the integer scale conversion; 0 -> 2 for
