@@ -73,6 +73,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from qerl.kernels import layout, ptx_cluster
+from qerl.kernels.w4a16_frag import FRAG_SCALE_PAIRS  # the fragment words' scale pairs, as rwg's
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels.w4a16_triton import _KA, _KM, _KS, _R1, _R2, _R3, _S0, _S3  # the bit layout (layout.py)
 from qerl.kernels.w4a16_ws import (_copy_tile, _gdc, _mul2, _plan, _producer, _resident, _rotr,  # shared
@@ -598,9 +599,6 @@ def _frag_scales(sraw, SBITS: gl.constexpr):
     s = (sraw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_MUL).to(gl.bfloat16)
     s16 = s.to(gl.uint16, bitcast=True).to(gl.uint32)
     return s16 | (s16 << 16)
-
-
-FRAG_SCALE_PAIRS = gl.constexpr(True)
 
 
 @gluon.jit
