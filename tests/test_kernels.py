@@ -331,7 +331,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
         results.append(dict(fmt=fmt, m=0, n=n, k=k, op="dequant_bf16", rel=rel(o, reference.dequant(fmt, t)), nan=bool(o.isnan().any())))
     # fragment-ordered nvfp4 words (order "frag", FMT 2): the same bits as the rows order on every Triton path,
     # N with a partial 16-row group (72) and a partial 64-row tile under BO = 128 (160)
-    for m, n, k in ((1, 72, 256), (5, 160, 512), (33, 96, 768), (130, 72, 512)):
+    for m, n, k in ((1, 72, 256), (5, 160, 512), (33, 96, 768), (130, 72, 512), (3, 64, 576)):  # 576: SmolLM2's K
         t = quantize_weight((torch.randn(n, k) * 0.02).to(torch.bfloat16), "nvfp4")
         sf, sr = prepare("nvfp4", t, order="frag"), prepare("nvfp4", t, order="rows")
         x = (torch.randn(m, k) * 2).to(torch.bfloat16)
