@@ -1167,8 +1167,8 @@ FRAG_WGMMA = env_int("QERL_W4A16_FRAG_WGMMA", 0)
 
 
 def _frag_route(m: int, state: dict, device: torch.device, config: dict | None) -> tuple[str, dict | None]:
-    """_fused_route for fragment-ordered words (state["order"] "frag"; only rwg and the Triton kernels read
-    them): rwg up to RWG_WIDE_MAX_M tokens on sm_90 (its config rule from RWG_MIN_M tokens, its defaults below:
+    """_fused_route for fragment-ordered words (state["order"] "frag"; rwg and the Triton kernels read them, the
+    Gluon GEMV and the wgmma GEMM too, not yet GPU-tested): rwg up to RWG_WIDE_MAX_M tokens on sm_90 (its config rule from RWG_MIN_M tokens, its defaults below:
     R = 2, BM 16, measured 1.93x bf16 at 9..16 tokens and 2.01x at 1..8 on the H100, NOTES_w4a16.md section 47),
     else the bf16 buffer + cuBLAS; the fused Triton kernel where no Gluon kernel runs (not sm_90, K % 256). With
     FRAG_GEMV_MAX_M, the Gluon GEMV up to that many tokens; with FRAG_WGMMA, the wgmma GEMM above rwg's range (and
