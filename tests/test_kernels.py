@@ -13,6 +13,7 @@ Tolerance 1e-2 relative (Frobenius): the kernels' only rounding is the final bf1
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -195,7 +196,7 @@ def test_backend_resolution_on_cpu():
     assert resolve_backend("auto", "cpu") == "torch"
     assert resolve_backend("torch", cpu, "mxfp4") == "torch"
     assert resolve_backend("auto", cpu, "nf4") == "torch"
-    with pytest.raises(KernelUnavailable, match="needs a CUDA GPU and triton"):
+    with pytest.raises(KernelUnavailable, match=r"needs a CUDA GPU of compute capability >= 9.0 \(Hopper\) and triton"):
         resolve_backend("triton", cpu, "nvfp4")
     with pytest.raises(KernelUnavailable):
         resolve_backend("triton", cpu, "nf4")
@@ -203,6 +204,27 @@ def test_backend_resolution_on_cpu():
         resolve_backend("cutlass", cpu)
     if not torch.cuda.is_available():
         assert available() is False
+
+
+def test_pre_hopper_gpus_take_the_torch_backend(monkeypatch):
+    """On a GPU below compute capability 9.0 (here an A100's 8.0, simulated) the fused kernels, which would not
+    compile there, are reported unavailable with one warning: `auto` resolves to torch, `triton` fails in one line."""
+    from qerl import kernels
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    kernels.available.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="compute capability >= 9.0 .*this GPU is 8.0: using the torch backend"):
+            assert kernels.available() is False
+        assert resolve_backend("auto", torch.device("cuda", 0), "nvfp4") == "torch"
+        with pytest.raises(KernelUnavailable, match="Hopper"):
+            resolve_backend("triton", torch.device("cuda", 0), "nvfp4")
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+        kernels.available.cache_clear()
+        assert kernels.available() is (importlib.util.find_spec("triton") is not None)
+    finally:
+        kernels.available.cache_clear()
 
 
 @pytest.mark.parametrize("fmt", ("nvfp4", "mxfp4", "nf4"))

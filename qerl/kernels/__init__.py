@@ -23,18 +23,33 @@ BACKENDS = ("auto", "torch", "triton")
 FUSED_FORMATS = ("nvfp4", "mxfp4")
 
 
+# The kernels are built and tested on Hopper (sm_90): their nvfp4 decode multiplies packed bf16x2 (sm_90) and
+# converts FP8-E4M3 scales in hardware (sm_89+); on an older GPU they would fail to compile at the first call, so
+# such GPUs take the torch backend (dequantise + matmul), with one warning.
+MIN_CAPABILITY = (9, 0)
+
+
 class KernelUnavailable(RuntimeError):
     """The triton backend was asked for but cannot run here."""
 
-    def __init__(self, msg: str = "the triton backend needs a CUDA GPU and triton"):
+    def __init__(self, msg: str = "the triton backend needs a CUDA GPU of compute capability >= 9.0 (Hopper) and "
+                                  "triton"):
         super().__init__(msg)
 
 
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
-    """True when a CUDA GPU is visible and triton imports (cached)."""
+    """True when a CUDA GPU of compute capability >= MIN_CAPABILITY is visible and triton imports (cached)."""
     try:
         if not torch.cuda.is_available():
+            return False
+        cap = tuple(torch.cuda.get_device_capability())
+        if cap < MIN_CAPABILITY:
+            import warnings
+
+            warnings.warn(f"qerl: the fused 4-bit kernels need compute capability >= {MIN_CAPABILITY[0]}."
+                          f"{MIN_CAPABILITY[1]} (Hopper); this GPU is {cap[0]}.{cap[1]}: using the torch backend "
+                          "(dequantise + matmul)", stacklevel=2)
             return False
         import triton  # noqa: F401  (importable is all we ask)
     except Exception:
