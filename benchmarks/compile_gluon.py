@@ -63,12 +63,10 @@ def compile_kernel(n: int, k: int, stages: int, warps: int, maxnreg, producer_re
                    fmt: str = "nvfp4", sync: int = 0, lexp: int = 0, cluster: int = 0, frag: bool = False):
     fn = G._gluon_gemv_kernel
     sig = _signature(n, k, bias, mt, xs, glu, lexp, fmt=fmt)
-    l5, l2w, l2s = G._layouts(warps, fmt)
-    if frag:  # fragment-ordered nvfp4 words (WF 2)
-        l2w, l2s = G._FRAG_W2.value, G._FRAG_S2.value
+    l5, l2w, l2s = G._layouts(warps, fmt, frag)  # frag: fragment-ordered nvfp4 words (WF 2)
     # SP: the fixup's unrolled partial count (the wrapper passes next_power_of_2(S); 8 covers S <= 8)
     constexprs = {"NUM_STAGES": stages, "HAS_BIAS": bias, "PDL": pdl, "MT": mt, "XPF": xpf, "STAMP": stamp, "SP": 8,
-                  "HOIST": True, "EPI": epi, "SK": sk, "TAIL": tail, "SBITS": sbits, "PWA": pwa, "XS": xs, "GLU": glu, "FOLD": fold, "SYNC": sync, "LEXP": lexp, "CL": cluster, "SSP": 64, "WF": 2 if frag else int(fmt == "mxfp4"), "LX": G._x_layout_frag(mt) if frag else G._x_layout(warps, mt), "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
+                  "HOIST": True, "EPI": epi, "SK": sk, "TAIL": tail, "SBITS": sbits, "PWA": pwa, "XS": xs, "GLU": glu, "FOLD": fold, "SYNC": sync, "LEXP": lexp, "CL": cluster, "SSP": 64, "WF": 2 if frag else int(fmt == "mxfp4"), "LX": G._x_layout(warps, mt, frag), "PRODUCER_REGS": producer_regs, "L5": l5, "L2W": l2w, "L2S": l2s, "num_warps": warps}
     for name in constexprs:
         sig[name] = "constexpr"
     # pointers 16-byte aligned, as the JIT would specialise them on a GPU

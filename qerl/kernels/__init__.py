@@ -110,13 +110,12 @@ def prepare(fmt: str, tensors: dict[str, torch.Tensor], locks: int | None = None
         raise ValueError(f"the fused kernels need K % 32 == 0, got K={k}")
     device = packed.device
     group = 16 if fmt == "nvfp4" else 32
-    if order is None:  # the environment's default applies where the order exists (nvfp4)
-        order = layout.default_order() if fmt == "nvfp4" else "rows"
+    order = layout.default_order(fmt) if order is None else order
     if order not in layout.ORDERS:
         raise ValueError(f"unknown word order {order!r}; valid: {', '.join(layout.ORDERS)}")
-    if order == "frag" and fmt != "nvfp4":
-        raise ValueError(f"the fragment word order is built for nvfp4, not {fmt!r}")
     if order == "frag":
+        if fmt != "nvfp4":
+            raise ValueError(f"the fragment word order is built for nvfp4, not {fmt!r}")
         from qerl.formats.fp4 import unpack_nibbles
 
         tiles = layout.codes_to_frag_tiles(unpack_nibbles(packed))

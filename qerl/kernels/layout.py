@@ -244,13 +244,23 @@ def tiles_to_frag_tiles(tiles: torch.Tensor) -> torch.Tensor:
 ORDERS = ("rows", "frag")
 
 
-def default_order() -> str:
+def default_order(fmt: str = "nvfp4") -> str:
+    """The word order `prepare` gives a `fmt` layer by default: QERL_W4A16_ORDER for nvfp4 (else "rows"); other
+    formats have only the rows order."""
     import os
 
+    if fmt != "nvfp4":
+        return "rows"
     order = os.environ.get("QERL_W4A16_ORDER", "rows").strip() or "rows"
     if order not in ORDERS:
         raise ValueError(f"QERL_W4A16_ORDER={order!r}: valid word orders are {', '.join(ORDERS)}")
     return order
+
+
+def is_frag(state: dict) -> bool:
+    """True for a prepared state whose words are in the fragment order (state["order"]; states built without the
+    key, by older code or by hand for a shape check, are rows-ordered)."""
+    return state.get("order", "rows") == "frag"
 
 
 def tiles_to_codes(tiles: torch.Tensor, n: int, k: int, order: str = "rows") -> torch.Tensor:

@@ -9,13 +9,12 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from qerl.kernels.w4a16_ws import _scale_pairs
+from qerl.kernels.w4a16_ws import _nv_scale2, _scale_pairs
 
 FRAG_SMEM = gl.NVMMASharedLayout(0, 32)  # the fragment words' stage: no swizzle (read as 16-byte rows)
 # FMT 5: the two rows' multipliers of a word built together in one register (PRMT + LEA per two scales instead of
 # two ops per scale), the multiplies selecting their half
 FRAG_SCALE_PAIRS = gl.constexpr(True)
-_SCALE_MUL = gl.constexpr(3.3230699894622897e35)  # 2^118: FP8-E4M3 scale times 2^(126 - J), J = 8
 
 
 def frag_layouts(r: int, bm: int):
@@ -112,12 +111,7 @@ def frag_prep(w2, s2d, ROWS: gl.constexpr, FMT: gl.constexpr, LS3: gl.constexpr,
         s2x = gl.reshape(gl.permute(gl.join(s01, s01), (0, 3, 1, 2)), [ROWS, 16])
         s2x = gl.convert_layout(s2x, gl.SliceLayout(2, LS3), assert_trivial=True)
     else:
-        if FMT == 5:  # bf16 bits (b << 4) + 0x7700
-            s16 = (s2d.to(gl.uint8, bitcast=True).to(gl.uint32) << 4) + 0x7700
-        else:
-            s16 = (s2d.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_MUL).to(gl.bfloat16).to(
-                gl.uint16, bitcast=True).to(gl.uint32)
-        s2x = s16 * 0x10001  # in both halves
+        s2x = _nv_scale2(s2d, FMT == 5)  # in both halves
     sp = gl.reshape(gl.expand_dims(s2x, 2) + gl.zeros([ROWS, 16, 8], gl.uint32, LS3), [ROWS, 128])
     sp = gl.convert_layout(sp, LW3, assert_trivial=True)
     w0, w1, w2c, w3c = _frag_chunks(wp, ROWS)

@@ -76,23 +76,23 @@ from qerl.kernels import layout, ptx_cluster
 from qerl.kernels.w4a16_frag import FRAG_SCALE_PAIRS  # the fragment words' scale pairs, as rwg's
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels.w4a16_triton import _KA, _KM, _KS, _R1, _R2, _R3, _S0, _S3  # the bit layout (layout.py)
-from qerl.kernels.w4a16_ws import (_copy_tile, _gdc, _mul2, _plan, _producer, _resident, _rotr,  # shared
-                                   _scale_pairs, _setup)
+from qerl.kernels.w4a16_ws import (_copy_tile, _gdc, _mul2, _nv_scale2, _plan, _producer, _resident,  # shared
+                                   _rotr, _scale_pairs, _setup)
 
 ptx_cluster.install()  # the cluster fixup's entry code (CLUSTER; only kernels that emit its mark)
 
-# nvfp4 group scale: FP8-E4M3 value times 2^(126 - J), J = layout.NVFP4_EXP_OFFSET = 8 (w4a16_triton._scales)
-_SCALE_MUL = gl.constexpr(3.3230699894622897e35)  # 2^118
-
 
 @functools.lru_cache(maxsize=None)
-def _layouts(num_warps: int, fmt: str = "nvfp4"):
+def _layouts(num_warps: int, fmt: str = "nvfp4", frag: bool = False):
     """(L5, L2W, L2S): the consumer's 5-D register layout of a tile and the 2-D layouts of the
     shared-memory reads that reshape into it without data movement (checked at compile time with
     convert_layout(assert_trivial=True)). WM = num_warps // 4 warps split the four 16-row MMA
-    tiles; the other factor 4 of the warps splits the word columns. L2S for `fmt` (mxfp4: `_layouts_mx`)."""
+    tiles; the other factor 4 of the warps splits the word columns. L2S for `fmt` (mxfp4: `_layouts_mx`);
+    frag: the stage reads of fragment-ordered words (_FRAG_W2, _FRAG_S2; 4 warps)."""
     wm = num_warps // 4
     l5 = gl.BlockedLayout([1, 1, 1, 1, 2], [1, 1, 8, 4, 1], [wm, 1, 1, 4, 1], [4, 3, 2, 1, 0])
+    if frag:
+        return l5, _FRAG_W2.value, _FRAG_S2.value
     # 2-D [64 rows, 32 words]: row = 16m + 8h + g (bits: g 0-2, h 3, m 4-5), col = 8w + 2t + i
     lanes_w = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
     warps_w = [[0, 8], [0, 16]] + ([[16, 0]] if wm == 2 else [])
@@ -130,12 +130,15 @@ def _x_layout_frag(mt: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _x_layout(num_warps: int, mt: int):
+def _x_layout(num_warps: int, mt: int, frag: bool = False):
     """XS: the register layout of one stage of x in shared memory, int32 [4 (64-K chunk), MT (token),
     32 (K pairs of the chunk)], that unpacks (`_x_unpack`) into the four [1, 1, 8, 16, 2] x tensors
     of the consumer's L5 without data movement. Thread (g = lane // 4, t = lane % 4) of warp w reads
     word columns c = 8w + 2t + i (chunk w, K pairs 4(2t + i) .. + 3 of it: 16 bytes each) of token
-    g (MT = 8) or of the one token (MT = 1: the lanes of a column read the same address)."""
+    g (MT = 8) or of the one token (MT = 1: the lanes of a column read the same address). frag: on
+    fragment-ordered words, `_x_layout_frag`."""
+    if frag:
+        return _x_layout_frag(mt)
     g = [[0, 1, 0], [0, 2, 0], [0, 4, 0]] if mt > 1 else [[0, 0, 0]] * 3
     warps = [[1, 0, 0], [2, 0, 0]] + ([[0, 0, 0]] if num_warps == 8 else [])
     return gl.DistributedLinearLayout([[0, 0, 1], [0, 0, 2], [0, 0, 4]], [[0, 0, 8], [0, 0, 16]] + g, warps, [],
@@ -375,14 +378,7 @@ def _x_unpack_frag(xv, L5: gl.constexpr):
     u0, u1 = gl.split(gl.permute(v, (0, 1, 2, 3, 5, 4)))  # [w, MT, t, i, b]
     b00, b01 = gl.split(u0)
     b10, b11 = gl.split(u1)
-    return _x_cols_frag(b00, L5), _x_cols_frag(b01, L5), _x_cols_frag(b10, L5), _x_cols_frag(b11, L5)
-
-
-@gluon.jit
-def _x_cols_frag(v, L5: gl.constexpr):
-    """[4 w, MT token, 4 t, 2 i] -> [1, 1, MT, 16 (sc = 4 w + t), 2 i] in L5."""
-    MT: gl.constexpr = v.shape[1]
-    return gl.convert_layout(gl.reshape(gl.permute(v, (1, 0, 2, 3)), [1, 1, MT, 16, 2]), L5, assert_trivial=True)
+    return _x_cols(b00, L5), _x_cols(b01, L5), _x_cols(b10, L5), _x_cols(b11, L5)  # chunk = warp w
 
 
 @gluon.jit
@@ -592,16 +588,6 @@ _FR2 = gl.constexpr(layout.FRAG_ROT[2])
 
 
 @gluon.jit
-def _frag_scales(sraw, SBITS: gl.constexpr):
-    """FP8 scale bytes -> bf16x2 multipliers s * 2^118 in both halves (as `_decode_nv`)."""
-    if SBITS:
-        return ((sraw.to(gl.uint8, bitcast=True).to(gl.uint32) << 4) + 0x7700) * 0x10001
-    s = (sraw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_MUL).to(gl.bfloat16)
-    s16 = s.to(gl.uint16, bitcast=True).to(gl.uint32)
-    return s16 | (s16 << 16)
-
-
-@gluon.jit
 def _mul2_half(p, s2, half: gl.constexpr):
     """bf16x2 p times the low (half "l") or high ("h") bf16 of s2 in both halves."""
     return gl.inline_asm_elementwise(
@@ -637,8 +623,8 @@ def _frag_operands(w2, s2d, SBITS: gl.constexpr, CZ: gl.constexpr):
         a2 = _mul2_half(_rotr(u, _FR2) & _FT, s01, "l")  # 2: row g, K 2t + 8
         a3 = _mul2_half((_rotr(u, 6) & 0x81808180) | (_rotr(u, 30) & 0x00400040), s01, "h")  # 3: row g + 8, K 2t + 8
     else:
-        s0 = gl.expand_dims(_frag_scales(s_lo, SBITS), 3)  # rows g
-        s1 = gl.expand_dims(_frag_scales(s_hi, SBITS), 3)  # rows g + 8
+        s0 = gl.expand_dims(_nv_scale2(s_lo, SBITS), 3)  # rows g
+        s1 = gl.expand_dims(_nv_scale2(s_hi, SBITS), 3)  # rows g + 8
         a0 = _mul2(u & _FT, s0)
         a1 = _mul2(_rotr(u, _FR1) & _FT, s1)
         a2 = _mul2(_rotr(u, _FR2) & _FT, s0)
@@ -655,12 +641,7 @@ def _decode_nv(words, s2d, L5: gl.constexpr, SBITS: gl.constexpr):
     """nvfp4: a stage's words [4, 2, 8, 16, 2] (in L5) and FP8 scales [64, 16] (L2S) -> P0..P3 = q * s * 2^-J
     as bf16x2 (one FP8 scale per two words of a thread)."""
     sraw = gl.convert_layout(gl.reshape(s2d, [4, 2, 8, 16]), gl.SliceLayout(4, L5), assert_trivial=True)
-    if SBITS:  # the layer's scales are all normal (prepare: scale_bits): bf16 bits (b << 4) + 0x7700, twice
-        s2 = gl.expand_dims(((sraw.to(gl.uint8, bitcast=True).to(gl.uint32) << 4) + 0x7700) * 0x10001, 4)
-    else:
-        s = (sraw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_MUL).to(gl.bfloat16)
-        s16 = s.to(gl.uint16, bitcast=True).to(gl.uint32)
-        s2 = gl.expand_dims(s16 | (s16 << 16), 4)  # [4, 2, 8, 16, 1]: the scale in both halves
+    s2 = gl.expand_dims(_nv_scale2(sraw, SBITS), 4)  # [4, 2, 8, 16, 1]: the scale in both halves
     p0 = _mul2((words & _KM) | (_rotr(words, _S0) & _KS), s2)
     p1 = _mul2(_rotr(words, _R1) & _KA, s2)
     p2 = _mul2(_rotr(words, _R2) & _KA, s2)
@@ -1436,7 +1417,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     if state["fmt"] not in FORMATS:
         raise ValueError(f"the Gluon GEMV takes nvfp4 or mxfp4 weights, got {state['fmt']}")
     mx = state["fmt"] == "mxfp4"
-    frag = state.get("order", "rows") == "frag"
+    frag = layout.is_frag(state)
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_M:
         raise ValueError(f"the Gluon GEMV takes 1 <= M <= {MAX_M}, got x of shape {tuple(x.shape)}")
     n, k, kb = state["n"], state["k"], state["kb"]
@@ -1514,9 +1495,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         ws = torch.empty(2 * grid * 64 * mt, device=x.device, dtype=torch.float32)
     elif kind == "tail":  # workspace slot = program (the whole blocks' slots go unused)
         ws = torch.empty(grid * 64 * mt, device=x.device, dtype=torch.float32)
-    l5, l2w, l2s = _layouts(nw, state["fmt"])
-    if frag:
-        l2w, l2s = _FRAG_W2.value, _FRAG_S2.value
+    l5, l2w, l2s = _layouts(nw, state["fmt"], frag)
     extra = {} if cfg["maxnreg"] is None else {"maxnreg": int(cfg["maxnreg"])}
     stamps = W.stamp_slice(grid, n, k, s, m, "gluon")  # instrumentation, None when off (w4a16_triton.STAMP)
     h_in = h_out = w_norm = ss = c
@@ -1537,7 +1516,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         SP=sp, NUM_STAGES=ns, WF=2 if frag else int(mx),
         HAS_BIAS=bias is not None, PDL=pdl, MT=mt, XPF=xpf,
         STAMP=stamps is not None, HOIST=HOIST_CONSTS, EPI=EPI_SMEM, PRODUCER_REGS=preg, SK=kind == "sk", TAIL=kind == "tail",
-        SBITS=SCALE_BITS and bool(state.get("scale_bits", False)), PWA=pwa, XS=xs, LX=_x_layout_frag(mt) if frag else _x_layout(nw, mt),
+        SBITS=SCALE_BITS and bool(state.get("scale_bits", False)), PWA=pwa, XS=xs, LX=_x_layout(nw, mt, frag),
         GLU=bool(glu), SYNC=sync_mode, LEXP=lexp, CL=cl,
         L5=l5, L2W=l2w, L2S=l2s, num_warps=nw, launch_pdl=pdl, **extra,
     )

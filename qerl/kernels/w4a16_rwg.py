@@ -471,7 +471,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     decode's instructions cost a step; nvfp4)."""
     x = WG.checked_input(x, state, "rwg")
     fmt, n, kb, m = state["fmt"], state["n"], state["kb"], x.shape[0]
-    if state.get("order", "rows") == "frag":  # the layer's words are fragment-ordered: FRAG reads them as they are
+    if layout.is_frag(state):  # the layer's words are fragment-ordered: FRAG reads them as they are
         if config is not None and "FRAG" in config and not config["FRAG"]:
             raise ValueError("rwg FRAG=0 reads rows-ordered words; this layer was prepared with order='frag'")
         config = dict(config or {}, FRAG=1)
@@ -508,8 +508,6 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     return c if out is None or c is out else out.copy_(c)
 
 
-
-
 def frag_descriptor(state: dict):
     """The TMA descriptor of the layer's fragment-ordered words (no swizzle: the kernel reads them as
     16-byte rows): a "frag" state's own words, or for a "rows" state a fragment-ordered copy built with
@@ -519,7 +517,7 @@ def frag_descriptor(state: dict):
     key = (words.data_ptr(), words.numel())  # (a sub-state slicing a fused layer's rows has its own)
     if found is not None and found[0] == key:
         return found[2]
-    if state.get("order", "rows") == "frag":
+    if layout.is_frag(state):
         frag = words
     else:
         if torch.cuda.is_current_stream_capturing():

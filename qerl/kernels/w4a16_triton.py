@@ -247,14 +247,14 @@ FRAG_FMT = 2  # the Triton kernels' FMT for nvfp4 words in the fragment order (l
 
 def rows_order(state: dict, kernel: str) -> None:
     """One-line error where a kernel that reads only today's ("rows") word order gets a "frag" state."""
-    if state.get("order", "rows") != "rows":
-        raise ValueError(f"the {kernel} reads rows-ordered words; this layer was prepared with order="
-                         f"{state['order']!r} (rwg and the Triton kernels read it)")
+    if layout.is_frag(state):
+        raise ValueError(f"the {kernel} reads rows-ordered words; this layer was prepared with order='frag' (rwg, "
+                         "the Gluon GEMV, the wgmma GEMM and the Triton kernels read it)")
 
 
 def fmt_id(state: dict) -> int:
     """The Triton kernels' FMT constexpr of a prepared state: its format, and nvfp4's word order."""
-    return FRAG_FMT if state.get("order", "rows") == "frag" else FMT_ID[state["fmt"]]
+    return FRAG_FMT if layout.is_frag(state) else FMT_ID[state["fmt"]]
 GROUP = {"nvfp4": 16, "mxfp4": 32}
 
 # Bit layout (see layout.py); constexpr globals so the jit functions can read them.
@@ -873,7 +873,7 @@ def dequant_bf16(state: dict, out: torch.Tensor | None = None, rows: tuple[int, 
     bk = _dequant_bk(k)
     if c0 % bk or (c1 % bk and c1 != k) or not (0 <= c0 < c1 <= k) or not (0 <= r0 < r1 <= n):
         raise ValueError(f"bad dequant block rows {r0}:{r1} cols {c0}:{c1} for [{n}, {k}] (column step {bk})")
-    if r0 % 16 and state.get("order", "rows") == "frag":
+    if r0 % 16 and layout.is_frag(state):
         raise ValueError(f"fragment-ordered words dequantise from a row that is a multiple of 16, got {r0}")
     o = torch.empty(r1 - r0, c1 - c0, device=words.device, dtype=torch.bfloat16) if out is None else out
     if o.shape != (r1 - r0, c1 - c0) or o.stride(1) != 1:
@@ -1131,7 +1131,7 @@ def _fused_route(m: int, state: dict, device: torch.device, config: dict | None)
     """The kernel `forward` runs an M-row launch of the fused path on (no tile config) -> (path,
     config): routed as a PDL chain where CHAIN_ROUTING / PDL say so."""
     path = "fused"
-    if state.get("order", "rows") == "frag":
+    if layout.is_frag(state):
         return _frag_route(m, state, device, config)
     nk = state["n"] * state["k"]
     chain = PDL if CHAIN_ROUTING is None else CHAIN_ROUTING
@@ -1168,8 +1168,9 @@ FRAG_WGMMA = env_int("QERL_W4A16_FRAG_WGMMA", 0)
 
 def _frag_route(m: int, state: dict, device: torch.device, config: dict | None) -> tuple[str, dict | None]:
     """_fused_route for fragment-ordered words (state["order"] "frag"; rwg and the Triton kernels read them, the
-    Gluon GEMV and the wgmma GEMM too, not yet GPU-tested): rwg up to RWG_WIDE_MAX_M tokens on sm_90 (its config rule from RWG_MIN_M tokens, its defaults below:
-    R = 2, BM 16, measured 1.93x bf16 at 9..16 tokens and 2.01x at 1..8 on the H100, NOTES_w4a16.md section 47),
+    Gluon GEMV and the wgmma GEMM too, not yet GPU-tested): rwg up to RWG_WIDE_MAX_M tokens on sm_90 (its config
+    rule from RWG_MIN_M tokens, its defaults below: R = 2, BM 16, measured 1.93x bf16 at 9..16 tokens and 2.01x at
+    1..8 on the H100, NOTES_w4a16.md section 47),
     else the bf16 buffer + cuBLAS; the fused Triton kernel where no Gluon kernel runs (not sm_90, K % 256). With
     FRAG_GEMV_MAX_M, the Gluon GEMV up to that many tokens; with FRAG_WGMMA, the wgmma GEMM above rwg's range (and
     from DEQUANT_MIN_M by its large-M rule in `forward`, as rows layers)."""
@@ -1206,7 +1207,8 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
         # (modifier keys such as PDL keep the dispatch)
         path, config = _fused_route(m, state, x.device, config)
     if (path == "dequant" and PREFILL not in ("fused", "dequant", "overlap") and not (config and "PATH" in config)
-            and (state.get("order", "rows") == "rows" or FRAG_WGMMA) and m < WGMMA_MAX_M and WGMMA_MIN_M > 0 and _wsmma_ok(x.device, state)):
+            and (FRAG_WGMMA or not layout.is_frag(state)) and m < WGMMA_MAX_M and WGMMA_MIN_M > 0
+            and _wsmma_ok(x.device, state)):
         large = _large_m_wgmma(state["n"], m, _num_sms(x.device.index if x.device.index is not None else 0))
         if large is not None:
             path, config = "wgmma", {**large, **(config or {})}

@@ -66,6 +66,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from qerl.kernels import layout
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels.w4a16_triton import _KA, _KM, _KS, _R1, _R2, _R3, _S0, _S3  # the bit layout (layout.py)
 from qerl.kernels.w4a16_frag import FRAG_SCALE_PAIRS, FRAG_SMEM, frag_decode, frag_layouts, frag_prep, frag_stage
@@ -492,7 +493,7 @@ def _weight_descriptors(state: dict):
     prefill at M = 256 was bound by the host: 56 ms of it in the 4-bit linears at 7B batch 1 for
     24 ms of GPU work; benchmarks/NOTES_rollout.md section 7). The key re-checks what they encode."""
     words, scale = state["words"], state["scale"]
-    frag = state.get("order", "rows") == "frag"
+    frag = layout.is_frag(state)
     key = (state["fmt"], frag, words.data_ptr(), tuple(words.shape), words.stride(), scale.data_ptr(),
            tuple(scale.shape), scale.stride())
     found = state.get("_tma_descriptors")
@@ -583,7 +584,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     maxnreg, PDL."""
     x = checked_input(x, state, "wgmma")
     fmt, n, kb, m = state["fmt"], state["n"], state["kb"], x.shape[0]
-    consts, cfg = kernel_args(fmt, m, config, state.get("order", "rows") == "frag")
+    consts, cfg = kernel_args(fmt, m, config, layout.is_frag(state))
     if consts["FMT"] in SCALE_BITS_FMT and SCALE_BITS and state.get("scale_bits", False):
         consts = dict(consts, FMT=SCALE_BITS_FMT[consts["FMT"]])  # the integer scale conversion
     bm, bn = consts["BM"], consts["num_warps"] * 16

@@ -44,6 +44,22 @@ def _rotr(w, r: gl.constexpr):
     return (w >> r) | (w << (32 - r))
 
 
+_NV_SCALE_MUL = gl.constexpr(3.3230699894622897e35)  # 2^118: FP8-E4M3 scale times 2^(126 - J), J = 8
+
+
+@gluon.jit
+def _nv_scale2(sraw, SBITS: gl.constexpr):
+    """FP8-E4M3 scale bytes -> the bf16x2 multiplier s * 2^118 in both halves: with SBITS (prepare's scale_bits:
+    every scale normal) the bits (b << 4) + 0x7700 by integer arithmetic, else a float conversion."""
+    if SBITS:
+        s2 = ((sraw.to(gl.uint8, bitcast=True).to(gl.uint32) << 4) + 0x7700) * 0x10001
+    else:
+        s16 = (sraw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _NV_SCALE_MUL).to(gl.bfloat16).to(
+            gl.uint16, bitcast=True).to(gl.uint32)
+        s2 = s16 | (s16 << 16)
+    return s2
+
+
 @gluon.jit
 def _scale_pairs(s_lo, s_hi):
     """FP8 scale bytes (uint8, all normal: positive) of rows g and g + 8 -> one register of both bf16 multipliers
