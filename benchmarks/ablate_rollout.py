@@ -970,7 +970,7 @@ def main() -> None:
     # the command with this process's QERL_* switches (e.g. QERL_W4A16_ORDER, the layers' word order) reproduces it
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "command": switches_prefix() + " ".join(sys.argv),
-              "word_order": layout.default_order(a.format),
+              "word_order": layout.default_order(a.format, torch.device("cuda"), 256),  # a K % 256 == 0 layer's
               "model": a.model, "format": a.format, "lora_rank": a.lora, "keys": a.keys, "generations": a.generations,
               "rows": []}
     for batch in a.batch:

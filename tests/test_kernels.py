@@ -185,6 +185,13 @@ def test_prepare_fragment_order(monkeypatch):
     monkeypatch.setenv("QERL_W4A16_ORDER", "diag")
     with pytest.raises(ValueError, match="QERL_W4A16_ORDER"):
         prepare("nvfp4", t)
+    # "auto": frag only where the sm_90 kernels read it (an sm_90 GPU, K % 256 == 0), rows on CPU and elsewhere
+    monkeypatch.setenv("QERL_W4A16_ORDER", "auto")
+    assert prepare("nvfp4", t)["order"] == "rows"  # CPU tensors
+    for cap, k, want in (((9, 0), 512, "frag"), ((9, 0), 576, "rows"), ((8, 0), 512, "rows"), ((10, 0), 512, "rows")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        assert layout.default_order("nvfp4", torch.device("cuda", 0), k) == want, (cap, k)
+        assert layout.default_order("mxfp4", torch.device("cuda", 0), k) == "rows"
 
 
 # --------------------------------------------------------------------------- dispatch

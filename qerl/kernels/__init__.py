@@ -92,7 +92,7 @@ def prepare(fmt: str, tensors: dict[str, torch.Tensor], locks: int | None = None
     arrays for the split-reduction path.
     nf4 and bf16: the checkpoint tensors themselves (torch backend only).
     `order` (nvfp4): the words' order, "rows" or "frag" (layout.py; default layout.default_order(),
-    i.e. QERL_W4A16_ORDER): "frag" holds each thread's wgmma A-fragment pairs in one word (rwg reads them
+    i.e. QERL_W4A16_ORDER, where "auto" picks frag on sm_90 when K % 256 == 0): "frag" holds each thread's wgmma A-fragment pairs in one word (rwg reads them
     with 9 integer ops per word); kept in state["order"]. mxfp4 is always "rows".
 
     This costs one host sync (mxfp4 exponent range, nvfp4 scale check); do it before CUDA-graph capture.
@@ -110,7 +110,7 @@ def prepare(fmt: str, tensors: dict[str, torch.Tensor], locks: int | None = None
         raise ValueError(f"the fused kernels need K % 32 == 0, got K={k}")
     device = packed.device
     group = 16 if fmt == "nvfp4" else 32
-    order = layout.default_order(fmt) if order is None else order
+    order = layout.default_order(fmt, device, k) if order is None else order
     if order not in layout.ORDERS:
         raise ValueError(f"unknown word order {order!r}; valid: {', '.join(layout.ORDERS)}")
     if order == "frag":

@@ -240,20 +240,27 @@ def tiles_to_frag_tiles(tiles: torch.Tensor) -> torch.Tensor:
 
 
 # The two word orders of a prepared state (state["order"]): "rows" (codes_to_words, tiled) and "frag"
-# (codes_to_frag_tiles; nvfp4 only). Default: QERL_W4A16_ORDER, else "rows".
+# (codes_to_frag_tiles; nvfp4 only). QERL_W4A16_ORDER picks one, or "auto" (DEFAULT_ORDER): frag where the sm_90
+# kernels that read it fastest run (an sm_90 GPU and K % 256 == 0), rows elsewhere.
 ORDERS = ("rows", "frag")
+DEFAULT_ORDER = "rows"
 
 
-def default_order(fmt: str = "nvfp4") -> str:
-    """The word order `prepare` gives a `fmt` layer by default: QERL_W4A16_ORDER for nvfp4 (else "rows"); other
-    formats have only the rows order."""
+def default_order(fmt: str = "nvfp4", device: torch.device | None = None, k: int | None = None) -> str:
+    """The word order `prepare` gives a `fmt` layer of K `k` on `device` by default: QERL_W4A16_ORDER for nvfp4
+    (unset: DEFAULT_ORDER; "auto": frag on an sm_90 GPU with K % 256 == 0, else rows); other formats have only
+    the rows order."""
     import os
 
     if fmt != "nvfp4":
         return "rows"
-    order = os.environ.get("QERL_W4A16_ORDER", "rows").strip() or "rows"
+    order = os.environ.get("QERL_W4A16_ORDER", DEFAULT_ORDER).strip() or DEFAULT_ORDER
+    if order == "auto":
+        hopper = (device is not None and torch.device(device).type == "cuda"
+                  and torch.cuda.get_device_capability(torch.device(device)) == (9, 0))
+        return "frag" if hopper and k is not None and k % 256 == 0 else "rows"
     if order not in ORDERS:
-        raise ValueError(f"QERL_W4A16_ORDER={order!r}: valid word orders are {', '.join(ORDERS)}")
+        raise ValueError(f"QERL_W4A16_ORDER={order!r}: valid word orders are {', '.join(ORDERS)}, auto")
     return order
 
 
