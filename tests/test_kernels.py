@@ -1387,19 +1387,22 @@ def test_fragment_order_routes(monkeypatch):
     assert W._fused_route(4, frag, cpu, None) == ("fused", None)  # no Gluon kernels here
     monkeypatch.setattr(W, "_wsmma_ok", lambda device, state: True)
     monkeypatch.setattr(W, "_num_sms", lambda index: 132)
+    assert W.FRAG_GEMV_MAX_M == 8 and not W.FRAG_WGMMA  # the defaults (session 74: the GEMV's GPU test passed)
+    monkeypatch.setattr(W, "FRAG_GEMV_MAX_M", 0)  # rwg alone
     for m in (1, 8, 9, 16):
         assert W._fused_route(m, frag, cpu, None) == ("rwg", None), m
     for m in (17, 32, 64, 128):
         path, cfg = W._fused_route(m, frag, cpu, {"PDL": 1})
         assert path == "rwg" and cfg == {**W._rwg_config(37888, 3584, m, 132), "PDL": 1}, m
     assert W._fused_route(129, frag, cpu, None)[0] == "dequant"
-    monkeypatch.setattr(W, "FRAG_WGMMA", 1)  # the wgmma GEMM's fragment path, once its GPU test has passed
+    monkeypatch.setattr(W, "FRAG_WGMMA", 1)  # the wgmma GEMM's fragment path, once all its GPU tests have passed
     assert W._fused_route(129, frag, cpu, None)[0] == "wgmma"
     monkeypatch.setattr(W, "FRAG_WGMMA", 0)
     assert not W.routes_to_gluon_tokens(torch.zeros(4, 3584, dtype=torch.bfloat16), frag)
     assert W.routes_to_gluon_tokens(torch.zeros(4, 3584, dtype=torch.bfloat16), {**frag, "order": "rows"})
-    monkeypatch.setattr(W, "FRAG_GEMV_MAX_M", 8)  # the Gluon GEMV's fragment path, once its GPU test has passed
+    monkeypatch.setattr(W, "FRAG_GEMV_MAX_M", 8)  # the Gluon GEMV's fragment path (the default)
     assert [W._fused_route(m, frag, cpu, None)[0] for m in (1, 8, 9)] == ["wsmma", "wsmma", "rwg"]
+    assert W.routes_to_gluon_tokens(torch.zeros(4, 3584, dtype=torch.bfloat16), frag)
     x = torch.zeros(4, 3584, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="reads rows-ordered words"):
         w4a16_gemv.forward(x, frag)

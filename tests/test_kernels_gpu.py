@@ -859,7 +859,9 @@ def test_wgmma_kernel_fragment_words(cfg):
         rows = prepare("nvfp4", state_tensors(st), order="rows")
         return torch.equal(W.forward(x, rows, bias=bias, config=conf), y)
 
-    _check_gluon_gemm("nvfp4", conf, (130, 300) if cfg else (33, 130, 256, 512), 4, same_as_rows, order="frag")
+    # 33 / 100 tokens (BM 64 / 128) for the other configs: at 130+ tokens (BM 256) CPS 4 / NSD 2 and LOADS 1 /
+    # BN 128 / NSW 4 need more than the H100's 232448 B of shared memory (kernel_args refuses them)
+    _check_gluon_gemm("nvfp4", conf, (33, 100) if cfg else (33, 130, 256, 512), 4, same_as_rows, order="frag")
 
 
 @pytest.mark.parametrize("cfg", WG_CASES, ids=["-".join(f"{k}{v}" for k, v in c.items()) or "default" for c in WG_CASES])

@@ -1158,17 +1158,19 @@ def _fused_route(m: int, state: dict, device: torch.device, config: dict | None)
     return path, config
 
 
-# Fragment-ordered layers at 1..FRAG_GEMV_MAX_M tokens on the Gluon GEMV (w4a16_gluon WF 2) instead of rwg: 0 (off)
-# until the GEMV's fragment path has passed its GPU test (built and mapped offline in session 73, not yet run).
-FRAG_GEMV_MAX_M = env_int("QERL_W4A16_FRAG_GEMV_MAX_M", 0)
+# Fragment-ordered layers at 1..FRAG_GEMV_MAX_M tokens on the Gluon GEMV (w4a16_gluon WF 2) instead of rwg (0: off).
+# Its GPU test passed in session 74 (H100); 16 layers at 1 / 8 tokens: median 2.06 / 2.12x bf16 on rows layers,
+# 2.08 / 2.18x on frag layers with it (rwg there: 1.52 / 1.51x on the H200, NOTES_w4a16.md section 49).
+FRAG_GEMV_MAX_M = env_int("QERL_W4A16_FRAG_GEMV_MAX_M", 8)
 # Fragment-ordered layers above rwg's range on the wgmma GEMM (w4a16_wgmma FMT 4 / 5, by the rows layers' rules)
-# instead of dequantise + cuBLAS: off until its GPU test has passed (built offline in session 73, not yet run).
+# instead of dequantise + cuBLAS: off. Its GPU test passed for the default config and BN 128 / BM 128 in session 74;
+# two configs are still unrun and the prefill has not been timed on frag layers.
 FRAG_WGMMA = env_int("QERL_W4A16_FRAG_WGMMA", 0)
 
 
 def _frag_route(m: int, state: dict, device: torch.device, config: dict | None) -> tuple[str, dict | None]:
-    """_fused_route for fragment-ordered words (state["order"] "frag"; rwg and the Triton kernels read them, the
-    Gluon GEMV and the wgmma GEMM too, not yet GPU-tested): rwg up to RWG_WIDE_MAX_M tokens on sm_90 (its config
+    """_fused_route for fragment-ordered words (state["order"] "frag"; rwg, the Triton kernels and the Gluon GEMV read them,
+    the wgmma GEMM too, partly GPU-tested): rwg up to RWG_WIDE_MAX_M tokens on sm_90 (its config
     rule from RWG_MIN_M tokens, its defaults below: R = 2, BM 16, measured 1.93x bf16 at 9..16 tokens and 2.01x at
     1..8 on the H100, NOTES_w4a16.md section 47),
     else the bf16 buffer + cuBLAS; the fused Triton kernel where no Gluon kernel runs (not sm_90, K % 256). With
