@@ -132,7 +132,7 @@ def test_gemv_exact_per_element_deterministic_and_graph(fmt, decode_f32, acc2d):
     from qerl.kernels import w4a16_triton as W
 
     n, k = 256, 512
-    t, st, w32 = _layer(fmt, n, k, seed=5)
+    t, st, w32 = _layer(fmt, n, k, seed=5, order="rows")  # the CUDA-core GEMV reads rows-ordered words only
     eye = torch.eye(k, device="cuda", dtype=torch.bfloat16)
     cfg = dict(PATH="gemv", DECODE_F32=decode_f32, ACC2D=acc2d)
     rows = 1 if acc2d else 4  # ACC2D only serves M = 1
@@ -430,7 +430,8 @@ def test_pdl_chain_waits_for_its_input(fmt, m):
     from qerl.kernels import w4a16_triton as W
 
     n = 3584
-    layers = [_layer(fmt, n, n, seed=40 + i)[1] for i in range(3)]
+    # (M = 1 also runs PATH "ws", which reads rows-ordered words only; other M take the default word order)
+    layers = [_layer(fmt, n, n, seed=40 + i, order="rows" if m == 1 else None)[1] for i in range(3)]
     order = [0, 1, 2, 0, 1, 2, 0]
 
     def chain_ref(x):
@@ -492,7 +493,8 @@ def test_warp_specialised_gemv(name, n, k, path, cfg):
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("needs Hopper (TMA, warp specialisation)")
-    t, st, w32 = _layer("nvfp4", n, k, seed=11)
+    # rows-ordered words: PATH "ws" and 8 / 16-warp "wsmma" read only those (test_gluon_gemv_fragment_words: frag)
+    t, st, w32 = _layer("nvfp4", n, k, seed=11, order="rows")
     bias = torch.randn(n, device="cuda").to(torch.bfloat16)
     conf = dict(cfg, PATH=path)
     for m in (1, 3, 8) if path == "wsmma" else (1,):
