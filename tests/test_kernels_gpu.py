@@ -1269,9 +1269,9 @@ def test_gluon_gemv_x_smem_pdl_chain(m):
                            60, lambda a, b: _rel(a, b) < TOL)
 
 
-def _check_gluon_gemm(fmt: str, conf: dict, ms, seed: int, also=None, order: str | None = None):
+def _check_gluon_gemm(fmt: str, conf: dict, ms, seed: int, also=None, order: str = "rows"):
     """W.forward with `conf` on three layers (1058 x 1024: 17 row tiles, the last one partly past N;
-    4608 x 3584; 7168 x 5120; prepared in `order`) at each M in ms: fp32 reference within TOL on a NaN-poisoned
+    4608 x 3584; 7168 x 5120; prepared in `order`, rows unless a fragment-order test asks) at each M in ms: fp32 reference within TOL on a NaN-poisoned
     output with bias, a bit-identical re-run, also(x, state, bias, y) true where given, counters back at 0;
     then a CUDA-graph replay of the last layer at M = 64 on new data."""
     from qerl.kernels import w4a16_triton as W
