@@ -91,9 +91,10 @@ def prepare(fmt: str, tensors: dict[str, torch.Tensor], locks: int | None = None
     scale_bits_exact, mxfp4 where every exponent's multiplier is a normal bf16), and two int32 counter
     arrays for the split-reduction path.
     nf4 and bf16: the checkpoint tensors themselves (torch backend only).
-    `order` (nvfp4): the words' order, "rows" or "frag" (layout.py; default layout.default_order(),
-    i.e. QERL_W4A16_ORDER, where "auto" picks frag on sm_90 when K % 256 == 0): "frag" holds each thread's wgmma A-fragment pairs in one word (rwg reads them
-    with 9 integer ops per word); kept in state["order"]. mxfp4 is always "rows".
+    `order` (nvfp4): the words' order, "rows" or "frag" (layout.py; default layout.default_order(), i.e.
+    QERL_W4A16_ORDER, where "auto" picks frag on sm_90 when K % 256 == 0): "frag" holds each thread's wgmma
+    A-fragment pairs in one word (rwg reads them with 9 integer ops per word); kept in state["order"]. mxfp4 is
+    always "rows".
 
     This costs one host sync (mxfp4 exponent range, nvfp4 scale check); do it before CUDA-graph capture.
     """

@@ -240,8 +240,8 @@ def tiles_to_frag_tiles(tiles: torch.Tensor) -> torch.Tensor:
 
 
 # The two word orders of a prepared state (state["order"]): "rows" (codes_to_words, tiled) and "frag"
-# (codes_to_frag_tiles; nvfp4 only). QERL_W4A16_ORDER picks one, or "auto" (DEFAULT_ORDER): frag where the sm_90
-# kernels that read it fastest run (an sm_90 GPU and K % 256 == 0), rows elsewhere.
+# (codes_to_frag_tiles; nvfp4 only). QERL_W4A16_ORDER picks one, or "auto": frag where the sm_90 kernels that
+# read it fastest run (an sm_90 GPU and K % TILE_K == 0), rows elsewhere. Unset: DEFAULT_ORDER.
 ORDERS = ("rows", "frag")
 DEFAULT_ORDER = "rows"
 
@@ -255,10 +255,10 @@ def default_order(fmt: str = "nvfp4", device: torch.device | None = None, k: int
     if fmt != "nvfp4":
         return "rows"
     order = os.environ.get("QERL_W4A16_ORDER", DEFAULT_ORDER).strip() or DEFAULT_ORDER
-    if order == "auto":
-        hopper = (device is not None and torch.device(device).type == "cuda"
-                  and torch.cuda.get_device_capability(torch.device(device)) == (9, 0))
-        return "frag" if hopper and k is not None and k % 256 == 0 else "rows"
+    if order == "auto":  # where w4a16_triton._wsmma_ok runs the sm_90 kernels
+        device = torch.device(device) if device is not None else None
+        hopper = device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+        return "frag" if hopper and k is not None and k % TILE_K == 0 else "rows"
     if order not in ORDERS:
         raise ValueError(f"QERL_W4A16_ORDER={order!r}: valid word orders are {', '.join(ORDERS)}, auto")
     return order

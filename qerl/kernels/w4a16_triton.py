@@ -1086,8 +1086,9 @@ def _rwg_kp_wins(n: int, k: int, slots: int, r: int) -> bool:
 
 
 def _wsmma_ok(device: torch.device, state: dict) -> bool:
-    """The Gluon kernels run on sm_90 only (TMA, warp specialisation) and need K % 256 == 0."""
-    return (not INTERPRETED and device.type == "cuda" and state["k"] % 256 == 0
+    """The Gluon kernels run on sm_90 only (TMA, warp specialisation) and need K % 256 == 0 (one tile's K;
+    layout.default_order's "auto" rule follows this one)."""
+    return (not INTERPRETED and device.type == "cuda" and state["k"] % layout.TILE_K == 0
             and _hopper(device.index if device.index is not None else 0))
 
 
@@ -1169,13 +1170,12 @@ FRAG_WGMMA = env_int("QERL_W4A16_FRAG_WGMMA", 0)
 
 
 def _frag_route(m: int, state: dict, device: torch.device, config: dict | None) -> tuple[str, dict | None]:
-    """_fused_route for fragment-ordered words (state["order"] "frag"; rwg, the Triton kernels and the Gluon GEMV read them,
-    the wgmma GEMM too, partly GPU-tested): rwg up to RWG_WIDE_MAX_M tokens on sm_90 (its config
-    rule from RWG_MIN_M tokens, its defaults below: R = 2, BM 16, measured 1.93x bf16 at 9..16 tokens and 2.01x at
-    1..8 on the H100, NOTES_w4a16.md section 47),
-    else the bf16 buffer + cuBLAS; the fused Triton kernel where no Gluon kernel runs (not sm_90, K % 256). With
-    FRAG_GEMV_MAX_M, the Gluon GEMV up to that many tokens; with FRAG_WGMMA, the wgmma GEMM above rwg's range (and
-    from DEQUANT_MIN_M by its large-M rule in `forward`, as rows layers)."""
+    """_fused_route for fragment-ordered words (state["order"] "frag"; rwg, the Triton kernels and the Gluon GEMV
+    read them, the wgmma GEMM too, partly GPU-tested). On sm_90: the Gluon GEMV up to FRAG_GEMV_MAX_M tokens, rwg
+    up to RWG_WIDE_MAX_M (its config rule from RWG_MIN_M tokens, its defaults below: R = 2, BM 16, measured 1.93x
+    bf16 at 9..16 tokens on the H100, NOTES_w4a16.md section 47), then the bf16 buffer + cuBLAS, or with FRAG_WGMMA
+    the wgmma GEMM (and from DEQUANT_MIN_M by its large-M rule in `forward`, as rows layers). The fused Triton
+    kernel where no Gluon kernel runs (not sm_90, K % 256)."""
     if FRAG_GEMV_MAX_M and m <= FRAG_GEMV_MAX_M and _wsmma_ok(device, state):
         return "wsmma", config
     if m <= max(RWG_MAX_M, RWG_WIDE_MAX_M) and _wsmma_ok(device, state):
