@@ -203,7 +203,8 @@ def test_backend_resolution_on_cpu():
     assert resolve_backend("auto", "cpu") == "torch"
     assert resolve_backend("torch", cpu, "mxfp4") == "torch"
     assert resolve_backend("auto", cpu, "nf4") == "torch"
-    with pytest.raises(KernelUnavailable, match=r"needs a CUDA GPU of compute capability >= 9.0 \(Hopper\) and triton"):
+    with pytest.raises(KernelUnavailable, match=r"needs a CUDA GPU of compute capability >= 8.0 \(9.0, Hopper, for the "
+                                                 r"fast kernels\) and triton"):
         resolve_backend("triton", cpu, "nvfp4")
     with pytest.raises(KernelUnavailable):
         resolve_backend("triton", cpu, "nf4")
@@ -214,24 +215,116 @@ def test_backend_resolution_on_cpu():
 
 
 def test_pre_hopper_gpus_take_the_torch_backend(monkeypatch):
-    """On a GPU below compute capability 9.0 (here an A100's 8.0, simulated) the fused kernels, which would not
-    compile there, are reported unavailable with one warning: `auto` resolves to torch, `triton` fails in one line."""
+    """On a GPU below compute capability 9.0 (here an A100's 8.0, simulated) the fast kernels are reported
+    unavailable with one warning and `auto` resolves to torch; `triton`, asked for, runs the portable form there
+    (with its own warning), and below 8.0 fails in one line."""
     from qerl import kernels
 
+    has_triton = importlib.util.find_spec("triton") is not None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     kernels.available.cache_clear()
+    kernels.portable_available.cache_clear()
     try:
         with pytest.warns(UserWarning, match="compute capability >= 9.0 .*this GPU is 8.0: using the torch backend"):
             assert kernels.available() is False
         assert resolve_backend("auto", torch.device("cuda", 0), "nvfp4") == "torch"
-        with pytest.raises(KernelUnavailable, match="Hopper"):
+        if has_triton:
+            with pytest.warns(UserWarning, match="portable form"):
+                assert resolve_backend("triton", torch.device("cuda", 0), "nvfp4") == "triton"
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+        kernels.available.cache_clear()
+        kernels.portable_available.cache_clear()
+        with pytest.warns(UserWarning):
+            assert kernels.available() is False
+        with pytest.raises(KernelUnavailable, match="compute capability >= 8.0"):
             resolve_backend("triton", torch.device("cuda", 0), "nvfp4")
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
         kernels.available.cache_clear()
-        assert kernels.available() is (importlib.util.find_spec("triton") is not None)
+        kernels.portable_available.cache_clear()
+        assert kernels.available() is has_triton
     finally:
         kernels.available.cache_clear()
+        kernels.portable_available.cache_clear()
+
+
+_PORTABLE_SCRIPT = textwrap.dedent(
+    """
+    import json, torch
+    from qerl.formats import quantize_weight
+    from qerl.kernels import prepare
+    from qerl.kernels import w4a16_gemv as V, w4a16_triton as W
+    torch.manual_seed(0)
+    t = quantize_weight(torch.randn(64, 512) * 0.1, "nvfp4")
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)  # every E4M3 bit pattern but the two NaNs
+    st = prepare("nvfp4", t)
+    flat = st["scale"].view(-1)
+    flat.copy_(codes.repeat(-(-flat.numel() // codes.numel()))[: flat.numel()])
+    x1, x3, dy = torch.randn(1, 512).to(torch.bfloat16), torch.randn(3, 512).to(torch.bfloat16), torch.randn(3, 64)
+    out = {}
+    for portable in (False, True):
+        W.PORTABLE = portable
+        out[portable] = (W.fmt_id(st), W.dequant_bf16(st), V.forward(x1, st), W.forward(x3, st),
+                         W.backward(dy.to(torch.bfloat16), st))
+    same = [torch.equal(a, b) for a, b in zip(out[False][1:], out[True][1:])]
+    print("RESULTS" + json.dumps(dict(fmts=[out[False][0], out[True][0]], same=same,
+                                      finite=bool(torch.isfinite(out[True][1]).all()))))
+    """
+)
+
+
+def test_portable_e4m3_scales_match_the_conversion():
+    """The portable form's integer E4M3 decode (FMT 3, pre-sm_89 GPUs) gives the same dequantised weight and
+    the same GEMV / fused-kernel outputs, bit for bit, as the hardware conversion, over every E4M3 pattern
+    (subnormals and negatives included), in the interpreter."""
+    from interpreted import run_interpreted
+
+    r = run_interpreted(_PORTABLE_SCRIPT, 0, timeout=600)
+    assert r["fmts"] == [0, 3]
+    assert r["same"] == [True, True, True, True] and r["finite"], r
+
+
+def _compile_for(fn, arch: int, sig: dict, consts: dict):
+    """An offline triton.compile of a Triton kernel for sm_<arch> (ptxas included) with pointers 16-byte aligned."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = dict(sig, **{name: "constexpr" for name in consts})
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": 4})
+
+
+@pytest.mark.parametrize("arch", [80, 86, 89])
+def test_portable_kernels_build_before_hopper(arch):
+    """The portable form of the Triton kernels (fp32 decode, no packed bf16x2 multiply; integer E4M3 scales
+    below sm_89) builds for Ampere / Ada: the fused kernel forward and backward, the dequantise kernel and
+    the CUDA-core GEMV, for nvfp4 and mxfp4."""
+    pytest.importorskip("triton")
+    from qerl.kernels import w4a16_gemv as V
+    from qerl.kernels import w4a16_triton as W
+
+    nv = W.SOFT_E4M3_FMT if arch < 89 else 0
+    ptrs = ["*bf16", "*i32", "*u8", "*fp32", "*bf16", "*bf16", "*fp32", "*i32"]
+    fused = dict(zip(["a_ptr", "w_ptr", "s_ptr", "alpha_ptr", "bias_ptr", "c_ptr", "ws_ptr", "lock_ptr", "stamp_ptr"],
+                     ptrs + ["*i32"]))
+    fused.update({n: "i32" for n in ["M", "NOUT", "RED", "stride_am", "stride_cm", "KB", "exp_bias", "S"]})
+    gemv = dict(zip(["x_ptr", "w_ptr", "s_ptr", "alpha_ptr", "bias_ptr", "c_ptr", "ws_ptr", "lock_ptr"], ptrs))
+    gemv.update({n: "i32" for n in ["M", "N", "K", "stride_xm", "stride_cm", "KB", "exp_bias", "S"]})
+    deq = {"w_ptr": "*i32", "s_ptr": "*u8", "alpha_ptr": "*fp32", "o_ptr": "*bf16"}
+    deq.update({n: "i32" for n in ["N", "K", "KB", "exp_bias", "ROW0", "ROW1", "COL0", "LDO"]})
+    for fmt in (nv, 1):
+        for bwd, bm in ((False, 16), (True, 64)):
+            _compile_for(W._w4a16_kernel, arch, fused, dict(
+                BWD=bwd, FMT=fmt, HAS_BIAS=not bwd, EVEN_O=True, EVEN_R=True, BM=bm, BO=64, BR=128, GROUP_M=8,
+                INTERPRETED=False, DECODE_F32=True, SWAP=False, SPLIT=not bwd, PACKED=False, PDL=False, LATE=False,
+                STAMP=False))
+        _compile_for(W._w4_to_bf16_kernel, arch, deq, dict(FMT=fmt, BR=32, BK=256, F32=True))
+        _compile_for(V._gemv_kernel, arch, gemv, dict(FMT=fmt, HAS_BIAS=False, EVEN_K=True, BM=1, BN=32, BK=256,
+                                                       F32=True, PACKED=False, ACC2D=True, CH=32, PDL=False, PF=0,
+                                                       LATE=False))
 
 
 @pytest.mark.parametrize("fmt", ("nvfp4", "mxfp4", "nf4"))

@@ -122,6 +122,41 @@ def test_decode_is_exact_per_element(fmt, m_rows, decode_f32):
     assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} elements differ, e.g. {y[bad][:5]} vs {ref[bad][:5]}"
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_portable_form_on_hopper(fmt, monkeypatch):
+    """The pre-Hopper form of the Triton kernels (w4a16_triton.PORTABLE: fp32 decode, no packed multiply, no PDL,
+    nvfp4 scales by integer E4M3 decode), forced on this GPU: identity rows give every dequantised weight as
+    the default form does, and the fused kernel (forward, backward), the GEMV and the dequantise kernel agree
+    with the default form's outputs on random inputs within bf16 rounding of the sums."""
+    from qerl.kernels import w4a16_gemv as V
+    from qerl.kernels import w4a16_triton as W
+
+    n, k = 256, 512
+    t, st, w32 = _layer(fmt, n, k, seed=7, order="rows")
+    runs = {}
+    for port in (False, True):
+        monkeypatch.setattr(W, "PORTABLE", port)
+        assert W.fmt_id(st) == (W.SOFT_E4M3_FMT if port and fmt == "nvfp4" else W.FMT_ID[fmt])
+        g = torch.Generator(device="cuda").manual_seed(1)
+        x16 = torch.randn(16, k, device="cuda", generator=g).to(torch.bfloat16)
+        dy = torch.randn(16, n, device="cuda", generator=g).to(torch.bfloat16)
+        eye = torch.eye(k, device="cuda", dtype=torch.bfloat16)[:16]
+        runs[port] = dict(
+            eye=W.forward(eye, st, config=dict(W._fwd_config(16, n, k, fmt), PATH="fused")),
+            fwd=W.forward(x16, st, config=dict(W._fwd_config(16, n, k, fmt), PATH="fused")),
+            bwd=W.backward(dy, st),
+            gemv=V.forward(x16[:1], st),
+            deq=W.dequant_bf16(st),
+        )
+    a, b = runs[False], runs[True]
+    assert torch.equal(a["deq"], b["deq"]) and torch.equal(a["eye"], b["eye"])
+    ref = w32.T[:16].to(torch.bfloat16).float()  # (nvfp4: alpha rounded once in fp32, one bf16 ulp)
+    assert not ((b["eye"].float() - ref).abs() > (0.0 if fmt == "mxfp4" else 2.0**-7) * ref.abs()).any()
+    for key in ("fwd", "bwd", "gemv"):
+        assert torch.isfinite(b[key]).all(), key
+        torch.testing.assert_close(b[key].float(), a[key].float(), rtol=2e-2, atol=2e-2, msg=key)
+
+
 @pytest.mark.parametrize("acc2d", (False, True), ids=("reduce-per-step", "reduce-at-end"))
 @pytest.mark.parametrize("decode_f32", (False, True), ids=("bf16-decode", "fp32-decode"))
 @pytest.mark.parametrize("fmt", FORMATS)

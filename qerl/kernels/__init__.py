@@ -23,17 +23,20 @@ BACKENDS = ("auto", "torch", "triton")
 FUSED_FORMATS = ("nvfp4", "mxfp4")
 
 
-# The kernels are built and tested on Hopper (sm_90): their nvfp4 decode multiplies packed bf16x2 (sm_90) and
-# converts FP8-E4M3 scales in hardware (sm_89+); on an older GPU they would fail to compile at the first call, so
-# such GPUs take the torch backend (dequantise + matmul), with one warning.
+# The kernels are built, tested and timed on Hopper (sm_90): their nvfp4 decode multiplies packed bf16x2 (sm_90)
+# and converts FP8-E4M3 scales in hardware (sm_89+). On an older GPU `auto` takes the torch backend (dequantise +
+# matmul), with one warning. From PORTABLE_CAPABILITY (Ampere) backend="triton" runs the 4-bit Triton kernels in
+# their portable form (w4a16_triton.PORTABLE: fp32 decode, integer E4M3 scales below 8.9; built for sm_80 / 86 /
+# 89, numerics checked on Hopper, speed not measured on such a GPU); the engine's other Triton ops stay off there.
 MIN_CAPABILITY = (9, 0)
+PORTABLE_CAPABILITY = (8, 0)
 
 
 class KernelUnavailable(RuntimeError):
     """The triton backend was asked for but cannot run here."""
 
-    def __init__(self, msg: str = "the triton backend needs a CUDA GPU of compute capability >= 9.0 (Hopper) and "
-                                  "triton"):
+    def __init__(self, msg: str = "the triton backend needs a CUDA GPU of compute capability >= 8.0 (9.0, Hopper, "
+                                  "for the fast kernels) and triton"):
         super().__init__(msg)
 
 
@@ -57,6 +60,25 @@ def available() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def portable_available() -> bool:
+    """True where backend="triton" can run the 4-bit Triton kernels: a CUDA GPU of compute capability >=
+    PORTABLE_CAPABILITY and triton (cached); below MIN_CAPABILITY they take their portable form, with one warning."""
+    try:
+        if not torch.cuda.is_available() or tuple(torch.cuda.get_device_capability()) < PORTABLE_CAPABILITY:
+            return False
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    if tuple(torch.cuda.get_device_capability()) < MIN_CAPABILITY:
+        import warnings
+
+        warnings.warn("qerl: backend='triton' on a GPU below compute capability 9.0 runs the 4-bit Triton kernels "
+                      "in their portable form (fp32 decode; built for sm_80 / 86 / 89 and checked for numerics on "
+                      "Hopper, not timed on this GPU class)", stacklevel=2)
+    return True
+
+
 def resolve_backend(backend: str, device, fmt: str | None = None) -> str:
     """'auto' | 'torch' | 'triton' -> the backend that will run ('torch' or 'triton').
 
@@ -71,7 +93,7 @@ def resolve_backend(backend: str, device, fmt: str | None = None) -> str:
     if backend == "triton":
         if not fused:
             raise KernelUnavailable(f"no fused triton kernel for {fmt!r}; use backend='torch' (dequantise, then matmul)")
-        if device.type != "cuda" or not available():
+        if device.type != "cuda" or not portable_available():
             raise KernelUnavailable()
         return "triton"
     return "triton" if (fused and device.type == "cuda" and available()) else "torch"

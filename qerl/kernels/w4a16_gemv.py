@@ -150,10 +150,11 @@ def forward(x: torch.Tensor, state: dict, bias=None, config: dict | None = None,
     if 64 % bn:
         raise ValueError(f"BN must divide 64, got {bn}")
     s_forced, waves = cfg.pop("S", None), int(cfg.pop("WAVES", 1))
-    decode_f32 = bool(cfg.pop("DECODE_F32", W.DECODE_F32))
-    packed = bool(cfg.pop("PACKED", W.PACKED_DECODE)) and not W.INTERPRETED and not decode_f32
+    port = W.portable(x.device)  # (w4a16_triton.PORTABLE)
+    decode_f32 = bool(cfg.pop("DECODE_F32", W.DECODE_F32 or port))
+    packed = bool(cfg.pop("PACKED", W.PACKED_DECODE)) and not W.INTERPRETED and not decode_f32 and not port
     acc2d = bool(cfg.pop("ACC2D", False)) and m == 1
-    pdl = bool(cfg.pop("PDL", W.PDL)) and not W.INTERPRETED
+    pdl = bool(cfg.pop("PDL", W.PDL)) and not W.INTERPRETED and not port
     cfg["LATE"] = bool(cfg.pop("PDL_LATE", PDL_LATE)) and pdl
     cfg["PF"] = min(3, int(cfg.get("PF", PF_DEPTH if pdl else 0)))
     cfg["CH"] = int(cfg.get("CH", 32))
@@ -162,7 +163,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, config: dict | None = None,
     blocks = triton.cdiv(n, bn)
     ki = triton.cdiv(k, bk)
     W.rows_order(state, "CUDA-core GEMV")
-    flags = dict(FMT=W.FMT_ID[state["fmt"]], HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BM=bm, BN=bn, BK=bk,
+    flags = dict(FMT=W.fmt_id(state), HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BM=bm, BN=bn, BK=bk,
                  F32=W.INTERPRETED or decode_f32, PACKED=packed, ACC2D=acc2d, PDL=pdl, **cfg)
     key = tuple(sorted(flags.items()))
     if s_forced is not None:

@@ -252,9 +252,35 @@ def rows_order(state: dict, kernel: str) -> None:
                          "the Gluon GEMV, the wgmma GEMM and the Triton kernels read it)")
 
 
+SOFT_E4M3_FMT = 3  # nvfp4 rows-ordered words whose FP8-E4M3 scales are decoded with integer operations (_scales)
+# Pre-Hopper GPUs (compute capability 8.x: A100, A10, L4, L40S, RTX 30xx / 40xx): the Triton kernels (fused,
+# dequantise, CUDA-core GEMV; not the sm_90 Gluon ones) build there in a portable form: the fp32 decode instead of
+# the packed bf16x2 multiply (sm_90), and below 8.9 the E4M3 scales decoded without the hardware conversion
+# (SOFT_E4M3_FMT). Built offline for sm_80 / 86 / 89 (tests/test_kernels.py) and checked for numerics on Hopper,
+# where QERL_W4A16_PORTABLE=1 forces the sm_80 form; not timed on such a GPU. kernels.resolve_backend gives it to
+# backend="triton" only ("auto" stays torch there).
+PORTABLE = os.environ.get("QERL_W4A16_PORTABLE") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(device_index))
+
+
+def portable(device: torch.device) -> bool:
+    """True where the Triton kernels take their portable form: a CUDA GPU below sm_90, or QERL_W4A16_PORTABLE."""
+    return PORTABLE or (device.type == "cuda" and _capability(device.index or 0) < (9, 0))
+
+
 def fmt_id(state: dict) -> int:
-    """The Triton kernels' FMT constexpr of a prepared state: its format, and nvfp4's word order."""
-    return FRAG_FMT if layout.is_frag(state) else FMT_ID[state["fmt"]]
+    """The Triton kernels' FMT constexpr of a prepared state: its format, nvfp4's word order, and for nvfp4 on a
+    GPU without the E4M3 conversion (below sm_89, or QERL_W4A16_PORTABLE) the integer scale decode."""
+    if layout.is_frag(state):
+        return FRAG_FMT
+    if state["fmt"] == "nvfp4" and (PORTABLE or (state["words"].device.type == "cuda"
+                                                 and _capability(state["words"].device.index or 0) < (8, 9))):
+        return SOFT_E4M3_FMT
+    return FMT_ID[state["fmt"]]
 GROUP = {"nvfp4": 16, "mxfp4": 32}
 
 # Bit layout (see layout.py); constexpr globals so the jit functions can read them.
@@ -355,6 +381,13 @@ def _scales(sraw, exp_bias, FMT: tl.constexpr):
     shifts is exact too, but then Triton stages the decoded tile through shared memory.)"""
     if FMT == 0:
         return (sraw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 3.3230699894622897e35).to(tl.bfloat16)
+    elif FMT == 3:  # the same value from the E4M3 bits (sign, 4 exponent bits, bias 7, 3 mantissa bits)
+        b = sraw.to(tl.int32)
+        e = (b >> 3) & 15
+        normal = (((b & 128) << 24) | ((e + 120) << 23) | ((b & 7) << 20)).to(tl.float32, bitcast=True)
+        sub = (b & 7).to(tl.float32) * 0.001953125  # e = 0: (bits & 7) * 2^-9, the sign applied below
+        sub = tl.where((b & 128) != 0, -sub, sub)
+        return (tl.where(e == 0, sub, normal) * 3.3230699894622897e35).to(tl.bfloat16)
     else:
         return tl.exp2(sraw.to(tl.float32) + (exp_bias - 127)).to(tl.bfloat16)
 
@@ -380,7 +413,7 @@ def _decode_raw(words, sraw, exp_bias, FMT: tl.constexpr, R: tl.constexpr, BK: t
     """Loaded words [R, BK/8] and raw scales -> the decoded tile [R, BK] (see _load_w_tile)."""
     sc = _scales(sraw, exp_bias, FMT)
     if PACKED and not F32:
-        w = _decode_tile_packed(words.to(tl.uint32, bitcast=True), sc, 16 if FMT == 0 else 32, R, BK)
+        w = _decode_tile_packed(words.to(tl.uint32, bitcast=True), sc, 32 if FMT == 1 else 16, R, BK)
     else:
         w = _decode_tile(words.to(tl.uint32, bitcast=True), sc, 16, R, BK, F32)
     return w
@@ -430,10 +463,10 @@ def _w_ptrs(w_ptr, s_ptr, rows, kw0, KB, FMT: tl.constexpr, BK: tl.constexpr, F3
             PACKED: tl.constexpr = False):
     """Pointers to the words [R, BK/8] and scales of the weight tile of `rows` (1-D, length R)
     and K = 8*kw0 .. 8*kw0 + BK."""
-    SPT: tl.constexpr = 16 if FMT == 0 else 8
+    SPT: tl.constexpr = 8 if FMT == 1 else 16
     kw = kw0 + tl.arange(0, BK // 8)
     g16 = kw0 // 2 + tl.arange(0, BK // 16)  # one scale per 16 weights (mxfp4: each read twice)
-    if FMT == 0:
+    if FMT != 1:  # nvfp4 (FMT 0, SOFT_E4M3_FMT)
         g = g16
     elif PACKED and not F32:
         g = kw0 // 4 + tl.arange(0, BK // 32)  # packed decode broadcasts each E8M0 scale itself
@@ -827,9 +860,10 @@ def _launch(a: torch.Tensor, state: dict, bwd: bool, bias, cfg: dict, out):
     schedule = cfg.pop("SCHEDULE", "auto")
     waves = int(cfg.pop("WAVES", 1))
     swap = bool(cfg.pop("SWAP", False)) and not bwd
-    packed = bool(cfg.pop("PACKED", PACKED_DECODE)) and not INTERPRETED
-    decode_f32 = bool(cfg.pop("DECODE_F32", DECODE_F32))
-    pdl = bool(cfg.pop("PDL", PDL)) and not INTERPRETED
+    port = portable(a.device)  # the packed decode is sm_90 PTX: the fp32 decode instead
+    packed = bool(cfg.pop("PACKED", PACKED_DECODE)) and not INTERPRETED and not port
+    decode_f32 = bool(cfg.pop("DECODE_F32", DECODE_F32 or port))
+    pdl = bool(cfg.pop("PDL", PDL)) and not INTERPRETED and not port  # (griddepcontrol: sm_90)
     late = bool(cfg.pop("PDL_LATE", PDL_LATE)) and pdl
     if cfg.get("maxnreg") is None or INTERPRETED:
         cfg.pop("maxnreg", None)
@@ -881,7 +915,7 @@ def dequant_bf16(state: dict, out: torch.Tensor | None = None, rows: tuple[int, 
     br = 32
     _w4_to_bf16_kernel[(triton.cdiv(r1 - r0, br), (c1 - c0) // bk)](
         words, state["scale"], state["alpha"], o, n, k, state["kb"], state["exp_bias"], r0, r1, c0, o.stride(0),
-        FMT=fmt_id(state), BR=br, BK=bk, F32=INTERPRETED or DECODE_F32, num_warps=4,
+        FMT=fmt_id(state), BR=br, BK=bk, F32=INTERPRETED or DECODE_F32 or portable(words.device), num_warps=4,
     )
     return o
 
