@@ -505,6 +505,12 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     )
     if key not in _RESIDENT:
         _RESIDENT[key] = WG._resident(kernel, consts["num_warps"]) or per_sm
+        if (_RESIDENT[key] != per_sm and cfg["PER_SM"] is None and cfg.get("S") is None and kp == 1
+                and WG.split(tiles, kb, int(_RESIDENT[key]) * W._num_sms(x.device.index or 0)) != s
+                and not torch.cuda.is_current_stream_capturing()):
+            # this key's first launch split K by a guessed occupancy; once more with the measured one, so the
+            # first launch sums K in the same slices as every later launch (bit-identical outputs)
+            return forward(x, state, bias=bias, out=out, config=config)
     return c if out is None or c is out else out.copy_(c)
 
 
