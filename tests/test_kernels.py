@@ -1482,8 +1482,16 @@ def test_fragment_order_routes(monkeypatch):
     monkeypatch.setattr(W, "_num_sms", lambda index: 132)
     assert W.FRAG_GEMV_MAX_M == 8 and not W.FRAG_WGMMA  # the defaults (session 74: the GEMV's GPU test passed)
     monkeypatch.setattr(W, "FRAG_GEMV_MAX_M", 0)  # rwg alone
-    for m in (1, 8, 9, 16):
+    for m in (1, 8):
         assert W._fused_route(m, frag, cpu, None) == ("rwg", None), m
+    for m in (9, 16):  # FRAG_SMALL_RULE: the 17..32-token rule (three per SM for this wide, K <= 4096 layer)
+        assert W._fused_route(m, frag, cpu, None) == ("rwg", W._rwg_config(37888, 3584, W.RWG_THREE_MIN_M, 132)), m
+        assert W._fused_route(m, {**frag, "k": 5120}, cpu, None) == ("rwg", W._rwg_config(37888, 5120, 17, 132)), m
+        assert W._rwg_config(37888, 3584, W.RWG_THREE_MIN_M, 132)["NSW"] == 2  # (the two rules differ)
+        assert W._rwg_config(37888, 5120, 17, 132)["NSW"] == 4
+    monkeypatch.setattr(W, "FRAG_SMALL_RULE", 0)
+    assert W._fused_route(16, frag, cpu, None) == ("rwg", None)
+    monkeypatch.setattr(W, "FRAG_SMALL_RULE", 1)
     for m in (17, 32, 64, 128):
         path, cfg = W._fused_route(m, frag, cpu, {"PDL": 1})
         assert path == "rwg" and cfg == {**W._rwg_config(37888, 3584, m, 132), "PDL": 1}, m

@@ -1203,6 +1203,16 @@ FRAG_GEMV_MAX_M = env_int("QERL_W4A16_FRAG_GEMV_MAX_M", 8)
 FRAG_WGMMA = env_int("QERL_W4A16_FRAG_WGMMA", 0)
 
 
+# Fragment-ordered layers at 9 .. RWG_MIN_M - 1 tokens (BM 16 tiles) on rwg with its 17..32-token
+# config rule instead of its R = 2 defaults: the wide layers' two / three programs per SM (three where K <=
+# FRAG_SMALL_THREE_MAX_K), the narrow ones' KP / R rule. H100, 10 / 16 tokens, x bf16 (defaults -> rule):
+# 22016x2048 1.91 / 1.88 -> 2.44 / 2.64, 37888x3584 2.45 / 2.28 -> 2.87 / 2.71, 55296x5120 2.38 / 2.34 -> 2.93 / 2.92,
+# 27648x5120 2.35 / 2.34 -> 2.63 / 2.65, 7168x5120 2.00 / 2.01 -> 2.43 / 2.46, 3584x18944 2.38 / 2.37 -> 2.48 / 2.47
+# (NOTES_w4a16.md section 50). 0: off.
+FRAG_SMALL_RULE = env_int("QERL_W4A16_FRAG_SMALL_RULE", 1)
+FRAG_SMALL_THREE_MAX_K = 4096
+
+
 def _frag_route(m: int, state: dict, device: torch.device, config: dict | None) -> tuple[str, dict | None]:
     """_fused_route for fragment-ordered words (state["order"] "frag"; rwg, the Triton kernels and the Gluon GEMV
     read them, the wgmma GEMM too, partly GPU-tested). On sm_90: the Gluon GEMV up to FRAG_GEMV_MAX_M tokens, rwg
@@ -1213,9 +1223,11 @@ def _frag_route(m: int, state: dict, device: torch.device, config: dict | None) 
     if FRAG_GEMV_MAX_M and m <= FRAG_GEMV_MAX_M and _wsmma_ok(device, state):
         return "wsmma", config
     if m <= max(RWG_MAX_M, RWG_WIDE_MAX_M) and _wsmma_ok(device, state):
-        if m >= RWG_MIN_M > 0:
+        if m >= RWG_MIN_M > 0 or (FRAG_SMALL_RULE and 9 <= m < RWG_MIN_M):
             slots = _num_sms(device.index if device.index is not None else 0)
-            config = {**_rwg_config(state["n"], state["k"], m, slots, state["fmt"]), **(config or {})}
+            n, k = state["n"], state["k"]
+            mr = m if m >= RWG_MIN_M else (RWG_THREE_MIN_M if k <= FRAG_SMALL_THREE_MAX_K else RWG_MIN_M)
+            config = {**_rwg_config(n, k, mr, slots, state["fmt"]), **(config or {})}
         return "rwg", config
     if m > max(RWG_MAX_M, RWG_WIDE_MAX_M) and _wsmma_ok(device, state):
         return ("wgmma" if FRAG_WGMMA and 0 < WGMMA_MIN_M <= m else "dequant"), config
