@@ -280,6 +280,7 @@ __all__ = [
     "KernelUnavailable",
     "available",
     "linear",
+    "portable_available",
     "prepare",
     "resolve_backend",
     "state_tensors",
