@@ -40,42 +40,52 @@ class KernelUnavailable(RuntimeError):
         super().__init__(msg)
 
 
-@functools.lru_cache(maxsize=None)
-def available() -> bool:
-    """True when a CUDA GPU of compute capability >= MIN_CAPABILITY is visible and triton imports (cached)."""
+def _gpu_capability() -> tuple[int, int] | None:
+    """The current CUDA GPU's compute capability; None without a usable one."""
     try:
-        if not torch.cuda.is_available():
-            return False
-        cap = tuple(torch.cuda.get_device_capability())
-        if cap < MIN_CAPABILITY:
-            import warnings
+        return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+    except Exception:
+        return None
 
-            warnings.warn(f"qerl: the fused 4-bit kernels need compute capability >= {MIN_CAPABILITY[0]}."
-                          f"{MIN_CAPABILITY[1]} (Hopper); this GPU is {cap[0]}.{cap[1]}: using the torch backend "
-                          "(dequantise + matmul)", stacklevel=2)
-            return False
+
+def _triton_imports() -> bool:
+    try:
         import triton  # noqa: F401  (importable is all we ask)
     except Exception:
         return False
     return True
 
 
+def _warn(msg: str) -> None:
+    import warnings
+
+    warnings.warn(msg, stacklevel=3)
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """True when a CUDA GPU of compute capability >= MIN_CAPABILITY is visible and triton imports (cached)."""
+    cap = _gpu_capability()
+    if cap is None:
+        return False
+    if cap < MIN_CAPABILITY:
+        _warn(f"qerl: the fused 4-bit kernels need compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
+              f"(Hopper); this GPU is {cap[0]}.{cap[1]}: using the torch backend (dequantise + matmul)")
+        return False
+    return _triton_imports()
+
+
 @functools.lru_cache(maxsize=None)
 def portable_available() -> bool:
     """True where backend="triton" can run the 4-bit Triton kernels: a CUDA GPU of compute capability >=
     PORTABLE_CAPABILITY and triton (cached); below MIN_CAPABILITY they take their portable form, with one warning."""
-    try:
-        if not torch.cuda.is_available() or tuple(torch.cuda.get_device_capability()) < PORTABLE_CAPABILITY:
-            return False
-        import triton  # noqa: F401
-    except Exception:
+    cap = _gpu_capability()
+    if cap is None or cap < PORTABLE_CAPABILITY or not _triton_imports():
         return False
-    if tuple(torch.cuda.get_device_capability()) < MIN_CAPABILITY:
-        import warnings
-
-        warnings.warn("qerl: backend='triton' on a GPU below compute capability 9.0 runs the 4-bit Triton kernels "
-                      "in their portable form (fp32 decode; built for sm_80 / 86 / 89 and checked for numerics on "
-                      "Hopper, not timed on this GPU class)", stacklevel=2)
+    if cap < MIN_CAPABILITY:
+        _warn("qerl: backend='triton' on a GPU below compute capability 9.0 runs the 4-bit Triton kernels in their "
+              "portable form (fp32 decode; built for sm_80 / 86 / 89 and checked for numerics on Hopper, not timed "
+              "on this GPU class)")
     return True
 
 

@@ -267,9 +267,14 @@ def _capability(device_index: int) -> tuple[int, int]:
     return tuple(torch.cuda.get_device_capability(device_index))
 
 
+def _portable_below(device: torch.device, cap: tuple[int, int]) -> bool:
+    """QERL_W4A16_PORTABLE, or a CUDA `device` of compute capability below `cap`."""
+    return PORTABLE or (device.type == "cuda" and _capability(device.index or 0) < cap)
+
+
 def portable(device: torch.device) -> bool:
     """True where the Triton kernels take their portable form: a CUDA GPU below sm_90, or QERL_W4A16_PORTABLE."""
-    return PORTABLE or (device.type == "cuda" and _capability(device.index or 0) < (9, 0))
+    return _portable_below(device, (9, 0))
 
 
 def fmt_id(state: dict) -> int:
@@ -277,8 +282,7 @@ def fmt_id(state: dict) -> int:
     GPU without the E4M3 conversion (below sm_89, or QERL_W4A16_PORTABLE) the integer scale decode."""
     if layout.is_frag(state):
         return FRAG_FMT
-    if state["fmt"] == "nvfp4" and (PORTABLE or (state["words"].device.type == "cuda"
-                                                 and _capability(state["words"].device.index or 0) < (8, 9))):
+    if state["fmt"] == "nvfp4" and _portable_below(state["words"].device, (8, 9)):
         return SOFT_E4M3_FMT
     return FMT_ID[state["fmt"]]
 GROUP = {"nvfp4": 16, "mxfp4": 32}
@@ -1011,9 +1015,8 @@ def _path(m: int, config: dict | None) -> str:
     return "dequant" if m >= DEQUANT_MIN_M else "fused"
 
 
-@functools.lru_cache(maxsize=None)
 def _hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] == 9
+    return _capability(device_index)[0] == 9
 
 
 def _wave_fill(programs: int, slots: int) -> float:
@@ -1213,6 +1216,16 @@ FRAG_SMALL_RULE = env_int("QERL_W4A16_FRAG_SMALL_RULE", 1)
 FRAG_SMALL_THREE_MAX_K = 4096
 
 
+def _frag_rule_tokens(m: int, k: int) -> int | None:
+    """The token count whose rwg config rule an m-token launch on a frag layer of K `k` takes (None: rwg's
+    defaults): m itself from RWG_MIN_M, and with FRAG_SMALL_RULE at 9 .. RWG_MIN_M - 1 the 24- or 17-token rule."""
+    if m >= RWG_MIN_M > 0:
+        return m
+    if FRAG_SMALL_RULE and 9 <= m < RWG_MIN_M:
+        return RWG_THREE_MIN_M if k <= FRAG_SMALL_THREE_MAX_K else RWG_MIN_M
+    return None
+
+
 def _frag_route(m: int, state: dict, device: torch.device, config: dict | None) -> tuple[str, dict | None]:
     """_fused_route for fragment-ordered words (state["order"] "frag"; rwg, the Triton kernels and the Gluon GEMV
     read them, the wgmma GEMM too, partly GPU-tested). On sm_90: the Gluon GEMV up to FRAG_GEMV_MAX_M tokens, rwg
@@ -1223,11 +1236,10 @@ def _frag_route(m: int, state: dict, device: torch.device, config: dict | None) 
     if FRAG_GEMV_MAX_M and m <= FRAG_GEMV_MAX_M and _wsmma_ok(device, state):
         return "wsmma", config
     if m <= max(RWG_MAX_M, RWG_WIDE_MAX_M) and _wsmma_ok(device, state):
-        if m >= RWG_MIN_M > 0 or (FRAG_SMALL_RULE and 9 <= m < RWG_MIN_M):
+        rule_m = _frag_rule_tokens(m, state["k"])
+        if rule_m:
             slots = _num_sms(device.index if device.index is not None else 0)
-            n, k = state["n"], state["k"]
-            mr = m if m >= RWG_MIN_M else (RWG_THREE_MIN_M if k <= FRAG_SMALL_THREE_MAX_K else RWG_MIN_M)
-            config = {**_rwg_config(n, k, mr, slots, state["fmt"]), **(config or {})}
+            config = {**_rwg_config(state["n"], state["k"], rule_m, slots, state["fmt"]), **(config or {})}
         return "rwg", config
     if m > max(RWG_MAX_M, RWG_WIDE_MAX_M) and _wsmma_ok(device, state):
         return ("wgmma" if FRAG_WGMMA and 0 < WGMMA_MIN_M <= m else "dequant"), config
