@@ -1499,6 +1499,14 @@ def test_fragment_order_routes(monkeypatch):
     monkeypatch.setattr(W, "FRAG_WGMMA", 1)  # the wgmma GEMM's fragment path, once all its GPU tests have passed
     assert W._fused_route(129, frag, cpu, None)[0] == "wgmma"
     monkeypatch.setattr(W, "FRAG_WGMMA", 0)
+    assert not W.FRAG_BWD_DEQUANT  # the default until timed: the fused kernel's input gradient below DEQUANT_MIN_M
+    assert [W._bwd_path(m, frag, None) for m in (256, W.DEQUANT_MIN_M)] == ["fused", "dequant"]
+    monkeypatch.setattr(W, "FRAG_BWD_DEQUANT", 1)
+    assert [W._bwd_path(m, frag, None) for m in (1, 256, W.DEQUANT_MIN_M)] == ["dequant"] * 3
+    assert W._bwd_path(256, {**frag, "order": "rows"}, None) == "fused"  # rows layers keep the fused kernel
+    assert W._bwd_path(256, frag, {"PATH": "fused"}) == "fused"  # an explicit path or tile config keeps its kernel
+    assert W._bwd_path(256, frag, {"BO": 64}) == "fused"
+    monkeypatch.setattr(W, "FRAG_BWD_DEQUANT", 0)
     assert not W.routes_to_gluon_tokens(torch.zeros(4, 3584, dtype=torch.bfloat16), frag)
     assert W.routes_to_gluon_tokens(torch.zeros(4, 3584, dtype=torch.bfloat16), {**frag, "order": "rows"})
     monkeypatch.setattr(W, "FRAG_GEMV_MAX_M", 8)  # the Gluon GEMV's fragment path (the default)

@@ -804,23 +804,28 @@ def test_rwg_first_launch_sums_as_later_launches(order, monkeypatch):
         assert torch.equal(R.forward(x, st), first), m
 
 
-def test_fragment_order_layer():
+@pytest.mark.parametrize("routes", [{}, {"FRAG_WGMMA": 1, "FRAG_BWD_DEQUANT": 1}],
+                         ids=["default", "wgmma-bwd_dequant"])
+def test_fragment_order_layer(routes, monkeypatch):
     """A layer prepared with order="frag" (its only copy of the words fragment-ordered) through the default
     routing: rwg at 1..128 tokens (bit-identical to the rows-ordered layer from 17 tokens, where both run rwg's
-    rule; within 1e-2 of the fp32 reference below), the bf16 buffer + cuBLAS above; the Triton kernels' input
-    gradient within 1e-2 and the dense weight the same bits as on rows-ordered words; NaN-poisoned outputs, counters
-    back at 0, and a CUDA-graph replay at 4 and 32 tokens (no copy is built: the graph reads the layer's words)."""
+    rule; within 1e-2 of the fp32 reference below), the bf16 buffer + cuBLAS above (with FRAG_WGMMA the wgmma GEMM
+    by the rows layers' rules); the input gradient (the Triton kernel, or with FRAG_BWD_DEQUANT the bf16 buffer)
+    within 1e-2 and the dense weight the same bits as on rows-ordered words; NaN-poisoned outputs, counters back at
+    0, and a CUDA-graph replay at 4 and 32 tokens (no copy is built: the graph reads the layer's words)."""
     pytest.importorskip("triton.experimental.gluon")
     from qerl.kernels import w4a16_triton as W
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("needs Hopper (TMA, wgmma, warp specialisation)")
+    for name, value in routes.items():
+        monkeypatch.setattr(W, name, value)
     failures = []
     for n, k in ((1058, 1024), (4608, 3584), (3584, 18944)):
         t, rows, w32 = _layer("nvfp4", n, k, seed=n + k)
         frag = prepare("nvfp4", t, order="frag")
         bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-        for m in (1, 4, 8, 12, 16, 17, 32, 64, 100, 128, 300):
+        for m in (1, 4, 8, 12, 16, 17, 32, 64, 100, 128, 300, 700):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             W.forward(x, frag)  # the first launch measures occupancy
             y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)

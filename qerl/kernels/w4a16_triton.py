@@ -1298,13 +1298,30 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
     return _launch(x, state, False, bias, cfg, out)
 
 
+# Fragment-ordered layers' input gradient below DEQUANT_MIN_M rows through the bf16 buffer + cuBLAS instead of the
+# fused Triton kernel, whose fragment-word tile gather (FMT 2) is slow: H100, 256 rows, median of 16 layers x bf16,
+# rows layers (fused) 0.60, frag layers (fused) 0.31, frag layers' forward through the buffer 0.50 (NOTES_w4a16.md
+# section 51). 0 (the default until it is timed): the fused kernel.
+FRAG_BWD_DEQUANT = env_int("QERL_W4A16_FRAG_BWD_DEQUANT", 0)
+
+
+def _bwd_path(m: int, state: dict, config: dict | None) -> str:
+    """_path for the input gradient: as the forward's, except FRAG_BWD_DEQUANT's fragment-ordered layers (no config
+    PATH / tile keys) take the bf16 buffer + cuBLAS at every M."""
+    path = _path(m, config)
+    if (path == "fused" and FRAG_BWD_DEQUANT and layout.is_frag(state)
+            and not (config and ("PATH" in config or "BO" in config))):
+        return "dequant"
+    return path
+
+
 def backward(dy: torch.Tensor, state: dict, config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """dx = dy @ dequant(W) for dy [M, N] bf16 (the input gradient of forward)."""
     _check(dy, state, state["n"], "grad_output")
     if dy.stride(1) != 1:
         dy = dy.contiguous()
     m = dy.shape[0]
-    if _path(m, config) in ("dequant", "overlap"):
+    if _bwd_path(m, state, config) in ("dequant", "overlap"):
         return _dense(dy, state, True, None, config, out)
     cfg = _kernel_config(config, _bwd_config(m, state["n"], state["k"], state["fmt"]))
     return _launch(dy, state, True, None, cfg, out)
