@@ -460,7 +460,8 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
         dy = torch.randn(m, n).to(torch.bfloat16)
         b = torch.randn(n).to(torch.bfloat16)
         pairs = [("forward", lambda s: W.forward(x, s, bias=b, config={"PATH": "fused"})),
-                 ("backward", lambda s: W.backward(dy, s)),
+                 ("backward", lambda s: W.backward(dy, s, config={"PATH": "fused"})),
+                 ("backward/dequant", lambda s: W.backward(dy, s, config={"PATH": "dequant"})),
                  ("forward/dequant", lambda s: W.forward(x, s, config={"PATH": "dequant"})),
                  ("backward/overlap", lambda s: W.backward(dy, s, config={"PATH": "overlap", "CHUNKS": 2})),
                  ("dequant_bf16/rows16", lambda s: W.dequant_bf16(s, out=torch.empty(n - 16, k), rows=(16, n)))]
