@@ -1165,6 +1165,11 @@ def _dense(a: torch.Tensor, state: dict, bwd: bool, bias, config: dict | None, o
     return torch.addmm(bias.to(torch.bfloat16), a, w.T, out=out)
 
 
+def _names_kernel(config: dict | None) -> bool:
+    """True where `config` picks the kernel itself (a PATH or a Triton tile config), so no route replaces it."""
+    return bool(config) and ("PATH" in config or "BO" in config)
+
+
 def _fused_route(m: int, state: dict, device: torch.device, config: dict | None) -> tuple[str, dict | None]:
     """The kernel `forward` runs an M-row launch of the fused path on (no tile config) -> (path,
     config): routed as a PDL chain where CHAIN_ROUTING / PDL say so."""
@@ -1263,8 +1268,7 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
         x = x.contiguous()
     m = x.shape[0]
     path = _path(m, config)
-    if path == "fused" and not (config and ("PATH" in config or "BO" in config)):  # a tile config keeps its kernel
-        # (modifier keys such as PDL keep the dispatch)
+    if path == "fused" and not _names_kernel(config):  # (modifier keys such as PDL keep the dispatch)
         path, config = _fused_route(m, state, x.device, config)
     if (path == "dequant" and PREFILL not in ("fused", "dequant", "overlap") and not (config and "PATH" in config)
             and (FRAG_WGMMA or not layout.is_frag(state)) and m < WGMMA_MAX_M and WGMMA_MIN_M > 0
@@ -1300,7 +1304,7 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
 
 # Fragment-ordered layers' input gradient below DEQUANT_MIN_M rows through the bf16 buffer + cuBLAS instead of the
 # fused Triton kernel, whose fragment-word tile gather (FMT 2) is slow: H100, 256 rows, median of 16 layers x bf16,
-# rows layers (fused) 0.60, frag layers (fused) 0.31, frag layers' forward through the buffer 0.50 (NOTES_w4a16.md
+# rows layers (fused) 0.56, frag layers (fused) 0.31, frag layers' forward through the buffer 0.50 (NOTES_w4a16.md
 # section 51). 0 (the default until it is timed): the fused kernel.
 FRAG_BWD_DEQUANT = env_int("QERL_W4A16_FRAG_BWD_DEQUANT", 0)
 
@@ -1309,8 +1313,7 @@ def _bwd_path(m: int, state: dict, config: dict | None) -> str:
     """_path for the input gradient: as the forward's, except FRAG_BWD_DEQUANT's fragment-ordered layers (no config
     PATH / tile keys) take the bf16 buffer + cuBLAS at every M."""
     path = _path(m, config)
-    if (path == "fused" and FRAG_BWD_DEQUANT and layout.is_frag(state)
-            and not (config and ("PATH" in config or "BO" in config))):
+    if path == "fused" and FRAG_BWD_DEQUANT and layout.is_frag(state) and not _names_kernel(config):
         return "dequant"
     return path
 
