@@ -185,8 +185,10 @@ def test_prepare_fragment_order(monkeypatch):
     monkeypatch.setenv("QERL_W4A16_ORDER", "diag")
     with pytest.raises(ValueError, match="QERL_W4A16_ORDER"):
         prepare("nvfp4", t)
-    # "auto": frag only where the sm_90 kernels read it (an sm_90 GPU, K % 256 == 0), rows on CPU and elsewhere
-    monkeypatch.setenv("QERL_W4A16_ORDER", "auto")
+    # "auto" (the default, DEFAULT_ORDER): frag only where the sm_90 kernels read it (an sm_90 GPU, K % 256 == 0),
+    # rows on CPU and elsewhere
+    assert layout.DEFAULT_ORDER == "auto"
+    monkeypatch.delenv("QERL_W4A16_ORDER")
     assert prepare("nvfp4", t)["order"] == "rows"  # CPU tensors
     for cap, k, want in (((9, 0), 512, "frag"), ((9, 0), 576, "rows"), ((8, 0), 512, "rows"), ((10, 0), 512, "rows")):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
@@ -1481,7 +1483,7 @@ def test_fragment_order_routes(monkeypatch):
     assert W._fused_route(4, frag, cpu, None) == ("fused", None)  # no Gluon kernels here
     monkeypatch.setattr(W, "_wsmma_ok", lambda device, state: True)
     monkeypatch.setattr(W, "_num_sms", lambda index: 132)
-    assert W.FRAG_GEMV_MAX_M == 8 and not W.FRAG_WGMMA  # the defaults (session 74: the GEMV's GPU test passed)
+    assert W.FRAG_GEMV_MAX_M == 8 and W.FRAG_WGMMA and W.FRAG_BWD_DEQUANT  # the defaults (session 77)
     monkeypatch.setattr(W, "FRAG_GEMV_MAX_M", 0)  # rwg alone
     for m in (1, 8):
         assert W._fused_route(m, frag, cpu, None) == ("rwg", None), m
@@ -1496,11 +1498,10 @@ def test_fragment_order_routes(monkeypatch):
     for m in (17, 32, 64, 128):
         path, cfg = W._fused_route(m, frag, cpu, {"PDL": 1})
         assert path == "rwg" and cfg == {**W._rwg_config(37888, 3584, m, 132), "PDL": 1}, m
-    assert W._fused_route(129, frag, cpu, None)[0] == "dequant"
-    monkeypatch.setattr(W, "FRAG_WGMMA", 1)  # the wgmma GEMM's fragment path, once all its GPU tests have passed
-    assert W._fused_route(129, frag, cpu, None)[0] == "wgmma"
+    assert W._fused_route(129, frag, cpu, None)[0] == "wgmma"  # the wgmma GEMM's fragment path (the default)
     monkeypatch.setattr(W, "FRAG_WGMMA", 0)
-    assert not W.FRAG_BWD_DEQUANT  # the default until timed: the fused kernel's input gradient below DEQUANT_MIN_M
+    assert W._fused_route(129, frag, cpu, None)[0] == "dequant"
+    monkeypatch.setattr(W, "FRAG_BWD_DEQUANT", 0)  # off: the fused kernel's input gradient below DEQUANT_MIN_M
     assert [W._bwd_path(m, frag, None) for m in (256, W.DEQUANT_MIN_M)] == ["fused", "dequant"]
     monkeypatch.setattr(W, "FRAG_BWD_DEQUANT", 1)
     assert [W._bwd_path(m, frag, None) for m in (1, 256, W.DEQUANT_MIN_M)] == ["dequant"] * 3

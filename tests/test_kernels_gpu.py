@@ -804,13 +804,14 @@ def test_rwg_first_launch_sums_as_later_launches(order, monkeypatch):
         assert torch.equal(R.forward(x, st), first), m
 
 
-@pytest.mark.parametrize("routes", [{}, {"FRAG_WGMMA": 1, "FRAG_BWD_DEQUANT": 1}],
-                         ids=["default", "wgmma-bwd_dequant"])
+@pytest.mark.parametrize("routes", [{"FRAG_WGMMA": 0, "FRAG_BWD_DEQUANT": 0}, {"FRAG_WGMMA": 1, "FRAG_BWD_DEQUANT": 1}],
+                         ids=["dequant-fused_bwd", "wgmma-bwd_dequant"])
 def test_fragment_order_layer(routes, monkeypatch):
     """A layer prepared with order="frag" (its only copy of the words fragment-ordered) through the default
     routing: rwg at 1..128 tokens (bit-identical to the rows-ordered layer from 17 tokens, where both run rwg's
-    rule; within 1e-2 of the fp32 reference below), the bf16 buffer + cuBLAS above (with FRAG_WGMMA the wgmma GEMM
-    by the rows layers' rules); the input gradient (the Triton kernel, or with FRAG_BWD_DEQUANT the bf16 buffer)
+    rule; within 1e-2 of the fp32 reference below), above that the wgmma GEMM by the rows layers' rules
+    (FRAG_WGMMA, the default) or the bf16 buffer + cuBLAS; the input gradient (the bf16 buffer, FRAG_BWD_DEQUANT
+    the default, or the Triton kernel)
     within 1e-2 and the dense weight the same bits as on rows-ordered words; NaN-poisoned outputs, counters back at
     0, and a CUDA-graph replay at 4 and 32 tokens (no copy is built: the graph reads the layer's words)."""
     pytest.importorskip("triton.experimental.gluon")

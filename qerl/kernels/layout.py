@@ -241,9 +241,13 @@ def tiles_to_frag_tiles(tiles: torch.Tensor) -> torch.Tensor:
 
 # The two word orders of a prepared state (state["order"]): "rows" (codes_to_words, tiled) and "frag"
 # (codes_to_frag_tiles; nvfp4 only). QERL_W4A16_ORDER picks one, or "auto": frag where the sm_90 kernels that
-# read it fastest run (an sm_90 GPU and K % TILE_K == 0), rows elsewhere. Unset: DEFAULT_ORDER.
+# read it fastest run (an sm_90 GPU and K % TILE_K == 0), rows elsewhere. Unset: DEFAULT_ORDER, "auto" since
+# session 77. Whole sweep on one H100, rows -> auto (with w4a16_triton.FRAG_WGMMA and FRAG_BWD_DEQUANT on), median
+# x bf16 of nvfp4: M <= 16 2.04 -> 2.09, M = 64 1.66 -> 1.96, M = 256 0.93 -> 0.95, M >= 1024 0.85 -> 0.85, input
+# gradient at 4096 rows 0.86 -> 0.87 (only the 256-row input gradient loses: 0.58 -> 0.50); GRPO steps x bf16
+# 7B batch 2 / 4 / 8 1.53 / 1.41 / 1.26 -> 1.71 / 1.47 / 1.26 (NOTES_w4a16.md section 52, NOTES_grpo.md 45).
 ORDERS = ("rows", "frag")
-DEFAULT_ORDER = "rows"
+DEFAULT_ORDER = "auto"
 
 
 def default_order(fmt: str = "nvfp4", device: torch.device | None = None, k: int | None = None) -> str:

@@ -1206,9 +1206,10 @@ def _fused_route(m: int, state: dict, device: torch.device, config: dict | None)
 # 2.08 / 2.18x on frag layers with it (rwg there: 1.52 / 1.51x on the H200, NOTES_w4a16.md section 49).
 FRAG_GEMV_MAX_M = env_int("QERL_W4A16_FRAG_GEMV_MAX_M", 8)
 # Fragment-ordered layers above rwg's range on the wgmma GEMM (w4a16_wgmma FMT 4 / 5, by the rows layers' rules)
-# instead of dequantise + cuBLAS: off. Its GPU test passed for the default config and BN 128 / BM 128 in session 74;
-# two configs are still unrun and the prefill has not been timed on frag layers.
-FRAG_WGMMA = env_int("QERL_W4A16_FRAG_WGMMA", 0)
+# instead of dequantise + cuBLAS: on since session 77. Its GPU tests passed for all four configs (sessions 74-75) and
+# from 1 to 700 tokens beside FRAG_BWD_DEQUANT (session 77); H100, whole sweep on frag layers, median x bf16 without
+# -> with it: M = 256 0.50 -> 0.95, M >= 1024 0.80 -> 0.85 (rows layers 0.93 / 0.85; NOTES_w4a16.md section 52).
+FRAG_WGMMA = env_int("QERL_W4A16_FRAG_WGMMA", 1)
 
 
 # Fragment-ordered layers at 9 .. RWG_MIN_M - 1 tokens (BM 16 tiles) on rwg with its 17..32-token
@@ -1305,8 +1306,9 @@ def forward(x: torch.Tensor, state: dict, bias: torch.Tensor | None = None, conf
 # Fragment-ordered layers' input gradient below DEQUANT_MIN_M rows through the bf16 buffer + cuBLAS instead of the
 # fused Triton kernel, whose fragment-word tile gather (FMT 2) is slow: H100, 256 rows, median of 16 layers x bf16,
 # rows layers (fused) 0.56, frag layers (fused) 0.31, frag layers' forward through the buffer 0.50 (NOTES_w4a16.md
-# section 51). 0 (the default until it is timed): the fused kernel.
-FRAG_BWD_DEQUANT = env_int("QERL_W4A16_FRAG_BWD_DEQUANT", 0)
+# section 51). On since session 77: 256 rows 0.31 -> 0.50 (rows layers 0.58 in the same sweep; section 52).
+# 0: the fused kernel.
+FRAG_BWD_DEQUANT = env_int("QERL_W4A16_FRAG_BWD_DEQUANT", 1)
 
 
 def _bwd_path(m: int, state: dict, config: dict | None) -> str:
