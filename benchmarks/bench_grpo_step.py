@@ -73,6 +73,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 from qerl.env import switches_prefix  # noqa: E402
+from qerl.kernels.layout import order_setting  # noqa: E402
 
 FORMATS = ("bf16", "nf4", "mxfp4", "nvfp4")
 MEMORY_FIELDS = ("model", "format", "gpu", "generations", "completion_len", "lora_rank", "status", "peak_gib",
@@ -166,6 +167,9 @@ def run_one(args, preset: str, fmt: str, batch: int) -> dict:
         "device_memory_gib": args.device_memory_gib,
         # nf4 only: "baseline" (QLoRA's dequantise-then-cuBLAS) or "fused<=N" (QERL_NF4_FUSED_MAX_M, labelled)
         "nf4_decode": quant_linear.nf4_decode(fmt),
+        # nvfp4 only: the word-order setting (QERL_W4A16_ORDER; "auto", the default since session 77, is frag on
+        # sm_90 layers with K % 256 == 0); rows before the field ran "rows" unless their command sets it
+        "w4a16_order": order_setting(fmt),
     }
     cap_device_memory(device, args.device_memory_gib)  # before the build, so the weights count under the cap
     mem = _Memory(device)

@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from qerl.model import build_random  # noqa: E402
 from qerl.env import switches_prefix  # noqa: E402
 from qerl.nn.quant_linear import nf4_decode, nf4_decode_of  # noqa: E402
+from qerl.kernels.layout import order_setting  # noqa: E402
 from qerl.quantize import quantize_  # noqa: E402
 from qerl.rl.rollout import RolloutSettings  # noqa: E402
 from qerl.rollout.engine import RolloutEngine  # noqa: E402
@@ -351,6 +352,8 @@ def run(args) -> None:
                         "gpu_state": gpu_state(),
                         # nf4 only: "baseline" or "fused<=N" (QERL_NF4_FUSED_MAX_M, the labelled fused NF4 decode)
                         "nf4_decode": nf4_decode(fmt),
+                        # nvfp4 only: the word-order setting (QERL_W4A16_ORDER, unset: layout.DEFAULT_ORDER)
+                        "w4a16_order": order_setting(fmt),
                     }
                     rows.append(row)
                     save()

@@ -182,6 +182,7 @@ def test_prepare_fragment_order(monkeypatch):
         prepare("mxfp4", quantize_weight(_weight(64, 256, 5), "mxfp4"), order="frag")
     with pytest.raises(ValueError, match="unknown word order"):
         prepare("nvfp4", t, order="cols")
+    assert (layout.order_setting(), layout.order_setting("mxfp4")) == ("frag", None)  # what benchmark rows record
     monkeypatch.setenv("QERL_W4A16_ORDER", "diag")
     with pytest.raises(ValueError, match="QERL_W4A16_ORDER"):
         prepare("nvfp4", t)
@@ -189,6 +190,7 @@ def test_prepare_fragment_order(monkeypatch):
     # rows on CPU and elsewhere
     assert layout.DEFAULT_ORDER == "auto"
     monkeypatch.delenv("QERL_W4A16_ORDER")
+    assert layout.order_setting() == "auto"
     assert prepare("nvfp4", t)["order"] == "rows"  # CPU tensors
     for cap, k, want in (((9, 0), 512, "frag"), ((9, 0), 576, "rows"), ((8, 0), 512, "rows"), ((10, 0), 512, "rows")):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)

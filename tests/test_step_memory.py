@@ -254,6 +254,9 @@ def test_bench_grpo_step_runs_on_a_tiny_model(tmp_path, checkpointing):
     assert rows["nvfp4"]["speedup"] == pytest.approx(rows["bf16"]["step_s"] / rows["nvfp4"]["step_s"], rel=1e-2)
     assert "| tiny-llama | nvfp4 | 1 | 1 | 1 | ok |" in proc.stdout  # one weight copy: the kernel layout's
     assert [r["weight_copies"] for r in memory["rows"]] == [1, 1]
+    from qerl.kernels.layout import order_setting
+
+    assert [r["w4a16_order"] for r in memory["rows"]] == [None, order_setting()]  # "auto" unless the env names one
     assert all(r["command"].startswith("python benchmarks/bench_grpo_step.py") for r in memory["rows"])
 
 

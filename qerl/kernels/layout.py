@@ -250,15 +250,23 @@ ORDERS = ("rows", "frag")
 DEFAULT_ORDER = "auto"
 
 
+def order_setting(fmt: str = "nvfp4") -> str | None:
+    """The word-order setting nvfp4 layers are prepared under (QERL_W4A16_ORDER, unset: DEFAULT_ORDER), for a
+    benchmark row to record; None for formats that have only the rows order."""
+    import os
+
+    if fmt != "nvfp4":
+        return None
+    return os.environ.get("QERL_W4A16_ORDER", DEFAULT_ORDER).strip() or DEFAULT_ORDER
+
+
 def default_order(fmt: str = "nvfp4", device: torch.device | None = None, k: int | None = None) -> str:
     """The word order `prepare` gives a `fmt` layer of K `k` on `device` by default: QERL_W4A16_ORDER for nvfp4
     (unset: DEFAULT_ORDER; "auto": frag on an sm_90 GPU with K % 256 == 0, else rows); other formats have only
     the rows order."""
-    import os
-
-    if fmt != "nvfp4":
+    order = order_setting(fmt)
+    if order is None:
         return "rows"
-    order = os.environ.get("QERL_W4A16_ORDER", DEFAULT_ORDER).strip() or DEFAULT_ORDER
     if order == "auto":  # where w4a16_triton._wsmma_ok runs the sm_90 kernels
         device = torch.device(device) if device is not None else None
         hopper = device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
