@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["env_int", "switches_prefix"]
+__all__ = ["env_int", "switches", "switches_prefix"]
 
 
 def env_int(name: str, default: int | None) -> int | None:
@@ -20,9 +20,13 @@ def env_int(name: str, default: int | None) -> int | None:
         raise ValueError(f"{name}={text!r}: expected an integer (unset it for the default, {default})") from None
 
 
+def switches() -> dict[str, str]:
+    """The `QERL_*` switches set in this process's environment, sorted by name. Paths (names ending in _DIR)
+    are left out; they say where, not what ran."""
+    return dict(sorted((k, v) for k, v in os.environ.items() if k.startswith("QERL_") and not k.endswith("_DIR")))
+
+
 def switches_prefix() -> str:
-    """The `QERL_*` switches set in this process's environment as a shell prefix ("QERL_A=1 QERL_B=0 ",
-    sorted; "" when none), for the command line a benchmark records: the same command then reproduces
-    its row. Paths (names ending in _DIR) are left out; they say where, not what ran."""
-    items = sorted((k, v) for k, v in os.environ.items() if k.startswith("QERL_") and not k.endswith("_DIR"))
-    return "".join(f"{k}={v} " for k, v in items)
+    """switches() as a shell prefix ("QERL_A=1 QERL_B=0 "; "" when none), for the command line a benchmark
+    records: the same command then reproduces its row."""
+    return "".join(f"{k}={v} " for k, v in switches().items())

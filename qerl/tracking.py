@@ -133,7 +133,18 @@ def base_tags(recipe: "Recipe") -> dict[str, str]:
             tags["git_dirty"] = str(dirty).lower()
     for name, version in package_versions().items():
         tags[f"version.{name}"] = version
+    tags.update(kernel_tags())
     return tags
+
+
+def kernel_tags() -> dict[str, str]:
+    """What the kernels ran under: the nvfp4 word-order setting (`w4a16_order`, QERL_W4A16_ORDER or its default)
+    and every `QERL_*` switch set in the environment (`switch.QERL_...`), so runs of an ablation over kernel
+    settings can be told apart and filtered in the MLflow UI."""
+    from qerl.env import switches
+    from qerl.kernels.layout import order_setting
+
+    return {"w4a16_order": order_setting(), **{f"switch.{k}": v for k, v in switches().items()}}
 
 
 def _chunks(items: list, size: int) -> Iterator[list]:

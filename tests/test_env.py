@@ -45,6 +45,20 @@ def test_switches_prefix_lists_the_set_qerl_switches_sorted_and_leaves_paths_out
     assert switches_prefix() == "QERL_FUSED_ROPE=1 QERL_ROLLOUT_PDL=0 "
 
 
+def test_runs_are_tagged_with_the_word_order_and_the_set_switches(monkeypatch):
+    """Every MLflow run's tags (tracking.base_tags) name the nvfp4 word-order setting and the QERL_* switches set,
+    so an ablation over kernel settings (e.g. QERL_W4A16_ORDER=rows against the default) is filterable."""
+    from qerl.tracking import kernel_tags
+
+    for k in [k for k in os.environ if k.startswith("QERL_")]:
+        monkeypatch.delenv(k)
+    assert kernel_tags() == {"w4a16_order": "auto"}  # layout.DEFAULT_ORDER
+    monkeypatch.setenv("QERL_W4A16_ORDER", "rows")
+    monkeypatch.setenv("QERL_FUSED_ROPE", "0")
+    monkeypatch.setenv("QERL_DATA_DIR", "/data")
+    assert kernel_tags() == {"w4a16_order": "rows", "switch.QERL_FUSED_ROPE": "0", "switch.QERL_W4A16_ORDER": "rows"}
+
+
 def test_gluon_formats_switch_reads_a_list_and_refuses_an_unknown_format():
     """QERL_W4A16_WSMMA_FORMATS: the formats w4a16_triton routes to the Gluon GEMV (default both, since
     mxfp4 was timed there in session 44; a list narrows it), read at import; an unknown name stops the import with one line naming it."""

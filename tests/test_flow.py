@@ -103,6 +103,9 @@ def test_flow_on_smoke_recipe(prefect_harness, tmp_path, gsm8k_dir):
     assert parent.data.params["benchmarks.0.limit"] == "4"
     for pkg in ("torch", "transformers", "qerl", "prefect", "mlflow"):
         assert parent.data.tags[f"version.{pkg}"]
+    from qerl.kernels.layout import order_setting
+
+    assert parent.data.tags["w4a16_order"] == order_setting()  # what the kernels ran under, beside the versions
     parent_files = artifact_paths(client, parent.info.run_id)
     assert {"recipe.yaml", "report/table.md", "report/table.html", "report/summary.json"} <= parent_files
 
