@@ -168,6 +168,7 @@ def test_the_report_files_are_written(tmp_path):
     md = Path(paths["table_md"]).read_text()
     assert "| H200 (79 GiB cap) | qwen2.5-14b | nvfp4 | 8 | 8 | 3 | 46.57 | 55.58 | **1.19** | 1.2 |" in md
     assert "| H100 | nvfp4 | M<=16 | 2.09 | 3.00 | no |" in md
+    assert "| H100 | nvfp4 | M>=1024 | 0.845 | 0.85 | no |" in md  # 3 decimals where 2 would print the goal
     assert "58.0 (LoRA r16, probably batch 1)" in md  # the paper's 32B QeRL rollout beside ours at batch 1
     assert Path(paths["plot_png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(Path(paths["json"]).read_text())["runs"] == 3
