@@ -1510,7 +1510,6 @@ def test_fragment_order_routes(monkeypatch):
     assert W._bwd_path(256, {**frag, "order": "rows"}, None) == "fused"  # rows layers keep the fused kernel
     assert W._bwd_path(256, frag, {"PATH": "fused"}) == "fused"  # an explicit path or tile config keeps its kernel
     assert W._bwd_path(256, frag, {"BO": 64}) == "fused"
-    monkeypatch.setattr(W, "FRAG_BWD_DEQUANT", 0)
     assert not W.routes_to_gluon_tokens(torch.zeros(4, 3584, dtype=torch.bfloat16), frag)
     assert W.routes_to_gluon_tokens(torch.zeros(4, 3584, dtype=torch.bfloat16), {**frag, "order": "rows"})
     monkeypatch.setattr(W, "FRAG_GEMV_MAX_M", 8)  # the Gluon GEMV's fragment path (the default)

@@ -811,9 +811,9 @@ def test_fragment_order_layer(routes, monkeypatch):
     routing: rwg at 1..128 tokens (bit-identical to the rows-ordered layer from 17 tokens, where both run rwg's
     rule; within 1e-2 of the fp32 reference below), above that the wgmma GEMM by the rows layers' rules
     (FRAG_WGMMA, the default) or the bf16 buffer + cuBLAS; the input gradient (the bf16 buffer, FRAG_BWD_DEQUANT
-    the default, or the Triton kernel)
-    within 1e-2 and the dense weight the same bits as on rows-ordered words; NaN-poisoned outputs, counters back at
-    0, and a CUDA-graph replay at 4 and 32 tokens (no copy is built: the graph reads the layer's words)."""
+    the default, or the Triton kernel) within 1e-2 and the dense weight the same bits as on rows-ordered words;
+    NaN-poisoned outputs, counters back at 0, and a CUDA-graph replay at 4 and 32 tokens (no copy is built: the
+    graph reads the layer's words)."""
     pytest.importorskip("triton.experimental.gluon")
     from qerl.kernels import w4a16_triton as W
 
