@@ -1524,6 +1524,42 @@ def test_fragment_order_routes(monkeypatch):
         w4a16_gluon.forward(x, frag, config={"num_warps": 8})
 
 
+def test_fragment_order_rule_refinements(monkeypatch):
+    """The three frag-only refinements of rwg's 17..64-token rule are off by default (the frag route then gives
+    _rwg_config's config); on, each moves exactly the layers its comment names: FRAG_THREE_MAX_K the wide K > 4096
+    layers at 24..32 tokens to the two-per-SM form, FRAG_KP_MARGIN_PCT 5120^2 alone to KP, FRAG_R2_WIDE_MAX_M the
+    wide layers at 33..48 tokens to R = 2. Rows-ordered layers never take them."""
+    from qerl.kernels import w4a16_triton as W
+
+    shapes = [(2560, 2048), (2048, 2048), (22016, 2048), (2048, 11008), (4608, 3584), (3584, 3584), (37888, 3584),
+              (3584, 18944), (7168, 5120), (5120, 5120), (27648, 5120), (5120, 13824), (55296, 5120), (5120, 27648)]
+    monkeypatch.setattr(W, "_wsmma_ok", lambda device, state: True)
+    monkeypatch.setattr(W, "_num_sms", lambda index: 132)
+    cpu = torch.device("cpu")
+    assert W.FRAG_THREE_MAX_K == W.FRAG_KP_MARGIN_PCT == W.FRAG_R2_WIDE_MAX_M == 0
+    ms = (17, 20, 24, 32, 33, 40, 48, 49, 56, 64)
+
+    def routed(order="frag"):
+        return {(n, k, m): W._fused_route(m, {"n": n, "k": k, "kb": k // 256, "fmt": "nvfp4", "order": order}, cpu,
+                                          None)[1] for n, k in shapes for m in ms}
+
+    base = routed()
+    assert all(cfg == W._rwg_config(n, k, m, 132) for (n, k, m), cfg in base.items())
+    two32 = {"R": 1, **W.RWG_TWO_PER_SM[32]}
+    kp = {"R": 1, **W.RWG_KP}
+    for name, value, moved in (
+            ("FRAG_THREE_MAX_K", 4096, {(n, k, m): two32 for n, k in ((27648, 5120), (55296, 5120)) for m in (24, 32)}),
+            ("FRAG_KP_MARGIN_PCT", 5, {(5120, 5120, m): kp for m in ms}),
+            ("FRAG_R2_WIDE_MAX_M", 48, {(n, k, m): {"R": 2} for n, k in ((22016, 2048), (37888, 3584), (27648, 5120),
+                                                                          (55296, 5120)) for m in (33, 40, 48)})):
+        monkeypatch.setattr(W, name, value)
+        now = routed()
+        assert {key: cfg for key, cfg in now.items() if cfg != base[key]} == moved, name
+        rows = routed("rows")
+        assert all(cfg == W._rwg_config(n, k, m, 132) for (n, k, m), cfg in rows.items()), name
+        monkeypatch.setattr(W, name, 0)
+
+
 def test_gluon_gemv_m1_threshold(monkeypatch):
     """M = 1 goes to the Gluon GEMV from WSMMA_MIN_NK weights (8M since session 45), the same threshold with or
     without a PDL chain; below it the CUDA-core GEMV; nf4 never; nothing off sm_90."""

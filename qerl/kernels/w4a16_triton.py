@@ -1106,20 +1106,25 @@ def _rwg_wave_split(n: int, k: int, slots: int) -> dict:
     return {}
 
 
-def _rwg_kp_wins(n: int, k: int, slots: int, r: int) -> bool:
-    """RWG_KP's rule for a layer whose 64-row tiles fit one wave and the R the fill rule picked: its
-    slices (one program per SM, >= 2 steps each) run >= RWG_KP_MIN_STEPS steps, and against R = 2 the
-    fitted time model says it is faster."""
+def _rwg_kp_model(n: int, k: int, slots: int) -> tuple[int, float, float]:
+    """(the KP form's steps per slice, its modelled us, R = 2's modelled us) for an N x K layer on `slots` SMs: the
+    time model fitted on the H100 at M = 32 on rows-ordered words (RWG_KP's comment)."""
     from qerl.kernels.w4a16_wgmma import split
 
     kb, tiles = -(-k // 256), -(-n // 64)
     steps = -(-kb // max(1, min(split(tiles, kb, slots), kb // 2)))
+    tiles2 = -(-n // 128)
+    return steps, 3.4 + 0.57 * steps, 6.8 + 1.12 * -(-kb // split(tiles2, kb, slots))
+
+
+def _rwg_kp_wins(n: int, k: int, slots: int, r: int) -> bool:
+    """RWG_KP's rule for a layer whose 64-row tiles fit one wave and the R the fill rule picked: its
+    slices (one program per SM, >= 2 steps each) run >= RWG_KP_MIN_STEPS steps, and against R = 2 the
+    fitted time model says it is faster."""
+    steps, kp_us, r2_us = _rwg_kp_model(n, k, slots)
     if steps < RWG_KP_MIN_STEPS:
         return False
-    if r == 1:
-        return True
-    tiles2 = -(-n // 128)
-    return 3.4 + 0.57 * steps < 6.8 + 1.12 * -(-kb // split(tiles2, kb, slots))
+    return r == 1 or kp_us < r2_us
 
 
 def _wsmma_ok(device: torch.device, state: dict) -> bool:
@@ -1232,6 +1237,40 @@ def _frag_rule_tokens(m: int, k: int) -> int | None:
     return None
 
 
+# Two refinements of rwg's 17..64-token rule for fragment-ordered layers, both off (0) until timed in the decode chain
+# (ablate_rollout.py flags `three4k`, `kp5k`). Single launches on frag words (H100, NOTES_w4a16.md section 53):
+# - FRAG_THREE_MAX_K: the three-programs-per-SM form at RWG_THREE_MIN_M..32 tokens only where K <= this, the wider-K
+#   wide layers on the two-per-SM form instead (as FRAG_SMALL_RULE already does at 9..16 tokens): 27648x5120 at 24 /
+#   32 tokens 45.5 / 46.0 -> 41.2 / 41.2 us, 55296x5120 2.46-2.67x -> 2.70 / 2.73x bf16. 4096 would apply it.
+# - FRAG_KP_MARGIN_PCT: the KP form where its modelled time is within this many percent of R = 2's (the model was fitted on
+#   rows words): 5120x5120 (model 14.80 against 14.64 us) measured 13.9 -> 12.4 us at 24 and 32 tokens and 8-12% faster
+#   at 48 / 56 / 64. 5 would apply it to that layer alone among the Qwen2.5 3B-32B shapes.
+# - FRAG_R2_WIDE_MAX_M: R = 2 (one program per SM, two 64-row tiles sharing each activation chunk) on the wide layers
+#   at 33..this many tokens, where the two-per-SM form's 64-token tiles run with 16-31 rows out of bounds: at 40 / 48
+#   tokens 27648x5120 67.5 / 58.3 -> 51.4 / 46.8 us, 55296x5120 126.2 / 110.2 -> 94.8 / 90.6, 37888x3584 63.7 / 57.0
+#   -> 52.9 / 52.1, 22016x2048 even; at 56 R = 2 no longer wins. 48 would apply it.
+FRAG_THREE_MAX_K = env_int("QERL_W4A16_FRAG_THREE_MAX_K", 0)
+FRAG_KP_MARGIN_PCT = env_int("QERL_W4A16_FRAG_KP_MARGIN_PCT", 0)
+FRAG_R2_WIDE_MAX_M = env_int("QERL_W4A16_FRAG_R2_WIDE_MAX_M", 0)
+
+
+def _frag_rwg_config(n: int, k: int, m: int, slots: int, fmt: str = "nvfp4") -> dict:
+    """rwg's config rule (_rwg_config) for a fragment-ordered layer, with FRAG_THREE_MAX_K, FRAG_KP_MARGIN_PCT and
+    FRAG_R2_WIDE_MAX_M."""
+    wide = -(-n // 64) > slots
+    if wide and 32 < m <= min(FRAG_R2_WIDE_MAX_M, RWG_MAX_M):
+        return {"R": 2}
+    if (wide and FRAG_THREE_MAX_K and k > FRAG_THREE_MAX_K and RWG_THREE_PER_SM and RWG_THREE_MIN_M <= m <= 32
+            and fmt in RWG_THREE_FORMATS and RWG_TWO_PER_SM.get(32)):
+        return {"R": 1, **RWG_TWO_PER_SM[32], **_rwg_wave_split(n, k, 2 * slots)}
+    config = _rwg_config(n, k, m, slots, fmt)
+    if not wide and FRAG_KP_MARGIN_PCT > 0 and RWG_KP and m <= RWG_MAX_M and config == {"R": 2}:
+        steps, kp_us, r2_us = _rwg_kp_model(n, k, slots)
+        if steps >= RWG_KP_MIN_STEPS and kp_us <= r2_us * (1 + FRAG_KP_MARGIN_PCT / 100):
+            return {"R": 1, **RWG_KP}
+    return config
+
+
 def _frag_route(m: int, state: dict, device: torch.device, config: dict | None) -> tuple[str, dict | None]:
     """_fused_route for fragment-ordered words (state["order"] "frag"; rwg, the Triton kernels and the Gluon GEMV
     read them, the wgmma GEMM too, partly GPU-tested). On sm_90: the Gluon GEMV up to FRAG_GEMV_MAX_M tokens, rwg
@@ -1245,7 +1284,7 @@ def _frag_route(m: int, state: dict, device: torch.device, config: dict | None) 
         rule_m = _frag_rule_tokens(m, state["k"])
         if rule_m:
             slots = _num_sms(device.index if device.index is not None else 0)
-            config = {**_rwg_config(state["n"], state["k"], rule_m, slots, state["fmt"]), **(config or {})}
+            config = {**_frag_rwg_config(state["n"], state["k"], rule_m, slots, state["fmt"]), **(config or {})}
         return "rwg", config
     if m > max(RWG_MAX_M, RWG_WIDE_MAX_M) and _wsmma_ok(device, state):
         return ("wgmma" if FRAG_WGMMA and 0 < WGMMA_MIN_M <= m else "dequant"), config
