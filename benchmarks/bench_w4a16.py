@@ -224,10 +224,23 @@ class Layer:
         del w
 
 
+# --x-spare-tile T: every activation x [M, K] is the first M rows of a buffer of M rounded up to T rows (its spare
+# rows NaN), as the rollout engine would hold it to let rwg's XROWS read a whole last token tile; 0: plain x.
+X_SPARE_TILE = 0
+
+
+def activation(m: int, dim: int) -> torch.Tensor:
+    """A fresh random bf16 x [m, dim] (with X_SPARE_TILE: a view of a longer buffer, spare rows NaN)."""
+    rows = -(-m // X_SPARE_TILE) * X_SPARE_TILE if X_SPARE_TILE else m
+    buf = torch.randn(rows, dim, device="cuda").to(torch.bfloat16)
+    buf[m:] = float("nan")
+    return buf[:m]
+
+
 def activations(m: int, dim: int, n_copies: int) -> list[torch.Tensor]:
     nbytes = m * dim * 2
     count = max(1, min(n_copies, math.ceil((64 << 20) / nbytes)))
-    return [torch.randn(m, dim, device="cuda").to(torch.bfloat16) for _ in range(count)]
+    return [activation(m, dim) for _ in range(count)]
 
 
 # --------------------------------------------------------------------------- one measurement
@@ -441,7 +454,7 @@ def candidate_sweep(deadline: float, out_path: str | None, shapes, ms, pick, for
                 log("  (time budget reached)")
                 break
             bf = measure(layer, m, "bf16", "forward")
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            x = activation(m, k)
             for fmt in formats:
                 chosen = pick(n, k, m, fmt)
                 if not chosen:
@@ -892,6 +905,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cands", default=None, help='only time these configs: JSON [["name", {config} or null], ...]')
     ap.add_argument("--cand-shapes", default="37888x3584,7168x5120,3584x3584", help="NxK,... for --cands")
     ap.add_argument("--cand-ms", default="1,16", help="M values for --cands")
+    ap.add_argument("--x-spare-tile", type=int, default=0,
+                    help="each activation x [M, K] is a view of a buffer of M rounded up to this many rows (the "
+                         "spare rows NaN), for rwg's XROWS; 0: plain tensors")
     ap.add_argument("--nf4-fused-cands", default=None,
                     help='with nf4-fused in --formats, also time these configs of the fused NF4 kernel as formats '
                          '"nf4-fused:<name>": JSON [["name", {config}], ...] (keys of nf4_triton.FUSED_CONFIG)')
@@ -900,8 +916,8 @@ def main(argv=None) -> int:
     ap.add_argument("--time-budget-s", type=float, default=330.0, help="stop starting new work after this")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "w4a16.json"))
     args = ap.parse_args(argv)
-    global ORDER
-    ORDER = args.order
+    global ORDER, X_SPARE_TILE
+    ORDER, X_SPARE_TILE = args.order, max(0, args.x_spare_tile)
     t0 = time.time()
     deadline = t0 + args.time_budget_s
     models = [m for m in args.models.split(",") if m]

@@ -1560,6 +1560,26 @@ def test_fragment_order_rule_refinements(monkeypatch):
         monkeypatch.setattr(W, name, 0)
 
 
+def test_rows_in_storage():
+    """rwg's XROWS view: x = buf[:M] seen as its first `rows` rows only where buf holds them from x's first row on
+    (and x is row-major); the view's first M rows are x's own."""
+    from qerl.kernels.w4a16_wgmma import rows_in_storage
+
+    buf = torch.arange(64 * 8, dtype=torch.bfloat16).view(64, 8)
+    x = buf[:40]
+    v = rows_in_storage(x, 64)
+    assert v.shape == (64, 8) and v.data_ptr() == x.data_ptr() and torch.equal(v[:40], x) and torch.equal(v, buf)
+    assert rows_in_storage(x, 40) is x and rows_in_storage(x, 16) is x
+    assert rows_in_storage(buf[8:48], 56).shape == (56, 8)  # an offset view: rows 8..63 are in the storage
+    assert rows_in_storage(buf[8:48], 64) is None  # rows 64..71 are not
+    assert rows_in_storage(torch.zeros(40, 8, dtype=torch.bfloat16), 64) is None  # a tensor of its own
+    assert rows_in_storage(buf[:40, :4], 64) is None  # not row-major over its K
+    from qerl.kernels import w4a16_rwg, w4a16_triton as W
+
+    assert w4a16_rwg.DEFAULT["XROWS"] == 0 and "XROWS" in W._PATH_KEYS  # off; a path key the Triton kernels drop
+    assert W._kernel_config({"XROWS": 1}, {"BO": 64}) == {"BO": 64}
+
+
 def test_gluon_gemv_m1_threshold(monkeypatch):
     """M = 1 goes to the Gluon GEMV from WSMMA_MIN_NK weights (8M since session 45), the same threshold with or
     without a PDL chain; below it the CUDA-core GEMV; nf4 never; nothing off sm_90."""

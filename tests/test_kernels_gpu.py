@@ -804,6 +804,32 @@ def test_rwg_first_launch_sums_as_later_launches(order, monkeypatch):
         assert torch.equal(R.forward(x, st), first), m
 
 
+@pytest.mark.parametrize("order", ["rows", "frag"])
+def test_rwg_xrows_reads_the_storage_rows(order):
+    """XROWS: where x = buf[:M] and M is not a multiple of the token tile, the last tile reads the rows past M from
+    buf (NaN here) instead of zero-filling them, and the output is bit for bit the zero-filled launch's, without a
+    NaN: the rule's forms (KP or R by fill on the narrow layer, two / three per SM on the wide one, 128-token tiles
+    above 64) and R = 2."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import w4a16_rwg as R
+    from qerl.kernels import w4a16_triton as W
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("rwg runs on sm_90")
+    slots = torch.cuda.get_device_properties(0).multi_processor_count
+    for n, k in ((7168, 5120), (27648, 2048)):
+        t = quantize_weight(torch.randn(n, k) * 0.05, "nvfp4")
+        st = prepare("nvfp4", {key: v.cuda() for key, v in t.items()}, order=order)
+        for m in (20, 40, 56, 100):
+            buf = torch.randn(128, k, device="cuda", dtype=torch.bfloat16)
+            buf[m:] = float("nan")
+            x = buf[:m]
+            for cfg in (W._rwg_config(n, k, m, slots), {"R": 2}):
+                plain = R.forward(x.clone(), st, config=cfg)
+                rows = R.forward(x, st, config={**cfg, "XROWS": 1})
+                assert not rows.isnan().any() and torch.equal(rows, plain), (n, k, m, cfg)
+
+
 @pytest.mark.parametrize("routes", [{"FRAG_WGMMA": 0, "FRAG_BWD_DEQUANT": 0}, {"FRAG_WGMMA": 1, "FRAG_BWD_DEQUANT": 1}],
                          ids=["dequant-fused_bwd", "wgmma-bwd_dequant"])
 def test_fragment_order_layer(routes, monkeypatch):

@@ -389,7 +389,7 @@ def kernel_for(kp) -> object:
 
 
 DEFAULT = dict(BM=None, R=2, NSW=4, NSX=3, XREL=0, LOAD_REGS=24, PER_SM=None, maxnreg=None, PDL=None, S=None, PWA=None,
-               KP=1, MMA_REGS=160, DIAG=0, FRAG=0)
+               KP=1, MMA_REGS=160, DIAG=0, FRAG=0, XROWS=0)
 # Per-warp release of the weight and activation stages (qerl/kernels/ptx_pwa.py): no CTA barrier in
 # the MMA loop. Config key PWA overrides per call (None: this switch). Decode steps (a64, H100, same
 # process): 7B at 32 / 64 rows +1.1% / +0.5%. NOTES_w4a16.md section 22.
@@ -468,7 +468,9 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     PDL, PWA (per-warp stage release, qerl/kernels/ptx_pwa.py; None: PER_WARP_ARRIVE), KP (1, or 2 with R = 1:
     two MMA warpgroups on alternate 256-K steps of one tile, _rwg_kp_kernel; slices of >= 2 steps), MMA_REGS
     (KP = 2: setmaxnreg of the odd steps' warpgroup), DIAG (1: no decode, timing only, wrong outputs: what the
-    decode's instructions cost a step; nvfp4)."""
+    decode's instructions cost a step; nvfp4), XROWS (1: where M is not a multiple of BM and x's storage holds
+    the last tile's rows past M, e.g. x = buf[:M] of a longer buffer, the activation box reads them instead of
+    zero-filling; a test of what out-of-bounds rows cost, NOTES_w4a16.md section 53)."""
     x = WG.checked_input(x, state, "rwg")
     fmt, n, kb, m = state["fmt"], state["n"], state["kb"], x.shape[0]
     if layout.is_frag(state):  # the layer's words are fragment-ordered: FRAG reads them as they are
@@ -494,7 +496,11 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
         s = WG.split(tiles, kb, int(per_sm) * W._num_sms(x.device.index or 0))
     if kp == 2:
         s = min(s, kb // 2)
-    x_desc, w_desc, s_desc = WG.descriptors(x, state, bm)
+    x_tma = x
+    if cfg["XROWS"] and m % bm:  # the last token tile's rows past M from x's storage where it has them (XROWS)
+        x_tma = WG.rows_in_storage(x, mt * bm)
+        x_tma = x if x_tma is None else x_tma
+    x_desc, w_desc, s_desc = WG.descriptors(x_tma, state, bm)
     if consts["FMT"] >= 4:
         w_desc = frag_descriptor(state)
     c, locks, ws = WG.launch_buffers(x, state, out, tiles, s, rows * bm)

@@ -1145,10 +1145,10 @@ def _kernel_config(config: dict | None, default: dict) -> dict:
 
 
 # PWA (per-warp stage release, qerl/kernels/ptx_pwa.py) belongs to the Gluon GEMV and rwg, XS (x beside
-# the weight stages) to the Gluon GEMV, DIAG (timing only: no decode, wrong outputs) and FRAG (fragment-ordered
-# words, a second copy) to rwg; the other kernels ignore them, so a config of path keys and these keeps every
-# kernel's own tiles
-_PATH_KEYS = {"PATH", "CHUNKS", "SIDE", "PWA", "XS", "DIAG", "FRAG"}
+# the weight stages) to the Gluon GEMV, DIAG (timing only: no decode, wrong outputs), FRAG (fragment-ordered
+# words, a second copy) and XROWS (the last token tile's rows past M read from x's storage) to rwg; the other
+# kernels ignore them, so a config of path keys and these keeps every kernel's own tiles
+_PATH_KEYS = {"PATH", "CHUNKS", "SIDE", "PWA", "XS", "DIAG", "FRAG", "XROWS"}
 _MOD_KEYS = {"PDL", "PDL_LATE", "PF"}  # launch modifiers: never replace the tile heuristic
 _GEMV_KEYS = {"BN", "num_warps", "PER_SM", "S", "WAVES", "PACKED", "DECODE_F32", "num_stages", "ACC2D", "CH", "PDL",
               "PDL_LATE", "PF"}

@@ -513,6 +513,19 @@ def descriptors(x: torch.Tensor, state: dict, bm: int):
     return (TensorDescriptor.from_tensor(x, [bm, 64], _x_layout(bm)), *_weight_descriptors(state))
 
 
+def rows_in_storage(x: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """x [M, K] seen as its first `rows` rows (M <= rows) where its storage already holds them, i.e. x = buf[:M] of
+    a row-major buffer with at least `rows` rows from x's first: a TMA box of `rows` tokens then reads those rows
+    instead of zero-filling past M. None where the storage ends sooner or x is not row-major. The rows past M are
+    whatever the buffer holds; a GEMM row depends on its own x row only, and the epilogues mask the store by M."""
+    m, k = x.shape
+    if rows <= m:
+        return x
+    if x.stride() != (k, 1) or (x.storage_offset() + rows * k) * x.element_size() > x.untyped_storage().nbytes():
+        return None
+    return x.as_strided((rows, k), (k, 1))
+
+
 def smem_bytes(bm: int, nsw: int, nsd: int, cps: int, nsx: int, bn: int = 64) -> int:
     """Shared memory of the rings: raw weight tiles, decoded stages, activation chunks (+ barriers)."""
     return nsw * (8192 + 1024) + nsd * cps * bn * 128 + nsx * bm * 128 + 1024
