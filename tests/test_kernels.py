@@ -1576,8 +1576,25 @@ def test_rows_in_storage():
     assert rows_in_storage(buf[:40, :4], 64) is None  # not row-major over its K
     from qerl.kernels import w4a16_rwg, w4a16_triton as W
 
-    assert w4a16_rwg.DEFAULT["XROWS"] == 0 and "XROWS" in W._PATH_KEYS  # off; a path key the Triton kernels drop
+    # unset in a config: w4a16_rwg.XROWS, off; a path key the Triton kernels drop
+    assert w4a16_rwg.DEFAULT["XROWS"] is None and w4a16_rwg.XROWS == 0 and "XROWS" in W._PATH_KEYS
     assert W._kernel_config({"XROWS": 1}, {"BO": 64}) == {"BO": 64}
+
+
+def test_decode_gemm_inputs_in_whole_tiles(monkeypatch):
+    """decode_ops.gemm_input: exactly M rows by default; with ROW_TILE the first M rows of a buffer of whole tiles,
+    so rwg's XROWS view of the last tile exists (rows_in_storage), and none for M already a whole number of tiles."""
+    from qerl.kernels import decode_ops
+    from qerl.kernels.w4a16_wgmma import rows_in_storage
+
+    assert decode_ops.ROW_TILE == 0
+    x = decode_ops.gemm_input(40, 8, torch.bfloat16, "cpu")
+    assert x.shape == (40, 8) and rows_in_storage(x, 64) is None
+    monkeypatch.setattr(decode_ops, "ROW_TILE", 64)
+    for m, rows in ((40, 64), (17, 64), (64, 64), (100, 128)):
+        x = decode_ops.gemm_input(m, 8, torch.bfloat16, "cpu")
+        assert x.shape == (m, 8) and x.is_contiguous() and x.untyped_storage().nbytes() == rows * 8 * 2, m
+        assert rows_in_storage(x, rows) is not None and rows_in_storage(x, rows + 64) is None, m
 
 
 def test_gluon_gemv_m1_threshold(monkeypatch):

@@ -158,6 +158,44 @@ def test_engine_shared_prompt_keys_change_nothing(fmt, monkeypatch):
         assert torch.equal(runs[0].logprobs, runs[1].logprobs)
 
 
+def test_engine_whole_tile_gemm_inputs_change_nothing(monkeypatch):
+    """decode_ops.ROW_TILE = 64 with w4a16_rwg.XROWS = 1 (the step's GEMM inputs in whole 64-row buffers, rwg's last
+    token tile read from them past M) in graphed nvfp4 decode steps of 40 rows that compaction shrinks (stop
+    tokens): the sampled rollout equals the one without, token for token and logprob for logprob, and rwg really
+    read whole tiles from storage."""
+    from qerl.kernels import decode_ops, w4a16_rwg
+    from qerl.kernels import w4a16_wgmma as WG
+    from qerl.rl.rollout import RolloutSettings
+    from qerl.rollout.engine import RolloutEngine
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("rwg runs on sm_90")
+    views = []
+    real = WG.rows_in_storage
+
+    def counting(x, rows):
+        v = real(x, rows)
+        views.append(v is not None and v.shape[0] > x.shape[0])
+        return v
+
+    monkeypatch.setattr(WG, "rows_in_storage", counting)
+    model = _small_model("nvfp4", intermediate=1536)
+    prompts = [torch.randint(0, 4096, (n,)).tolist() for n in (5, 70, 33, 12, 40)]
+    settings = RolloutSettings(num_generations=8, max_new_tokens=120, temperature=1.0,
+                               stop_ids=list(range(1, 4096, 60)), pad_id=0)
+    runs = []
+    for tile, xrows in ((0, 0), (64, 1)):
+        monkeypatch.setattr(decode_ops, "ROW_TILE", tile)
+        monkeypatch.setattr(w4a16_rwg, "XROWS", xrows)
+        engine = RolloutEngine(model, max_batch=40, max_len=256)
+        with torch.inference_mode():
+            runs.append(engine.generate(prompts, settings, torch.Generator(device="cuda").manual_seed(0)))
+        assert engine.stats["compactions"] >= 1
+    assert any(views)
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+    assert torch.equal(runs[0].logprobs, runs[1].logprobs)
+
+
 def test_engine_glu_changes_nothing(monkeypatch):
     """engine.GLU (silu(gate) * up from one Gluon GEMV launch, w4a16_gluon GLU, in place of the
     gate/up product and silu_mul) in graphed, PDL-chained nvfp4 decode steps: a sampled rollout with

@@ -751,6 +751,20 @@ ATTN_EARLY_V = os.environ.get("QERL_ATTN_EARLY_V", "0") == "1"
 # None = `attention_prefetch` (short key buckets in small blocks); QERL_ATTN_PREFETCH=1 / 0 forces it
 # on / off. Session 10 (an older chain): 14B batch 8 +2.0%, 14B / 32B batch 1 +-0.
 ATTN_PREFETCH = {"1": True, "0": False}.get(os.environ.get("QERL_ATTN_PREFETCH", ""))
+# The decode step's GEMM inputs (the norms' outputs, the attention's, SiLU's) as the first rows of buffers of whole
+# ROW_TILE-row tiles, so that rwg's XROWS (w4a16_rwg.XROWS) can read a whole last token tile from storage instead
+# of a zero-filled TMA box past the rows (NOTES_w4a16.md section 53: a 64-token tile at 40 tokens ran 40% longer
+# than at 64). The rows past M are never read back. 0: buffers of exactly M rows (the default; ablation `xrows`).
+ROW_TILE = env_int("QERL_DECODE_ROW_TILE", 0)
+
+
+def gemm_input(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.empty(rows, cols); with ROW_TILE the first `rows` rows of a buffer of whole ROW_TILE-row tiles."""
+    if ROW_TILE and rows % ROW_TILE:
+        return torch.empty(-(-rows // ROW_TILE) * ROW_TILE, cols, dtype=dtype, device=device)[:rows]
+    return torch.empty(rows, cols, dtype=dtype, device=device)
+
+
 # The RMSNorm kernel reads its weight before the PDL wait (no kernel of a step writes it; AQN
 # rewrites it between steps), so nothing after the reduction waits on a load. False: after the
 # reduction (the A/B switch of benchmarks/NOTES_rollout.md section 10).
@@ -907,7 +921,7 @@ def _attention_launch(q, heads: int, k_cache, v_cache, valid, keys: int, scale: 
     po = torch.empty(b, kv, splits, group, d, dtype=torch.float32, device=q.device)
     pm = torch.empty(b, kv, splits, group, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
-    out = torch.empty(b, heads * d, dtype=q.dtype, device=q.device)
+    out = gemm_input(b, heads * d, q.dtype, q.device)
     sp = max(2, _next_pow2(splits))
     # (the RoPE launch always has its slot; a placeholder where none is given, which the kernel then does not read)
     partial[(b, kv, splits)](qkv, k_cache, v_cache, valid, slot if slot is not None else valid, po, pm, pl,
@@ -938,7 +952,7 @@ def add_rms_norm_triton(delta, h, weight, eps, extra=None, ids=None, chain_start
     e2 = extra.reshape(-1, n).contiguous() if extra is not None else d2
     rows = h2.shape[0] if ids is None else ids.shape[0]
     h_out = torch.empty(rows, n, dtype=h2.dtype, device=h2.device) if delta is not None or ids is not None else h2
-    x_out = torch.empty_like(h_out)
+    x_out = gemm_input(rows, n, h_out.dtype, h_out.device)
     block = _next_pow2(n)
     pdl = pdl_on(h2)  # chain_start: still triggers its successor early; nothing for its wait to wait on
     has_extra = delta is not None and extra is not None
@@ -992,7 +1006,7 @@ def silu_mul_triton(gate_up, extra=None, signal=None):
     gu = gate_up.reshape(-1, 2 * inter).contiguous()
     extra, flag, target, ready = _ready_args(extra, gu)
     e = extra.reshape(-1, 2 * inter).contiguous() if extra is not None else gu
-    out = torch.empty(gu.shape[0], inter, dtype=gu.dtype, device=gu.device)
+    out = gemm_input(gu.shape[0], inter, gu.dtype, gu.device)
     block = 1024
     grid = (gu.shape[0], -(-inter // block))
     s_flag, s_on = _signal_args(signal, flag, grid[0] * grid[1])

@@ -58,6 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from qerl.env import env_int
 from qerl.kernels import layout
 from qerl.kernels import w4a16_triton as W
 from qerl.kernels import w4a16_wgmma as WG
@@ -389,7 +390,10 @@ def kernel_for(kp) -> object:
 
 
 DEFAULT = dict(BM=None, R=2, NSW=4, NSX=3, XREL=0, LOAD_REGS=24, PER_SM=None, maxnreg=None, PDL=None, S=None, PWA=None,
-               KP=1, MMA_REGS=160, DIAG=0, FRAG=0, XROWS=0)
+               KP=1, MMA_REGS=160, DIAG=0, FRAG=0, XROWS=None)
+# XROWS for launches whose config leaves it unset (None): 1 reads a last token tile's rows past M from x's storage
+# where it holds them (decode_ops.ROW_TILE makes the decode step's GEMM inputs so); 0 (the default) zero-fills them.
+XROWS = env_int("QERL_W4A16_RWG_XROWS", 0)
 # Per-warp release of the weight and activation stages (qerl/kernels/ptx_pwa.py): no CTA barrier in
 # the MMA loop. Config key PWA overrides per call (None: this switch). Decode steps (a64, H100, same
 # process): 7B at 32 / 64 rows +1.1% / +0.5%. NOTES_w4a16.md section 22.
@@ -497,7 +501,7 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     if kp == 2:
         s = min(s, kb // 2)
     x_tma = x
-    if cfg["XROWS"] and m % bm:  # the last token tile's rows past M from x's storage where it has them (XROWS)
+    if (XROWS if cfg["XROWS"] is None else cfg["XROWS"]) and m % bm:  # the last token tile's rows past M from x's storage where it has them (XROWS)
         x_tma = WG.rows_in_storage(x, mt * bm)
         x_tma = x if x_tma is None else x_tma
     x_desc, w_desc, s_desc = WG.descriptors(x_tma, state, bm)
