@@ -501,7 +501,8 @@ def forward(x: torch.Tensor, state: dict, bias=None, out=None, config: dict | No
     if kp == 2:
         s = min(s, kb // 2)
     x_tma = x
-    if (XROWS if cfg["XROWS"] is None else cfg["XROWS"]) and m % bm:  # the last token tile's rows past M from x's storage where it has them (XROWS)
+    # XROWS: the last token tile's rows past M from x's storage, where it has them
+    if (XROWS if cfg["XROWS"] is None else cfg["XROWS"]) and m % bm:
         x_tma = WG.rows_in_storage(x, mt * bm)
         x_tma = x if x_tma is None else x_tma
     x_desc, w_desc, s_desc = WG.descriptors(x_tma, state, bm)
