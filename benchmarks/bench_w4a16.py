@@ -490,28 +490,54 @@ def candidate_medians(rows: list[dict]) -> list[str]:
     return lines
 
 
+# --cand-rounds R: each shape's candidate list is timed R times, the list rotated by one each round (so no candidate
+# always runs first after bf16), and each candidate's row keeps the median and the R samples.
+CAND_ROUNDS = 1
+
+
+def round_orders(count: int, rounds: int) -> list[list[int]]:
+    """The candidate indices in each round's order: round r starts at candidate r % count."""
+    return [[(r + i) % count for i in range(count)] for r in range(max(1, rounds))] if count else []
+
+
 def time_candidates(layer: Layer, x: torch.Tensor, st: dict, fmt: str, cands, bf: float, rows: list,
                     deadline: float | None = None) -> list[str]:
     """Check each (name, config) of the forward against the fp32 reference on x, then time it
-    like the sweep; append one row per candidate, return the log pieces."""
+    like the sweep (CAND_ROUNDS rounds in rotated order: the median); append one row per candidate,
+    return the log pieces."""
     from qerl.kernels import reference, state_tensors
     from qerl.kernels import w4a16_triton as W
 
     n, k, m = layer.n, layer.k, x.shape[0]
     ref = x.float() @ reference.dequant(fmt, state_tensors(st), torch.float32).T
+    cands = list(cands)
+    errs, samples, failed = {}, {i: [] for i in range(len(cands))}, {}
+    for order in round_orders(len(cands), CAND_ROUNDS):
+        for i in order:
+            name, cfg = cands[i]
+            if i in failed or (deadline is not None and time.time() > deadline):
+                continue
+            try:
+                if i not in errs:
+                    y = W.forward(x, st, config=cfg)
+                    errs[i] = ((y.float() - ref).norm() / ref.norm()).item()
+                samples[i].append(measure(layer, m, fmt, "forward", config=cfg))
+            except Exception as e:
+                failed[i] = f"{name} ERR {type(e).__name__}: {str(e)[:200]}"
     parts = []
-    for name, cfg in cands:
-        if deadline is not None and time.time() > deadline:
-            break
-        try:
-            y = W.forward(x, st, config=cfg)
-            err = ((y.float() - ref).norm() / ref.norm()).item()
-            us = measure(layer, m, fmt, "forward", config=cfg)
-            gb = moved_bytes(fmt, n, k, m) / us / 1e3
-            parts.append(f"{name} {us:.1f} x{bf / us:.2f} {gb:.0f}GB/s" + ("" if err < 1e-2 else f" BAD{err:.2g}"))
-            rows.append(dict(n=n, k=k, m=m, fmt=fmt, cfg=name, us=us, bf16_us=bf, err=err, gbps=gb))
-        except Exception as e:
-            parts.append(f"{name} ERR {type(e).__name__}: {str(e)[:200]}")
+    for i, (name, _cfg) in enumerate(cands):
+        if i in failed:
+            parts.append(failed[i])
+            continue
+        if not samples[i]:
+            continue
+        us, err = statistics.median(samples[i]), errs[i]
+        gb = moved_bytes(fmt, n, k, m) / us / 1e3
+        parts.append(f"{name} {us:.1f} x{bf / us:.2f} {gb:.0f}GB/s" + ("" if err < 1e-2 else f" BAD{err:.2g}"))
+        row = dict(n=n, k=k, m=m, fmt=fmt, cfg=name, us=us, bf16_us=bf, err=err, gbps=gb)
+        if CAND_ROUNDS > 1:
+            row["us_rounds"] = [round(v, 3) for v in samples[i]]
+        rows.append(row)
     return parts
 
 
@@ -905,6 +931,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cands", default=None, help='only time these configs: JSON [["name", {config} or null], ...]')
     ap.add_argument("--cand-shapes", default="37888x3584,7168x5120,3584x3584", help="NxK,... for --cands")
     ap.add_argument("--cand-ms", default="1,16", help="M values for --cands")
+    ap.add_argument("--cand-rounds", type=int, default=1,
+                    help="time each shape's candidate list this many times, rotated by one each round (the median)")
     ap.add_argument("--x-spare-tile", type=int, default=0,
                     help="each activation x [M, K] is a view of a buffer of M rounded up to this many rows (the "
                          "spare rows NaN), for rwg's XROWS; 0: plain tensors")
@@ -916,8 +944,8 @@ def main(argv=None) -> int:
     ap.add_argument("--time-budget-s", type=float, default=330.0, help="stop starting new work after this")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "w4a16.json"))
     args = ap.parse_args(argv)
-    global ORDER, X_SPARE_TILE
-    ORDER, X_SPARE_TILE = args.order, max(0, args.x_spare_tile)
+    global ORDER, X_SPARE_TILE, CAND_ROUNDS
+    ORDER, X_SPARE_TILE, CAND_ROUNDS = args.order, max(0, args.x_spare_tile), max(1, args.cand_rounds)
     t0 = time.time()
     deadline = t0 + args.time_budget_s
     models = [m for m in args.models.split(",") if m]

@@ -165,3 +165,51 @@ def test_the_first_stream_config_is_stream_us_default_shape():
                 if p.default is not inspect.Parameter.empty}
     assert bench.STREAM_CFGS[0] == defaults
     assert bench.stream_cfg_name(bench.STREAM_CFGS[0]) == "per_sm4/block2048/unroll1/num_warps4/num_stages3"
+
+
+def test_candidates_timed_in_rotated_rounds(monkeypatch):
+    """--cand-rounds: every round times the whole candidate list, each round starting one candidate later (no
+    candidate always first after bf16); a row keeps the median and the rounds' samples; the reference check runs
+    once per candidate; one round is the old single pass."""
+    import types
+
+    import torch
+
+    from qerl.formats import quantize_weight
+    from qerl.kernels import prepare
+
+    bench = _bench()
+    assert bench.round_orders(3, 1) == [[0, 1, 2]]
+    assert bench.round_orders(3, 4) == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    st = prepare("nvfp4", quantize_weight(torch.randn(64, 256) * 0.05, "nvfp4"))
+    layer = types.SimpleNamespace(n=64, k=256)
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    cands = [("a", {"PATH": "fused"}), ("b", {"PATH": "fused"}), ("c", {"PATH": "fused"})]
+    calls = []
+    slow_first = iter([9.0, 1.0, 2.0, 9.0, 3.0, 4.0, 9.0, 5.0, 6.0])  # the first of each round is slow
+
+    def fake_measure(layer, m, fmt, op, config=None):
+        calls.append(next(i for i, (_, c) in enumerate(cands) if c is config))
+        return next(slow_first)
+
+    from qerl.kernels import reference, state_tensors
+    from qerl.kernels import w4a16_triton as W
+
+    w = reference.dequant("nvfp4", state_tensors(st), torch.float32)
+    checked = []
+    monkeypatch.setattr(W, "forward", lambda x, st, config=None: checked.append(config) or (x.float() @ w.T))
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    monkeypatch.setattr(bench, "CAND_ROUNDS", 3)
+    rows = []
+    parts = bench.time_candidates(layer, x, st, "nvfp4", cands, 10.0, rows)
+    assert calls == [0, 1, 2, 1, 2, 0, 2, 0, 1]
+    by = {r["cfg"]: r for r in rows}
+    assert by["a"]["us_rounds"] == [9.0, 4.0, 5.0] and by["a"]["us"] == 5.0
+    assert by["b"]["us_rounds"] == [1.0, 9.0, 6.0] and by["c"]["us_rounds"] == [2.0, 3.0, 9.0]
+    assert all(r["err"] < 1e-2 for r in rows) and len(parts) == 3 and len(checked) == 3
+    monkeypatch.setattr(bench, "CAND_ROUNDS", 1)
+    calls.clear()
+    slow_first = iter([1.0, 2.0, 3.0])
+    rows = []
+    bench.time_candidates(layer, x, st, "nvfp4", cands, 10.0, rows)
+    assert calls == [0, 1, 2] and [r["us"] for r in rows] == [1.0, 2.0, 3.0] and "us_rounds" not in rows[0]
