@@ -232,9 +232,10 @@ X_SPARE_TILE = 0
 def activation(m: int, dim: int) -> torch.Tensor:
     """A fresh random bf16 x [m, dim] (with X_SPARE_TILE: a view of a longer buffer, spare rows NaN)."""
     rows = -(-m // X_SPARE_TILE) * X_SPARE_TILE if X_SPARE_TILE else m
-    buf = torch.randn(rows, dim, device="cuda").to(torch.bfloat16)
-    buf[m:] = float("nan")
-    return buf[:m]
+    x = torch.randn(rows, dim, device="cuda").to(torch.bfloat16)
+    if rows > m:
+        x[m:] = float("nan")
+    return x[:m]
 
 
 def activations(m: int, dim: int, n_copies: int) -> list[torch.Tensor]:

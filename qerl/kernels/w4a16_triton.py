@@ -1089,11 +1089,18 @@ def _rwg_config(n: int, k: int, m: int, slots: int, fmt: str = "nvfp4") -> dict:
     wide = -(-n // 64) > slots  # the 64-row tiles overrun one program per SM
     if wide and RWG_THREE_PER_SM and RWG_THREE_MIN_M <= m <= 32 and fmt in RWG_THREE_FORMATS:
         return {"R": 1, **RWG_THREE_PER_SM, **_rwg_wave_split(n, k, 3 * slots)}
-    two = RWG_TWO_PER_SM.get(32 if m <= 32 else 64) if wide else None
+    two = _rwg_two_per_sm(n, k, m, slots) if wide else None
     if two:
-        return {"R": 1, **two, **_rwg_wave_split(n, k, 2 * slots)}
+        return two
     r = _rwg_rows(n, k, slots)
     return {"R": 1, **RWG_KP} if not wide and RWG_KP and _rwg_kp_wins(n, k, slots, r) else {"R": r}
+
+
+def _rwg_two_per_sm(n: int, k: int, m: int, slots: int) -> dict | None:
+    """rwg's two-programs-per-SM config (RWG_TWO_PER_SM's 32- or 64-token form, R = 1, K split by RWG_WAVE_SPLIT) for
+    an m-token launch of a wide layer, or None where that form is off."""
+    two = RWG_TWO_PER_SM.get(32 if m <= 32 else 64)
+    return {"R": 1, **two, **_rwg_wave_split(n, k, 2 * slots)} if two else None
 
 
 def _rwg_wave_split(n: int, k: int, slots: int) -> dict:
@@ -1261,9 +1268,10 @@ def _frag_rwg_config(n: int, k: int, m: int, slots: int, fmt: str = "nvfp4") -> 
     wide = -(-n // 64) > slots
     if wide and 32 < m <= min(FRAG_R2_WIDE_MAX_M, RWG_MAX_M):
         return {"R": 2}
-    if (wide and FRAG_THREE_MAX_K and k > FRAG_THREE_MAX_K and RWG_THREE_PER_SM and RWG_THREE_MIN_M <= m <= 32
-            and fmt in RWG_THREE_FORMATS and RWG_TWO_PER_SM.get(32)):
-        return {"R": 1, **RWG_TWO_PER_SM[32], **_rwg_wave_split(n, k, 2 * slots)}
+    two = _rwg_two_per_sm(n, k, m, slots) if wide else None
+    if (two and FRAG_THREE_MAX_K and k > FRAG_THREE_MAX_K and RWG_THREE_PER_SM and RWG_THREE_MIN_M <= m <= 32
+            and fmt in RWG_THREE_FORMATS):
+        return two
     config = _rwg_config(n, k, m, slots, fmt)
     if not wide and FRAG_KP_MARGIN_PCT > 0 and RWG_KP and m <= RWG_MAX_M and config == {"R": 2}:
         steps, kp_us, r2_us = _rwg_kp_model(n, k, slots)
