@@ -1525,10 +1525,11 @@ def test_fragment_order_routes(monkeypatch):
 
 
 def test_fragment_order_rule_refinements(monkeypatch):
-    """The three frag-only refinements of rwg's 17..64-token rule are off by default (the frag route then gives
-    _rwg_config's config); on, each moves exactly the layers its comment names: FRAG_THREE_MAX_K the wide K > 4096
-    layers at 24..32 tokens to the two-per-SM form, FRAG_KP_MARGIN_PCT 5120^2 alone to KP, FRAG_R2_WIDE_MAX_M the
-    wide layers at 33..48 tokens to R = 2. Rows-ordered layers never take them."""
+    """The three frag-only refinements of rwg's 17..64-token rule (on by default since session 79: 4096 / 5 / 48):
+    all 0, the frag route gives _rwg_config's config; each alone moves exactly the layers its comment names:
+    FRAG_THREE_MAX_K the wide K > 4096 layers at 24..32 tokens to the two-per-SM form, FRAG_KP_MARGIN_PCT 5120^2
+    alone to KP, FRAG_R2_WIDE_MAX_M the wide layers at 33..48 tokens to R = 2; the defaults move the union of the
+    three. Rows-ordered layers never take them."""
     from qerl.kernels import w4a16_triton as W
 
     shapes = [(2560, 2048), (2048, 2048), (22016, 2048), (2048, 11008), (4608, 3584), (3584, 3584), (37888, 3584),
@@ -1536,15 +1537,21 @@ def test_fragment_order_rule_refinements(monkeypatch):
     monkeypatch.setattr(W, "_wsmma_ok", lambda device, state: True)
     monkeypatch.setattr(W, "_num_sms", lambda index: 132)
     cpu = torch.device("cpu")
-    assert W.FRAG_THREE_MAX_K == W.FRAG_KP_MARGIN_PCT == W.FRAG_R2_WIDE_MAX_M == 0
+    names = ("FRAG_THREE_MAX_K", "FRAG_KP_MARGIN_PCT", "FRAG_R2_WIDE_MAX_M")
+    defaults = {name: getattr(W, name) for name in names}
+    assert defaults == {"FRAG_THREE_MAX_K": 4096, "FRAG_KP_MARGIN_PCT": 5, "FRAG_R2_WIDE_MAX_M": 48}
     ms = (17, 20, 24, 32, 33, 40, 48, 49, 56, 64)
 
     def routed(order="frag"):
         return {(n, k, m): W._fused_route(m, {"n": n, "k": k, "kb": k // 256, "fmt": "nvfp4", "order": order}, cpu,
                                           None)[1] for n, k in shapes for m in ms}
 
+    on = routed()
+    for name in names:
+        monkeypatch.setattr(W, name, 0)
     base = routed()
     assert all(cfg == W._rwg_config(n, k, m, 132) for (n, k, m), cfg in base.items())
+    union = {}
     two32 = {"R": 1, **W.RWG_TWO_PER_SM[32]}
     kp = {"R": 1, **W.RWG_KP}
     for name, value, moved in (
@@ -1558,6 +1565,9 @@ def test_fragment_order_rule_refinements(monkeypatch):
         rows = routed("rows")
         assert all(cfg == W._rwg_config(n, k, m, 132) for (n, k, m), cfg in rows.items()), name
         monkeypatch.setattr(W, name, 0)
+        assert value == defaults[name] and not set(union) & set(moved)
+        union.update(moved)
+    assert {key: cfg for key, cfg in on.items() if cfg != base[key]} == union
 
 
 def test_rows_in_storage():
@@ -1576,18 +1586,20 @@ def test_rows_in_storage():
     assert rows_in_storage(buf[:40, :4], 64) is None  # not row-major over its K
     from qerl.kernels import w4a16_rwg, w4a16_triton as W
 
-    # unset in a config: w4a16_rwg.XROWS, off; a path key the Triton kernels drop
-    assert w4a16_rwg.DEFAULT["XROWS"] is None and w4a16_rwg.XROWS == 0 and "XROWS" in W._PATH_KEYS
+    # unset in a config: w4a16_rwg.XROWS, on since session 79; a path key the Triton kernels drop
+    assert w4a16_rwg.DEFAULT["XROWS"] is None and w4a16_rwg.XROWS == 1 and "XROWS" in W._PATH_KEYS
     assert W._kernel_config({"XROWS": 1}, {"BO": 64}) == {"BO": 64}
 
 
 def test_decode_gemm_inputs_in_whole_tiles(monkeypatch):
-    """decode_ops.gemm_input: exactly M rows by default; with ROW_TILE the first M rows of a buffer of whole tiles,
-    so rwg's XROWS view of the last tile exists (rows_in_storage), and none for M already a whole number of tiles."""
+    """decode_ops.gemm_input: with ROW_TILE (64 by default since session 79) the first M rows of a buffer of whole
+    tiles, so rwg's XROWS view of the last tile exists (rows_in_storage), and none for M already a whole number of
+    tiles; with ROW_TILE 0 exactly M rows."""
     from qerl.kernels import decode_ops
     from qerl.kernels.w4a16_wgmma import rows_in_storage
 
-    assert decode_ops.ROW_TILE == 0
+    assert decode_ops.ROW_TILE == 64
+    monkeypatch.setattr(decode_ops, "ROW_TILE", 0)
     x = decode_ops.gemm_input(40, 8, torch.bfloat16, "cpu")
     assert x.shape == (40, 8) and rows_in_storage(x, 64) is None
     monkeypatch.setattr(decode_ops, "ROW_TILE", 64)

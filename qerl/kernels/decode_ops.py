@@ -754,8 +754,9 @@ ATTN_PREFETCH = {"1": True, "0": False}.get(os.environ.get("QERL_ATTN_PREFETCH",
 # The decode step's GEMM inputs (the norms' outputs, the attention's, SiLU's) as the first rows of buffers of whole
 # ROW_TILE-row tiles, so that rwg's XROWS (w4a16_rwg.XROWS) can read a whole last token tile from storage instead
 # of a zero-filled TMA box past the rows (NOTES_w4a16.md section 53: a 64-token tile at 40 tokens ran 40% longer
-# than at 64). The rows past M are never read back. 0: buffers of exactly M rows (the default; ablation `xrows`).
-ROW_TILE = env_int("QERL_DECODE_ROW_TILE", 0)
+# than at 64). The rows past M are never read back. 0: buffers of exactly M rows (ablation `noxrows`; the default
+# since session 79: 14B 40-row decode step 11.013 -> 9.861 ms, NOTES_w4a16.md section 54).
+ROW_TILE = env_int("QERL_DECODE_ROW_TILE", 64)
 
 
 def gemm_input(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:

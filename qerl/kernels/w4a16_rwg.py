@@ -392,8 +392,9 @@ def kernel_for(kp) -> object:
 DEFAULT = dict(BM=None, R=2, NSW=4, NSX=3, XREL=0, LOAD_REGS=24, PER_SM=None, maxnreg=None, PDL=None, S=None, PWA=None,
                KP=1, MMA_REGS=160, DIAG=0, FRAG=0, XROWS=None)
 # XROWS for launches whose config leaves it unset (None): 1 reads a last token tile's rows past M from x's storage
-# where it holds them (decode_ops.ROW_TILE makes the decode step's GEMM inputs so); 0 (the default) zero-fills them.
-XROWS = env_int("QERL_W4A16_RWG_XROWS", 0)
+# where it holds them (decode_ops.ROW_TILE makes the decode step's GEMM inputs so; the default since session 79);
+# 0 zero-fills them. Where x's storage ends at row M (w4a16_wgmma.rows_in_storage) the box is zero-filled either way.
+XROWS = env_int("QERL_W4A16_RWG_XROWS", 1)
 # Per-warp release of the weight and activation stages (qerl/kernels/ptx_pwa.py): no CTA barrier in
 # the MMA loop. Config key PWA overrides per call (None: this switch). Decode steps (a64, H100, same
 # process): 7B at 32 / 64 rows +1.1% / +0.5%. NOTES_w4a16.md section 22.

@@ -1244,22 +1244,24 @@ def _frag_rule_tokens(m: int, k: int) -> int | None:
     return None
 
 
-# Three refinements of rwg's 17..64-token rule for fragment-ordered layers, all off (0) until timed in the decode
-# chain (ablate_rollout.py flags `three4k`, `kp5k`, `r2w48`). Single launches on frag words (H100, NOTES_w4a16.md
-# section 53):
+# Three refinements of rwg's 17..64-token rule for fragment-ordered layers, on since session 79 (0 turns each off;
+# ablate_rollout.py flags `three4k` / `kp5k` / `r2w48` force them, `no3k` / `nokp5k` / `nor2w` turn them off). In
+# the decode chain (14B nvfp4, LoRA r32, H100, NOTES_w4a16.md section 54): 32 rows 8.322 ms -> 8.037 with the first,
+# 8.265 with the second, 7.976 with all three and xrows; 40 rows 11.013 -> 10.708 with the third (9.764 with xrows).
+# Single launches on frag words (H100, section 53):
 # - FRAG_THREE_MAX_K: the three-programs-per-SM form at RWG_THREE_MIN_M..32 tokens only where K <= this, the wider-K
 #   wide layers on the two-per-SM form instead (as FRAG_SMALL_RULE already does at 9..16 tokens): 27648x5120 at 24 /
-#   32 tokens 45.5 / 46.0 -> 41.2 / 41.2 us, 55296x5120 2.46-2.67x -> 2.70 / 2.73x bf16. 4096 would apply it.
+#   32 tokens 45.5 / 46.0 -> 41.2 / 41.2 us, 55296x5120 2.46-2.67x -> 2.70 / 2.73x bf16. Default 4096.
 # - FRAG_KP_MARGIN_PCT: the KP form where its modelled time is within this many percent of R = 2's (the model was
 #   fitted on rows words): 5120x5120 (model 14.80 against 14.64 us) measured 13.9 -> 12.4 us at 24 and 32 tokens
-#   and 8-12% faster at 48 / 56 / 64. 5 would apply it to that layer alone among the Qwen2.5 3B-32B shapes.
+#   and 8-12% faster at 48 / 56 / 64. Default 5: that layer alone among the Qwen2.5 3B-32B shapes.
 # - FRAG_R2_WIDE_MAX_M: R = 2 (one program per SM, two 64-row tiles sharing each activation chunk) on the wide layers
 #   at 33..this many tokens, where the two-per-SM form's 64-token tiles run with 16-31 rows out of bounds: at 40 / 48
 #   tokens 27648x5120 67.5 / 58.3 -> 51.4 / 46.8 us, 55296x5120 126.2 / 110.2 -> 94.8 / 90.6, 37888x3584 63.7 / 57.0
-#   -> 52.9 / 52.1, 22016x2048 even; at 56 R = 2 no longer wins. 48 would apply it.
-FRAG_THREE_MAX_K = env_int("QERL_W4A16_FRAG_THREE_MAX_K", 0)
-FRAG_KP_MARGIN_PCT = env_int("QERL_W4A16_FRAG_KP_MARGIN_PCT", 0)
-FRAG_R2_WIDE_MAX_M = env_int("QERL_W4A16_FRAG_R2_WIDE_MAX_M", 0)
+#   -> 52.9 / 52.1, 22016x2048 even; at 56 R = 2 no longer wins. Default 48.
+FRAG_THREE_MAX_K = env_int("QERL_W4A16_FRAG_THREE_MAX_K", 4096)
+FRAG_KP_MARGIN_PCT = env_int("QERL_W4A16_FRAG_KP_MARGIN_PCT", 5)
+FRAG_R2_WIDE_MAX_M = env_int("QERL_W4A16_FRAG_R2_WIDE_MAX_M", 48)
 
 
 def _frag_rwg_config(n: int, k: int, m: int, slots: int, fmt: str = "nvfp4") -> dict:
