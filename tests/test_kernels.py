@@ -1529,7 +1529,8 @@ def test_fragment_order_rule_refinements(monkeypatch):
     all 0, the frag route gives _rwg_config's config; each alone moves exactly the layers its comment names:
     FRAG_THREE_MAX_K the wide K > 4096 layers at 24..32 tokens to the two-per-SM form, FRAG_KP_MARGIN_PCT 5120^2
     alone to KP, FRAG_R2_WIDE_MAX_M the wide layers at 33..48 tokens to R = 2; the defaults move the union of the
-    three. Rows-ordered layers never take them."""
+    three. FRAG_THREE64_MAX_K (off by default) moves 22016x2048 alone at 49..64 tokens to three per SM at BM 64.
+    Rows-ordered layers never take them."""
     from qerl.kernels import w4a16_triton as W
 
     shapes = [(2560, 2048), (2048, 2048), (22016, 2048), (2048, 11008), (4608, 3584), (3584, 3584), (37888, 3584),
@@ -1540,6 +1541,7 @@ def test_fragment_order_rule_refinements(monkeypatch):
     names = ("FRAG_THREE_MAX_K", "FRAG_KP_MARGIN_PCT", "FRAG_R2_WIDE_MAX_M")
     defaults = {name: getattr(W, name) for name in names}
     assert defaults == {"FRAG_THREE_MAX_K": 4096, "FRAG_KP_MARGIN_PCT": 5, "FRAG_R2_WIDE_MAX_M": 48}
+    assert W.FRAG_THREE64_MAX_K == 0
     ms = (17, 20, 24, 32, 33, 40, 48, 49, 56, 64)
 
     def routed(order="frag"):
@@ -1568,6 +1570,10 @@ def test_fragment_order_rule_refinements(monkeypatch):
         assert value == defaults[name] and not set(union) & set(moved)
         union.update(moved)
     assert {key: cfg for key, cfg in on.items() if cfg != base[key]} == union
+    monkeypatch.setattr(W, "FRAG_THREE64_MAX_K", 2048)
+    moved = {(22016, 2048, m): W.FRAG_THREE64 for m in (49, 56, 64)}
+    assert {key: cfg for key, cfg in routed().items() if cfg != base[key]} == moved
+    assert all(cfg == W._rwg_config(n, k, m, 132) for (n, k, m), cfg in routed("rows").items())
 
 
 def test_rows_in_storage():

@@ -1262,14 +1262,24 @@ def _frag_rule_tokens(m: int, k: int) -> int | None:
 FRAG_THREE_MAX_K = env_int("QERL_W4A16_FRAG_THREE_MAX_K", 4096)
 FRAG_KP_MARGIN_PCT = env_int("QERL_W4A16_FRAG_KP_MARGIN_PCT", 5)
 FRAG_R2_WIDE_MAX_M = env_int("QERL_W4A16_FRAG_R2_WIDE_MAX_M", 48)
+# A fourth, off (0) until timed in a sweep (ablation flag `three64`): at 49..64 tokens, the wide layers with K <= this
+# whose 64-row tiles fit one wave at three programs per SM (two per SM run them in 1.3 waves) take FRAG_THREE64, three
+# per SM at BM 64 with one activation stage. Session 79 (H100, NOTES_w4a16.md section 54, 3 rounds): 22016x2048 at 64
+# tokens 20.1 -> 18.8 us (344 tiles on 396 slots); the wider layers (432-864 tiles) lost 10-40% on it. 2048 would
+# apply it to 22016x2048 alone among the Qwen2.5 3B-32B shapes.
+FRAG_THREE64_MAX_K = env_int("QERL_W4A16_FRAG_THREE64_MAX_K", 0)
+FRAG_THREE64 = {"R": 1, "BM": 64, "NSW": 2, "NSX": 1, "maxnreg": 80, "XREL": 1}
 
 
 def _frag_rwg_config(n: int, k: int, m: int, slots: int, fmt: str = "nvfp4") -> dict:
-    """rwg's config rule (_rwg_config) for a fragment-ordered layer, with FRAG_THREE_MAX_K, FRAG_KP_MARGIN_PCT and
-    FRAG_R2_WIDE_MAX_M."""
+    """rwg's config rule (_rwg_config) for a fragment-ordered layer, with FRAG_THREE_MAX_K, FRAG_KP_MARGIN_PCT,
+    FRAG_R2_WIDE_MAX_M and FRAG_THREE64_MAX_K."""
     wide = -(-n // 64) > slots
     if wide and 32 < m <= min(FRAG_R2_WIDE_MAX_M, RWG_MAX_M):
         return {"R": 2}
+    if (wide and FRAG_THREE64_MAX_K and k <= FRAG_THREE64_MAX_K and 48 < m <= RWG_MAX_M
+            and -(-n // 64) <= 3 * slots and fmt in RWG_THREE_FORMATS):
+        return dict(FRAG_THREE64)
     two = _rwg_two_per_sm(n, k, m, slots) if wide else None
     if (two and FRAG_THREE_MAX_K and k > FRAG_THREE_MAX_K and RWG_THREE_PER_SM and RWG_THREE_MIN_M <= m <= 32
             and fmt in RWG_THREE_FORMATS):
