@@ -1599,8 +1599,8 @@ def test_rows_in_storage():
 
 def test_decode_gemm_inputs_in_whole_tiles(monkeypatch):
     """decode_ops.gemm_input: with ROW_TILE (64 by default since session 79) the first M rows of a buffer of whole
-    tiles, so rwg's XROWS view of the last tile exists (rows_in_storage), and none for M already a whole number of
-    tiles; with ROW_TILE 0 exactly M rows."""
+    tiles from 9 rows (rwg's), so rwg's XROWS view of the last tile exists (rows_in_storage), and none for M already
+    a whole number of tiles; exactly M rows at 1..8 rows (the Gluon GEMV's) and with ROW_TILE 0."""
     from qerl.kernels import decode_ops
     from qerl.kernels.w4a16_wgmma import rows_in_storage
 
@@ -1609,10 +1609,12 @@ def test_decode_gemm_inputs_in_whole_tiles(monkeypatch):
     x = decode_ops.gemm_input(40, 8, torch.bfloat16, "cpu")
     assert x.shape == (40, 8) and rows_in_storage(x, 64) is None
     monkeypatch.setattr(decode_ops, "ROW_TILE", 64)
-    for m, rows in ((40, 64), (17, 64), (64, 64), (100, 128)):
+    for m, rows in ((40, 64), (17, 64), (9, 64), (64, 64), (100, 128)):
         x = decode_ops.gemm_input(m, 8, torch.bfloat16, "cpu")
         assert x.shape == (m, 8) and x.is_contiguous() and x.untyped_storage().nbytes() == rows * 8 * 2, m
         assert rows_in_storage(x, rows) is not None and rows_in_storage(x, rows + 64) is None, m
+    for m in (1, 8):  # the Gluon GEMV's rows: exactly M, as before ROW_TILE
+        assert decode_ops.gemm_input(m, 8, torch.bfloat16, "cpu").untyped_storage().nbytes() == m * 8 * 2, m
 
 
 def test_gluon_gemv_m1_threshold(monkeypatch):

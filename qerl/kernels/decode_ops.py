@@ -757,11 +757,15 @@ ATTN_PREFETCH = {"1": True, "0": False}.get(os.environ.get("QERL_ATTN_PREFETCH",
 # than at 64). The rows past M are never read back. 0: buffers of exactly M rows (ablation `noxrows`; the default
 # since session 79: 14B 40-row decode step 11.013 -> 9.861 ms, NOTES_w4a16.md section 54).
 ROW_TILE = env_int("QERL_DECODE_ROW_TILE", 64)
+# Below this many rows the step's GEMMs are Gluon GEMVs (w4a16_triton.FRAG_GEMV_MAX_M = 8), which read x's own rows
+# only, so their inputs stay exactly M rows: the batch-1 / batch-8 decode is the one measured before ROW_TILE.
+ROW_TILE_MIN_ROWS = 9
 
 
 def gemm_input(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """torch.empty(rows, cols); with ROW_TILE the first `rows` rows of a buffer of whole ROW_TILE-row tiles."""
-    if ROW_TILE and rows % ROW_TILE:
+    """torch.empty(rows, cols); with ROW_TILE, from ROW_TILE_MIN_ROWS rows, the first `rows` rows of a buffer of
+    whole ROW_TILE-row tiles."""
+    if ROW_TILE and rows >= ROW_TILE_MIN_ROWS and rows % ROW_TILE:
         return torch.empty(-(-rows // ROW_TILE) * ROW_TILE, cols, dtype=dtype, device=device)[:rows]
     return torch.empty(rows, cols, dtype=dtype, device=device)
 
