@@ -1274,16 +1274,18 @@ FRAG_THREE64 = {"R": 1, "BM": 64, "NSW": 2, "NSX": 1, "maxnreg": 80, "XREL": 1}
 def _frag_rwg_config(n: int, k: int, m: int, slots: int, fmt: str = "nvfp4") -> dict:
     """rwg's config rule (_rwg_config) for a fragment-ordered layer, with FRAG_THREE_MAX_K, FRAG_KP_MARGIN_PCT,
     FRAG_R2_WIDE_MAX_M and FRAG_THREE64_MAX_K."""
-    wide = -(-n // 64) > slots
+    tiles = -(-n // 64)
+    wide = tiles > slots
     if wide and 32 < m <= min(FRAG_R2_WIDE_MAX_M, RWG_MAX_M):
         return {"R": 2}
-    if (wide and FRAG_THREE64_MAX_K and k <= FRAG_THREE64_MAX_K and 48 < m <= RWG_MAX_M
-            and -(-n // 64) <= 3 * slots and fmt in RWG_THREE_FORMATS):
-        return dict(FRAG_THREE64)
-    two = _rwg_two_per_sm(n, k, m, slots) if wide else None
-    if (two and FRAG_THREE_MAX_K and k > FRAG_THREE_MAX_K and RWG_THREE_PER_SM and RWG_THREE_MIN_M <= m <= 32
+    if (wide and FRAG_THREE64_MAX_K and k <= FRAG_THREE64_MAX_K and 48 < m <= RWG_MAX_M and tiles <= 3 * slots
             and fmt in RWG_THREE_FORMATS):
-        return two
+        return dict(FRAG_THREE64)
+    if (wide and FRAG_THREE_MAX_K and k > FRAG_THREE_MAX_K and RWG_THREE_PER_SM and RWG_THREE_MIN_M <= m <= 32
+            and fmt in RWG_THREE_FORMATS):
+        two = _rwg_two_per_sm(n, k, m, slots)
+        if two:
+            return two
     config = _rwg_config(n, k, m, slots, fmt)
     if not wide and FRAG_KP_MARGIN_PCT > 0 and RWG_KP and m <= RWG_MAX_M and config == {"R": 2}:
         steps, kp_us, r2_us = _rwg_kp_model(n, k, slots)
