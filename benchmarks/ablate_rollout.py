@@ -55,7 +55,7 @@ is timed (median of 64 replays at the 257..512-key bucket, as profile_rollout.py
                   w4a16_triton.FRAG_THREE_MAX_K / FRAG_KP_MARGIN_PCT / FRAG_R2_WIDE_MAX_M; on by default,
                   no3k / nokp5k / nor2w turn them off), three64 (wide layers with K <= 2048 whose 64-row tiles fit
                   one wave at three per SM, at 49..64 tokens: three per SM at BM 64, w4a16_triton.FRAG_THREE64_MAX_K;
-                  off by default), xrows (the step's
+                  on by default since session 80, no3x64 turns it off), xrows (the step's
                   GEMM inputs in whole 64-row buffers and rwg reading a last token tile's rows from them instead
                   of a zero-filled box: decode_ops.ROW_TILE = 64, w4a16_rwg.XROWS = 1; on by default, noxrows
                   turns it off), pwa / pwag / pwar (per-warp
@@ -262,6 +262,7 @@ def _switches() -> dict:
         "nokp5k": [(w4a16_triton, "FRAG_KP_MARGIN_PCT", 0)],
         "nor2w": [(w4a16_triton, "FRAG_R2_WIDE_MAX_M", 0)],
         "three64": [(w4a16_triton, "FRAG_THREE64_MAX_K", 2048)],
+        "no3x64": [(w4a16_triton, "FRAG_THREE64_MAX_K", 0)],
         "noxrows": [(decode_ops, "ROW_TILE", 0), (w4a16_rwg, "XROWS", 0)],
         "kp": [(w4a16_triton, "RWG_KP", dict(w4a16_triton.RWG_KP_FORM))],
         "nokp": [(w4a16_triton, "RWG_KP", {})],

@@ -1525,12 +1525,12 @@ def test_fragment_order_routes(monkeypatch):
 
 
 def test_fragment_order_rule_refinements(monkeypatch):
-    """The three frag-only refinements of rwg's 17..64-token rule (on by default since session 79: 4096 / 5 / 48):
-    all 0, the frag route gives _rwg_config's config; each alone moves exactly the layers its comment names:
-    FRAG_THREE_MAX_K the wide K > 4096 layers at 24..32 tokens to the two-per-SM form, FRAG_KP_MARGIN_PCT 5120^2
-    alone to KP, FRAG_R2_WIDE_MAX_M the wide layers at 33..48 tokens to R = 2; the defaults move the union of the
-    three. FRAG_THREE64_MAX_K (off by default) moves 22016x2048 alone at 49..64 tokens to three per SM at BM 64.
-    Rows-ordered layers never take them."""
+    """The four frag-only refinements of rwg's 17..64-token rule (on by default since sessions 79 / 80: 4096 / 5 /
+    48 / 2048): all 0, the frag route gives _rwg_config's config; each alone moves exactly the layers its comment
+    names: FRAG_THREE_MAX_K the wide K > 4096 layers at 24..32 tokens to the two-per-SM form, FRAG_KP_MARGIN_PCT
+    5120^2 alone to KP, FRAG_R2_WIDE_MAX_M the wide layers at 33..48 tokens to R = 2, FRAG_THREE64_MAX_K 22016x2048
+    alone at 49..64 tokens to three per SM at BM 64; the defaults move the union of the four. Rows-ordered layers
+    never take them."""
     from qerl.kernels import w4a16_triton as W
 
     shapes = [(2560, 2048), (2048, 2048), (22016, 2048), (2048, 11008), (4608, 3584), (3584, 3584), (37888, 3584),
@@ -1538,10 +1538,10 @@ def test_fragment_order_rule_refinements(monkeypatch):
     monkeypatch.setattr(W, "_wsmma_ok", lambda device, state: True)
     monkeypatch.setattr(W, "_num_sms", lambda index: 132)
     cpu = torch.device("cpu")
-    names = ("FRAG_THREE_MAX_K", "FRAG_KP_MARGIN_PCT", "FRAG_R2_WIDE_MAX_M")
+    names = ("FRAG_THREE_MAX_K", "FRAG_KP_MARGIN_PCT", "FRAG_R2_WIDE_MAX_M", "FRAG_THREE64_MAX_K")
     defaults = {name: getattr(W, name) for name in names}
-    assert defaults == {"FRAG_THREE_MAX_K": 4096, "FRAG_KP_MARGIN_PCT": 5, "FRAG_R2_WIDE_MAX_M": 48}
-    assert W.FRAG_THREE64_MAX_K == 0
+    assert defaults == {"FRAG_THREE_MAX_K": 4096, "FRAG_KP_MARGIN_PCT": 5, "FRAG_R2_WIDE_MAX_M": 48,
+                        "FRAG_THREE64_MAX_K": 2048}
     ms = (17, 20, 24, 32, 33, 40, 48, 49, 56, 64)
 
     def routed(order="frag"):
@@ -1560,7 +1560,8 @@ def test_fragment_order_rule_refinements(monkeypatch):
             ("FRAG_THREE_MAX_K", 4096, {(n, k, m): two32 for n, k in ((27648, 5120), (55296, 5120)) for m in (24, 32)}),
             ("FRAG_KP_MARGIN_PCT", 5, {(5120, 5120, m): kp for m in ms}),
             ("FRAG_R2_WIDE_MAX_M", 48, {(n, k, m): {"R": 2} for n, k in ((22016, 2048), (37888, 3584), (27648, 5120),
-                                                                          (55296, 5120)) for m in (33, 40, 48)})):
+                                                                          (55296, 5120)) for m in (33, 40, 48)}),
+            ("FRAG_THREE64_MAX_K", 2048, {(22016, 2048, m): W.FRAG_THREE64 for m in (49, 56, 64)})):
         monkeypatch.setattr(W, name, value)
         now = routed()
         assert {key: cfg for key, cfg in now.items() if cfg != base[key]} == moved, name
@@ -1570,10 +1571,6 @@ def test_fragment_order_rule_refinements(monkeypatch):
         assert value == defaults[name] and not set(union) & set(moved)
         union.update(moved)
     assert {key: cfg for key, cfg in on.items() if cfg != base[key]} == union
-    monkeypatch.setattr(W, "FRAG_THREE64_MAX_K", 2048)
-    moved = {(22016, 2048, m): W.FRAG_THREE64 for m in (49, 56, 64)}
-    assert {key: cfg for key, cfg in routed().items() if cfg != base[key]} == moved
-    assert all(cfg == W._rwg_config(n, k, m, 132) for (n, k, m), cfg in routed("rows").items())
 
 
 def test_rows_in_storage():
