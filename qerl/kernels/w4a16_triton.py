@@ -1266,7 +1266,7 @@ FRAG_R2_WIDE_MAX_M = env_int("QERL_W4A16_FRAG_R2_WIDE_MAX_M", 48)
 # layers with K <= this whose 64-row tiles fit one wave at three programs per SM (two per SM run them in 1.3 waves) take
 # FRAG_THREE64, three per SM at BM 64 with one activation stage. 22016x2048 (344 tiles on 396 slots), H100, NOTES_w4a16.md
 # sections 54-55: 20.1 -> 18.8 us at 64 tokens (session 79, 3 rounds); 23.3 / 21.9 / 20.1 -> 20.7 / 19.1 / 19.1 us at
-# 49 / 56 / 64 (session 80, 5 rounds). The wider layers (432-864 tiles) lose 10-40% on it. 2048 applies it to
+# 49 / 56 / 64 (session 80, 5 rounds). The wider layers (432-864 tiles) lose 7-40% on it (both sessions). 2048 applies it to
 # 22016x2048 alone among the Qwen2.5 3B-32B shapes.
 FRAG_THREE64_MAX_K = env_int("QERL_W4A16_FRAG_THREE64_MAX_K", 2048)
 FRAG_THREE64 = {"R": 1, "BM": 64, "NSW": 2, "NSX": 1, "maxnreg": 80, "XREL": 1}
